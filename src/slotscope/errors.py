@@ -1,0 +1,31 @@
+"""Typed errors raised by the library core; the CLI maps them to one-line messages."""
+
+from __future__ import annotations
+
+
+class SlotscopeError(Exception):
+    """Base of every error slotscope reports to a user as one line (no traceback)."""
+
+    def __init__(self, path: str | None, line: int | None, reason: str) -> None:
+        self.path = path
+        self.line = line
+        self.reason = reason
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        where = ""
+        if self.path is not None:
+            where = f"{self.path}:{self.line}: " if self.line else f"{self.path}: "
+        return f"{where}{self.reason}"
+
+
+class InputError(SlotscopeError):
+    """A path cannot be read, is empty, binary junk, or is neither kind of log."""
+
+
+class LogFormatError(SlotscopeError):
+    """A llama-server log line that --strict refuses, or a log we cannot interpret."""
+
+
+class AppLogError(SlotscopeError):
+    """An app call log that cannot be interpreted (e.g. no start-time column)."""
