@@ -1,0 +1,16 @@
+"""slotscope: explain why a self-hosted llama-server felt slow.
+
+The pipeline, one module per stage::
+
+    sources      open files, directories, globs, stdin; .gz/.zst; tell server logs from app logs
+    prefixes     strip capture-wrapper prefixes (journald, docker, ts, compose, router port)
+    server_log   llama-server lines -> events -> task records + sample tables (streaming, chunked)
+    app_log      the app's call records (JSONL/CSV) -> calls table
+    align        server clock (seconds since process start, per session) -> wall clock
+    match        calls <-> tasks by time and token counts
+    analyze/     one module per question the field report asks
+    output       DataFrame -> table | csv | json | parquet
+    cli          the typer app, thin over the above
+"""
+
+__version__ = "0.1.0"
