@@ -1,0 +1,98 @@
+"""Line accounting: every input line is used, known-and-ignored, or unrecognized."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class FileAccount:
+    """Counts for one input file."""
+
+    path: str
+    kind: str = "server"
+    lines: int = 0
+    used: int = 0
+    ignored: int = 0
+    unrecognized: int = 0
+    examples: list[tuple[int, str]] = field(default_factory=list)  # (line, text) of unrecognized lines
+    wrapper: str | None = None
+    error: str | None = None  # why the file could not be (fully) read
+
+    def check(self) -> None:
+        """Every line must land in exactly one bucket."""
+        assert self.used + self.ignored + self.unrecognized == self.lines, self
+
+
+@dataclass
+class Accounting:
+    """What happened to every line of every input, for the summary on stderr."""
+
+    files: list[FileAccount] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason): not a log
+    tasks_complete: int = 0
+    tasks_incomplete: int = 0
+    tasks_cancelled: int = 0
+    sessions: int = 0
+
+    def _sum(self, attr: str, kind: str | None = None) -> int:
+        return sum(getattr(f, attr) for f in self.files if kind is None or f.kind == kind)
+
+    @property
+    def lines(self) -> int:
+        return self._sum("lines")
+
+    @property
+    def used(self) -> int:
+        return self._sum("used")
+
+    @property
+    def ignored(self) -> int:
+        return self._sum("ignored")
+
+    @property
+    def unrecognized(self) -> int:
+        return self._sum("unrecognized")
+
+    def examples(self, limit: int = 5) -> list[str]:
+        """Up to ``limit`` unrecognized lines as ``file:line: text``."""
+        out = []
+        for f in self.files:
+            for line, text in f.examples:
+                out.append(f"{f.path}:{line}: {text}")
+        return out[:limit]
+
+    def merge(self, other: "Accounting") -> "Accounting":
+        """Both accounts in one (server and app logs of one run)."""
+        return Accounting(
+            files=self.files + other.files,
+            skipped=self.skipped + [s for s in other.skipped if s not in self.skipped],
+            tasks_complete=self.tasks_complete + other.tasks_complete,
+            tasks_incomplete=self.tasks_incomplete + other.tasks_incomplete,
+            tasks_cancelled=self.tasks_cancelled + other.tasks_cancelled,
+            sessions=self.sessions + other.sessions,
+        )
+
+    def summary_lines(self) -> list[str]:
+        """The human summary printed on stderr at the end of every command."""
+        out = [
+            f"lines read {self.lines:,}: used {self.used:,}, known and ignored {self.ignored:,}, "
+            f"unrecognized {self.unrecognized:,}"
+        ]
+        for f in self.files:
+            extra = f" [{f.wrapper}]" if f.wrapper else ""
+            err = f"; {f.error}" if f.error else ""
+            out.append(
+                f"  {f.path} ({f.kind}{extra}): {f.lines:,} lines, used {f.used:,}, "
+                f"ignored {f.ignored:,}, unrecognized {f.unrecognized:,}{err}"
+            )
+        if self.tasks_complete or self.tasks_incomplete or self.tasks_cancelled or self.sessions:
+            out.append(
+                f"tasks: {self.tasks_complete:,} complete, {self.tasks_cancelled:,} cancelled, "
+                f"{self.tasks_incomplete:,} incomplete; server sessions: {self.sessions}"
+            )
+        for ex in self.examples():
+            out.append(f"  unrecognized: {ex}")
+        for path, reason in self.skipped:
+            out.append(f"skipped {path}: {reason}")
+        return out

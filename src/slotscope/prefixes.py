@@ -1,0 +1,159 @@
+"""Capture-wrapper prefixes: journald, docker, docker compose, moreutils ``ts``, CRI.
+
+A wrapper puts a wall-clock stamp (and maybe host/identifier) in front of each llama-server
+line. It is detected once per stream from the first lines, then stripped per chunk with one
+vectorised regex; its stamp becomes a ``wall_us`` column (µs since the epoch, UTC), which is
+what anchors the server's relative clock to real time. JSON wrappers (``journalctl -o json``,
+docker's json-file driver) are decoded line by line, since their payload is escaped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+
+# RE2 syntax (pyarrow.compute) and Python re agree on everything used here.
+_ISO = r"(?P<wall>\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?)"
+_SYSLOG = r"(?P<wall>[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d(?:\.\d+)?)"
+_UNIX = r"(?P<wall>\d{9,11}\.\d+)"
+_HOST_IDENT = r" \S+ [^\s\[:]+(?:\[\d+\])?: ?"
+_COMPOSE = r"[\w.-]+ *\| "
+
+
+@dataclass(frozen=True)
+class Wrapper:
+    """One capture wrapper: a regex whose match is the prefix, and how to read its stamp."""
+
+    name: str
+    pattern: str  # anchored at ^, group "wall" is the stamp (absent for compose)
+    stamp: str  # "iso" | "syslog" | "unix" | "none" | "json"
+
+    @property
+    def regex(self) -> str:
+        return self.pattern + r"(?P<rest>.*)$"
+
+
+WRAPPERS: tuple[Wrapper, ...] = (
+    Wrapper("journald-iso", "^" + _ISO + _HOST_IDENT, "iso"),
+    Wrapper("journald", "^" + _SYSLOG + _HOST_IDENT, "syslog"),
+    Wrapper("journald-unix", "^" + _UNIX + _HOST_IDENT, "unix"),
+    Wrapper("cri", "^" + _ISO + r" (?:stdout|stderr) [PF] ", "iso"),
+    Wrapper("compose-timestamps", "^" + _COMPOSE + _ISO + " ", "iso"),
+    Wrapper("timestamps", "^" + _ISO + " ", "iso"),  # docker logs -t, moreutils ts, kubectl
+    Wrapper("compose", "^" + _COMPOSE, "none"),
+)
+JOURNALD_JSON = Wrapper("journald-json", "", "json")
+DOCKER_JSON = Wrapper("docker-json", "", "json")
+
+_COMPILED = [(w, re.compile(w.pattern.encode())) for w in WRAPPERS]
+# What a bare llama-server line starts with (so a bare log is never taken for a wrapped one).
+_BARE = re.compile(rb"^(?:\[ *\d+\] )?(?:\d+\.\d\d\.\d{3}\.\d{3} )?(?:[IWED] )?(?:slot|srv |cmn |que |res |spec) ")
+
+
+def detect(sample_lines: Sequence[bytes]) -> Wrapper | None:
+    """Pick the wrapper that frames most of the sample lines, or None for bare llama-server lines."""
+    lines = [ln for ln in sample_lines if ln.strip()][:400]
+    if not lines:
+        return None
+    first = lines[0].lstrip()
+    if first.startswith(b"{"):
+        try:
+            obj = json.loads(first)
+        except ValueError:
+            obj = None
+        if isinstance(obj, dict):
+            if "MESSAGE" in obj or "__REALTIME_TIMESTAMP" in obj:
+                return JOURNALD_JSON
+            if "log" in obj and "time" in obj:
+                return DOCKER_JSON
+    bare = sum(1 for ln in lines if _BARE.match(ln))
+    best: tuple[int, Wrapper | None] = (bare, None)
+    for w, rx in _COMPILED:
+        n = sum(1 for ln in lines if rx.match(ln))
+        if n > best[0]:
+            best = (n, w)
+    return best[1] if best[0] * 2 >= len(lines) else None
+
+
+def decode_json_lines(lines: list[bytes], wrapper: Wrapper) -> tuple[list[bytes], list[float | None]]:
+    """Unwrap journald/docker JSON records: the llama-server line and its epoch seconds.
+
+    A line that is not such a record is passed through unchanged (it is accounted later).
+    """
+    out: list[bytes] = []
+    walls: list[float | None] = []
+    for raw in lines:
+        try:
+            obj = json.loads(raw)
+        except ValueError:
+            out.append(raw)
+            walls.append(None)
+            continue
+        if not isinstance(obj, dict):
+            out.append(raw)
+            walls.append(None)
+            continue
+        if wrapper is JOURNALD_JSON:
+            msg = obj.get("MESSAGE")
+            if isinstance(msg, list):  # journald stores non-printable payloads as byte arrays
+                msg = bytes(b & 0xFF for b in msg if isinstance(b, int)).decode("utf-8", "replace")
+            ts = obj.get("__REALTIME_TIMESTAMP")
+            wall = int(ts) / 1e6 if isinstance(ts, str) and ts.isdigit() else None
+        else:
+            msg = obj.get("log")
+            t = obj.get("time")
+            wall = pd.Timestamp(t).timestamp() if isinstance(t, str) else None
+        if not isinstance(msg, str):
+            out.append(raw)
+            walls.append(None)
+            continue
+        out.append(msg.rstrip("\n").encode("utf-8", "replace"))
+        walls.append(wall)
+    return out, walls
+
+
+def strip(
+    lines: pa.StringArray, wrapper: Wrapper, year: int, tz: str
+) -> tuple[pa.StringArray, np.ndarray]:
+    """Strip a (non-JSON) wrapper prefix; return the bare lines and wall-clock µs (-1 = none)."""
+    parts = pc.extract_regex(lines, wrapper.regex)
+    matched = parts.is_valid()
+    rest = pc.if_else(matched, parts.field("rest"), lines)
+    wall = np.full(len(lines), -1, dtype=np.int64)
+    if wrapper.stamp == "none":
+        return rest, wall
+    stamps = parts.field("wall").to_pandas()
+    ok = matched.to_numpy(zero_copy_only=False)
+    if not ok.any():
+        return rest, wall
+    wall[ok] = stamps_to_us(stamps[ok], wrapper.stamp, year, tz)
+    return rest, wall
+
+
+def stamps_to_us(stamps: pd.Series, kind: str, year: int, tz: str) -> np.ndarray:
+    """Convert wrapper stamps to epoch µs (UTC). Zone-less stamps are read in ``tz``."""
+    if kind == "unix":
+        return (stamps.astype("float64") * 1e6).round().astype("int64").to_numpy().copy()
+    if kind == "syslog":  # "Nov 29 07:31:43[.123456]" has no year and no zone
+        ts = pd.to_datetime(f"{year} " + stamps.str.replace("  ", " 0", regex=False), format="%Y %b %d %H:%M:%S.%f", errors="coerce")
+        missing = ts.isna()
+        if missing.any():
+            ts[missing] = pd.to_datetime(f"{year} " + stamps[missing], format="%Y %b %d %H:%M:%S", errors="coerce")
+        ts = ts.dt.tz_localize(tz)
+    else:
+        s = stamps.str.replace(",", ".", regex=False)
+        if s.str.contains(r"(?:Z|[+-]\d\d:?\d\d)$", regex=True).all():
+            ts = pd.to_datetime(s, format="ISO8601", errors="coerce", utc=True)
+        else:
+            ts = pd.to_datetime(s, format="ISO8601", errors="coerce").dt.tz_localize(tz)
+    ts = ts.dt.tz_convert("UTC")
+    us = ts.astype("datetime64[us, UTC]").astype("int64").to_numpy().copy()
+    us[ts.isna().to_numpy()] = -1
+    return us

@@ -1,0 +1,29 @@
+"""Shared fixtures: paths to the real captured logs and the derived format variants."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+REAL = ROOT / "fixtures" / "real"
+FORMATS = ROOT / "fixtures" / "formats"
+SCENARIOS = ["before", "after", "b2048-unified", "restart", "wallclock"]
+
+
+def load_truth(scenario: str) -> list[dict]:
+    """The client-side ground truth of one real scenario (one record per call)."""
+    return [json.loads(line) for line in (REAL / scenario / "truth.jsonl").read_text().splitlines() if line.strip()]
+
+
+def load_meta(scenario: str) -> dict:
+    return json.loads((REAL / scenario / "meta.json").read_text())
+
+
+@pytest.fixture(autouse=True)
+def _pinned_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "100")
+    monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.setenv("TERM", "dumb")
