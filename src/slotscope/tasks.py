@@ -216,6 +216,11 @@ def _derive(raw: pd.DataFrame, source: str, sessions: pd.DataFrame) -> pd.DataFr
     t["cut_by_restart"] = raw["cut_by_restart"].fillna(False).astype(bool).to_numpy()
     t["is_child"] = raw["is_child"].astype("float64").map({1.0: True, 0.0: False}).astype("boolean")
     t["error"] = raw["error"].fillna(0).astype(bool).to_numpy()
+    # Log values have µs (times) and 10 µs (ms fields) resolution; do not print float noise.
+    for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"):
+        t[c] = t[c].round(6)
+    for c in ("wait_before_prefill_ms", "prefill_tps", "gen_tps"):
+        t[c] = t[c].round(3)
     offsets = sessions.set_index(["port", "session"])["wall_offset_us"] if len(sessions) else pd.Series(dtype=float)
     off = pd.MultiIndex.from_frame(raw[["port", "session"]]).map(offsets.to_dict()) if len(raw) else pd.Index([])
     off = pd.Series(np.asarray(off, dtype="float64"), index=t.index)
@@ -247,8 +252,9 @@ def _gen_samples(chunks: list[pd.DataFrame], source: str, tasks: pd.DataFrame) -
     first_token = pd.Series(np.asarray(first_token, dtype="float64"), index=g.index)
     g["window_s"] = (g["t_s"] - prev_t).fillna(g["t_s"] - first_token)
     g["tokens"] = (g["n_gen"] - prev_n.astype("Int64")).fillna(g["n_gen"])
-    g["window_start_s"] = g["t_s"] - g["window_s"]
-    return g.reset_index(drop=True)
+    g["window_s"] = g["window_s"].round(6)
+    g["window_start_s"] = (g["t_s"] - g["window_s"]).round(6)
+    return g[GEN_COLUMNS + ["tokens", "window_start_s", "line", "port"]].reset_index(drop=True)
 
 
 def _prefill_samples(chunks: list[pd.DataFrame], source: str) -> pd.DataFrame:
@@ -263,5 +269,5 @@ def _prefill_samples(chunks: list[pd.DataFrame], source: str) -> pd.DataFrame:
     })
     same = (p[["port", "session", "task_id"]] == p[["port", "session", "task_id"]].shift(1)).all(axis=1)
     p["step_tokens"] = (p["n_tokens"] - p["n_tokens"].shift(1)).where(same).astype("Int64")
-    p["step_s"] = (p["t_s"] - p["t_s"].shift(1)).where(same)
+    p["step_s"] = (p["t_s"] - p["t_s"].shift(1)).where(same).round(6)
     return p[PREFILL_COLUMNS + ["step_s", "line", "port"]].reset_index(drop=True)

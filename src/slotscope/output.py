@@ -1,0 +1,122 @@
+"""DataFrame -> table | csv | json | parquet, chosen in one place.
+
+stdout carries data only. ``table`` is a rich table for a terminal; when stdout is piped and no
+format is given, CSV is written instead (rich would cut rows to 80 columns). The format is
+guessed from ``-o FILE``'s extension; binary Parquet is refused on a terminal.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import sys
+from pathlib import Path
+from typing import IO, Literal
+
+import pandas as pd
+from rich.console import Console
+from rich.table import Table
+
+from .errors import SlotscopeError
+
+Format = Literal["table", "csv", "json", "parquet"]
+FORMATS = ("table", "csv", "json", "parquet")
+_EXT = {".csv": "csv", ".json": "json", ".parquet": "parquet", ".pq": "parquet", ".txt": "table"}
+
+
+class UsageError(SlotscopeError):
+    """A combination of options that cannot work (exit code 2)."""
+
+
+def choose_format(fmt: str | None, out: str | None, stdout_is_tty: bool) -> Format:
+    """The format to write: explicit, else from the output file's extension, else by terminal."""
+    if fmt is not None:
+        if fmt not in FORMATS:
+            raise UsageError(None, None, f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+        chosen: Format = fmt  # type: ignore[assignment]
+    elif out is not None and out != "-":
+        chosen = _EXT.get(Path(out).suffix.lower(), "csv")  # type: ignore[assignment]
+    else:
+        chosen = "table" if stdout_is_tty else "csv"
+    if chosen == "parquet" and (out is None or out == "-") and stdout_is_tty:
+        raise UsageError(None, None, "refusing to write binary Parquet to a terminal; use -o FILE.parquet or pipe it")
+    return chosen
+
+
+def for_text(df: pd.DataFrame) -> pd.DataFrame:
+    """Datetimes as ISO-8601 with offset, everything else as is (for CSV and tables)."""
+    out = df.copy()
+    for c in out.columns:
+        if isinstance(out[c].dtype, pd.DatetimeTZDtype) or pd.api.types.is_datetime64_any_dtype(out[c]):
+            out[c] = out[c].map(lambda x: x.isoformat() if not pd.isna(x) else "")
+    return out
+
+
+def _cell(v: object) -> str:
+    if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)):
+        return ""
+    if isinstance(v, float):
+        return f"{v:,.3f}".rstrip("0").rstrip(".") if abs(v) < 1e15 else f"{v:g}"
+    if isinstance(v, pd.Timestamp):
+        return v.isoformat(timespec="milliseconds")
+    return str(v)
+
+
+def rich_table(df: pd.DataFrame, title: str | None = None, max_rows: int | None = None) -> Table:
+    """A rich Table of a DataFrame (numbers right-aligned, blanks for missing values)."""
+    table = Table(title=title, title_justify="left", show_lines=False, pad_edge=False, header_style="bold")
+    for c in df.columns:
+        numeric = pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c])
+        table.add_column(str(c), justify="right" if numeric else "left", overflow="fold")
+    rows = df if max_rows is None else df.head(max_rows)
+    for rec in rows.itertuples(index=False, name=None):
+        table.add_row(*(_cell(v) for v in rec))
+    if max_rows is not None and len(df) > max_rows:
+        table.caption = f"{len(df) - max_rows:,} more rows; use --format csv for all"
+    return table
+
+
+def write(
+    df: pd.DataFrame,
+    fmt: str | None = None,
+    out: str | None = None,
+    *,
+    title: str | None = None,
+    stdout: IO[str] | None = None,
+) -> Format:
+    """Write one table to ``out`` (a path, ``-`` or None = stdout) in the chosen format."""
+    stream = stdout if stdout is not None else sys.stdout
+    to_stdout = out is None or out == "-"
+    chosen = choose_format(fmt, out, to_stdout and stream.isatty())
+    if chosen == "parquet":
+        target = sys.stdout.buffer if to_stdout else out
+        df.to_parquet(target, index=False)  # type: ignore[arg-type]
+        return chosen
+    if chosen == "table":
+        console = Console(file=stream if to_stdout else open(out, "w"), soft_wrap=False)  # type: ignore[arg-type]
+        console.print(rich_table(df, title=title))
+        return chosen
+    text = for_text(df)
+    buf: IO[str] = stream if to_stdout else open(out, "w", newline="")  # type: ignore[arg-type]
+    try:
+        if chosen == "csv":
+            text.to_csv(buf, index=False)
+        else:
+            text.to_json(buf, orient="records", force_ascii=False)
+            buf.write("\n")
+    finally:
+        if not to_stdout:
+            buf.close()
+    return chosen
+
+
+def render_text(df: pd.DataFrame, fmt: Format) -> str:
+    """The table as a string in a text format (used by tests and the report)."""
+    buf = io.StringIO()
+    if fmt == "csv":
+        for_text(df).to_csv(buf, index=False)
+    elif fmt == "json":
+        for_text(df).to_json(buf, orient="records", force_ascii=False)
+    else:
+        Console(file=buf, width=100, soft_wrap=False).print(rich_table(df))
+    return buf.getvalue()
