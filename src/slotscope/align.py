@@ -1,0 +1,151 @@
+"""Server clock -> wall clock, per server session.
+
+llama-server stamps lines with time since its process started. To put tasks next to the app's
+calls each session needs an offset (the wall time of its clock's zero), in the app's clock:
+
+1. ``--server-start`` given by the user (manual override);
+2. the app log: every call whose token counts agree with a task's gives an interval the offset
+   must lie in, ``[call start - launch, call end - release]`` (the request is sent before the
+   launch and the response ends after the release). The offset is the point covered by the most
+   intervals (a sweep over sorted ends): correct pairs all contain it, chance pairs scatter.
+   When the app kept the server's ``timings``, the pairs are exact;
+3. a wall-clock prefix on the lines (journald, docker, ts): the minimum of stamp - relative
+   time, since a wrapper only ever adds lag.
+
+Where both the app log and a wrapper exist, the app's offset is used for matching (it is in the
+app's clock) and the difference between the two is reported as the app clock's skew.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+SESSION_KEY = ["source", "port", "session"]
+ALIGN_COLUMNS = [
+    "source", "port", "session", "method", "offset_us", "server_start_at", "support", "spread_ms",
+    "wrapper_offset_us", "app_clock_skew_s", "warning",
+]
+MIN_SUPPORT = 3
+
+
+@dataclass(frozen=True)
+class Vote:
+    """The best-supported offset interval from a set of candidate intervals."""
+
+    low: float
+    high: float
+    support: int
+
+    @property
+    def offset(self) -> float:
+        return (self.low + self.high) / 2
+
+
+def best_interval(lo: np.ndarray, hi: np.ndarray) -> Vote | None:
+    """The point range covered by the most ``[lo, hi]`` intervals (sweep over sorted ends)."""
+    ok = np.isfinite(lo) & np.isfinite(hi) & (hi >= lo)
+    lo, hi = lo[ok], hi[ok]
+    if not len(lo):
+        return None
+    # Events: +1 at lo, -1 just after hi; starts sort before ends at the same point.
+    pts = np.concatenate([lo, hi])
+    delta = np.concatenate([np.ones(len(lo), dtype=np.int64), -np.ones(len(hi), dtype=np.int64)])
+    order = np.lexsort((-delta, pts))
+    pts, delta = pts[order], delta[order]
+    cover = np.cumsum(delta)
+    best = int(cover.max())
+    i = int(np.argmax(cover))
+    return Vote(low=float(pts[i]), high=float(pts[i + 1]) if i + 1 < len(pts) else float(pts[i]), support=best)
+
+
+def candidate_pairs(tasks: pd.DataFrame, calls: pd.DataFrame) -> pd.DataFrame:
+    """Call/task pairs whose counts agree: exact ``timings`` where the app kept them, else tokens."""
+    t = tasks[tasks["status"] == "complete"]
+    c = calls[calls["prompt_tokens"].notna() & calls["completion_tokens"].notna()]
+    cols_t = SESSION_KEY + ["task_id", "launch_s", "release_s", "prompt_tokens", "n_gen", "prompt_eval_ms", "eval_ms"]
+    cols_c = ["call_id", "start_us", "end_us", "prompt_tokens", "completion_tokens", "timings_prompt_ms", "timings_predicted_ms"]
+    pairs = c[cols_c].merge(
+        t[cols_t], left_on=["prompt_tokens", "completion_tokens"], right_on=["prompt_tokens", "n_gen"], how="inner"
+    )
+    has_timings = pairs["timings_prompt_ms"].notna() & pairs["timings_predicted_ms"].notna()
+    exact = has_timings & ((pairs["timings_prompt_ms"] - pairs["prompt_eval_ms"]).abs() < 0.006) & (
+        (pairs["timings_predicted_ms"] - pairs["eval_ms"]).abs() < 0.006
+    )
+    pairs["exact"] = exact
+    return pairs[~has_timings | exact].reset_index(drop=True)
+
+
+def align(
+    tasks: pd.DataFrame,
+    sessions: pd.DataFrame,
+    calls: pd.DataFrame | None,
+    *,
+    server_start: pd.Timestamp | None = None,
+) -> pd.DataFrame:
+    """One row per server session: its clock offset (µs since the epoch, app clock) and how it was found."""
+    rows = []
+    pairs = candidate_pairs(tasks, calls) if calls is not None and len(calls) and len(tasks) else None
+    for _, s in sessions.iterrows():  # a handful of sessions, not a hot path
+        key = (s["source"], s["port"], s["session"])
+        wrapper = s.get("wall_offset_us")
+        wrapper = None if wrapper is None or pd.isna(wrapper) else float(wrapper)
+        row = dict(zip(SESSION_KEY, key), method="none", offset_us=np.nan, support=0, spread_ms=np.nan,
+                   wrapper_offset_us=wrapper, app_clock_skew_s=np.nan, warning="")
+        vote = None
+        if pairs is not None and len(pairs):
+            p = pairs[(pairs["source"] == key[0]) & (pairs["port"] == key[1]) & (pairs["session"] == key[2])]
+            if p["exact"].any():
+                p = p[p["exact"]]
+            vote = best_interval(
+                (p["start_us"] - p["launch_s"] * 1e6).to_numpy(dtype=float),
+                (p["end_us"].astype("float64") - p["release_s"] * 1e6).to_numpy(dtype=float),
+            )
+            if vote is not None:
+                row.update(method="app-timings" if p["exact"].any() else "app-tokens", offset_us=vote.offset,
+                           support=vote.support, spread_ms=(vote.high - vote.low) / 1e3)
+                if vote.support < MIN_SUPPORT:
+                    row["warning"] = f"weak evidence: only {vote.support} call(s) agree on this clock offset"
+        if server_start is not None:
+            row.update(method="manual", offset_us=float(server_start.value // 1000), support=0, spread_ms=np.nan)
+        elif (vote is None or vote.support < MIN_SUPPORT) and wrapper is not None:
+            row.update(method="wrapper", offset_us=wrapper, support=int(s.get("wall_offset_support") or 0), spread_ms=np.nan,
+                       warning="")
+        if wrapper is not None and vote is not None and vote.support >= MIN_SUPPORT:
+            skew = (vote.offset - wrapper) / 1e6
+            row["app_clock_skew_s"] = round(skew, 3)
+            if abs(skew) > 1:
+                row["warning"] = f"the app's clock is {skew:+.1f} s off the server's wall clock; aligned by the app log"
+        if row["method"] == "none":
+            row["warning"] = "no clock anchor: no wrapper stamps and no app call whose token counts match a task"
+        rows.append(row)
+    out = pd.DataFrame(rows, columns=[c for c in ALIGN_COLUMNS if c != "server_start_at"])
+    out["server_start_at"] = pd.to_datetime(out["offset_us"].round().astype("Int64"), unit="us", utc=True)
+    _warn_overlaps(out, sessions)
+    return out[ALIGN_COLUMNS]
+
+
+def _warn_overlaps(aligned: pd.DataFrame, sessions: pd.DataFrame) -> None:
+    """Two sessions of one source whose aligned spans overlap cannot both be right."""
+    if len(aligned) < 2:
+        return
+    span = aligned.merge(sessions[SESSION_KEY + ["first_s", "last_s"]], on=SESSION_KEY)
+    span["a"] = span["offset_us"] + span["first_s"] * 1e6
+    span["b"] = span["offset_us"] + span["last_s"] * 1e6
+    for (src, port), g in span.sort_values("a").groupby(["source", "port"]):
+        prev_b = g["b"].shift(1)
+        bad = g["a"] < prev_b - 1e6
+        for idx in g.index[bad.to_numpy()]:
+            i = aligned.index[(aligned["source"] == src) & (aligned["port"] == port) & (aligned["session"] == span.at[idx, "session"])]
+            aligned.loc[i, "warning"] = (aligned.loc[i, "warning"] + "; " if aligned.loc[i, "warning"].any() else "") + "overlaps the previous session after alignment"
+
+
+def to_app_clock(tasks: pd.DataFrame, aligned: pd.DataFrame) -> pd.DataFrame:
+    """Tasks with ``*_us`` columns in the app's clock (epoch µs) for every server-clock time."""
+    off = tasks[SESSION_KEY].merge(aligned[SESSION_KEY + ["offset_us"]], on=SESSION_KEY, how="left")["offset_us"].to_numpy()
+    out = tasks.copy()
+    for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"):
+        out[c[:-2] + "_us"] = off + out[c].to_numpy(dtype=float) * 1e6
+    return out

@@ -1,0 +1,83 @@
+"""Everything one run reads: server logs, app logs, the clock alignment and the join.
+
+A notebook user calls :func:`load` once and hands the result to the analyzers; the CLI does
+the same. Each stage stays importable on its own.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import pandas as pd
+
+from .accounting import Accounting, FileAccount
+from .align import align
+from .app_log import AppLog, read_app_log_stream
+from .match import Matches, match
+from .server_log import ServerLogs, read_server_logs
+from .sources import STDIN, Inputs, collect, reopen
+
+
+@dataclass
+class Dataset:
+    """Server tables, app calls (if any app log was given), alignment and matches."""
+
+    server: ServerLogs
+    app: AppLog | None
+    matches: Matches | None
+    accounting: Accounting
+
+    @property
+    def tasks(self) -> pd.DataFrame:
+        return self.server.tasks
+
+    @property
+    def calls(self) -> pd.DataFrame | None:
+        return self.matches.calls if self.matches is not None else None
+
+
+def read_app(inputs: Inputs, *, columns: dict[str, str] | None = None, tz: str = "UTC") -> tuple[AppLog | None, list[FileAccount]]:
+    """Read the app logs found among the inputs, with their line accounting."""
+    if not inputs.app:
+        return None, []
+    logs = []
+    accounts = []
+    for lf in inputs.app:
+        stream = reopen(lf, inputs)
+        try:
+            log = read_app_log_stream(lf.path if lf.path != STDIN else "<stdin>", stream, columns=columns, tz=tz)
+        finally:
+            if lf.path != STDIN:
+                stream.close()
+        a = log.accounting
+        acc = FileAccount(path=lf.path, kind="app", lines=a.lines_read, used=a.rows_loaded - a.rows_with_problems,
+                          ignored=a.empty_lines, unrecognized=a.lines_read - a.empty_lines - (a.rows_loaded - a.rows_with_problems))
+        acc.examples = [(p.line, p.reason) for p in a.problems if p.file == lf.path][:5]
+        accounts.append(acc)
+        logs.append(log)
+    calls = pd.concat([lg.calls for lg in logs], ignore_index=True) if len(logs) > 1 else logs[0].calls
+    return AppLog(calls=calls, accounting=logs[0].accounting), accounts
+
+
+def load(
+    paths: Sequence[str | os.PathLike[str]],
+    *,
+    app_columns: dict[str, str] | None = None,
+    tz: str = "UTC",
+    server_start: pd.Timestamp | None = None,
+    keep_samples: bool = True,
+    progress: Callable[[int], None] | None = None,
+) -> Dataset:
+    """Read every log under ``paths``, align each server session's clock and join calls to tasks."""
+    inputs = collect(paths)
+    server = read_server_logs(paths, keep_samples=keep_samples, tz=tz, progress=progress, inputs=inputs)
+    app, app_accounts = read_app(inputs, columns=app_columns, tz=tz)
+    acc = server.accounting
+    acc.files.extend(app_accounts)
+    matches = None
+    if app is not None:
+        aligned = align(server.tasks, server.sessions, app.calls, server_start=server_start)
+        matches = match(app.calls, server.tasks, aligned, server.sessions)
+    return Dataset(server=server, app=app, matches=matches, accounting=acc)

@@ -1,0 +1,191 @@
+"""Calls <-> tasks: a one-to-one join by token counts and time, with a method and a confidence.
+
+Evidence, strongest first:
+
+``timings``      the app kept the server's ``timings``; prompt/predicted counts and ms equal one task's
+``tokens+time``  prompt tokens = cached + new tokens of the task, completion tokens = n_gen, and the
+                 launch lies inside [call start, call end] on the aligned clock
+``time``         no token agreement possible (e.g. a call cut off by a restart): the launch lies
+                 inside the call and the release is at the call's end
+
+Pairs that are unique both ways are confident. When a call has several candidates (or a task
+several calls), ties are resolved by time (the earliest launch after the call's start) and
+the match is flagged ``:ambiguous`` with a lower confidence. A task is never assigned twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from .align import SESSION_KEY, to_app_clock
+
+MATCH_COLUMNS = [
+    "call_id", "start_at", "purpose", "user", "lora", "prompt_tokens", "completion_tokens", "source",
+    "session", "task_id", "slot", "match_method", "confidence", "queue_ms", "wait_before_prefill_ms",
+    "prefill_ms", "generation_ms", "ttft_ms", "total_ms",
+]
+TOLERANCE_MS = 50.0  # app clocks log ms; wrappers and HTTP add a few ms
+
+
+@dataclass
+class Matches:
+    """The joined calls, the server tasks no call explains, and the alignment used."""
+
+    calls: pd.DataFrame
+    unlogged: pd.DataFrame
+    aligned: pd.DataFrame
+
+
+def _pairs(calls: pd.DataFrame, tasks: pd.DataFrame, left: list[str], right: list[str]) -> pd.DataFrame:
+    c = calls.dropna(subset=left)
+    t = tasks.dropna(subset=right)
+    return c[["_ci"] + left + ["start_us", "end_us"]].merge(
+        t[["_ti"] + right + ["launch_us", "release_us"]], left_on=left, right_on=right, how="inner"
+    )
+
+
+def _in_window(p: pd.DataFrame, tol_us: float) -> pd.Series:
+    end = p["end_us"].astype("float64").fillna(np.inf)
+    return (p["launch_us"] >= p["start_us"] - tol_us) & (p["launch_us"] <= end + tol_us) & (
+        p["release_us"].isna() | (p["release_us"] <= end + tol_us)
+    )
+
+
+def _assign(p: pd.DataFrame, method: str, confidence: float, taken_c: set, taken_t: set) -> list[tuple[int, int, str, float]]:
+    """Unique-both-ways pairs are confident; the rest are resolved by time and flagged."""
+    p = p[~p["_ci"].isin(taken_c) & ~p["_ti"].isin(taken_t)]
+    if p.empty:
+        return []
+    n_c = p.groupby("_ci")["_ti"].transform("size")
+    n_t = p.groupby("_ti")["_ci"].transform("size")
+    unique = (n_c == 1) & (n_t == 1)
+    out = [(int(c), int(t), method, confidence) for c, t in zip(p.loc[unique, "_ci"], p.loc[unique, "_ti"])]
+    taken_c.update(p.loc[unique, "_ci"].tolist())
+    taken_t.update(p.loc[unique, "_ti"].tolist())
+    rest = p[~unique].assign(_lag=lambda d: (d["launch_us"] - d["start_us"]).abs())
+    # Ties by time: the pair with the shortest send->launch gap first. Few rows; sequential by nature.
+    for c, t in rest.sort_values("_lag")[["_ci", "_ti"]].itertuples(index=False, name=None):
+        if c in taken_c or t in taken_t:
+            continue
+        out.append((int(c), int(t), method + ":ambiguous", round(confidence * 0.6, 2)))
+        taken_c.add(c)
+        taken_t.add(t)
+    return out
+
+
+def match(calls: pd.DataFrame, tasks: pd.DataFrame, aligned: pd.DataFrame, sessions: pd.DataFrame,
+          *, tolerance_ms: float = TOLERANCE_MS) -> Matches:
+    """Join every call to at most one task (and every task to at most one call)."""
+    tol = tolerance_ms * 1000
+    tk = to_app_clock(tasks, aligned).reset_index(drop=True)
+    tk["_ti"] = np.arange(len(tk))
+    cl = calls.reset_index(drop=True).copy()
+    cl["_ci"] = np.arange(len(cl))
+    taken_c: set = set()
+    taken_t: set = set()
+    found: list[tuple[int, int, str, float]] = []
+    known = tk[np.isfinite(tk["launch_us"].to_numpy(dtype=float))]
+
+    if "timings_prompt_ms" in cl and cl["timings_prompt_ms"].notna().any():
+        p = _pairs(cl, known, ["timings_prompt_n", "timings_predicted_n"], ["prompt_tokens_new", "n_gen"])
+        p = p.merge(cl[["_ci", "timings_prompt_ms", "timings_predicted_ms"]], on="_ci").merge(
+            known[["_ti", "prompt_eval_ms", "eval_ms"]], on="_ti")
+        p = p[((p["timings_prompt_ms"] - p["prompt_eval_ms"]).abs() < 0.006) & ((p["timings_predicted_ms"] - p["eval_ms"]).abs() < 0.006)]
+        found += _assign(p, "timings", 1.0, taken_c, taken_t)
+
+    p = _pairs(cl, known, ["prompt_tokens", "completion_tokens"], ["prompt_tokens", "n_gen"])
+    found += _assign(p[_in_window(p, tol)], "tokens+time", 0.99, taken_c, taken_t)
+
+    # Time alone, for calls whose counts cannot agree (cut off, failed, or counted differently).
+    rest_c = cl[~cl["_ci"].isin(taken_c)]
+    rest_t = known[~known["_ti"].isin(taken_t)]
+    if len(rest_c) and len(rest_t):
+        p = rest_c[["_ci", "start_us", "end_us", "prompt_tokens"]].merge(
+            rest_t[["_ti", "launch_us", "release_us", "prompt_tokens", "status"]], how="cross", suffixes=("", "_task")
+        ) if len(rest_c) * len(rest_t) <= 2_000_000 else pd.DataFrame()
+        if len(p):
+            p = p[_in_window(p, tol)]
+            agree = p["prompt_tokens"].isna() | p["prompt_tokens_task"].isna() | (p["prompt_tokens"] == p["prompt_tokens_task"])
+            near_end = p["release_us"].isna() | ((p["end_us"].astype("float64") - p["release_us"]).abs() < 1e6)
+            found += _assign(p[agree & near_end], "time", 0.5, taken_c, taken_t)
+
+    pairs = pd.DataFrame(found, columns=["_ci", "_ti", "match_method", "confidence"])
+    task_side = tk.drop(columns=["prompt_tokens"])
+    task_side = task_side.rename(columns={c: f"{c}_task" for c in task_side.columns if c in cl.columns and c != "_ti"})
+    joined = cl.merge(pairs, on="_ci", how="left").merge(task_side, on="_ti", how="left")
+    joined["match_method"] = joined["match_method"].fillna(_unmatched_reason(cl, tk, taken_t, aligned, sessions, tol))
+    out = _derive(joined)
+    unlogged = tk[~tk["_ti"].isin(taken_t)].drop(columns=["_ti"]).copy()
+    unlogged["busy_s"] = (unlogged["release_s"] - unlogged["launch_s"]).round(6)
+    return Matches(calls=out, unlogged=unlogged.reset_index(drop=True), aligned=aligned)
+
+
+def _unmatched_reason(cl: pd.DataFrame, tk: pd.DataFrame, taken_t: set, aligned: pd.DataFrame,
+                      sessions: pd.DataFrame, tol: float) -> pd.Series:
+    """Why each call found no task (only read for unmatched calls)."""
+    span = sessions[SESSION_KEY + ["first_s", "last_s"]].merge(aligned[SESSION_KEY + ["offset_us"]], on=SESSION_KEY)
+    a = (span["offset_us"] + span["first_s"] * 1e6).to_numpy(dtype=float)
+    b = (span["offset_us"] + span["last_s"] * 1e6).to_numpy(dtype=float)
+    start = cl["start_us"].to_numpy(dtype=float)
+    covered = ((start[:, None] >= a[None, :] - tol) & (start[:, None] <= b[None, :] + tol)).any(axis=1) if len(a) else np.zeros(len(cl), bool)
+    free = tk[~tk["_ti"].isin(taken_t)]
+    launches = np.sort(free["launch_us"].to_numpy(dtype=float))
+    end = cl["end_us"].astype("float64").fillna(cl["start_us"].astype("float64")).to_numpy()
+    i0 = np.searchsorted(launches, start - tol)
+    i1 = np.searchsorted(launches, end + tol, side="right")
+    in_window = i1 > i0
+    reason = np.where(~covered, "unmatched:no_server_log",
+                      np.where(in_window, "unmatched:token_mismatch", "unmatched:no_task_in_window"))
+    failed = ~cl["ok"].to_numpy(dtype=bool) if "ok" in cl else np.zeros(len(cl), bool)
+    reason = np.where(failed & (reason != "unmatched:no_server_log"), "unmatched:call_failed", reason)
+    return pd.Series(reason, index=cl.index)
+
+
+def _ms(us: pd.Series) -> pd.Series:
+    return (us / 1000).round(3)
+
+
+def _derive(j: pd.DataFrame) -> pd.DataFrame:
+    def task(name: str) -> pd.Series:
+        return j[f"{name}_task"] if f"{name}_task" in j else j[name]
+
+    out = pd.DataFrame(index=j.index)
+    for c in ("call_id", "start_at", "purpose", "user", "lora", "prompt_tokens", "completion_tokens", "source"):
+        out[c] = j[c] if c in j else pd.NA
+    out["session"] = task("session").astype("Int64")
+    out["task_id"] = j["task_id"].astype("Int64")
+    out["slot"] = j["slot"].astype("Int64")
+    out["match_method"] = j["match_method"]
+    out["confidence"] = j["confidence"]
+    start = j["start_us"].astype("float64")
+    out["queue_ms"] = _ms(j["launch_us"] - start)
+    out["wait_before_prefill_ms"] = j["wait_before_prefill_ms"]
+    out["prefill_ms"] = j["prompt_eval_ms"]
+    out["generation_ms"] = j["eval_ms"]
+    out["ttft_ms"] = _ms(j["first_token_us"] - start)
+    dur = j["duration_ms"] if "duration_ms" in j else pd.Series(np.nan, index=j.index)
+    out["total_ms"] = dur.fillna(_ms(j["release_us"] - start))
+    # More than the stable set: enough to trace every figure back to both logs.
+    out["end_at"] = j.get("end_at")
+    out["cached_tokens"] = j.get("cached_tokens")
+    out["status"] = j.get("status")
+    out["ok"] = j.get("ok")
+    out["prompt_tokens_new"] = j["prompt_tokens_new"]
+    out["prompt_tokens_cached"] = j["prompt_tokens_cached"]
+    out["n_gen"] = j["n_gen"]
+    out["port"] = j["port"].astype("Int64")
+    out["task_status"] = task("status")
+    out["launch_at"] = pd.to_datetime(j["launch_us"].round().astype("Int64"), unit="us", utc=True)
+    out["first_token_at"] = pd.to_datetime(j["first_token_us"].round().astype("Int64"), unit="us", utc=True)
+    out["release_at"] = pd.to_datetime(j["release_us"].round().astype("Int64"), unit="us", utc=True)
+    out["end_lag_ms"] = _ms(j["end_us"].astype("float64") - j["release_us"])
+    out["call_file"] = j["file"]
+    out["call_line"] = j["line"]
+    out["task_file"] = task("file")
+    out["task_line"] = task("line").astype("Int64")
+    if "session" in j and "session_task" in j:
+        out["app_session"] = j["session"]
+    return out.sort_values("start_at", kind="stable").reset_index(drop=True)
