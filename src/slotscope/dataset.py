@@ -81,3 +81,30 @@ def load(
         aligned = align(server.tasks, server.sessions, app.calls, server_start=server_start)
         matches = match(app.calls, server.tasks, aligned, server.sessions)
     return Dataset(server=server, app=app, matches=matches, accounting=acc)
+
+
+TASK_VIEW_EXTRA = ["call_id", "purpose", "user", "lora", "call_start_at", "queue_ms", "ttft_ms", "call_total_ms", "match_method"]
+
+
+def task_view(ds: Dataset) -> pd.DataFrame:
+    """Tasks with what the app says about them (purpose, user, LoRA, queue wait) where matched.
+
+    Times stay in seconds on each session's server clock (``*_s``); where the session's clock
+    is aligned, ``*_at`` columns give wall times (app clock when an app log aligned it, else the
+    wrapper's). Unlogged tasks keep NA in the app columns.
+    """
+    t = ds.server.tasks.copy()
+    for c in TASK_VIEW_EXTRA:
+        t[c] = pd.NA
+    if ds.matches is not None:
+        m = ds.matches.calls
+        m = m[m["task_id"].notna()]
+        m = m.rename(columns={"start_at": "call_start_at", "total_ms": "call_total_ms"})
+        cols = ["source", "port", "session", "task_id"]
+        keep = cols + [c for c in TASK_VIEW_EXTRA if c in m.columns]
+        t = t.drop(columns=TASK_VIEW_EXTRA).merge(m[keep], on=cols, how="left")
+        aligned = ds.matches.aligned
+        off = t[["source", "port", "session"]].merge(aligned[["source", "port", "session", "offset_us"]], how="left")["offset_us"].to_numpy()
+        for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"):
+            t[c[:-2] + "_at"] = pd.to_datetime(pd.Series(off + t[c].to_numpy(dtype=float) * 1e6).round().astype("Int64"), unit="us", utc=True)
+    return t
