@@ -1,0 +1,535 @@
+"""App call log (JSONL or CSV, optionally gzip/zstd) -> calls table, one row per LLM call.
+
+The application writes one record per call. Field names differ between applications, so each
+field is found by common names (case-insensitive; dotted paths reach into nested objects, e.g.
+``usage.prompt_tokens``) unless the caller maps it explicitly. Every line is accounted for:
+loaded, empty, or a :class:`Problem` naming its file and line.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import tomllib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import chain, islice
+from os import PathLike, fspath
+from typing import Any, BinaryIO
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+import numpy as np
+import pandas as pd
+
+from .errors import AppLogError
+from .sources import iter_chunks, open_binary
+
+# Specific names before generic ones: a record with both `start` and `ts` usually means
+# `ts` is when the line was written, i.e. the end of the call.
+CANDIDATES: dict[str, tuple[str, ...]] = {
+    "start": ("start", "started_at", "start_time", "request_time", "t_send", "ts", "timestamp", "time"),
+    "end": ("end", "ended_at", "finished_at", "end_time"),
+    "duration_ms": ("duration_ms", "latency_ms", "elapsed_ms"),
+    "duration_s": ("duration", "elapsed"),
+    "purpose": ("purpose", "kind", "type", "task"),
+    "user": ("user", "user_id", "conversation", "conversation_id", "session"),
+    "lora": ("lora", "adapter", "lora_adapter"),
+    "prompt_tokens": (
+        "prompt_tokens", "input_tokens", "usage.prompt_tokens", "usage.input_tokens", "tokens_evaluated",
+    ),
+    "completion_tokens": (
+        "completion_tokens", "output_tokens", "usage.completion_tokens", "usage.output_tokens", "tokens_predicted",
+    ),
+    "cached_tokens": (
+        "cached_tokens", "usage.prompt_tokens_details.cached_tokens", "timings.cache_n", "timings_cache_n",
+    ),
+    "status": ("status", "status_code", "http_status"),
+    "error": ("error", "error_message"),
+    "call_id": ("id", "call_id", "request_id"),
+    "session": ("session", "session_id"),
+    "turn": ("turn",),
+    "timings": ("timings",),
+}
+_ALIASES = {"id": "call_id", "duration": "duration_s"}
+TIMINGS: dict[str, str] = {"prompt_n": "Int64", "prompt_ms": "float64", "predicted_n": "Int64",
+                           "predicted_ms": "float64", "cache_n": "Int64"}
+_TIMING_COLS = tuple(f"timings_{k}" for k in TIMINGS)
+CALL_COLUMNS: tuple[str, ...] = (
+    "call_id", "start_at", "end_at", "duration_ms", "purpose", "user", "lora", "prompt_tokens",
+    "completion_tokens", "cached_tokens", "status", "error", "ok", "file", "line", "start_us", "end_us",
+    *_TIMING_COLS,
+)
+_DTYPES: dict[str, str] = {
+    "call_id": "string", "start_at": "datetime64[us, UTC]", "end_at": "datetime64[us, UTC]",
+    "duration_ms": "float64", "purpose": "category", "user": "category", "lora": "category",
+    "prompt_tokens": "Int64", "completion_tokens": "Int64", "cached_tokens": "Int64", "status": "Int64",
+    "error": "string", "ok": "bool", "file": "string", "line": "int64", "start_us": "int64", "end_us": "Int64",
+    **{f"timings_{k}": t for k, t in TIMINGS.items()}, "session": "string", "turn": "Int64",
+}
+CHUNK_ROWS = 50_000
+MAX_EXAMPLES = 5
+# fields that, beside a start time, make a record a call rather than any timestamped line
+_STRONG = ("end", "duration_ms", "duration_s", "purpose", "lora", "prompt_tokens", "completion_tokens",
+           "cached_tokens")
+_Rows = Iterator[tuple[int, dict[str, Any]]]  # (1-based line, record)
+_EXTRA = "\x00extra"  # marks a CSV row with more cells than the header
+_OK_WORDS = {"ok", "success", "succeeded", "completed", "done"}
+_AWARE = r"\d\d:\d\d(?::\d\d(?:[.,]\d+)?)?\s*(?:Z|z|UTC|[+-]\d\d(?::?\d\d)?)$"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One unusable line or field, where it is and what was wrong."""
+
+    file: str
+    line: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class AppAccounting:
+    """What happened to every line read: loaded, empty, or a problem (first few kept).
+
+    ``rows_with_problems`` counts loaded rows with an unusable field (left NA) as well as the
+    ``rows_dropped`` ones (invalid JSON/CSV, no usable start time). ``lines_read`` is
+    ``rows_loaded + rows_dropped + empty_lines`` plus CSV header and continuation lines.
+    """
+
+    lines_read: int
+    rows_loaded: int
+    rows_with_problems: int
+    rows_dropped: int
+    empty_lines: int
+    problems: tuple[Problem, ...]
+    notes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class AppLog:
+    """The calls table and the accounting of how it was read."""
+
+    calls: pd.DataFrame
+    accounting: AppAccounting
+
+
+@dataclass
+class _Tally:
+    lines_read: int = 0
+    empty_lines: int = 0
+    problem_rows: int = 0
+    dropped: int = 0
+    examples: list[Problem] = field(default_factory=list)
+    notes: dict[str, None] = field(default_factory=dict)  # ordered set
+    header_line: int | None = None
+    files: dict[str, int] = field(default_factory=dict)  # file -> order read
+    naive: dict[str, tuple[int, str]] = field(default_factory=dict)  # file -> (count, zone)
+
+    def flag(self, name: str, lines: np.ndarray, mask: np.ndarray, values: Sequence[Any], reason: str) -> None:
+        for i in np.flatnonzero(mask)[:MAX_EXAMPLES]:
+            self.examples.append(Problem(name, int(lines[i]), f"{reason}: {values[i]!r}"))
+
+    def drop(self, name: str, line: int, reason: str) -> None:
+        self.examples.append(Problem(name, line, reason))
+        self.problem_rows += 1
+        self.dropped += 1
+
+
+def parse_column_spec(spec: str) -> dict[str, str]:
+    """Parse ``"start=ts,purpose=kind"`` into ``{"start": "ts", "purpose": "kind"}``."""
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, sep, name = part.partition("=")
+        if not sep or not key.strip() or not name.strip():
+            raise ValueError(f"{part!r} is not FIELD=COLUMN (e.g. start=ts)")
+        out[key.strip()] = name.strip()
+    return _checked(out)
+
+
+def load_column_file(path: str | PathLike[str]) -> dict[str, str]:
+    """Read a column mapping from the ``[columns]`` table of a small TOML file."""
+    with open(path, "rb") as f:
+        table = tomllib.load(f).get("columns")
+    if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
+        raise ValueError(f"{fspath(path)}: expected a [columns] table of FIELD = \"column\" strings")
+    return _checked(table)
+
+
+def _checked(columns: Mapping[str, str]) -> dict[str, str]:
+    out = {_ALIASES.get(k.lower(), k.lower()): v for k, v in columns.items()}
+    unknown = sorted(set(out) - set(CANDIDATES))
+    if unknown:
+        raise ValueError(f"unknown app-log field {', '.join(unknown)}; known: {', '.join(CANDIDATES)}")
+    return out
+
+
+def lora_label(value: Any) -> str:
+    """Normalise a LoRA field (object, list of ``{id, scale}``, string, null) to a label.
+
+    ``None``/scale 0 -> ``"none"``; ``{"name": "style-a", "scale": 1.0}`` -> ``"style-a@1.0"``;
+    several active adapters are joined with ``+``.
+    """
+    if value is None or value is False or (isinstance(value, float) and np.isnan(value)):
+        return "none"
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith(("[", "{")):
+            try:
+                return lora_label(json.loads(text))
+            except ValueError:
+                pass
+        return "none" if text.lower() in {"", "none", "null", "off", "false"} else text
+    items = [value] if isinstance(value, dict) else value if isinstance(value, list) else None
+    if items is None:
+        return str(value)
+    parts = []
+    for item in items:
+        if not isinstance(item, dict):
+            if lora_label(item) != "none":
+                parts.append(lora_label(item))
+            continue
+        name = next((item[k] for k in ("name", "id", "path") if item.get(k) is not None), "?")
+        try:
+            scale = float(item.get("scale", 1.0))
+        except (TypeError, ValueError):
+            scale = float("nan")
+        if scale != 0:
+            parts.append(f"{name}@{scale!r}")
+    return "+".join(parts) or "none"
+
+
+def looks_like_app_log(sample: bytes) -> bool:
+    """True if the (decompressed) start of a file reads as an app call log, JSONL or CSV.
+
+    llama-server text lines and journald/docker JSON wrappers around them are not app logs.
+    """
+    lines = [ln for ln in sample.decode("utf-8", "replace").lstrip("\ufeff").splitlines() if ln.strip()][:20]
+    if not lines:
+        return False
+    if lines[0].lstrip().startswith("{"):
+        records = []
+        for ln in lines:
+            try:
+                rec = json.loads(ln)
+            except ValueError:
+                continue  # the sample may end mid-line
+            if isinstance(rec, dict):
+                records.append(rec)
+        # journald (`journalctl -o json`) and docker json-file wrap server lines in JSON
+        if not records or any("MESSAGE" in r or "__CURSOR" in r or ("log" in r and "stream" in r) for r in records):
+            return False
+        index = _path_index(records, {})
+    else:
+        index = {h.strip().lower(): (h.strip(),) for h in next(csv.reader([lines[0]]))}
+    fields = _resolve(index, {})
+    return "start" in fields and any(k in fields for k in _STRONG)
+
+
+def read_app_logs(
+    paths: Iterable[str | PathLike[str]], *, columns: Mapping[str, str] | None = None, tz: str | None = None
+) -> AppLog:
+    """Read app call logs (JSONL or CSV; gzip/zstd recognised by content) into one calls table.
+
+    ``columns`` maps fields (``start``, ``purpose``, ... see :data:`CANDIDATES`) to column names
+    and overrides detection; ``tz`` is the zone of timestamps written without one (default UTC).
+    """
+    tally, frames = _Tally(), []
+    for p in paths:
+        name = fspath(p)
+        stream = open_binary(name)
+        try:
+            frames += _parse(name, _split_lines(stream, name), columns, tz, tally)
+        finally:
+            stream.close()
+    return _finish(frames, tally)
+
+
+def read_app_log_stream(
+    name: str, stream: BinaryIO, *, columns: Mapping[str, str] | None = None, tz: str | None = None
+) -> AppLog:
+    """Read one already-opened (and decompressed) stream, e.g. stdin, named ``name`` in messages."""
+    return read_app_log_lines(name, _split_lines(stream, name), columns=columns, tz=tz)
+
+
+def read_app_log_lines(
+    name: str, lines: Iterable[bytes], *, columns: Mapping[str, str] | None = None, tz: str | None = None
+) -> AppLog:
+    """Read one app call log given as lines of bytes (line endings optional)."""
+    tally = _Tally()
+    return _finish(_parse(name, lines, columns, tz, tally), tally)
+
+
+def _split_lines(stream: BinaryIO, name: str) -> Iterator[bytes]:
+    for block in iter_chunks(stream, name):
+        parts = block.split(b"\n")
+        yield from parts[:-1] if block.endswith(b"\n") else parts
+
+
+def _parse(
+    name: str, lines: Iterable[bytes], columns: Mapping[str, str] | None, tz: str | None, tally: _Tally
+) -> list[pd.DataFrame]:
+    zone = tz or "UTC"
+    try:
+        ZoneInfo(zone)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise ValueError(f"unknown time zone {zone!r} (use an IANA name like Europe/Berlin)") from None
+    override = _checked(columns or {})
+    tally.files.setdefault(name, len(tally.files))
+    tally.header_line = None
+    rows, frames = _rows(name, lines, tally), []
+    while chunk := list(islice(rows, CHUNK_ROWS)):
+        frames.append(_frame(name, chunk, override, zone, tally))
+    return frames
+
+
+def _rows(name: str, lines: Iterable[bytes], tally: _Tally) -> _Rows:
+    numbered = enumerate(_decoded(lines, tally), start=1)
+    for lineno, text in numbered:
+        if text.strip():
+            break
+        tally.empty_lines += 1
+    else:
+        return
+    rest = chain([(lineno, text)], numbered)
+    yield from (_json_rows if text.lstrip().startswith("{") else _csv_rows)(name, rest, tally)
+
+
+def _decoded(lines: Iterable[bytes], tally: _Tally) -> Iterator[str]:
+    for i, raw in enumerate(lines):
+        tally.lines_read += 1
+        text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+        yield (text.lstrip("\ufeff") if i == 0 else text).rstrip("\r\n")
+
+
+def _json_rows(name: str, numbered: Iterable[tuple[int, str]], tally: _Tally) -> _Rows:
+    for lineno, text in numbered:
+        if not text.strip():
+            tally.empty_lines += 1
+            continue
+        try:
+            rec = json.loads(text)
+        except json.JSONDecodeError as e:
+            tally.drop(name, lineno, f"invalid JSON: {e.msg} (column {e.colno})")
+            continue
+        if not isinstance(rec, dict):
+            tally.drop(name, lineno, f"not a JSON object: {text[:40]!r}")
+            continue
+        yield lineno, rec
+
+
+def _csv_rows(name: str, numbered: Iterable[tuple[int, str]], tally: _Tally) -> _Rows:
+    numbered = iter(numbered)
+    first, header_text = next(numbered)
+    header = [h.strip() for h in next(csv.reader([header_text]))]
+    tally.header_line = first
+    reader, done = csv.reader(text + "\n" for _, text in numbered), 0  # newline kept in quoted fields
+    while True:
+        start = first + 1 + done
+        try:
+            cells = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as e:
+            tally.drop(name, start, f"unreadable CSV: {e}")
+            done = reader.line_num
+            continue
+        done = reader.line_num
+        if not any(c.strip() for c in cells):
+            tally.empty_lines += 1
+            continue
+        rec = {h: (c if c.strip() else None) for h, c in zip(header, cells)}
+        if len(cells) > len(header):
+            rec[_EXTRA] = f"{len(cells)} fields, the header has {len(header)}"
+        yield start, rec
+
+
+def _path_index(records: Iterable[Mapping[str, Any]], override: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
+    """Lower-cased dotted path -> the path as written, for every key a field could name."""
+    names = [n.lower() for ns in CANDIDATES.values() for n in ns] + [n.lower() for n in override.values()]
+    names += [f"{override.get('timings', 'timings').lower()}.{k}" for k in TIMINGS]
+    nested = {n.rsplit(".", i)[0] for n in names for i in range(1, n.count(".") + 1)}  # objects to look into
+    index: dict[str, tuple[str, ...]] = {}
+    seen: dict[tuple[tuple[str, ...], tuple[str, ...]], list[tuple[str, tuple[str, ...]]]] = {}
+
+    def walk(obj: Mapping[str, Any], prefix: tuple[str, ...]) -> None:
+        shape = (prefix, tuple(obj))  # most records share a handful of shapes: index each once
+        deeper = seen.get(shape)
+        if deeper is None:
+            deeper = seen[shape] = []
+            for k in obj:
+                path = (*prefix, k)
+                dotted = ".".join(path).lower()
+                index.setdefault(dotted, path)
+                if dotted in nested:
+                    deeper.append((k, path))
+        for k, path in deeper:
+            if isinstance(obj[k], dict):
+                walk(obj[k], path)
+
+    for rec in records:
+        walk(rec, ())
+    return index
+
+
+def _resolve(index: Mapping[str, tuple[str, ...]], override: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
+    fields: dict[str, tuple[str, ...]] = {}
+    for key, names in CANDIDATES.items():
+        if key == "timings":
+            continue
+        wanted = (override[key],) if key in override else names
+        hit = next((index[n.lower()] for n in wanted if n.lower() in index), None)
+        if hit is not None:
+            fields[key] = hit
+    prefix = override.get("timings", "timings").lower()
+    for sub in TIMINGS:
+        hit = index.get(f"{prefix}.{sub}") or index.get(f"{prefix}_{sub}")
+        if hit is not None:
+            fields[f"timings_{sub}"] = hit
+    return fields
+
+
+def _pluck(records: Sequence[Mapping[str, Any]], path: tuple[str, ...]) -> list[Any]:
+    if len(path) == 1:
+        return [r.get(path[0]) for r in records]
+    out = []
+    for r in records:
+        v: Any = r
+        for k in path:
+            v = v.get(k) if isinstance(v, dict) else None
+        out.append(v)
+    return out
+
+
+def _numbers(values: Sequence[Any]) -> tuple[pd.Series, np.ndarray]:
+    raw = pd.Series(values, dtype=object)
+    num = pd.to_numeric(raw, errors="coerce").astype("float64")
+    num = num.where(np.isfinite(num))
+    return num, (raw.notna() & num.isna()).to_numpy()
+
+
+def _times_us(values: Sequence[Any], zone: str) -> tuple[pd.Series, np.ndarray, int]:
+    """Epoch µs (float, NaN where unusable), the bad mask, and how many were read in ``zone``."""
+    num, _ = _numbers(values)
+    mag = num.abs()
+    us = num * np.select([mag < 1e11, mag < 1e14, mag < 1e17], [1e6, 1e3, 1.0], 1e-3)  # s, ms, µs, ns
+    raw = pd.Series(values, dtype=object)
+    text = raw[num.isna() & raw.notna()].astype(str)
+    parsed = pd.to_datetime(text, format="ISO8601", utc=True, errors="coerce").dt.as_unit("us")
+    naive = ~text.str.contains(_AWARE, regex=True) & parsed.notna()
+    if naive.any() and zone != "UTC":  # parsed as UTC wall time: re-read that wall time in `zone`
+        local = parsed[naive].dt.tz_localize(None).dt.tz_localize(zone, ambiguous="NaT", nonexistent="NaT")
+        parsed[naive] = local.dt.tz_convert("UTC")
+    us[text.index] = np.where(parsed.notna(), parsed.array.asi8, np.nan)
+    us = us.round()
+    return us, (raw.notna() & us.isna()).to_numpy(), int(naive.sum())
+
+
+def _text(values: Sequence[Any]) -> pd.Series:
+    if pd.api.types.infer_dtype(values, skipna=True) in ("string", "empty"):
+        text = pd.Series(values, dtype="string")
+        return text.mask(text.str.strip() == "")
+
+    def one(v: Any) -> Any:
+        if v is None or v is False or v == "":
+            return None
+        if isinstance(v, dict) and "message" in v:
+            return str(v["message"])
+        return json.dumps(v) if isinstance(v, (dict, list)) else str(v)
+
+    return pd.Series([one(v) for v in values], dtype="string")
+
+
+def _frame(
+    name: str, chunk: list[tuple[int, dict[str, Any]]], override: Mapping[str, str], zone: str, tally: _Tally
+) -> pd.DataFrame:
+    lines = np.fromiter((ln for ln, _ in chunk), dtype=np.int64, count=len(chunk))
+    records = [rec for _, rec in chunk]
+    fields = _resolve(_path_index(records, override), override)
+    if "start" not in fields:
+        looked = override.get("start") or ", ".join(CANDIDATES["start"])
+        found = ", ".join([k for k in records[0] if k != _EXTRA][:10])
+        raise AppLogError(name, tally.header_line or int(lines[0]), f"no start-time column found (looked for "
+                          f"{looked}; found {found}); pass --app-columns start=NAME")
+    for key, col in override.items():
+        if key not in fields and key != "timings":
+            tally.notes[f"{name}: column {col!r} for {key} not found"] = None
+    get = {k: _pluck(records, p) for k, p in fields.items()}
+    bad = np.zeros(len(chunk), dtype=bool)
+
+    def check(key: str, mask: np.ndarray, reason: str) -> None:
+        nonlocal bad
+        tally.flag(name, lines, mask, get[key], reason)
+        bad |= mask
+
+    get[_EXTRA] = [r.get(_EXTRA) for r in records]
+    check(_EXTRA, np.array([e is not None for e in get[_EXTRA]], dtype=bool), "too many CSV fields")
+    out = pd.DataFrame({"file": name, "line": lines})
+    start, mask, naive = _times_us(get["start"], zone)
+    check("start", mask, "unreadable start time")
+    check("start", start.isna().to_numpy() & ~mask, "no start time")
+    end = pd.Series(np.nan, index=out.index)
+    if "end" in get:
+        end, mask, naive_end = _times_us(get["end"], zone)
+        check("end", mask, "unreadable end time")
+        naive += naive_end
+    if naive:
+        tally.naive[name] = (tally.naive.get(name, (0, zone))[0] + naive, zone)
+    duration = pd.Series(np.nan, index=out.index)
+    for key, factor in (("duration_s", 1000.0), ("duration_ms", 1.0)):  # ms wins when both exist
+        if key in get:
+            value, mask = _numbers(get[key])
+            check(key, mask, f"non-numeric {key}")
+            duration = value * factor
+    out["start_us"] = start
+    out["end_us"] = end.fillna((start + duration * 1000).round())
+    out["duration_ms"] = duration.fillna((out["end_us"] - start) / 1000)
+    check("start", (out["end_us"] < start).to_numpy(), "ends before it starts; start")
+    for key in ("prompt_tokens", "completion_tokens", "cached_tokens", "status", "turn", *_TIMING_COLS):
+        if key in get:
+            value, mask = _numbers(get[key])
+            if key != "status":  # a textual status ("ok", "failed") is read below, not a problem
+                check(key, mask, f"non-numeric {key}")
+            out[key] = value.round() if _DTYPES[key] == "Int64" else value
+    for key in ("purpose", "user", "error", "session"):
+        if key in get:
+            out[key] = _text(get[key])
+    if "lora" in get:  # an absent column stays NA: without it a request may well have had LoRA on
+        out["lora"] = [lora_label(v) for v in get["lora"]]
+    no_text = pd.Series(pd.NA, index=out.index, dtype="string")
+    ids = _text(get["call_id"]) if "call_id" in get else no_text
+    out["call_id"] = ids.fillna(pd.Series([f"{name}:{ln}" for ln in lines], dtype="string"))
+    status = out.get("status", pd.Series(np.nan, index=out.index))
+    words = _text(get["status"]).str.lower() if "status" in get else no_text
+    fine = status.between(200, 299) | (status.isna() & (words.isna() | words.isin(_OK_WORDS)))
+    out["ok"] = fine & out.get("error", no_text).isna()
+    tally.problem_rows += int(bad.sum())
+    keep = out["start_us"].notna()
+    tally.dropped += int((~keep).sum())
+    return out[keep]
+
+
+def _finish(frames: list[pd.DataFrame], tally: _Tally) -> AppLog:
+    calls = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=list(CALL_COLUMNS))
+    calls = calls.assign(_f=calls["file"].map(tally.files))
+    calls = calls.sort_values(["start_us", "_f", "line"], kind="stable").drop(columns="_f").reset_index(drop=True)
+    calls["start_at"] = pd.to_datetime(calls["start_us"], unit="us", utc=True)
+    calls["end_at"] = pd.to_datetime(calls["end_us"], unit="us", utc=True)
+    extra = [c for c in ("session", "turn") if c in calls]
+    calls = calls.reindex(columns=[*CALL_COLUMNS, *extra])
+    calls = calls.astype({c: _DTYPES[c] for c in calls.columns if c not in ("start_at", "end_at")})
+    calls["start_at"] = calls["start_at"].dt.as_unit("us")
+    calls["end_at"] = calls["end_at"].dt.as_unit("us")
+    for name, (n, zone) in tally.naive.items():
+        tally.notes[f"{name}: {n} timestamp(s) without a zone read as {zone} (set --tz if wrong)"] = None
+    dup = int(calls["call_id"].duplicated().sum())
+    if dup:
+        tally.notes[f"{dup} call id(s) appear more than once"] = None
+    early = int((calls["start_us"] < 946_684_800_000_000).sum())  # 2000-01-01
+    if early:
+        tally.notes[f"{early} call(s) start before 2000: relative times rather than wall clock?"] = None
+    accounting = AppAccounting(
+        lines_read=tally.lines_read, rows_loaded=len(calls), rows_with_problems=tally.problem_rows,
+        rows_dropped=tally.dropped, empty_lines=tally.empty_lines,
+        problems=tuple(sorted(tally.examples, key=lambda p: (tally.files[p.file], p.line))[:MAX_EXAMPLES]),
+        notes=tuple(tally.notes),
+    )
+    return AppLog(calls, accounting)

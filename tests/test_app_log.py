@@ -1,0 +1,260 @@
+"""App call logs: the real fixtures, the same data as CSV/gzip/zstd, and the ways input goes wrong."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import io
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from slotscope.app_log import (
+    CALL_COLUMNS,
+    lora_label,
+    load_column_file,
+    looks_like_app_log,
+    parse_column_spec,
+    read_app_log_lines,
+    read_app_log_stream,
+    read_app_logs,
+)
+from slotscope.errors import AppLogError
+
+REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"
+SCENARIOS = sorted(p.name for p in REAL.iterdir() if (p / "logs" / "app.jsonl").exists())
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_real_app_log_agrees_with_truth(scenario: str) -> None:
+    path = REAL / scenario / "logs" / "app.jsonl"
+    log = read_app_logs([path])
+    n_lines = len(path.read_text().splitlines())
+    truth = pd.DataFrame(_jsonl(REAL / scenario / "truth.jsonl")).set_index("id")
+
+    calls = log.calls.set_index("call_id")
+    assert len(calls) == n_lines
+    assert log.accounting.lines_read == log.accounting.rows_loaded == n_lines
+    assert log.accounting.rows_with_problems == 0 and log.accounting.problems == ()
+    assert list(log.calls.columns[: len(CALL_COLUMNS)]) == list(CALL_COLUMNS)
+    assert set(calls.index) == set(truth.index)
+    truth = truth.loc[calls.index]
+    assert (calls["prompt_tokens"].to_numpy() == truth["tokens_evaluated"].to_numpy()).all()
+    assert (calls["completion_tokens"].to_numpy() == truth["tokens_predicted"].to_numpy()).all()
+    send_us = (truth["t_send"] * 1e6).to_numpy()
+    assert abs(calls["start_us"].to_numpy() - send_us).max() <= 1000
+    assert abs((calls["start_at"] - pd.to_datetime(truth["t_send_iso"], utc=True)).dt.total_seconds()).max() < 1e-3
+    assert str(log.calls["start_at"].dtype) == "datetime64[us, UTC]"
+    assert (calls["ok"].to_numpy() == (truth["error"].isna() & (truth["status"] == 200)).to_numpy()).all()
+    assert log.calls["start_us"].is_monotonic_increasing
+
+
+def test_lora_labels_in_before() -> None:
+    calls = read_app_logs([REAL / "before" / "logs" / "app.jsonl"]).calls
+    assert set(calls["lora"]) == {"none", "style-a@1.0"}
+    assert calls["lora"].dtype == "category" and calls["purpose"].dtype == "category"
+
+
+def _as_csv(tmp_path: Path, name: str = "calls.csv") -> Path:
+    out = tmp_path / name
+    with out.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["request_id", "timestamp", "kind", "user_id", "adapter", "input_tokens", "output_tokens",
+                    "cached_tokens", "status_code", "error", "latency_ms"])
+        for r in _jsonl(REAL / "before" / "logs" / "app.jsonl"):
+            w.writerow([r["id"], r["start"], r["purpose"], r["user"], json.dumps(r["lora"]) if r["lora"] else "",
+                        r["prompt_tokens"], r["completion_tokens"], r["cached_tokens"], r["status"],
+                        r["error"] or "", r["duration_ms"]])
+    return out
+
+
+def test_csv_with_other_names_reads_like_jsonl(tmp_path: Path) -> None:
+    want = read_app_logs([REAL / "before" / "logs" / "app.jsonl"]).calls
+    got = read_app_logs([_as_csv(tmp_path)])
+    assert got.accounting.rows_loaded == len(want) and got.accounting.lines_read == len(want) + 1
+    cols = ["call_id", "start_us", "end_us", "duration_ms", "purpose", "user", "lora", "prompt_tokens",
+            "completion_tokens", "cached_tokens", "status", "ok"]
+    pd.testing.assert_frame_equal(got.calls[cols].astype(object), want[cols].astype(object))
+    assert got.calls["line"].min() == 2  # the header is line 1
+
+
+def test_gzip_and_zstd_by_content(tmp_path: Path) -> None:
+    data = (REAL / "after" / "logs" / "app.jsonl").read_bytes()
+    gz = tmp_path / "calls.log"  # no .gz suffix: recognised by its magic bytes
+    gz.write_bytes(gzip.compress(data))
+    assert len(read_app_logs([gz]).calls) == data.count(b"\n")
+    zstandard = pytest.importorskip("zstandard")
+    zst = tmp_path / "calls.bin"
+    zst.write_bytes(zstandard.ZstdCompressor().compress(data))
+    assert read_app_logs([str(zst)]).calls["call_id"].tolist() == read_app_logs([gz]).calls["call_id"].tolist()
+
+
+def test_several_files_keep_their_own_lines(tmp_path: Path) -> None:
+    a = _write_jsonl(tmp_path / "a.jsonl", [{"ts": 20.0, "prompt_tokens": 1}, {"ts": 10.0, "prompt_tokens": 2}])
+    b = _write_jsonl(tmp_path / "b.jsonl", [{"ts": 15.0, "prompt_tokens": 3}])
+    calls = read_app_logs([a, b]).calls
+    assert calls["call_id"].tolist() == [f"{a}:2", f"{b}:1", f"{a}:1"]
+    assert calls["line"].tolist() == [2, 1, 1]
+
+
+def test_explicit_mapping_overrides_detection(tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "x.jsonl", [
+        {"ts": "2026-05-12T08:00:10Z", "begin": "2026-05-12T08:00:00Z", "kind": "chat", "purpose": "ignored"},
+    ])
+    assert read_app_logs([path]).calls["start_at"][0] == pd.Timestamp("2026-05-12T08:00:10Z")
+    calls = read_app_logs([path], columns={"start": "BEGIN", "purpose": "kind"}).calls
+    assert calls["start_at"][0] == pd.Timestamp("2026-05-12T08:00:00Z")
+    assert calls["purpose"][0] == "chat"
+
+
+def test_column_spec_and_file(tmp_path: Path) -> None:
+    assert parse_column_spec("start=ts, purpose=kind,id=req") == {"start": "ts", "purpose": "kind", "call_id": "req"}
+    toml = tmp_path / "cols.toml"
+    toml.write_text('[columns]\nstart = "begin"\nprompt_tokens = "usage.in"\n')
+    assert load_column_file(toml) == {"start": "begin", "prompt_tokens": "usage.in"}
+    with pytest.raises(ValueError, match="unknown app-log field colour"):
+        parse_column_spec("colour=red")
+    with pytest.raises(ValueError, match="FIELD=COLUMN"):
+        parse_column_spec("start")
+
+
+def test_naive_timestamps_read_in_given_zone(tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "x.jsonl", [
+        {"start": "2026-11-29T08:31:47.961", "end": "2026-11-29T08:31:49", "prompt_tokens": 5},
+        {"start": "2026-11-29 08:31:50", "prompt_tokens": 6},
+        {"start": "2026-11-29T07:31:51+00:00", "prompt_tokens": 7},
+    ])
+    log = read_app_logs([path], tz="Europe/Berlin")
+    assert log.calls["line"].tolist() == [1, 2, 3]
+    assert log.calls["start_at"].tolist() == [pd.Timestamp(t) for t in (
+        "2026-11-29T07:31:47.961Z", "2026-11-29T07:31:50Z", "2026-11-29T07:31:51Z")]
+    assert log.calls["duration_ms"][0] == pytest.approx(1039.0)
+    assert log.accounting.rows_with_problems == 0
+    assert len(log.accounting.notes) == 1 and "3 timestamp(s) without a zone read as Europe/Berlin" in log.accounting.notes[0]
+    as_utc = read_app_logs([path]).calls.set_index("line")["start_at"]  # default UTC
+    assert as_utc[1] == pd.Timestamp("2026-11-29T08:31:47.961Z")
+
+
+def test_epoch_seconds_ms_us(tmp_path: Path) -> None:
+    t = pd.Timestamp("2026-11-29T07:31:47.961Z")
+    s = t.value / 1e9
+    path = _write_jsonl(tmp_path / "x.jsonl", [
+        {"time": s}, {"time": int(s * 1000)}, {"time": int(s * 1e6)}, {"time": str(int(s * 1000))},
+    ])
+    calls = read_app_logs([path]).calls
+    assert (calls["start_at"] == t).all()
+    assert calls["prompt_tokens"].isna().all()  # no token counts: still loaded, as NA
+
+
+def test_nested_usage_lora_list_and_status_text(tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "x.jsonl", [
+        {"request_time": 1795937507.5, "elapsed": 2.5, "usage": {"prompt_tokens": 100, "completion_tokens": 20,
+         "prompt_tokens_details": {"cached_tokens": 64}}, "adapter": [{"id": 0, "scale": 0.0}], "status": "ok"},
+        {"request_time": 1795937508.5, "usage": {"prompt_tokens": 50}, "adapter": [{"id": 0, "scale": 0.5}],
+         "status": "failed", "error": {"message": "boom", "code": 500}},
+    ])
+    calls = read_app_logs([path]).calls
+    assert calls["prompt_tokens"].tolist() == [100, 50]
+    assert calls["completion_tokens"][0] == 20 and pd.isna(calls["completion_tokens"][1])
+    assert calls["cached_tokens"][0] == 64
+    assert calls["lora"].tolist() == ["none", "0@0.5"]
+    assert calls["duration_ms"][0] == 2500.0 and calls["end_us"][0] == calls["start_us"][0] + 2_500_000
+    assert calls["ok"].tolist() == [True, False] and calls["error"][1] == "boom"
+    assert calls["status"].isna().all()
+
+
+def test_bad_rows_are_counted_with_their_lines(tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "app.jsonl", [
+        {"id": "a", "start": "2026-05-12T08:00:00Z", "prompt_tokens": 10},
+        '{"id": "b", "start": "2026-05-12T08:00:01Z", "prompt_tokens": ',
+        {"id": "c", "start": "yesterday-ish", "prompt_tokens": 30},
+        {"id": "d", "start": "2026-05-12T08:00:03Z", "prompt_tokens": "many"},
+        "",
+        {"id": "e", "start": "2026-05-12T08:00:04Z", "prompt_tokens": 50},
+        "[1, 2]",
+    ])
+    log = read_app_logs([path])
+    acc = log.accounting
+    assert log.calls["call_id"].tolist() == ["a", "d", "e"]
+    assert pd.isna(log.calls.set_index("call_id").loc["d", "prompt_tokens"])
+    assert (acc.lines_read, acc.rows_loaded, acc.empty_lines) == (7, 3, 1)
+    assert (acc.rows_with_problems, acc.rows_dropped) == (4, 3)
+    assert [(p.file, p.line) for p in acc.problems] == [(str(path), n) for n in (2, 3, 4, 7)]
+    assert "invalid JSON" in acc.problems[0].reason
+    assert "unreadable start time: 'yesterday-ish'" in acc.problems[1].reason
+    assert "non-numeric prompt_tokens: 'many'" in acc.problems[2].reason
+
+
+def test_timings_are_flattened(tmp_path: Path) -> None:
+    truth = _jsonl(REAL / "restart" / "truth.jsonl")
+    path = _write_jsonl(tmp_path / "with-timings.jsonl", [
+        {k: r[k] for k in ("id", "t_send", "purpose", "user", "lora", "status", "error", "timings")} for r in truth
+    ])
+    calls = read_app_logs([path]).calls.set_index("call_id")
+    want = pd.DataFrame([{"id": r["id"], **(r["timings"] or {})} for r in truth]).set_index("id").loc[calls.index]
+    for sub in ("prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "cache_n"):
+        assert calls[f"timings_{sub}"].astype("float64").fillna(-1).tolist() == want[sub].fillna(-1).tolist()
+    assert calls["cached_tokens"].tolist() == calls["timings_cache_n"].tolist()  # timings.cache_n as fallback
+    assert calls["timings_prompt_n"].dtype == "Int64"
+
+
+def test_no_start_column_is_a_typed_error(tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "app.jsonl", [{"when": "2026-05-12T08:00:00Z", "prompt_tokens": 1}])
+    with pytest.raises(AppLogError) as err:
+        read_app_logs([path])
+    assert str(err.value).startswith(f"{path}:1: no start-time column found (looked for start, started_at, ")
+    assert str(err.value).endswith("; pass --app-columns start=NAME")
+    csv_path = tmp_path / "app.csv"
+    csv_path.write_text("\nwhen,prompt_tokens\n2026-05-12T08:00:00Z,1\n")
+    with pytest.raises(AppLogError, match=r"app\.csv:2: no start-time column"):
+        read_app_logs([csv_path])
+
+
+def test_lines_and_stream_entry_points() -> None:
+    data = (REAL / "wallclock" / "logs" / "app.jsonl").read_bytes()
+    by_lines = read_app_log_lines("-", data.splitlines(keepends=True))
+    by_stream = read_app_log_stream("-", io.BytesIO(data))
+    assert len(by_lines.calls) == len(by_stream.calls) == data.count(b"\n")
+    assert by_stream.calls["file"].unique().tolist() == ["-"]
+
+
+def test_empty_input_has_the_schema() -> None:
+    log = read_app_log_lines("empty", [b"", b"\n"])
+    assert list(log.calls.columns) == list(CALL_COLUMNS) and len(log.calls) == 0
+    assert log.accounting.empty_lines == 2
+    assert str(log.calls["start_at"].dtype) == "datetime64[us, UTC]"
+
+
+@pytest.mark.parametrize(("value", "label"), [
+    (None, "none"), ({"name": "style-a", "scale": 1.0}, "style-a@1.0"), ({"name": "style-a", "scale": 0}, "none"),
+    ([{"id": 0, "scale": 0.0}], "none"), ([{"id": 0, "scale": 1}, {"id": 1, "scale": 0.5}], "0@1.0+1@0.5"),
+    ("style-b", "style-b"), ("", "none"), ('{"name": "x", "scale": 2}', "x@2.0"),
+])
+def test_lora_label(value: object, label: str) -> None:
+    assert lora_label(value) == label
+
+
+def test_looks_like_app_log(tmp_path: Path) -> None:
+    assert looks_like_app_log((REAL / "before" / "logs" / "app.jsonl").read_bytes()[:4000])  # cut mid-line
+    assert looks_like_app_log(_as_csv(tmp_path).read_bytes()[:2000])
+    server = b"".join((REAL / "before" / "logs" / "llama-server.log").read_bytes().splitlines(keepends=True)[:50])
+    assert not looks_like_app_log(server)
+    wallclock = (REAL / "wallclock" / "logs" / "llama-server.log").read_bytes()[:4000]
+    assert not looks_like_app_log(wallclock)
+    docker = b'{"log":"0.00.001 I srv ...\\n","stream":"stderr","time":"2026-05-12T08:01:39.331095044Z"}\n'
+    assert not looks_like_app_log(docker * 3)
+    journald = json.dumps({"__CURSOR": "s=1", "MESSAGE": "0.00.001 I srv ...",
+                           "__REALTIME_TIMESTAMP": "1778572899331095"}).encode()
+    assert not looks_like_app_log(journald)
+    assert not looks_like_app_log(b"")
