@@ -30,6 +30,7 @@ class Accounting:
 
     files: list[FileAccount] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason): not a log
+    unusable: list[tuple[str, str]] = field(default_factory=list)  # named explicitly, yet not a usable log
     tasks_complete: int = 0
     tasks_incomplete: int = 0
     tasks_cancelled: int = 0
@@ -67,6 +68,7 @@ class Accounting:
         return Accounting(
             files=self.files + other.files,
             skipped=self.skipped + [s for s in other.skipped if s not in self.skipped],
+            unusable=self.unusable + [s for s in other.unusable if s not in self.unusable],
             tasks_complete=self.tasks_complete + other.tasks_complete,
             tasks_incomplete=self.tasks_incomplete + other.tasks_incomplete,
             tasks_cancelled=self.tasks_cancelled + other.tasks_cancelled,
@@ -94,5 +96,6 @@ class Accounting:
         for ex in self.examples():
             out.append(f"  unrecognized: {ex}")
         for path, reason in self.skipped:
-            out.append(f"skipped {path}: {reason}")
+            if (path, reason) not in self.unusable:
+                out.append(f"skipped {path}: {reason}")
         return out

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from contextlib import contextmanager
 from importlib import resources
-from typing import Annotated, Iterator, Optional
+from typing import Annotated, Callable, Iterator, Optional
 
 import pandas as pd
 import typer
@@ -14,10 +15,12 @@ from rich.console import Console
 
 from . import output
 from .accounting import Accounting
-from .errors import SlotscopeError
+from .errors import InputError, SlotscopeError
 from .filters import parse_when, window
+from .app_log import load_column_file, parse_column_spec
+from .dataset import Dataset, load, read_app
 from .server_log import read_server_logs
-from .sources import file_size
+from .sources import collect, file_size
 
 app = typer.Typer(
     add_completion=False,
@@ -39,6 +42,50 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No summary on std
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks.", hidden=True)]
 
 _debug = False
+
+# What a terminal table shows (every other format has every column).
+TASK_TABLE = ["session", "slot", "task_id", "launch_s", "wait_before_prefill_ms", "prompt_tokens_new",
+              "prompt_tokens_cached", "n_gen", "prompt_eval_ms", "eval_ms", "gen_tps", "status", "line"]
+GEN_TABLE = ["session", "slot", "task_id", "t_s", "n_gen", "tg_tps", "tg_3s_tps", "window_s", "line"]
+PREFILL_TABLE = ["session", "slot", "task_id", "t_s", "n_tokens", "progress", "elapsed_s", "tps", "step_tokens", "line"]
+MATCH_TABLE = ["call_id", "purpose", "user", "lora", "prompt_tokens", "task_id", "match_method", "queue_ms",
+               "wait_before_prefill_ms", "prefill_ms", "generation_ms", "ttft_ms", "total_ms"]
+CALLS_TABLE = ["call_id", "start_at", "purpose", "user", "lora", "prompt_tokens", "completion_tokens", "duration_ms", "status", "line"]
+
+
+def _handled(fn: Callable[..., None]) -> Callable[..., None]:
+    """Map the core's typed errors to one stderr line and an exit code, once, for every command."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: object, **kwargs: object) -> None:
+        try:
+            fn(*args, **kwargs)
+        except BrokenPipeError:
+            # `slotscope tasks big.log | head`: the reader left; stop without a traceback.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            raise typer.Exit(0) from None
+        except output.UsageError as e:
+            if _debug:
+                raise
+            err.print(f"error: {e}", markup=False)
+            raise typer.Exit(2) from None
+        except SlotscopeError as e:
+            if _debug:
+                raise
+            err.print(f"error: {e}", markup=False)
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+def command(name: str | None = None) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """``@app.command`` with the error mapping applied."""
+
+    def deco(fn: Callable[..., None]) -> Callable[..., None]:
+        return app.command(name)(_handled(fn))
+
+    return deco
 
 
 def example_dir() -> str:
@@ -65,9 +112,21 @@ def _finish(acc: Accounting, strict: bool, quiet: bool) -> None:
     if not quiet:
         for line in acc.summary_lines():
             err.print(line, markup=False)
+    for path, reason in acc.unusable:
+        err.print(f"error: {path}: {reason}", markup=False)
+    if acc.unusable:
+        raise typer.Exit(1)
     if strict and acc.unrecognized:
         err.print(f"error: {acc.unrecognized} unrecognized line(s) (--strict)", markup=False)
         raise typer.Exit(1)
+
+
+def _no_input(unusable: list[tuple[str, str]], message: str) -> None:
+    """Stop with one line: the unusable file's own reason if one was named, else ``message``."""
+    if unusable:
+        path, reason = unusable[0]
+        raise InputError(path, None, reason)
+    raise InputError(None, None, message)
 
 
 def _paths(paths: Optional[list[str]]) -> list[str]:
@@ -76,7 +135,7 @@ def _paths(paths: Optional[list[str]]) -> list[str]:
     return paths
 
 
-@app.command()
+@command()
 def tasks(
     paths: PathsArg = None, fmt: FormatOpt = None, out: OutOpt = None, since: SinceOpt = None,
     until: UntilOpt = None, strict: StrictOpt = False, tz: TzOpt = "UTC", quiet: QuietOpt = False,
@@ -85,12 +144,14 @@ def tasks(
     ps = _paths(paths)
     with _progress(ps) as progress:
         logs = read_server_logs(ps, keep_samples=False, tz=tz, progress=progress)  # type: ignore[arg-type]
+    if not any(f.kind == "server" for f in logs.accounting.files):
+        _no_input(logs.accounting.unusable, "no llama-server log among the inputs")
     df = window(logs.tasks, parse_when(since), parse_when(until), time_col="launch_s")
-    output.write(df, fmt, out, title="tasks")
+    output.write(df, fmt, out, title="tasks", table_columns=TASK_TABLE)
     _finish(logs.accounting, strict, quiet)
 
 
-@app.command()
+@command()
 def samples(
     paths: PathsArg = None,
     kind: Annotated[str, typer.Option("--kind", "-k", help="gen (tg_3s heartbeats) or prefill (progress lines).")] = "gen",
@@ -103,10 +164,90 @@ def samples(
     ps = _paths(paths)
     with _progress(ps) as progress:
         logs = read_server_logs(ps, keep_samples=True, tz=tz, progress=progress)  # type: ignore[arg-type]
+    if not any(f.kind == "server" for f in logs.accounting.files):
+        _no_input(logs.accounting.unusable, "no llama-server log among the inputs")
     df = logs.gen_samples if kind == "gen" else logs.prefill_samples
     df = window(df, parse_when(since), parse_when(until), time_col="t_s")
-    output.write(df, fmt, out, title=f"samples ({kind})")
+    output.write(df, fmt, out, title=f"samples ({kind})", table_columns=GEN_TABLE if kind == "gen" else PREFILL_TABLE)
     _finish(logs.accounting, strict, quiet)
+
+
+AppColumnsOpt = Annotated[Optional[str], typer.Option("--app-columns", help="Map app-log fields explicitly: start=ts,purpose=kind,... or a TOML file with a [columns] table.")]
+ServerStartOpt = Annotated[Optional[str], typer.Option("--server-start", help="Wall time of the server's clock zero (overrides alignment), ISO-8601.")]
+
+
+def _app_columns(spec: Optional[str]) -> Optional[dict[str, str]]:
+    if not spec:
+        return None
+    if os.path.isfile(spec):
+        return load_column_file(spec)
+    return parse_column_spec(spec)
+
+
+def _load(paths: list[str], tz: str, app_columns: Optional[str], server_start: Optional[str], keep_samples: bool = True) -> Dataset:
+    start = parse_when(server_start) if server_start else None
+    if start is not None and not isinstance(start, pd.Timestamp):
+        raise output.UsageError(None, None, "--server-start needs a wall time (ISO-8601)")
+    with _progress(paths) as progress:
+        return load(paths, app_columns=_app_columns(app_columns), tz=tz, server_start=start,
+                    keep_samples=keep_samples, progress=progress)  # type: ignore[arg-type]
+
+
+def _print_alignment(ds: Dataset, quiet: bool) -> None:
+    if quiet or ds.matches is None:
+        return
+    for r in ds.matches.aligned.itertuples(index=False):
+        at = r.server_start_at.isoformat(timespec="milliseconds") if not pd.isna(r.server_start_at) else "unknown"
+        spread = f", spread {r.spread_ms:.0f} ms" if r.spread_ms == r.spread_ms else ""
+        skew = f", app clock {r.app_clock_skew_s:+.3f} s vs wrapper stamps" if r.app_clock_skew_s == r.app_clock_skew_s else ""
+        err.print(f"clock: {r.source} session {r.session}: server started {at} ({r.method}, {r.support} supporting pairs{spread}{skew})", markup=False)
+        if r.warning:
+            err.print(f"warning: {r.source} session {r.session}: {r.warning}", markup=False)
+
+
+@command()
+def calls(
+    paths: PathsArg = None, fmt: FormatOpt = None, out: OutOpt = None, tz: TzOpt = "UTC",
+    app_columns: AppColumnsOpt = None, quiet: QuietOpt = False, strict: StrictOpt = False,
+) -> None:
+    """The app's call log as a table (one row per call), columns found by common names."""
+    ps = _paths(paths)
+    inputs = collect(ps)
+    app_log, accounts = read_app(inputs, columns=_app_columns(app_columns), tz=tz)
+    if app_log is None:
+        _no_input(inputs.unusable, "no app call log among the inputs (JSONL or CSV with a start-time column)")
+    output.write(app_log.calls, fmt, out, title="calls", table_columns=CALLS_TABLE)
+    _finish(Accounting(files=accounts, skipped=inputs.skipped, unusable=inputs.unusable), strict, quiet)
+
+
+@command("match")
+def match_cmd(
+    paths: PathsArg = None, fmt: FormatOpt = None, out: OutOpt = None, tz: TzOpt = "UTC",
+    app_columns: AppColumnsOpt = None, server_start: ServerStartOpt = None,
+    unlogged: Annotated[bool, typer.Option("--unlogged", help="List the server tasks no call explains instead.")] = False,
+    quiet: QuietOpt = False, strict: StrictOpt = False,
+) -> None:
+    """Every app call joined to its server task: queue, wait, prefill, generation, TTFT."""
+    ds = _load(_paths(paths), tz, app_columns, server_start, keep_samples=False)
+    if ds.matches is None:
+        raise output.UsageError(None, None, "no app call log among the inputs; `match` joins one to the server log")
+    if unlogged:
+        output.write(ds.matches.unlogged, fmt, out, title="tasks no call explains", table_columns=TASK_TABLE + ["busy_s"])
+    else:
+        output.write(ds.matches.calls, fmt, out, title="calls matched to tasks", table_columns=MATCH_TABLE)
+    _print_alignment(ds, quiet)
+    if not quiet:
+        m = ds.matches.calls
+        n_ok = int(m["ok"].fillna(False).sum()) if "ok" in m else len(m)
+        matched = int(m["task_id"].notna().sum())
+        un = ds.matches.unlogged
+        busy = float(un["busy_s"].sum()) if len(un) else 0.0
+        err.print(f"matched {matched:,} of {len(m):,} calls ({n_ok:,} successful); "
+                  f"{len(un):,} server tasks no call explains ({busy:,.1f} s busy)", markup=False)
+        reasons = m.loc[m["task_id"].isna(), "match_method"].value_counts()
+        for reason, n in reasons.items():
+            err.print(f"  {reason}: {n}", markup=False)
+    _finish(ds.accounting, strict, quiet)
 
 
 def main() -> None:

@@ -52,13 +52,19 @@ def read_app(inputs: Inputs, *, columns: dict[str, str] | None = None, tz: str =
             if lf.path != STDIN:
                 stream.close()
         a = log.accounting
-        acc = FileAccount(path=lf.path, kind="app", lines=a.lines_read, used=a.rows_loaded - a.rows_with_problems,
-                          ignored=a.empty_lines, unrecognized=a.lines_read - a.empty_lines - (a.rows_loaded - a.rows_with_problems))
-        acc.examples = [(p.line, p.reason) for p in a.problems if p.file == lf.path][:5]
+        # Rows loaded are used (a bad field becomes NA and is reported); dropped rows are the
+        # unrecognized ones; empty lines and a CSV header are known and ignored.
+        acc = FileAccount(path=lf.path, kind="app", lines=a.lines_read, used=a.rows_loaded,
+                          ignored=a.lines_read - a.rows_loaded - a.rows_dropped, unrecognized=a.rows_dropped)
+        acc.examples = [(p.line, p.reason) for p in a.problems][:5]
         accounts.append(acc)
         logs.append(log)
-    calls = pd.concat([lg.calls for lg in logs], ignore_index=True) if len(logs) > 1 else logs[0].calls
-    return AppLog(calls=calls, accounting=logs[0].accounting), accounts
+    if len(logs) == 1:
+        return logs[0], accounts
+    calls = pd.concat([lg.calls for lg in logs], ignore_index=True).sort_values("start_us", kind="stable")
+    for c in ("purpose", "user", "lora"):
+        calls[c] = calls[c].astype("category")
+    return AppLog(calls=calls.reset_index(drop=True), accounting=logs[0].accounting), accounts
 
 
 def load(

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import IO, Literal
 
 import pandas as pd
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -26,6 +27,14 @@ _EXT = {".csv": "csv", ".json": "json", ".parquet": "parquet", ".pq": "parquet",
 
 class UsageError(SlotscopeError):
     """A combination of options that cannot work (exit code 2)."""
+
+
+def is_terminal(stream: IO[str]) -> bool:
+    """Whether a stream is an interactive terminal (tests replace this)."""
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def choose_format(fmt: str | None, out: str | None, stdout_is_tty: bool) -> Format:
@@ -56,7 +65,12 @@ def _cell(v: object) -> str:
     if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)):
         return ""
     if isinstance(v, float):
-        return f"{v:,.3f}".rstrip("0").rstrip(".") if abs(v) < 1e15 else f"{v:g}"
+        a = abs(v)
+        if a >= 1e15:
+            return f"{v:g}"
+        if a >= 100 or v == int(v):
+            return f"{v:,.0f}"
+        return f"{v:.2f}" if a >= 1 else f"{v:.3g}"
     if isinstance(v, pd.Timestamp):
         return v.isoformat(timespec="milliseconds")
     return str(v)
@@ -64,13 +78,17 @@ def _cell(v: object) -> str:
 
 def rich_table(df: pd.DataFrame, title: str | None = None, max_rows: int | None = None) -> Table:
     """A rich Table of a DataFrame (numbers right-aligned, blanks for missing values)."""
-    table = Table(title=title, title_justify="left", show_lines=False, pad_edge=False, header_style="bold")
-    for c in df.columns:
-        numeric = pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c])
-        table.add_column(str(c), justify="right" if numeric else "left", overflow="fold")
+    table = Table(title=title, title_justify="left", show_lines=False, pad_edge=False, header_style="bold",
+                  box=box.SIMPLE_HEAD, collapse_padding=True)
     rows = df if max_rows is None else df.head(max_rows)
-    for rec in rows.itertuples(index=False, name=None):
-        table.add_row(*(_cell(v) for v in rec))
+    cells = [[_cell(v) for v in rows[c].tolist()] for c in rows.columns]
+    for c, col_cells in zip(df.columns, cells):
+        numeric = pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c])
+        # Values keep their width; long headers wrap instead.
+        width = min(max((len(x) for x in col_cells), default=0), 24)
+        table.add_column(str(c).replace("_", " "), justify="right" if numeric else "left", overflow="fold", min_width=width)
+    for rec in zip(*cells):
+        table.add_row(*rec)
     if max_rows is not None and len(df) > max_rows:
         table.caption = f"{len(df) - max_rows:,} more rows; use --format csv for all"
     return table
@@ -83,18 +101,34 @@ def write(
     *,
     title: str | None = None,
     stdout: IO[str] | None = None,
+    table_columns: list[str] | None = None,
 ) -> Format:
-    """Write one table to ``out`` (a path, ``-`` or None = stdout) in the chosen format."""
+    """Write one table to ``out`` (a path, ``-`` or None = stdout) in the chosen format.
+
+    ``table_columns`` narrows what a terminal table shows (every format else has all columns).
+    """
     stream = stdout if stdout is not None else sys.stdout
     to_stdout = out is None or out == "-"
-    chosen = choose_format(fmt, out, to_stdout and stream.isatty())
+    chosen = choose_format(fmt, out, to_stdout and is_terminal(stream))
     if chosen == "parquet":
         target = sys.stdout.buffer if to_stdout else out
         df.to_parquet(target, index=False)  # type: ignore[arg-type]
         return chosen
     if chosen == "table":
         console = Console(file=stream if to_stdout else open(out, "w"), soft_wrap=False)  # type: ignore[arg-type]
-        console.print(rich_table(df, title=title))
+        shown = df
+        if table_columns is not None:
+            shown = df[[c for c in table_columns if c in df.columns]]
+        # A key that is the same on every row goes into the title instead of a column.
+        for key in ("source", "session", "port"):
+            if key in shown.columns and len(shown) and shown[key].nunique(dropna=False) == 1:
+                title = f"{title} ({key} {shown[key].iloc[0]})" if title else f"{key} {shown[key].iloc[0]}"
+                shown = shown.drop(columns=[key])
+        table = rich_table(shown, title=title)
+        hidden = len(df.columns) - len(shown.columns)
+        if hidden:
+            table.caption = f"{hidden} more columns: --format csv shows all"
+        console.print(table)
         return chosen
     text = for_text(df)
     buf: IO[str] = stream if to_stdout else open(out, "w", newline="")  # type: ignore[arg-type]

@@ -411,7 +411,7 @@ def read_server_logs(
     if inputs is None:
         inputs = collect(paths)
     tasks, gens, prefills, sessions = [], [], [], []
-    acc = Accounting(skipped=list(inputs.skipped))
+    acc = Accounting(skipped=list(inputs.skipped), unusable=list(inputs.unusable))
     for files in inputs.server:
         asm, accounts = read_stream(files, inputs, keep_samples=keep_samples, tz=tz, year=year, progress=progress)
         t, g, p, s = asm.finish()

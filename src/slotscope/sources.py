@@ -51,6 +51,7 @@ class Inputs:
     server: list[list[LogFile]] = field(default_factory=list)  # one list per stream
     app: list[LogFile] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
+    unusable: list[tuple[str, str]] = field(default_factory=list)  # named explicitly, yet unusable
     stdin: BinaryIO | None = None  # stdin, already opened (it can be read only once)
 
 
@@ -99,7 +100,10 @@ def open_binary(path: str) -> BinaryIO:
             raise InputError(path, None, f"cannot read: {e.strerror or e}") from None
     head = raw.peek(4)[:4]  # type: ignore[attr-defined]
     if head.startswith(GZIP_MAGIC):
-        return _gzip.open(raw, "rb")  # type: ignore[return-value]
+        if path == STDIN:
+            return _gzip.open(raw, "rb")  # type: ignore[return-value]
+        raw.close()  # let the gzip object own (and close) the file
+        return _gzip.open(path, "rb")  # type: ignore[return-value]
     if head.startswith(ZSTD_MAGIC):
         try:
             import zstandard
@@ -151,8 +155,9 @@ def sniff(head: bytes) -> Kind | str:
 def collect(paths: Sequence[str | os.PathLike[str]]) -> Inputs:
     """Expand paths and sort the files into server-log streams and app logs.
 
-    Raises :class:`InputError` for a path that names nothing, or an explicitly named file that
-    cannot be used; files found inside a directory that are not logs are listed as skipped.
+    Raises :class:`InputError` for a path that names nothing. A file that cannot be used (empty,
+    binary, unreadable, neither kind of log) is listed in ``skipped`` with the reason, and also
+    in ``unusable`` when it was named explicitly (the CLI reports those as errors).
     """
     inputs = Inputs()
     seen: set[str] = set()
@@ -168,17 +173,20 @@ def collect(paths: Sequence[str | os.PathLike[str]]) -> Inputs:
                 found.append((f, explicit))
     streams: dict[tuple[str, str], list[LogFile]] = {}
     for f, explicit in found:
-        stream = open_binary(f)
         try:
-            head = read_head(stream, f)
-        finally:
-            if f != STDIN:
-                stream.close()
-        kind = sniff(head)
+            stream = open_binary(f)
+            try:
+                head = read_head(stream, f)
+            finally:
+                if f != STDIN:
+                    stream.close()
+            kind = sniff(head)
+        except InputError as e:
+            kind = e.reason
         if kind not in ("server", "app"):
-            if explicit:
-                raise InputError(f, None, str(kind))
             inputs.skipped.append((f, str(kind)))
+            if explicit:
+                inputs.unusable.append((f, str(kind)))
             continue
         if f == STDIN:
             inputs.stdin = _Prepended(head, stream)

@@ -1,0 +1,5 @@
+"""``python -m slotscope`` runs the CLI."""
+
+from .cli import main
+
+main()

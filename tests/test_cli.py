@@ -1,0 +1,152 @@
+"""The command line as a user meets it: exit codes, stdout = data, stderr = accounting."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from slotscope import output
+from slotscope.cli import app
+
+from .conftest import REAL
+
+runner = CliRunner()
+TASK_COLUMNS = ("source,session,slot,task_id,launch_s,prefill_start_s,first_token_s,release_s,wait_before_prefill_ms,"
+                "prompt_tokens_new,prompt_tokens_cached,n_gen,prompt_eval_ms,eval_ms,prefill_tps,gen_tps,truncated,status,line")
+GEN_COLUMNS = "source,session,slot,task_id,t_s,n_gen,tg_tps,tg_3s_tps,window_s"
+PREFILL_COLUMNS = "source,session,slot,task_id,t_s,n_tokens,progress,elapsed_s,tps,step_tokens"
+MATCH_COLUMNS = ("call_id,start_at,purpose,user,lora,prompt_tokens,completion_tokens,source,session,task_id,slot,"
+                 "match_method,confidence,queue_ms,wait_before_prefill_ms,prefill_ms,generation_ms,ttft_ms,total_ms")
+
+
+def run(*args: str):
+    return runner.invoke(app, list(args))
+
+
+@pytest.mark.parametrize("cmd", ["tasks", "samples", "calls", "match", "analyze"])
+def test_every_command_has_help(cmd: str) -> None:
+    res = run(cmd, "--help")
+    assert res.exit_code == 0
+    assert "Usage" in res.stdout
+
+
+def test_tasks_csv_when_piped_has_the_stable_columns_first() -> None:
+    res = run("tasks", str(REAL / "before" / "logs"))
+    assert res.exit_code == 0, res.stderr
+    header, *rows = res.stdout.splitlines()
+    assert header.startswith(TASK_COLUMNS)
+    assert len(rows) == 45
+    assert "lines read 563" in res.stderr and "unrecognized 0" in res.stderr
+    assert "tasks: 45 complete" in res.stderr
+
+
+def test_wallclock_tasks_have_iso_wall_columns() -> None:
+    res = run("tasks", str(REAL / "wallclock" / "logs"), "-f", "csv", "-q")
+    df = pd.read_csv(io.StringIO(res.stdout))
+    assert df["launch_at"].str.match(r"^2026-11-29T\d\d:\d\d:\d\d\.\d{6}\+00:00$").all()
+    assert res.stderr == ""
+
+
+@pytest.mark.parametrize("kind,columns", [("gen", GEN_COLUMNS), ("prefill", PREFILL_COLUMNS)])
+def test_samples(kind: str, columns: str) -> None:
+    res = run("samples", str(REAL / "after" / "logs"), "--kind", kind, "-q")
+    assert res.exit_code == 0
+    assert res.stdout.splitlines()[0].startswith(columns)
+
+
+def test_since_until_on_the_server_clock() -> None:
+    res = run("tasks", str(REAL / "before" / "logs"), "--since", "100", "--until", "200", "-q")
+    df = pd.read_csv(io.StringIO(res.stdout))
+    assert len(df) > 0 and df["launch_s"].between(100, 200).all()
+    res = run("tasks", str(REAL / "before" / "logs"), "--since", "2026-11-29T07:35:00")
+    assert res.exit_code == 1 and "wall-clock" in res.stderr
+
+
+def test_match_csv_columns() -> None:
+    res = run("match", str(REAL / "restart" / "logs"), "-f", "csv")
+    assert res.exit_code == 0
+    assert res.stdout.splitlines()[0].startswith(MATCH_COLUMNS)
+    assert "server started" in res.stderr and "matched 40 of 40 calls" in res.stderr
+
+
+def test_format_from_extension_and_parquet(tmp_path: Path) -> None:
+    out = tmp_path / "t.parquet"
+    res = run("tasks", str(REAL / "before" / "logs"), "-o", str(out), "-q")
+    assert res.exit_code == 0 and res.stdout == ""
+    assert len(pd.read_parquet(out)) == 45
+    js = tmp_path / "t.json"
+    run("tasks", str(REAL / "before" / "logs"), "-o", str(js), "-q")
+    assert len(pd.read_json(js)) == 45
+
+
+def test_parquet_to_a_terminal_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(output, "is_terminal", lambda stream: True)
+    res = run("tasks", str(REAL / "before" / "logs"), "-f", "parquet")
+    assert res.exit_code == 2
+    assert "refusing to write binary Parquet to a terminal" in res.stderr
+
+
+def test_table_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(output, "is_terminal", lambda stream: True)
+    res = run("tasks", str(REAL / "before" / "logs"), "-q")
+    assert res.exit_code == 0
+    assert "complete" in res.stdout and "source,session" not in res.stdout
+    assert max(len(line) for line in res.stdout.splitlines()) <= 100
+
+
+@pytest.mark.parametrize("content,reason", [(b"", "empty file"), (b"\x00\x01\x02" * 500, "binary data"),
+                                            (b"hello world\n", "neither a llama-server log nor an app call log")])
+def test_unusable_file_is_one_error_line(tmp_path: Path, content: bytes, reason: str) -> None:
+    f = tmp_path / "x.log"
+    f.write_bytes(content)
+    res = run("tasks", str(f))
+    assert res.exit_code == 1
+    assert res.stderr.strip() == f"error: {f}: {reason}" or res.stderr.strip().startswith(f"error: {f}: {reason}")
+    assert "Traceback" not in res.stderr
+
+
+def test_usage_errors_exit_2() -> None:
+    assert run("tasks").exit_code == 2
+    assert run("samples", str(REAL / "before" / "logs"), "--kind", "nope").exit_code == 2
+    assert run("tasks", str(REAL / "before" / "logs"), "--format", "xml").exit_code == 2
+
+
+def test_missing_path() -> None:
+    res = run("tasks", "/no/such/dir")
+    assert res.exit_code == 1
+    assert res.stderr.strip() == "error: /no/such/dir: no such file or directory"
+
+
+def test_strict_fails_on_unrecognized_lines(tmp_path: Path) -> None:
+    f = tmp_path / "l.log"
+    f.write_bytes((REAL / "before" / "logs" / "llama-server.log").read_bytes() + b"what is this\n")
+    assert run("tasks", str(f), "-q").exit_code == 0
+    res = run("tasks", str(f), "--strict")
+    assert res.exit_code == 1
+    assert f"{f}:564: what is this" in res.stderr
+
+
+def test_stdin_and_gzip(tmp_path: Path) -> None:
+    raw = (REAL / "before" / "logs" / "llama-server.log").read_bytes()
+    res = runner.invoke(app, ["tasks", "-", "-q"], input=raw)
+    assert res.exit_code == 0 and len(res.stdout.splitlines()) == 46
+
+
+def test_head_closes_the_pipe_quietly(tmp_path: Path) -> None:
+    big = tmp_path / "big.log"
+    raw = (REAL / "after" / "logs" / "llama-server.log").read_bytes()
+    big.write_bytes(raw * 60)
+    proc = subprocess.Popen([sys.executable, "-m", "slotscope", "tasks", str(big), "-f", "csv", "-q"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    proc.stdout.readline()
+    proc.stdout.close()
+    _, errout = proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    assert b"Traceback" not in errout and errout == b""

@@ -1,0 +1,126 @@
+"""Calls joined to tasks on every real scenario, checked against the client's ground truth."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from slotscope.dataset import load
+
+from .conftest import REAL, SCENARIOS, load_meta, load_truth
+
+
+def _timing_equal(task: pd.Series, tm: dict) -> bool:
+    return abs(task["prompt_eval_ms"] - round(tm["prompt_ms"], 2)) < 0.006 and abs(task["eval_ms"] - round(tm["predicted_ms"], 2)) < 0.006
+
+
+def _check(ds, truth: dict[str, dict], *, min_rate: float) -> pd.DataFrame:
+    m = ds.matches.calls
+    ok = m[m["ok"].fillna(False).astype(bool)]
+    matched = ok[ok["task_id"].notna()]
+    assert len(matched) >= min_rate * len(ok)
+    tasks = ds.tasks.set_index(["source", "session", "task_id"])
+    for r in matched.itertuples(index=False):
+        task = tasks.loc[(r.source, r.session, r.task_id)]
+        correct = _timing_equal(task, truth[r.call_id]["timings"])
+        if r.confidence >= 0.9:
+            assert correct, (r.call_id, r.task_id)
+    assert not m.dropna(subset=["task_id"]).duplicated(["source", "session", "task_id"]).any()
+    return matched
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_match_rate_and_no_wrong_confident_match(name: str) -> None:
+    ds = load([REAL / name / "logs"])
+    truth = {c["id"]: c for c in load_truth(name)}
+    matched = _check(ds, truth, min_rate=0.99)
+    # The launch, on the aligned clock, lies between the client's send and first token.
+    for r in matched.itertuples(index=False):
+        c = truth[r.call_id]
+        send = c["t_send"]
+        first = send + c["first_token_ms"] / 1000
+        assert send - 0.02 <= r.launch_at.timestamp() <= first + 0.02, r.call_id
+    # queue + wait before prefill + prefill reproduces the client's time to first token.
+    err = [abs(r.queue_ms + r.wait_before_prefill_ms + r.prefill_ms - truth[r.call_id]["first_token_ms"]) for r in matched.itertuples(index=False)]
+    good = sum(1 for e, r in zip(err, matched.itertuples(index=False)) if e <= 100 or e <= 0.05 * truth[r.call_id]["first_token_ms"])
+    assert good >= 0.95 * len(matched)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_offset_matches_the_server_start(name: str) -> None:
+    ds = load([REAL / name / "logs"])
+    starts = [s["popen_wall"] for s in load_meta(name)["server_starts"]]
+    aligned = ds.matches.aligned.sort_values("session")
+    assert len(aligned) == len(starts)
+    for off, start in zip(aligned["offset_us"], starts):
+        assert abs(off / 1e6 - start) < 0.1
+
+
+def _write_app(path: Path, records: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def _app_records(name: str) -> list[dict]:
+    return [json.loads(line) for line in (REAL / name / "logs" / "app.jsonl").read_text().splitlines()]
+
+
+def test_app_log_with_timings_matches_everything_exactly(tmp_path: Path) -> None:
+    truth = {c["id"]: c for c in load_truth("before")}
+    recs = [dict(r, timings=truth[r["id"]]["timings"]) for r in _app_records("before")]
+    (tmp_path / "llama-server.log").write_bytes((REAL / "before" / "logs" / "llama-server.log").read_bytes())
+    _write_app(tmp_path / "app.jsonl", recs)
+    ds = load([tmp_path])
+    m = ds.matches.calls
+    assert (m["match_method"] == "timings").all()
+    _check(ds, truth, min_rate=1.0)
+    assert ds.matches.aligned["method"].iloc[0] == "app-timings"
+
+
+@pytest.mark.parametrize("shift", [pd.Timedelta(minutes=7), pd.Timedelta(hours=-5)])
+def test_shifted_app_clock_still_aligns_and_says_by_how_much(tmp_path: Path, shift: pd.Timedelta) -> None:
+    """+7 minutes, and an app that wrote local time (UTC-5) with a UTC offset: both align."""
+    recs = _app_records("wallclock")
+    for r in recs:
+        for k in ("start", "end"):
+            r[k] = (pd.Timestamp(r[k]) + shift).isoformat()
+    (tmp_path / "llama-server.log").write_bytes((REAL / "wallclock" / "logs" / "llama-server.log").read_bytes())
+    _write_app(tmp_path / "app.jsonl", recs)
+    ds = load([tmp_path])
+    truth = {c["id"]: c for c in load_truth("wallclock")}
+    _check(ds, truth, min_rate=0.99)
+    row = ds.matches.aligned.iloc[0]
+    assert abs(row["app_clock_skew_s"] - shift.total_seconds()) < 0.1
+    assert "off the server's wall clock" in row["warning"]
+
+
+def test_restart_sessions_align_separately_and_calls_without_server_log_are_named(tmp_path: Path) -> None:
+    recs = _app_records("restart")
+    # Calls an hour later, when no server log was kept.
+    extra = []
+    for r in recs[:3]:
+        e = dict(r, id=r["id"] + "-late")
+        for k in ("start", "end"):
+            e[k] = (pd.Timestamp(r[k]) + pd.Timedelta(hours=1)).isoformat()
+        extra.append(e)
+    (tmp_path / "llama-server.log").write_bytes((REAL / "restart" / "logs" / "llama-server.log").read_bytes())
+    _write_app(tmp_path / "app.jsonl", recs + extra)
+    ds = load([tmp_path])
+    m = ds.matches.calls.set_index("call_id")
+    for e in extra:
+        assert m.loc[e["id"], "match_method"] == "unmatched:no_server_log"
+        assert pd.isna(m.loc[e["id"], "task_id"])
+    assert sorted(ds.matches.aligned["session"]) == [1, 2]
+    assert (ds.matches.aligned["support"] >= 3).all()
+
+
+def test_unlogged_tasks_are_counted(tmp_path: Path) -> None:
+    recs = _app_records("before")
+    kept = recs[::2]
+    (tmp_path / "llama-server.log").write_bytes((REAL / "before" / "logs" / "llama-server.log").read_bytes())
+    _write_app(tmp_path / "app.jsonl", kept)
+    ds = load([tmp_path])
+    assert len(ds.matches.unlogged) == len(recs) - len(kept)
+    assert (ds.matches.unlogged["busy_s"] > 0).all()

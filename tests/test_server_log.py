@@ -1,0 +1,112 @@
+"""The parser on the real captured logs, checked against the server's own timings in truth.jsonl."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from slotscope.server_log import read_server_logs
+
+from .conftest import REAL, SCENARIOS, load_meta, load_truth
+
+
+@pytest.fixture(scope="module", params=SCENARIOS)
+def scenario(request: pytest.FixtureRequest) -> tuple[str, object]:
+    name = request.param
+    return name, read_server_logs([REAL / name / "logs"])
+
+
+def test_every_line_is_used_or_known(scenario) -> None:
+    name, logs = scenario
+    acc = logs.accounting
+    server = [f for f in acc.files if f.kind == "server"]
+    assert len(server) == 1
+    raw = (REAL / name / "logs" / "llama-server.log").read_bytes()
+    assert server[0].lines == raw.count(b"\n")
+    assert server[0].unrecognized == 0, acc.examples()
+    assert server[0].used + server[0].ignored == server[0].lines
+
+
+def test_one_task_per_launch_line(scenario) -> None:
+    name, logs = scenario
+    launches = (REAL / name / "logs" / "llama-server.log").read_text().count("processing task")
+    assert len(logs.tasks) == launches
+    assert not logs.tasks.duplicated(["source", "session", "task_id"]).any()
+
+
+def test_each_call_with_timings_has_exactly_one_equal_task(scenario) -> None:
+    name, logs = scenario
+    t = logs.tasks
+    calls = [c for c in load_truth(name) if c.get("timings")]
+    assert calls
+    for c in calls:
+        tm = c["timings"]
+        hit = t[
+            (t["prompt_tokens_new"] == tm["prompt_n"])
+            & (t["n_gen"] == tm["predicted_n"])
+            & ((t["prompt_eval_ms"] - round(tm["prompt_ms"], 2)).abs() < 0.006)
+            & ((t["eval_ms"] - round(tm["predicted_ms"], 2)).abs() < 0.006)
+        ]
+        assert len(hit) == 1, c["id"]
+        row = hit.iloc[0]
+        # cached prompt tokens derived from the release line equal the server's cache_n
+        assert row["prompt_tokens_cached"] == tm["cache_n"]
+        assert row["status"] == "complete"
+
+
+def test_derived_times_follow_the_log_arithmetic(scenario) -> None:
+    _, logs = scenario
+    t = logs.tasks[logs.tasks["status"] == "complete"]
+    assert (t["wait_before_prefill_ms"] >= -1).all()  # prefill never starts before the launch
+    assert ((t["release_s"] - t["first_token_s"]) * 1000 >= t["eval_ms"] - 1).all()
+    gap = (t["first_token_s"] - t["prefill_start_s"]) * 1000 - t["prompt_eval_ms"]
+    assert gap.abs().max() < 0.01
+
+
+def test_restart_gives_two_sessions_and_no_task_spans_them() -> None:
+    logs = read_server_logs([REAL / "restart" / "logs"])
+    assert len(logs.sessions) == 2
+    t = logs.tasks
+    assert sorted(t["session"].unique()) == [1, 2]
+    # task ids restart at 0 in the second process: both sessions have a task 0
+    assert set(t.loc[t["task_id"] == 0, "session"]) == {1, 2}
+    cut = t[t["cut_by_restart"]]
+    assert len(cut) == 1 and cut.iloc[0]["status"] == "cancelled"
+    s1_end = logs.sessions.loc[logs.sessions["session"] == 1, "last_s"].iloc[0]
+    assert (t.loc[t["session"] == 1, "launch_s"] <= s1_end).all()
+
+
+def test_wallclock_columns_within_a_second_of_truth() -> None:
+    logs = read_server_logs([REAL / "wallclock" / "logs"])
+    t = logs.tasks
+    assert isinstance(t["launch_at"].dtype, pd.DatetimeTZDtype)
+    meta = load_meta("wallclock")
+    start = logs.sessions["start_at"].iloc[0].timestamp()
+    assert abs(start - meta["server_starts"][0]["popen_wall"]) < 1.0
+    checked = 0
+    for c in load_truth("wallclock"):
+        tm = c["timings"]
+        row = t[(t["prompt_tokens_new"] == tm["prompt_n"]) & (t["n_gen"] == tm["predicted_n"])].iloc[0]
+        # headers reach the client when prefill starts; the first token at the end of prefill
+        assert abs(row["prefill_start_at"].timestamp() - (c["t_send"] + c["headers_ms"] / 1000)) < 1.0
+        assert abs(row["first_token_at"].timestamp() - (c["t_send"] + c["first_token_ms"] / 1000)) < 1.0
+        assert abs(row["release_at"].timestamp() - c["t_end"]) < 1.0
+        checked += 1
+    assert checked == len(t)
+
+
+def test_heartbeat_windows_reproduce_tg_3s() -> None:
+    """tg_3s = tokens / window; our window (from timestamps and the first token) must agree."""
+    g = read_server_logs([REAL / "after" / "logs"]).gen_samples
+    assert len(g) > 100
+    speed = g["tokens"].astype(float) / g["window_s"]
+    rel = (speed - g["tg_3s_tps"]).abs() / g["tg_3s_tps"]
+    assert (rel < 0.02).mean() > 0.98
+
+
+def test_prefill_steps_show_the_batch_size() -> None:
+    before = read_server_logs([REAL / "before" / "logs"]).prefill_samples
+    after = read_server_logs([REAL / "after" / "logs"]).prefill_samples
+    assert before["step_tokens"].max() == 2048
+    assert after["step_tokens"].max() == 512
+    assert (after["step_tokens"].dropna() <= 512).all()
