@@ -8,7 +8,7 @@ A path may be a file, a directory (every file in it; rotated ``x.log.2.gz``, ``x
 from __future__ import annotations
 
 import glob
-import gzip
+import zlib
 import io
 import os
 import re
@@ -20,9 +20,9 @@ from typing import BinaryIO, Iterator, Literal, Sequence
 from .errors import InputError
 
 try:  # a faster inflater when installed; the standard library otherwise
-    from isal import igzip as _gzip  # type: ignore[import-not-found]
+    from isal import isal_zlib as _zlib  # type: ignore[import-not-found]
 except ImportError:  # pragma: no cover - depends on the environment
-    _gzip = gzip
+    _zlib = zlib
 
 Kind = Literal["server", "app"]
 
@@ -100,10 +100,7 @@ def open_binary(path: str) -> BinaryIO:
             raise InputError(path, None, f"cannot read: {e.strerror or e}") from None
     head = raw.peek(4)[:4]  # type: ignore[attr-defined]
     if head.startswith(GZIP_MAGIC):
-        if path == STDIN:
-            return _gzip.open(raw, "rb")  # type: ignore[return-value]
-        raw.close()  # let the gzip object own (and close) the file
-        return _gzip.open(path, "rb")  # type: ignore[return-value]
+        return _GzipStream(raw, path)  # type: ignore[return-value]
     if head.startswith(ZSTD_MAGIC):
         try:
             import zstandard
@@ -117,11 +114,25 @@ def open_binary(path: str) -> BinaryIO:
 
 
 def read_head(stream: BinaryIO, path: str, n: int = SNIFF_BYTES) -> bytes:
-    """Read up to ``n`` bytes from the start of a stream, as an error naming the file on failure."""
-    try:
-        return stream.read(n)
-    except (OSError, EOFError, ValueError) as e:  # corrupt gzip/zstd data, I/O errors
-        raise InputError(path, None, f"cannot read: {e}") from None
+    """Read up to ``n`` bytes from the start of a stream.
+
+    A truncated or corrupt compressed file yields what could be decompressed (the full read
+    reports the damage); an error is raised only when nothing at all can be read.
+    """
+    parts: list[bytes] = []
+    got = 0
+    while got < n:
+        try:
+            block = stream.read(min(4096, n - got))
+        except (OSError, EOFError, ValueError) as e:  # corrupt gzip/zstd data, I/O errors
+            if not parts:
+                raise InputError(path, None, f"cannot read: {e}") from None
+            break
+        if not block:
+            break
+        parts.append(block)
+        got += len(block)
+    return b"".join(parts)
 
 
 _SERVER_HINTS = re.compile(
@@ -202,6 +213,69 @@ def collect(paths: Sequence[str | os.PathLike[str]]) -> Inputs:
     return inputs
 
 
+class _GzipStream(io.RawIOBase):
+    """Streaming gzip reader (multi-member) that hands out everything before a damaged or cut end.
+
+    ``gzip.GzipFile`` discards the data of a read that hits a truncated member; a log cut by a
+    crash must still yield its lines, and the damage is reported as an error after them.
+    """
+
+    def __init__(self, raw: BinaryIO, path: str) -> None:
+        self._raw = raw
+        self._path = path
+        self._d = _zlib.decompressobj(wbits=31)
+        self._buf = bytearray()
+        self._eof = False
+        self._in_member = False
+        self._pending: Exception | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def _fill(self, want: int) -> None:
+        while len(self._buf) < want and not self._eof:
+            data = self._raw.read(1 << 20)
+            if not data:
+                self._eof = True
+                if self._in_member:  # a member was started but its end never came
+                    raise EOFError("compressed file ended before the end-of-stream marker was reached")
+                return
+            while data:
+                self._in_member = True
+                self._buf += self._d.decompress(data)
+                if self._d.eof:  # next gzip member (concatenated .gz files are one stream)
+                    self._in_member = False
+                    data = self._d.unused_data
+                    self._d = _zlib.decompressobj(wbits=31)
+                else:
+                    data = b""
+
+    def read(self, n: int = -1) -> bytes:  # type: ignore[override]
+        try:
+            self._fill(n if n >= 0 else 1 << 62)
+        except (EOFError, zlib.error) as e:
+            if self._buf:  # hand out what was decoded; the next read raises
+                self._eof = True
+                self._pending = e
+            else:
+                raise EOFError(str(e)) from None
+        if not self._buf and self._pending is not None:
+            e, self._pending = self._pending, None
+            raise EOFError(str(e))
+        if n < 0 or n >= len(self._buf):
+            out = bytes(self._buf)
+            self._buf.clear()
+        else:
+            out = bytes(self._buf[:n])
+            del self._buf[:n]
+        return out
+
+    def close(self) -> None:
+        if self._raw is not sys.stdin.buffer:
+            self._raw.close()
+        super().close()
+
+
 class _Prepended(io.RawIOBase):
     """A stream whose first bytes were already read (to sniff stdin) and are served again."""
 
@@ -228,13 +302,18 @@ def reopen(lf: LogFile, inputs: Inputs) -> BinaryIO:
 
 
 def iter_chunks(stream: BinaryIO, path: str, size: int = CHUNK_SIZE) -> Iterator[bytes]:
-    """Yield blocks of whole lines (each ends at a newline, except possibly the very last)."""
+    """Yield blocks of whole lines (each ends at a newline, except possibly the very last).
+
+    A damaged compressed stream yields every line decoded before the damage, then raises
+    :class:`InputError` naming the file.
+    """
     rest = b""
-    while True:
+    failure: InputError | None = None
+    while failure is None:
         try:
             block = stream.read(size)
-        except (OSError, EOFError, ValueError) as e:
-            raise InputError(path, None, f"cannot read (corrupt or truncated compressed data?): {e}") from None
+        except (OSError, EOFError, ValueError):
+            block, failure = _salvage(stream, path)
         if not block:
             break
         block = rest + block
@@ -249,6 +328,21 @@ def iter_chunks(stream: BinaryIO, path: str, size: int = CHUNK_SIZE) -> Iterator
         yield block[: cut + 1]
     if rest:
         yield rest
+    if failure is not None:
+        raise failure
+
+
+def _salvage(stream: BinaryIO, path: str) -> tuple[bytes, InputError]:
+    """After a failed read, what a decompressor still hands out in small reads, and the error."""
+    parts = []
+    while True:
+        try:
+            piece = stream.read(4096)
+        except (OSError, EOFError, ValueError) as e:
+            return b"".join(parts), InputError(path, None, f"cannot read past this point (corrupt or truncated compressed data?): {e}")
+        if not piece:
+            return b"".join(parts), InputError(path, None, "cannot read past this point (corrupt or truncated compressed data)")
+        parts.append(piece)
 
 
 def file_size(path: str) -> int | None:
