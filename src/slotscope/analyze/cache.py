@@ -1,0 +1,107 @@
+"""Prompt-cache misses between consecutive chat turns of one user.
+
+A *consecutive turn* is a successful chat turn (see :func:`.turns.is_chat_turn`) whose user's
+previous successful chat turn ended at most ``opts.cache_window_s`` before it started, in the
+same app session when the app log names sessions (a new session is a new conversation), and
+with no summary call of that user started in between (a summary folds the history, so the next
+prompt is meant to differ: those turns are the ``after_summary`` prefills, not cache misses).
+Calls of other purposes between the two turns (a translation, say) do not break the pair: the
+conversation's prefix should still be reusable.
+
+The previous turn leaves ``prompt_tokens + completion_tokens`` tokens in its slot; the next
+turn's prompt starts with them. A turn is a *miss* when fewer than :data:`MISS_SHARE` of those
+tokens were reused (``prompt_tokens_cached`` of its task, else the app's ``cached_tokens``).
+A reused prefix is normally 95-100% of what was left, a miss near 0%, so the threshold is not
+delicate.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from ..dataset import Dataset
+from . import Options, register
+from .turns import is_chat_turn, measured_calls, needs_app_log
+
+MISS_SHARE = 0.5
+SUMMARY = "summary"
+COLUMNS = ["user", "consecutive_turns", "misses", "miss_share", "misses_on_other_slot", "few_samples", "note"]
+MISS_COLUMNS = [
+    "user", "call_id", "start_at", "purpose", "slot", "task_id", "prev_call_id", "prev_slot", "gap_s",
+    "prev_left_tokens", "cached_tokens", "prompt_tokens", "new_tokens", "note",
+]
+
+
+def turn_pairs(calls: pd.DataFrame, opts: Options) -> pd.DataFrame:
+    """Consecutive chat turns of one user (one row per later turn) with its ``miss`` flag."""
+    ok = calls.loc[measured_calls(calls)]
+    chat = ok.loc[is_chat_turn(ok["purpose"])].copy()
+    chat["user"] = chat["user"].astype("string")
+    chat = chat.loc[chat["user"].notna()].sort_values(["user", "start_at"], kind="stable")
+    end = chat["end_at"].fillna(chat["start_at"]) if "end_at" in chat else chat["start_at"]
+    left = (chat["prompt_tokens"].astype("Float64") + chat["completion_tokens"].astype("Float64"))
+    g = chat.groupby("user", sort=False)
+    chat["prev_call_id"] = g["call_id"].shift(1)
+    chat["prev_start_at"] = g["start_at"].shift(1)
+    chat["prev_end_at"] = end.groupby(chat["user"], sort=False).shift(1)
+    chat["prev_slot"] = g["slot"].shift(1)
+    chat["prev_left_tokens"] = left.groupby(chat["user"], sort=False).shift(1)
+    chat["session"] = chat["app_session"].astype("string") if "app_session" in chat else pd.Series(pd.NA, index=chat.index, dtype="string")
+    chat["prev_session"] = g["session"].shift(1)
+    chat["gap_s"] = ((chat["start_at"] - chat["prev_end_at"]).dt.total_seconds()).round(3)
+
+    # The latest summary of the same user started before each turn.
+    summaries = calls.loc[calls["purpose"].astype("string") == SUMMARY, ["user", "start_at"]].copy()
+    summaries["user"] = summaries["user"].astype("string")
+    summaries = summaries.dropna().rename(columns={"start_at": "summary_at"}).sort_values("summary_at")
+    chat = chat.sort_values("start_at", kind="stable")
+    chat = pd.merge_asof(chat, summaries, left_on="start_at", right_on="summary_at", by="user",
+                         direction="backward", allow_exact_matches=False)
+
+    same_session = (chat["session"] == chat["prev_session"]).fillna(True)  # unknown session: by time alone
+    folded = chat["summary_at"].notna() & (chat["summary_at"] > chat["prev_start_at"])
+    pair = chat["prev_call_id"].notna() & (chat["gap_s"] <= opts.cache_window_s) & same_session & ~folded
+    pairs = chat.loc[pair.fillna(False).to_numpy()].copy()
+    cached = pairs["prompt_tokens_cached"].astype("Float64").fillna(pairs["cached_tokens"].astype("Float64"))
+    pairs["cached"] = cached
+    pairs["miss"] = (cached < MISS_SHARE * pairs["prev_left_tokens"]).fillna(False).astype(bool)
+    return pairs.sort_values("start_at", kind="stable").reset_index(drop=True)
+
+
+@register("cache")
+def cache(ds: Dataset, opts: Options) -> pd.DataFrame:
+    """Consecutive chat turns of each user within the cache window, and how many missed the prompt cache."""
+    if ds.matches is None:
+        return needs_app_log(COLUMNS)
+    pairs = turn_pairs(ds.matches.calls, opts)
+    pairs["other_slot"] = pairs["miss"] & (pairs["slot"] != pairs["prev_slot"]).fillna(False)
+    by_user = pairs.groupby("user", sort=True).agg(
+        consecutive_turns=("miss", "size"), misses=("miss", "sum"), misses_on_other_slot=("other_slot", "sum"))
+    total = pd.DataFrame({
+        "consecutive_turns": [len(pairs)], "misses": [int(pairs["miss"].sum())],
+        "misses_on_other_slot": [int(pairs["other_slot"].sum())]}, index=pd.Index(["all"], name="user"))
+    table = pd.concat([by_user, total]).reset_index(names="user")
+    table[["consecutive_turns", "misses", "misses_on_other_slot"]] = table[
+        ["consecutive_turns", "misses", "misses_on_other_slot"]].astype("int64")
+    table["miss_share"] = (table["misses"] / table["consecutive_turns"].where(table["consecutive_turns"] > 0)).round(3)
+    table["few_samples"] = table["consecutive_turns"] < opts.min_samples
+    table["note"] = ""
+    table.loc[table["user"] == "all", "note"] = (
+        f"chat turns <= {opts.cache_window_s:g} s after the user's previous one; "
+        f"miss = reused < {MISS_SHARE:.0%} of what the previous turn left")
+    return table[COLUMNS]
+
+
+@register("cache-misses")
+def cache_misses(ds: Dataset, opts: Options) -> pd.DataFrame:
+    """Each consecutive chat turn that missed the prompt cache, with the turn before it."""
+    if ds.matches is None:
+        return needs_app_log(MISS_COLUMNS)
+    pairs = turn_pairs(ds.matches.calls, opts)
+    m = pairs.loc[pairs["miss"]].copy()
+    m["cached_tokens"] = m["cached"].astype("Int64")
+    m["prev_left_tokens"] = m["prev_left_tokens"].astype("Int64")
+    m["new_tokens"] = m["prompt_tokens_new"].astype("Int64")
+    m["prev_slot"] = m["prev_slot"].astype("Int64")
+    m["note"] = (m["slot"] != m["prev_slot"]).fillna(False).map({True: "other slot than the previous turn", False: ""})
+    return m[MISS_COLUMNS].reset_index(drop=True)

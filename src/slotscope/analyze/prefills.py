@@ -1,0 +1,82 @@
+"""Where the big prefills come from: prefills of ``opts.big_prefill_tokens``+ new tokens, by purpose and by cause.
+
+Every server task with that many new (uncached) prompt tokens is counted once in the ``all``
+row, once under its call's purpose and once under its cause. Causes, first match wins:
+
+``first_of_day``      the user's first call of that calendar day (UTC) in the app log. A log
+                      that starts mid-day makes every user's first call in it one of these.
+``first_of_session``  the user's first call of an app session (only when the app log names
+                      sessions): a conversation resumed later the same day
+``summary``           the call is itself a ``summary`` (the transcript it folds is read anew)
+``after_summary``     the user's previous call was a ``summary`` (the history was just folded)
+``cache_miss``        a consecutive chat turn that did not reuse what its previous turn left
+                      (see :mod:`.cache`)
+``other``             anything else (translations, ...)
+
+Tasks no call explains are counted as ``(unlogged)``. ``seconds_total`` is the sum of the
+tasks' ``prompt eval time``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from ..dataset import Dataset, task_view
+from . import Options, register
+from .cache import SUMMARY, turn_pairs
+from .turns import needs_app_log
+
+CAUSES = ["first_of_day", "first_of_session", "summary", "after_summary", "cache_miss", "other"]
+UNLOGGED = "(unlogged)"
+COLUMNS = ["by", "value", "count", "new_tokens_total", "seconds_total", "few_samples", "note"]
+
+
+def call_causes(calls: pd.DataFrame, opts: Options) -> pd.Series:
+    """The cause of each app call's prompt (one of :data:`CAUSES`), indexed by ``call_id``."""
+    c = calls[["call_id", "user", "start_at", "purpose"]].copy()
+    c["user"] = c["user"].astype("string")
+    c["session"] = calls["app_session"].astype("string") if "app_session" in calls else pd.Series(pd.NA, index=c.index, dtype="string")
+    c = c.sort_values(["user", "start_at"], kind="stable")
+    day = c["start_at"].dt.tz_convert("UTC").dt.date if c["start_at"].dt.tz is not None else c["start_at"].dt.date
+    first_of_day = c.groupby([c["user"], day], sort=False, dropna=False).cumcount() == 0
+    first_of_session = c["session"].notna() & (c.groupby([c["user"], c["session"]], sort=False, dropna=False).cumcount() == 0)
+    prev_purpose = c.groupby("user", sort=False, dropna=False)["purpose"].shift(1).astype("string")
+    after_summary = (prev_purpose == SUMMARY).fillna(False)
+    missed = c["call_id"].isin(turn_pairs(calls, opts).query("miss")["call_id"])
+    summary = (c["purpose"].astype("string") == SUMMARY).fillna(False)
+    cause = np.select([first_of_day, first_of_session, summary, after_summary, missed], CAUSES[:-1], default=CAUSES[-1])
+    return pd.Series(cause, index=c["call_id"].to_numpy(), name="cause")
+
+
+@register("prefills")
+def prefills(ds: Dataset, opts: Options) -> pd.DataFrame:
+    """Count, new tokens and prefill seconds of the big prefills, by purpose and by cause."""
+    if ds.matches is None:
+        return needs_app_log(COLUMNS)
+    tv = task_view(ds)
+    big = tv.loc[(tv["prompt_tokens_new"] >= opts.big_prefill_tokens).fillna(False).to_numpy()].copy()
+    causes = call_causes(ds.matches.calls, opts)
+    big["cause"] = big["call_id"].map(causes).astype("string").fillna(UNLOGGED)
+    big["purpose"] = big["purpose"].astype("string").fillna(UNLOGGED)
+    label = f">= {opts.big_prefill_tokens:,} new tokens"
+    big["all"] = label
+    big["seconds"] = big["prompt_eval_ms"] / 1000
+
+    # Every cause gets its row, zero or not: "none after a summary" is a finding too.
+    rows = {"all": [label], "cause": CAUSES + ([UNLOGGED] if (big["cause"] == UNLOGGED).any() else [])}
+    parts = []
+    for by in ("all", "purpose", "cause"):
+        g = big.groupby(by, sort=False).agg(
+            count=("task_id", "size"), new_tokens_total=("prompt_tokens_new", "sum"), seconds_total=("seconds", "sum"))
+        g = g.reindex(rows[by]) if by in rows else g.sort_values("count", ascending=False, kind="stable")
+        parts.append(g.rename_axis("value").reset_index().assign(by=by))
+    table = pd.concat(parts, ignore_index=True)
+    table["count"] = table["count"].fillna(0).astype("int64")
+    table["new_tokens_total"] = table["new_tokens_total"].fillna(0).astype("int64")
+    table["seconds_total"] = table["seconds_total"].astype("float64").fillna(0.0).round(3)
+    table["few_samples"] = table["count"] < opts.min_samples
+    table["note"] = ""
+    if "app_session" not in ds.matches.calls or ds.matches.calls["app_session"].isna().all():
+        table.loc[table["value"] == "first_of_session", "note"] = "the app log names no sessions"
+    return table[COLUMNS]

@@ -1,0 +1,80 @@
+"""lora-switch: short prefills right after a LoRA change vs after the same setting, recounted task by task."""
+
+from __future__ import annotations
+
+import statistics
+
+import pandas as pd
+import pytest
+
+from slotscope.analyze import Options
+from slotscope.analyze.lora_switch import lora_switch
+from slotscope.analyze.turns import NEEDS_APP_LOG
+from slotscope.dataset import load, task_view
+
+from .conftest import REAL, load_truth
+
+
+def _label(rec: dict) -> str:
+    lora = rec["lora"]
+    return "none" if lora is None else f"{lora['name']}@{lora['scale']}"
+
+
+def _by_loops(scenario: str, ds) -> dict[str, list[float]]:
+    """Prefill ms of short tasks by setting; labels from truth.jsonl, launch order from the server log."""
+    label = {r["id"]: _label(r) for r in load_truth(scenario)}
+    tv = task_view(ds).sort_values("launch_s")
+    out: dict[str, list[float]] = {}
+    prev = None
+    for t in tv.to_dict("records"):
+        cur = label.get(t["call_id"]) if isinstance(t["call_id"], str) else None
+        if cur is not None and prev is not None and t["prompt_tokens_new"] < 1000:
+            key = ("same " if cur == prev else "to ") + cur
+            out.setdefault(key, []).append(t["prompt_eval_ms"])
+        prev = cur
+    return out
+
+
+@pytest.fixture(scope="module")
+def datasets() -> dict:
+    return {s: load([REAL / s / "logs"]) for s in ("before", "after", "restart")}
+
+
+@pytest.mark.parametrize("scenario", ["before", "after"])
+def test_settings_counts_and_medians(datasets: dict, scenario: str) -> None:
+    table = lora_switch(datasets[scenario], Options()).set_index("setting")
+    expected = _by_loops(scenario, datasets[scenario])
+    assert set(table.index) == set(expected)
+    for setting, values in expected.items():
+        assert table.loc[setting, "count"] == len(values)
+        assert table.loc[setting, "prefill_median_ms"] == pytest.approx(statistics.median(values), abs=0.05)
+    assert (table["alone_count"] <= table["count"]).all()
+
+
+def test_before_has_both_directions_and_both_baselines(datasets: dict) -> None:
+    table = lora_switch(datasets["before"], Options())
+    assert table["setting"].tolist() == ["to none", "to style-a@1.0", "same none", "same style-a@1.0"]
+    assert table["few_samples"].all()  # 19 short tasks in 9 minutes: a hint, not a finding
+
+
+def test_one_setting_has_no_switches(datasets: dict) -> None:
+    table = lora_switch(datasets["after"], Options())
+    assert table["setting"].tolist() == ["same none"]
+    assert not table["few_samples"].iloc[0]
+
+
+def test_sessions_do_not_chain_across_a_restart(datasets: dict) -> None:
+    ds = datasets["restart"]
+    table = lora_switch(ds, Options())
+    tv = task_view(ds)
+    short_known = tv[(tv["prompt_tokens_new"] < 1000) & tv["lora"].notna() & tv["prompt_eval_ms"].notna()]
+    assert tv["session"].nunique() == 2
+    firsts = tv.sort_values("launch_s").groupby("session").head(1)
+    key = ["session", "task_id"]
+    first_short = len(firsts[key].merge(short_known[key]))
+    assert table["count"].sum() == len(short_known) - first_short
+
+
+def test_without_app_log_only_the_note() -> None:
+    table = lora_switch(load([REAL / "before" / "logs" / "llama-server.log"]), Options())
+    assert table["note"].tolist() == [NEEDS_APP_LOG]

@@ -1,0 +1,90 @@
+"""prefills: the big prefills by purpose and by cause, checked against the client's record of each call."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from slotscope.analyze import Options
+from slotscope.analyze.prefills import CAUSES, call_causes, prefills
+from slotscope.analyze.turns import NEEDS_APP_LOG
+from slotscope.dataset import load
+
+from .conftest import REAL, load_truth
+
+
+@pytest.fixture(scope="module")
+def datasets() -> dict:
+    return {s: load([REAL / s / "logs"]) for s in ("before", "after", "restart")}
+
+
+def _big(scenario: str, threshold: int = 5000) -> list[dict]:
+    return [r for r in load_truth(scenario) if r["timings"] and r["timings"]["prompt_n"] >= threshold]
+
+
+@pytest.mark.parametrize("scenario", ["before", "after"])
+def test_every_big_prefill_is_counted_once_per_view(datasets: dict, scenario: str) -> None:
+    table = prefills(datasets[scenario], Options())
+    big = _big(scenario)
+    total = table[table["by"] == "all"].iloc[0]
+    assert total["count"] == len(big)
+    assert total["new_tokens_total"] == sum(r["timings"]["prompt_n"] for r in big)
+    assert total["seconds_total"] == pytest.approx(sum(r["timings"]["prompt_ms"] for r in big) / 1000, abs=0.01)
+    for by in ("purpose", "cause"):
+        rows = table[table["by"] == by]
+        assert rows["count"].sum() == total["count"]
+        assert rows["new_tokens_total"].sum() == total["new_tokens_total"]
+    purposes = table[table["by"] == "purpose"].set_index("value")["count"].to_dict()
+    assert purposes == {p: sum(r["purpose"] == p for r in big) for p in {r["purpose"] for r in big}}
+
+
+def test_before_causes(datasets: dict) -> None:
+    table = prefills(datasets["before"], Options())
+    causes = table[table["by"] == "cause"].set_index("value")["count"]
+    assert list(causes.index) == CAUSES  # every cause has its row, zeros included
+    # u03 and u00 open the log with their long first-of-day turns; u04 and u01 return later.
+    assert causes["first_of_day"] == 2
+    assert causes["first_of_session"] == 2
+    assert causes["summary"] == sum(r["purpose"] == "summary" for r in _big("before")) == 3
+    # The folded prompt after a summary is short here (persona + summary + last exchange).
+    assert causes["after_summary"] == 0
+    assert causes["cache_miss"] == 4
+    assert causes["other"] == 0
+
+
+def test_no_cache_miss_prefills_with_one_lora_setting(datasets: dict) -> None:
+    table = prefills(datasets["after"], Options())
+    assert table.set_index(["by", "value"]).loc[("cause", "cache_miss"), "count"] == 0
+
+
+def test_causes_of_calls(datasets: dict) -> None:
+    calls = datasets["before"].matches.calls
+    cause = call_causes(calls, Options())
+    assert len(cause) == len(calls)
+    first = calls.sort_values("start_at").groupby("user", observed=True)["call_id"].first()
+    assert set(cause[cause == "first_of_day"].index) == set(first)
+    # After each summary, that user's next call.
+    app = [json.loads(l) for l in (REAL / "before" / "logs" / "app.jsonl").read_text().splitlines()]
+    app.sort(key=lambda r: r["start"])
+    after = set()
+    for i, r in enumerate(app):
+        if r["purpose"] == "summary":
+            nxt = [x for x in app[i + 1:] if x["user"] == r["user"]]
+            if nxt:
+                after.add(nxt[0]["id"])
+    assert set(cause[cause == "after_summary"].index) == after
+    assert {calls.set_index("call_id").loc[c, "purpose"] for c in after} == {"chat_after_summary"}
+
+
+def test_threshold_is_an_option(datasets: dict) -> None:
+    table = prefills(datasets["restart"], Options(big_prefill_tokens=10_000))
+    assert table[table["by"] == "all"]["value"].tolist() == [">= 10,000 new tokens"]
+    assert table[table["by"] == "all"]["count"].tolist() == [len(_big("restart", 10_000))]
+
+
+def test_without_app_log_only_the_note() -> None:
+    table = prefills(load([REAL / "before" / "logs" / "llama-server.log"]), Options())
+    assert table["note"].tolist() == [NEEDS_APP_LOG]
+    assert isinstance(table, pd.DataFrame) and len(table) == 1

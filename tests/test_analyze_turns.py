@@ -1,0 +1,104 @@
+"""turns: call duration and time to first token per purpose, checked against the app log and the client's truth."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import Counter
+
+import pandas as pd
+import pytest
+
+from slotscope.analyze import Options
+from slotscope.analyze.turns import NEEDS_APP_LOG, is_chat_turn, turns
+from slotscope.dataset import load
+
+from .conftest import REAL, load_truth
+
+
+def _app(scenario: str) -> list[dict]:
+    return [json.loads(line) for line in (REAL / scenario / "logs" / "app.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _ok(rec: dict) -> bool:
+    return rec["status"] == 200 and rec["error"] is None
+
+
+@pytest.fixture(scope="module")
+def tables() -> dict[str, pd.DataFrame]:
+    return {s: turns(load([REAL / s / "logs"]), Options()) for s in ("before", "after", "restart")}
+
+
+def _purpose_rows(table: pd.DataFrame) -> pd.DataFrame:
+    return table[table["by"] == "purpose"].set_index("group")
+
+
+@pytest.mark.parametrize("scenario", ["before", "after", "restart"])
+def test_counts_are_the_successful_calls_per_purpose(tables: dict[str, pd.DataFrame], scenario: str) -> None:
+    expected = Counter(r["purpose"] for r in _app(scenario) if _ok(r))
+    got = _purpose_rows(tables[scenario])["count"].to_dict()
+    assert got == dict(expected)
+
+
+@pytest.mark.parametrize("scenario", ["before", "after"])
+def test_ttft_medians_agree_with_the_client(tables: dict[str, pd.DataFrame], scenario: str) -> None:
+    by_purpose: dict[str, list[float]] = {}
+    for r in load_truth(scenario):
+        if r["status"] == 200 and r["error"] is None:
+            by_purpose.setdefault(r["purpose"], []).append(r["first_token_ms"] / 1000)
+    rows = _purpose_rows(tables[scenario])
+    for purpose, values in by_purpose.items():
+        assert rows.loc[purpose, "ttft_count"] == len(values)
+        assert rows.loc[purpose, "ttft_median_s"] == pytest.approx(statistics.median(values), rel=0.05), purpose
+
+
+def test_total_max_is_the_longest_call(tables: dict[str, pd.DataFrame]) -> None:
+    longest: dict[str, float] = {}
+    for r in _app("before"):
+        longest[r["purpose"]] = max(longest.get(r["purpose"], 0.0), r["duration_ms"] / 1000)
+    rows = _purpose_rows(tables["before"])
+    assert rows["total_max_s"].to_dict() == pytest.approx(longest, abs=0.001)
+
+
+def test_chat_subsets_follow_the_app_counts(tables: dict[str, pd.DataFrame]) -> None:
+    chat = [r for r in _app("before") if _ok(r) and (r["purpose"] == "chat" or r["purpose"].startswith("chat_"))]
+    rows = tables["before"][tables["before"]["by"] == "chat turns"].set_index("group")["count"]
+    assert rows["all"] == len(chat) == 37
+    assert rows["cache rate >= 95%"] == sum(r["cached_tokens"] >= 0.95 * r["prompt_tokens"] for r in chat)
+    assert rows[">= 5,000 new tokens"] == sum(r["prompt_tokens"] - r["cached_tokens"] >= 5000 for r in chat) == 8
+
+
+def test_subset_thresholds_are_options() -> None:
+    table = turns(load([REAL / "before" / "logs"]), Options(cache_rate=0.8, uncached_tokens=10_000))
+    groups = set(table.loc[table["by"] == "chat turns", "group"])
+    assert groups == {"all", "cache rate >= 80%", ">= 10,000 new tokens"}
+    chat = [r for r in _app("before") if r["purpose"].startswith("chat")]
+    n = table.set_index("group").loc[">= 10,000 new tokens", "count"]
+    assert n == sum(r["prompt_tokens"] - r["cached_tokens"] >= 10_000 for r in chat)
+
+
+def test_failed_call_is_left_out_and_said_so(tables: dict[str, pd.DataFrame]) -> None:
+    table = tables["restart"]
+    left = table[table["by"] == "left out"]
+    assert left["group"].tolist() == ["call failed"]
+    assert left["count"].tolist() == [sum(not _ok(r) for r in _app("restart"))] == [1]
+    assert left["total_median_s"].isna().all()
+    assert "failed" in left["note"].iloc[0]
+    # The two counts add up to every call in the app log.
+    assert table.loc[table["by"] == "purpose", "count"].sum() + left["count"].sum() == len(_app("restart"))
+
+
+def test_few_samples_marks_small_groups(tables: dict[str, pd.DataFrame]) -> None:
+    table = tables["before"]
+    assert (table["few_samples"] == (table["count"] < Options().min_samples)).all()
+
+
+def test_without_app_log_only_the_note() -> None:
+    table = turns(load([REAL / "before" / "logs" / "llama-server.log"]), Options())
+    assert table["note"].tolist() == [NEEDS_APP_LOG]
+    assert table.drop(columns="note").isna().all().all()
+
+
+def test_chat_turns_are_chat_and_chat_underscore() -> None:
+    purposes = pd.Series(["chat", "chat_first_of_day", "chatter", "summary", None], dtype="string")
+    assert is_chat_turn(purposes).tolist() == [True, True, False, False, False]
