@@ -14,3 +14,8 @@ The pipeline, one module per stage::
 """
 
 __version__ = "0.1.0"
+
+from .dataset import Dataset, load, task_view
+from .server_log import ServerLogs, read_server_logs
+
+__all__ = ["Dataset", "ServerLogs", "load", "read_server_logs", "task_view", "__version__"]

@@ -250,6 +250,60 @@ def match_cmd(
     _finish(ds.accounting, strict, quiet)
 
 
+@command()
+def analyze(
+    paths: PathsArg = None,
+    table: Annotated[Optional[str], typer.Option("--table", "-t", help="Only this table (see the report's section names).")] = None,
+    fmt: FormatOpt = None, out: OutOpt = None, tz: TzOpt = "UTC",
+    app_columns: AppColumnsOpt = None, server_start: ServerStartOpt = None,
+    long_prefill: Annotated[int, typer.Option(help="New tokens that make a prefill 'long' (stalls).")] = 15_000,
+    big_prefill: Annotated[int, typer.Option(help="New tokens that make a prefill 'big' (prefills).")] = 5_000,
+    wait_threshold: Annotated[float, typer.Option(help="Seconds of wait before prefill worth listing.")] = 1.0,
+    solo_gen_tps: Annotated[Optional[float], typer.Option(help="Solo generation speed (default: estimated).")] = None,
+    solo_prefill_tps: Annotated[Optional[float], typer.Option(help="Solo prefill speed (default: estimated).")] = None,
+    quiet: QuietOpt = False, strict: StrictOpt = False, debug: DebugOpt = False,
+) -> None:
+    """The incident report: every table of the field report, computed from raw logs, with findings.
+
+    With no path, analyzes the real example bundled with slotscope.
+    """
+    from . import analyze as analysis
+    from .report import render
+
+    if not paths:
+        paths = [example_dir()]
+        err.print(f"no path given: analyzing the bundled example ({paths[0]})", markup=False)
+    names = analysis.table_names()
+    if table is not None and table not in names:
+        raise output.UsageError(None, None, f"unknown table {table!r}; tables: {', '.join(names)}")
+    opts = analysis.Options(long_prefill_tokens=long_prefill, big_prefill_tokens=big_prefill,
+                            wait_threshold_s=wait_threshold, solo_gen_tps=solo_gen_tps, solo_prefill_tps=solo_prefill_tps)
+    ds = _load(paths, tz, app_columns, server_start)
+    if not len(ds.server.accounting.files) or not any(f.kind == "server" for f in ds.accounting.files):
+        _no_input(ds.accounting.unusable, "no llama-server log among the inputs")
+    if table is not None or fmt in ("csv", "json", "parquet") or (out and not out.endswith(".txt")):
+        if table is None:
+            raise output.UsageError(None, None, f"exporting needs one table: --table NAME ({', '.join(names)})")
+        tables = analysis.run(ds, opts, [table], strict=debug)
+        output.write(tables[table], fmt, out, title=table)
+    else:
+        tables = analysis.run(ds, opts, strict=debug)
+        target = open(out, "w") if out else None
+        try:
+            render(ds, tables, file=target, width=None if output.is_terminal(sys.stdout) and not out else 100)
+        finally:
+            if target is not None:
+                target.close()
+    _print_alignment(ds, quiet)
+    _finish(ds.accounting, strict, quiet)
+
+
+@command()
+def demo() -> None:
+    """The report on the real example bundled with slotscope (same as `slotscope analyze`)."""
+    analyze(paths=None)
+
+
 def main() -> None:
     """Entry point: map library errors to one line, exit quietly on a closed pipe."""
     global _debug

@@ -43,3 +43,52 @@ def register(name: str) -> Callable[[Analyzer], Analyzer]:
         return fn
 
     return deco
+
+
+REPORT_ORDER = [
+    "turns", "load", "breakdown", "stalls", "stalls-worst", "waits", "waits-worst", "prefills",
+    "prefill-speed", "context", "cache", "cache-misses", "lora-switch", "findings",
+]
+_MODULES = ["turns", "load", "breakdown", "stalls", "waits", "prefills", "prefill_speed", "context", "cache",
+            "lora_switch", "findings"]
+
+
+def _import_all() -> None:
+    import importlib
+
+    for m in _MODULES:
+        importlib.import_module(f"{__name__}.{m}")
+
+
+def table_names() -> list[str]:
+    """Every table the report can compute, in report order."""
+    _import_all()
+    names = [n for n in REPORT_ORDER if n in TABLES or n == "findings"]
+    return names + [n for n in TABLES if n not in REPORT_ORDER]
+
+
+def run(ds: Dataset, opts: Options | None = None, names: list[str] | None = None, *, strict: bool = False) -> dict[str, pd.DataFrame]:
+    """Compute the report's tables (all, or ``names``) in report order.
+
+    ``findings`` is computed from the other tables, so asking for it computes them too. A table
+    that fails on unusual input becomes a one-row note instead of ending the report, unless
+    ``strict`` (tests and ``--debug``) asks for the error.
+    """
+    opts = opts or Options()
+    wanted = table_names() if names is None else names
+    needed = table_names() if "findings" in wanted else wanted
+    out: dict[str, pd.DataFrame] = {}
+    for name in needed:
+        if name == "findings":
+            continue
+        try:
+            out[name] = TABLES[name](ds, opts)
+        except Exception as e:  # noqa: BLE001 - one broken table must not hide the rest
+            if strict:
+                raise
+            out[name] = pd.DataFrame({"note": [f"could not compute {name}: {type(e).__name__}: {e}"]})
+    if "findings" in wanted:
+        from .findings import findings
+
+        out["findings"] = findings(ds, opts, out)
+    return {n: out[n] for n in wanted if n in out}

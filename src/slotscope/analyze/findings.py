@@ -1,0 +1,108 @@
+"""3-6 plain sentences generated from the other tables, each with its numbers and counts.
+
+A statement is made only where the data support it: a class with fewer than
+``opts.min_samples`` samples is mentioned as such, never stated as a finding.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from ..dataset import Dataset
+from . import Options
+
+FINDING_COLUMNS = ["finding", "table", "samples", "supported"]
+
+
+def _row(df: pd.DataFrame, col: str, value: str) -> pd.Series | None:
+    if df is None or col not in df.columns:
+        return None
+    hit = df[df[col] == value]
+    return None if hit.empty else hit.iloc[0]
+
+
+def _num(x: object) -> float | None:
+    try:
+        v = float(x)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return None if v != v else v
+
+
+def findings(ds: Dataset, opts: Options, tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """Sentences about stalls, waits, load, breakdown and long prefills, with counts."""
+    rows: list[dict] = []
+
+    def add(text: str, table: str, samples: int, supported: bool) -> None:
+        rows.append({"finding": text, "table": table, "samples": samples, "supported": supported})
+
+    stalls = tables.get("stalls")
+    lp = _row(stalls, "class", "long_prefill")
+    base = None
+    for cls in ("alone", "generation_only"):
+        r = _row(stalls, "class", cls)
+        if r is not None and (_num(r.get("samples")) or 0) >= opts.min_samples:
+            base = r
+            break
+    if lp is not None and base is not None:
+        n_lp = int(_num(lp["samples"]) or 0)
+        v_lp, v_base = _num(lp["median_tg_3s_tps"]), _num(base["median_tg_3s_tps"])
+        if v_lp is not None and v_base:
+            k = f"≥{opts.long_prefill_tokens / 1000:g}K"
+            if n_lp >= opts.min_samples:
+                add(f"Generation fell to {v_lp:.2f} tok/s (median of {n_lp} stretches) while another slot prefilled "
+                    f"{k} new tokens, against {v_base:.1f} tok/s when running {base['class'].replace('_', ' ')} "
+                    f"({int(base['samples'])} stretches): {v_base / max(v_lp, 1e-9):.0f}x slower.", "stalls", n_lp, True)
+            elif n_lp > 0:
+                add(f"Only {n_lp} generation stretch(es) overlapped another slot's {k} prefill "
+                    f"(median {v_lp:.2f} tok/s vs {v_base:.1f} tok/s {base['class'].replace('_', ' ')}): too few "
+                    f"(< {opts.min_samples}) to state as a finding.", "stalls", n_lp, False)
+
+    waits = tables.get("waits")
+    if waits is not None and "cause" in waits.columns:
+        dl = _row(waits, "cause", "different_lora")
+        total = waits[waits["cause"].isin(["different_lora", "same_lora", "nothing"])]
+        n_all = int(pd.to_numeric(total["count"], errors="coerce").fillna(0).sum()) if len(total) else 0
+        if dl is not None and (_num(dl["count"]) or 0) > 0:
+            n = int(dl["count"])
+            text = (f"{n} of {n_all} waits of ≥{opts.wait_threshold_s:g} s before prefill happened while a task with a "
+                    f"different LoRA setting ran ({_num(dl['total_s']):.1f} s in total, longest {_num(dl['max_s']):.1f} s); "
+                    "slots with different LoRA settings cannot share a batch, and prompt eval time does not include this wait.")
+            add(text if n >= opts.min_samples else text + f" Fewer than {opts.min_samples} cases: an indication, not a finding.",
+                "waits", n, n >= opts.min_samples)
+        elif n_all:
+            add(f"{n_all} waits of ≥{opts.wait_threshold_s:g} s before prefill; none overlapped a task with a different LoRA setting.",
+                "waits", n_all, n_all >= opts.min_samples)
+
+    load = tables.get("load")
+    if load is not None and {"running", "share"} <= set(load.columns):
+        overall = load[load["scope"] == "overall"] if "scope" in load.columns else load
+        running = pd.to_numeric(overall["running"], errors="coerce")
+        share = pd.to_numeric(overall["share"], errors="coerce")
+        idle = float(share[running == 0].sum())
+        two = float(share[running >= 2].sum())
+        secs = pd.to_numeric(overall.get("seconds", pd.Series(dtype=float)), errors="coerce").sum()
+        add(f"The server was idle {idle:.0%} of the observed {secs / 3600:.2f} h; two or more tasks ran together "
+            f"{two:.0%} of the time (max {int(running[share > 0].max()) if (share > 0).any() else 0} at once).",
+            "load", int(len(ds.tasks)), len(ds.tasks) >= opts.min_samples)
+
+    bd = tables.get("breakdown")
+    if bd is not None and {"component", "seconds"} <= set(bd.columns):
+        allp = bd[bd["purpose"] == "all"] if "purpose" in bd.columns else bd
+        comp = allp.set_index("component")["seconds"] if len(allp) else pd.Series(dtype=float)
+        tot = float(comp.get("total", comp.drop(labels=["total"], errors="ignore").sum()))
+        cont = _num(comp.get("contention"))
+        if tot > 0 and cont is not None:
+            gen = _num(comp.get("own_generation")) or 0
+            add(f"Of {tot:,.0f} s of task time, {gen / tot:.0%} was each task's own generation at solo speed and "
+                f"{cont / tot:.0%} was added by contention with other slots.", "breakdown", int(len(ds.tasks)),
+                len(ds.tasks) >= opts.min_samples)
+
+    pf = tables.get("prefills")
+    if pf is not None and {"by", "value", "count"} <= set(pf.columns):
+        causes = pf[pf["by"] == "cause"]
+        n = int(pd.to_numeric(causes["count"], errors="coerce").fillna(0).sum())
+        if n:
+            parts = ", ".join(f"{r.value.replace('_', ' ')} {int(r.count)}" for r in causes.itertuples() if int(r.count))
+            add(f"{n} prefills of ≥{opts.big_prefill_tokens:,} new tokens: {parts}.", "prefills", n, n >= opts.min_samples)
+    return pd.DataFrame(rows, columns=FINDING_COLUMNS)
