@@ -1,0 +1,172 @@
+"""Waits the metrics do not show: before prefill (launched, not yet batched) and before launch.
+
+A wait before prefill of at least ``opts.wait_threshold_s`` is classified by what ran (was
+prefilling or generating) in other slots meanwhile: a task with another LoRA label →
+``different_lora`` (llama-server batches only slots whose LoRA settings match); else one with
+the same label → ``same_lora``; else ``nothing``. Where the app log gives no LoRA label for
+the waiting task or for what ran, the wait is ``unknown_lora`` (that row appears only then).
+
+``deferred`` counts launches that came right after (<= ``DEFERRED_S``) another task's release
+on a session whose slots were all busy just before it: requests the server queued without a
+log line. Their time is the app's ``queue_ms`` when an app log gives it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from .. import timeline as tl
+from ..dataset import Dataset, task_view
+from . import Options, register
+
+CAUSES = ["different_lora", "same_lora", "nothing", "deferred"]
+WAIT_COLUMNS = ["cause", "count", "total_s", "max_s", "median_s", "share", "few_samples", "basis"]
+DEFERRED_S = 0.005
+_KEYS = tl.GROUP + ["task_id"]
+
+
+def _f(s: pd.Series) -> np.ndarray:
+    return pd.to_numeric(s, errors="coerce").to_numpy(dtype="float64", na_value=np.nan)
+
+
+def _running(tv: pd.DataFrame, sessions: pd.DataFrame | None) -> pd.DataFrame:
+    """What holds the batch: each task from its prefill start to its release. A task whose
+    prefill start the log does not give (cut off) counts from its launch."""
+    end = tl.task_ends(tv, sessions)
+    ps = _f(tv["prefill_start_s"])
+    start = np.where(np.isnan(ps), _f(tv["launch_s"]), ps)
+    lora = tv["lora"].astype("object") if "lora" in tv.columns else pd.Series(pd.NA, index=tv.index, dtype="object")
+    r = tv[_KEYS + ["slot", "purpose", "user", "prompt_tokens_new", "line", "first_token_s"]].assign(start_s=start, end_s=end, lora=lora.to_numpy())
+    return r[r["end_s"] > r["start_s"]].reset_index(drop=True)
+
+
+def classify_waits(ds: Dataset, opts: Options, tv: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Waits before prefill of at least ``opts.wait_threshold_s``, one row each, with ``cause``
+    and the seconds of the wait covered by different-/same-/unknown-LoRA work."""
+    tv = task_view(ds) if tv is None else tv
+    w_ms = _f(tv["wait_before_prefill_ms"])
+    waits = tv[w_ms >= opts.wait_threshold_s * 1000].copy()
+    waits["start_s"] = waits["launch_s"]
+    waits["end_s"] = waits["prefill_start_s"]
+    waits["wait_s"] = waits["end_s"] - waits["start_s"]
+    waits = waits.reset_index(drop=True)
+    run = _running(tv, ds.server.sessions)
+    wl = waits["lora"].astype("object") if "lora" in waits.columns else pd.Series(pd.NA, index=waits.index, dtype="object")
+    rl = run["lora"]
+    diff_s = np.zeros(len(waits))
+    same_s = np.zeros(len(waits))
+    for label in pd.unique(wl.dropna()):
+        q = wl == label
+        if not q.any():
+            continue
+        qd = waits[q.to_numpy()]
+        diff_s[q.to_numpy()] = tl.overlaps(qd, run[rl.notna() & (rl != label)])["covered_s"].to_numpy()
+        same_s[q.to_numpy()] = tl.overlaps(qd, run[rl == label])["covered_s"].to_numpy()
+    # Unknown: what ran had no label, or the waiting task has none (then anything that ran).
+    unk_s = tl.overlaps(waits, run[rl.isna()])["covered_s"].to_numpy()
+    any_s = tl.overlaps(waits, run)["covered_s"].to_numpy()
+    unk_s = np.where(wl.isna().to_numpy(), any_s, unk_s)
+    waits["different_lora_s"] = diff_s
+    waits["same_lora_s"] = same_s
+    waits["unknown_lora_s"] = unk_s
+    waits["cause"] = np.select([diff_s > 0, unk_s > 0, same_s > 0], ["different_lora", "unknown_lora", "same_lora"], "nothing")
+    return waits
+
+
+def deferred_launches(ds: Dataset, tv: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Tasks launched within ``DEFERRED_S`` after another task's release while every slot of
+    their session was busy just before that release, with the release that let them in."""
+    tv = task_view(ds) if tv is None else tv
+    launch = tv[_KEYS + ["launch_s"]].dropna(subset=["launch_s"]).assign(_row=lambda d: d.index)
+    rel = tv[_KEYS + ["release_s"]].dropna(subset=["release_s"]).rename(columns={"task_id": "released_task_id"})
+    if launch.empty or rel.empty:
+        return tv.iloc[0:0].assign(released_task_id=pd.Series(dtype="int64"), release_s_before=pd.Series(dtype="float64"))
+    launch = launch.sort_values("launch_s")
+    rel = rel.sort_values("release_s")
+    j = pd.merge_asof(launch, rel, left_on="launch_s", right_on="release_s", by=tl.GROUP,
+                      direction="backward", tolerance=DEFERRED_S, allow_exact_matches=True)
+    j = j[j["release_s"].notna() & (j["released_task_id"] != j["task_id"])]
+    # Tasks running just before that release: launched before it, ending at or after it.
+    ends = tl.task_ends(tv, ds.server.sessions)
+    iv = tv[tl.GROUP].assign(start_s=_f(tv["launch_s"]), end_s=ends)
+    q = j[tl.GROUP].assign(start_s=j["release_s"] - 1e-6, end_s=j["release_s"])
+    j["running_before"] = tl.overlaps(q, iv)["max_count"].to_numpy() if len(j) else np.zeros(0, dtype=np.int64)
+    slots = ds.server.sessions[tl.GROUP + ["n_slots"]].drop_duplicates(tl.GROUP)
+    j = j.merge(slots, on=tl.GROUP, how="left")
+    j = j[pd.to_numeric(j["n_slots"], errors="coerce") <= j["running_before"]]
+    out = tv.loc[j["_row"].to_numpy()].copy()
+    out["released_task_id"] = j["released_task_id"].to_numpy()
+    out["release_s_before"] = j["release_s"].to_numpy()
+    return out.reset_index(drop=True)
+
+
+@register("waits")
+def waits(ds: Dataset, opts: Options) -> pd.DataFrame:
+    """Count, total, longest and median wait per cause; ``share`` of all waits' seconds for the
+    wait causes. ``deferred``'s seconds are the app's queue time (NA without an app log)."""
+    tv = task_view(ds)
+    w = classify_waits(ds, opts, tv)
+    causes = CAUSES[:3] + (["unknown_lora"] if (w["cause"] == "unknown_lora").any() else [])
+    g = w.groupby("cause")["wait_s"]
+    stats = pd.DataFrame({"count": g.size(), "total_s": g.sum(), "max_s": g.max(), "median_s": g.median()}).reindex(causes)
+    stats["count"] = stats["count"].fillna(0).astype("int64")
+    stats["total_s"] = stats["total_s"].fillna(0.0)
+    all_s = w["wait_s"].sum()
+    stats["share"] = stats["total_s"] / all_s if all_s > 0 else np.nan
+    stats["basis"] = f"wait before prefill >= {opts.wait_threshold_s:g} s"
+    d = deferred_launches(ds, tv)
+    qs = pd.Series(_f(d["queue_ms"]) / 1000 if "queue_ms" in d.columns else np.full(len(d), np.nan))
+    has_q = qs.notna().any()
+    stats.loc["deferred"] = {
+        "count": len(d), "total_s": qs.sum() if has_q else np.nan, "max_s": qs.max() if has_q else np.nan,
+        "median_s": qs.median() if has_q else np.nan, "share": np.nan,
+        "basis": "launch <= 5 ms after a release, all slots busy; seconds = app queue_ms" if has_q
+        else "launch <= 5 ms after a release, all slots busy; no app queue time",
+    }
+    out = stats.reindex(causes[:3] + ["deferred"] + causes[3:]).reset_index(names="cause")
+    out["count"] = out["count"].astype("int64")
+    out["few_samples"] = out["count"] < opts.min_samples
+    for c in ("total_s", "max_s", "median_s"):
+        out[c] = out[c].astype("float64").round(3)
+    out["share"] = out["share"].astype("float64").round(4)
+    return out[WAIT_COLUMNS]
+
+
+@register("waits-worst")
+def worst_waits(ds: Dataset, opts: Options) -> pd.DataFrame:
+    """The longest waits before prefill, with the task that held the batch meanwhile: the
+    different-LoRA task that overlapped the wait most, else the largest prefill that ran during
+    it, else whatever ran longest during it (``holder_*``; NA when nothing ran)."""
+    tv = task_view(ds)
+    w = classify_waits(ds, opts, tv).sort_values("wait_s", ascending=False, kind="stable").head(opts.worst).reset_index(drop=True)
+    w["_w"] = np.arange(len(w))
+    run = _running(tv, ds.server.sessions)
+    # Only the few listed waits are paired with the tasks of their session.
+    pair = w[tl.GROUP + ["_w", "task_id", "start_s", "end_s", "lora"]].merge(
+        run.rename(columns={c: "h_" + c for c in run.columns if c not in tl.GROUP}), on=tl.GROUP, how="inner")
+    pair = pair[pair["h_task_id"] != pair["task_id"]]
+    pair["overlap_s"] = np.minimum(pair["end_s"], pair["h_end_s"]) - np.maximum(pair["start_s"], pair["h_start_s"])
+    pair = pair[pair["overlap_s"] > 0]
+    ft = _f(pair["h_first_token_s"])
+    prefill_ov = np.minimum(pair["end_s"], np.where(np.isnan(ft), pair["h_end_s"], ft)) - np.maximum(pair["start_s"], pair["h_start_s"])
+    wl, hl = pair["lora"].astype("object"), pair["h_lora"].astype("object")
+    pair["rank_diff"] = (wl.notna() & hl.notna() & (wl != hl)).astype(int)
+    pair["rank_prefill"] = np.where(prefill_ov > 0, _f(pair["h_prompt_tokens_new"]), -1.0)
+    pair = pair.sort_values(["_w", "rank_diff", "overlap_s"], ascending=[True, False, False], kind="stable")
+    # Among non-different-LoRA holders the largest prefill wins; among different-LoRA ones the longest overlap.
+    pair["key2"] = np.where(pair["rank_diff"] == 1, pair["overlap_s"], pair["rank_prefill"])
+    pair = pair.sort_values(["_w", "rank_diff", "key2", "overlap_s"], ascending=[True, False, False, False], kind="stable")
+    best = pair.drop_duplicates("_w")
+    h = w[["_w"]].merge(best, on="_w", how="left")
+    out = pd.DataFrame({
+        "wait_s": w["wait_s"].round(3), "cause": w["cause"], "session": w["session"], "slot": w["slot"],
+        "task_id": w["task_id"], "purpose": w.get("purpose"), "user": w.get("user"), "lora": w.get("lora"),
+        "line": w["line"], "launch_s": w["launch_s"].round(3),
+        "holder_task_id": pd.array(h["h_task_id"], dtype="Int64"), "holder_slot": pd.array(pd.to_numeric(h["h_slot"], errors="coerce"), dtype="Int64"),
+        "holder_purpose": h["h_purpose"], "holder_user": h["h_user"], "holder_lora": h["h_lora"],
+        "holder_prompt_tokens_new": pd.array(pd.to_numeric(h["h_prompt_tokens_new"], errors="coerce"), dtype="Int64"),
+        "holder_line": pd.array(pd.to_numeric(h["h_line"], errors="coerce"), dtype="Int64"),
+        "holder_overlap_s": h["overlap_s"].round(3),
+    })
+    return out

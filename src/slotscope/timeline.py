@@ -1,0 +1,376 @@
+"""Intervals per task (queue, wait, prefill, generation), concurrency, and overlap queries.
+
+Everything here works on :func:`slotscope.dataset.task_view` rows and stays on each session's
+server clock (seconds, ``*_s``); a session is one ``(source, port, session)`` group. The overlap
+questions the analyzers ask ("what did the other slots do while this ran?") are answered by
+:func:`overlaps` with step functions and sorted searches, never by pairing every query with
+every interval, so a log with 100k tasks and 1M heartbeats stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+GROUP = ["source", "port", "session"]
+PHASES = ("queue", "wait", "prefill", "generation")
+PHASE_COLUMNS = [
+    "source", "port", "session", "slot", "task_id", "phase", "start_s", "end_s",
+    "purpose", "user", "lora", "prompt_tokens_new", "line",
+]
+CONCURRENCY_COLUMNS = ["source", "port", "session", "start_s", "end_s", "running", "prefilling", "generating", "waiting"]
+# Two progress lines (pass ends) of different slots closer than this are the same server pass.
+SAME_PASS_S = 0.02
+# A step between progress lines longer than this many typical passes hides a pause of the slot.
+PAUSE_FACTOR = 1.5
+
+
+def _col(tv: pd.DataFrame, name: str) -> pd.Series:
+    return tv[name] if name in tv.columns else pd.Series(pd.NA, index=tv.index, dtype="object")
+
+
+def _f(s: pd.Series) -> np.ndarray:
+    return pd.to_numeric(s, errors="coerce").to_numpy(dtype="float64", na_value=np.nan)
+
+
+def task_ends(tv: pd.DataFrame, sessions: pd.DataFrame | None = None) -> np.ndarray:
+    """End of each task on its session clock: release, else the session's last line, else the
+    latest time known in its session (a task cut by a restart or by the end of the log)."""
+    end = _f(tv["release_s"])
+    if not np.isnan(end).any():
+        return end
+    fallback = np.full(len(tv), np.nan)
+    if sessions is not None and len(sessions):
+        last = tv[GROUP].merge(sessions[GROUP + ["last_s"]].drop_duplicates(GROUP), on=GROUP, how="left")["last_s"]
+        fallback = _f(last)
+    latest = pd.concat([tv[GROUP], pd.DataFrame({
+        "t": np.fmax.reduce([_f(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s")]),
+    }, index=tv.index)], axis=1).groupby(GROUP, dropna=False)["t"].transform("max")
+    fallback = np.where(np.isnan(fallback), _f(latest), fallback)
+    return np.where(np.isnan(end), fallback, end)
+
+
+def phases(tv: pd.DataFrame) -> pd.DataFrame:
+    """One row per task phase: ``queue`` (only where the app gave ``queue_ms``: [launch - queue,
+    launch]), ``wait`` ([launch, prefill start]), ``prefill`` ([prefill start, first token]) and
+    ``generation`` ([first token, release]). Phases whose ends the log does not give (a task cut
+    by a restart) are left out."""
+    launch, ps, ft, rel = (_f(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))
+    queue = _f(_col(tv, "queue_ms")) / 1000
+    bounds = {
+        "queue": (launch - queue, launch),
+        "wait": (launch, ps),
+        "prefill": (ps, ft),
+        "generation": (ft, rel),
+    }
+    keep = ["source", "port", "session", "slot", "task_id", "purpose", "user", "lora", "prompt_tokens_new", "line"]
+    base = pd.DataFrame({c: _col(tv, c) for c in keep})
+    parts = []
+    for name, (a, b) in bounds.items():
+        ok = ~np.isnan(a) & ~np.isnan(b) & (b >= a)
+        p = base[ok].copy()
+        p["phase"] = name
+        p["start_s"] = a[ok]
+        p["end_s"] = b[ok]
+        parts.append(p)
+    out = pd.concat(parts, ignore_index=True)
+    out["phase"] = pd.Categorical(out["phase"], categories=list(PHASES))
+    out = out.sort_values(GROUP + ["start_s", "slot", "phase"], kind="stable", ignore_index=True)
+    return out[PHASE_COLUMNS]
+
+
+def concurrency(tv: pd.DataFrame, sessions: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Step function per session: how many tasks were ``running`` (launch..release), and of them
+    ``prefilling``, ``generating`` and ``waiting`` (launched, prefill not started), over
+    [start_s, end_s). It spans each session's first launch to its last release, idle time
+    included. A task with no release runs to the session's end (see :func:`task_ends`)."""
+    launch, ps, ft, rel = (_f(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))
+    end = task_ends(tv, sessions)
+    keys = tv[GROUP].reset_index(drop=True)
+    ev = []
+    for a, b, col in ((launch, end, "running"), (ps, ft, "prefilling"), (ft, rel, "generating")):
+        ok = ~np.isnan(a) & ~np.isnan(b) & (b >= a)
+        for t, d in ((a, 1), (b, -1)):
+            e = keys[ok].copy()
+            e["t"] = t[ok]
+            for c in ("running", "prefilling", "generating"):
+                e[c] = d if c == col else 0
+            ev.append(e)
+    if not ev or sum(len(e) for e in ev) == 0:
+        return pd.DataFrame({c: pd.Series(dtype="float64") for c in CONCURRENCY_COLUMNS})
+    ev = pd.concat(ev, ignore_index=True)
+    counts = ["running", "prefilling", "generating"]
+    step = ev.groupby(GROUP + ["t"], dropna=False, sort=True)[counts].sum().reset_index()
+    step[counts] = step.groupby(GROUP, dropna=False)[counts].cumsum()
+    step["end_s"] = step.groupby(GROUP, dropna=False)["t"].shift(-1)
+    step = step[step["end_s"].notna() & (step["end_s"] > step["t"])].rename(columns={"t": "start_s"})
+    for c in counts:
+        step[c] = step[c].astype("int64")
+    step["waiting"] = step["running"] - step["prefilling"] - step["generating"]
+    return step[CONCURRENCY_COLUMNS].reset_index(drop=True)
+
+
+class _RangeMax:
+    """Sparse table: position of the maximum of ``v`` over index ranges, vectorized queries."""
+
+    def __init__(self, v: np.ndarray) -> None:
+        self.v = v
+        self.levels = [np.arange(len(v))]
+        k = 1
+        while (1 << k) <= len(v):
+            prev, half = self.levels[-1], 1 << (k - 1)
+            a, b = prev[:-half], prev[half:]
+            self.levels.append(np.where(v[b] > v[a], b, a))
+            k += 1
+
+    def argmax(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """Argmax over [lo, hi] (inclusive); -1 where the range is empty."""
+        out = np.full(len(lo), -1, dtype=np.int64)
+        ok = hi >= lo
+        if not ok.any():
+            return out
+        lo_ok, hi_ok = lo[ok], hi[ok]
+        k = np.floor(np.log2(hi_ok - lo_ok + 1)).astype(np.int64)
+        res = np.empty(len(lo_ok), dtype=np.int64)
+        for kk in np.unique(k):
+            m = k == kk
+            lev = self.levels[kk]
+            a, b = lev[lo_ok[m]], lev[hi_ok[m] - (1 << kk) + 1]
+            res[m] = np.where(self.v[b] > self.v[a], b, a)
+        out[ok] = res
+        return out
+
+
+def _group_codes(queries: pd.DataFrame, intervals: pd.DataFrame, by: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    both = pd.concat([queries[list(by)], intervals[list(by)]], ignore_index=True)
+    codes = both.groupby(list(by), dropna=False, sort=False).ngroup().to_numpy()
+    return codes[: len(queries)], codes[len(queries):]
+
+
+def overlaps(
+    queries: pd.DataFrame,
+    intervals: pd.DataFrame,
+    *,
+    by: Sequence[str] = GROUP,
+    value: str | None = None,
+    own_start: np.ndarray | None = None,
+    own_end: np.ndarray | None = None,
+) -> pd.DataFrame:
+    """For each query interval [start_s, end_s], what the ``intervals`` of its group did during it.
+
+    Returns, aligned with ``queries``: ``covered_s`` (seconds inside the union of the
+    intervals), ``overlap_frac`` (covered_s / query length), ``max_count`` (most intervals
+    active at once during the query) and, with ``value``, ``max_value`` (largest ``value`` among
+    the intervals overlapping the query) and ``max_pos`` (its row position in ``intervals``, -1
+    when none). ``own_start``/``own_end`` name, per query, one member of ``intervals`` to leave
+    out of ``covered_s`` and ``max_count`` (e.g. the query task's own running interval); the
+    value columns never exclude anything, so pass only other slots' intervals when asking them.
+    Zero-length overlaps (touching ends) do not count.
+    """
+    n = len(queries)
+    qs = _f(queries["start_s"])
+    qe = _f(queries["end_s"])
+    covered = np.zeros(n)
+    max_count = np.zeros(n, dtype=np.int64)
+    max_value = np.full(n, np.nan)
+    max_pos = np.full(n, -1, dtype=np.int64)
+    has_own = own_start is not None and own_end is not None
+    if has_own:
+        os_ = np.asarray(own_start, dtype="float64")
+        oe_ = np.asarray(own_end, dtype="float64")
+        own_ok = ~np.isnan(os_) & ~np.isnan(oe_)
+        # The own interval clipped to the query; empty where it misses it.
+        cs = np.where(own_ok, np.clip(os_, qs, qe), qe)
+        ce = np.where(own_ok, np.clip(oe_, qs, qe), qe)
+        cs = np.where(ce > cs, cs, qe)
+        ce = np.where(ce > cs, ce, qe)
+    ivs = _f(intervals["start_s"]) if len(intervals) else np.empty(0)
+    ive = _f(intervals["end_s"]) if len(intervals) else np.empty(0)
+    vals = _f(intervals[value]) if (value is not None and len(intervals)) else None
+    valid_iv = ~np.isnan(ivs) & ~np.isnan(ive) & (ive > ivs)
+    if n and valid_iv.any():
+        qcode, icode = _group_codes(queries, intervals, by)
+        iv_idx = np.flatnonzero(valid_iv)
+        order = np.argsort(icode[iv_idx], kind="stable")
+        iv_idx = iv_idx[order]
+        bounds = np.flatnonzero(np.diff(icode[iv_idx])) + 1
+        for grp in np.split(iv_idx, bounds):
+            code = icode[grp[0]]
+            qi = np.flatnonzero((qcode == code) & ~np.isnan(qs) & ~np.isnan(qe) & (qe > qs))
+            if len(qi) == 0:
+                continue
+            s, e = ivs[grp], ive[grp]
+            b = np.unique(np.concatenate([s, e]))
+            starts = b[:-1]
+            count = np.searchsorted(np.sort(s), starts, "right") - np.searchsorted(np.sort(e), starts, "right")
+            width = np.diff(b)
+            f1 = np.concatenate([[0.0], np.cumsum((count >= 1) * width)])
+            rmc = _RangeMax(count.astype(np.float64))
+
+            def cover(a: np.ndarray, z: np.ndarray, f: np.ndarray = f1) -> np.ndarray:
+                return np.interp(z, b, f) - np.interp(a, b, f)
+
+            def rng_max(a: np.ndarray, z: np.ndarray) -> np.ndarray:
+                lo = np.maximum(np.searchsorted(b, a, "right") - 1, 0)
+                hi = np.minimum(np.searchsorted(b, z, "left") - 1, len(starts) - 1)
+                hi = np.where(z > a, hi, -1)
+                pos = rmc.argmax(lo, hi)
+                return np.where(pos >= 0, count[np.maximum(pos, 0)], 0)
+
+            a, z = qs[qi], qe[qi]
+            if has_own:
+                f2 = np.concatenate([[0.0], np.cumsum((count >= 2) * width)])
+                c0, c1 = cs[qi], ce[qi]
+                covered[qi] = cover(a, z) - cover(c0, c1) + cover(c0, c1, f2)
+                inside = np.maximum(rng_max(c0, c1) - 1, 0)
+                max_count[qi] = np.maximum.reduce([rng_max(a, c0), inside, rng_max(c1, z)])
+            else:
+                covered[qi] = cover(a, z)
+                max_count[qi] = rng_max(a, z)
+            if vals is not None:
+                j0 = np.searchsorted(b, s)
+                j1 = np.searchsorted(b, e)
+                lengths = j1 - j0
+                rep = np.repeat(np.arange(len(s)), lengths)
+                jj = np.repeat(j0, lengths) + (np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths))
+                v = vals[grp][rep]
+                v = np.where(np.isnan(v), -np.inf, v)
+                o = np.lexsort((v, jj))
+                last = np.flatnonzero(np.r_[jj[o][1:] != jj[o][:-1], True])
+                ev_val = np.full(len(starts), -np.inf)
+                ev_row = np.full(len(starts), -1, dtype=np.int64)
+                ev_val[jj[o][last]] = v[o][last]
+                ev_row[jj[o][last]] = grp[rep[o][last]]
+                rmv = _RangeMax(ev_val)
+                lo = np.maximum(np.searchsorted(b, a, "right") - 1, 0)
+                hi = np.minimum(np.searchsorted(b, z, "left") - 1, len(starts) - 1)
+                pos = rmv.argmax(lo, hi)
+                got = (pos >= 0) & (ev_row[np.maximum(pos, 0)] >= 0)
+                sel = qi[got]
+                max_pos[sel] = ev_row[pos[got]]
+                mv = ev_val[pos[got]]
+                max_value[sel] = np.where(np.isinf(mv), np.nan, mv)
+    length = qe - qs
+    with np.errstate(divide="ignore", invalid="ignore"):
+        frac = np.where(length > 0, covered / length, np.nan)
+    out = pd.DataFrame({"covered_s": covered.round(6), "overlap_frac": np.clip(frac, 0, 1), "max_count": max_count}, index=queries.index)
+    if value is not None:
+        out["max_value"] = max_value
+        out["max_pos"] = max_pos
+    return out
+
+
+def count_points(queries: pd.DataFrame, points: pd.DataFrame, *, by: Sequence[str] = GROUP, t: str = "t_s") -> np.ndarray:
+    """Number of ``points`` (time column ``t``) of each query's group inside (start_s, end_s]."""
+    n = len(queries)
+    out = np.zeros(n, dtype=np.int64)
+    if n == 0 or len(points) == 0:
+        return out
+    points = points[points[t].notna()]
+    qcode, pcode = _group_codes(queries, points, by)
+    pt = _f(points[t])
+    order = np.lexsort((pt, pcode))
+    pc, ptv = pcode[order], pt[order]
+    key_hi = np.searchsorted(pc, qcode, "right")
+    key_lo = np.searchsorted(pc, qcode, "left")
+    qs, qe = _f(queries["start_s"]), _f(queries["end_s"])
+    # Search within each query's group slice: offset times by group so one sorted array serves all.
+    span = (np.nanmax(np.abs(ptv)) if len(ptv) else 0) + np.nanmax(np.abs(np.r_[qs, qe, 0])) + 1.0
+    flat = ptv + pc * span * 2
+    lo = np.searchsorted(flat, qs + qcode * span * 2, "right")
+    hi = np.searchsorted(flat, qe + qcode * span * 2, "right")
+    lo, hi = np.clip(lo, key_lo, key_hi), np.clip(hi, key_lo, key_hi)
+    ok = ~np.isnan(qs) & ~np.isnan(qe)
+    out[ok] = (hi - lo)[ok]
+    return out
+
+
+def prefill_activity(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """When each prefill actually ran, and when its passes ended.
+
+    The server prints a prefilling slot's progress line once per pass (after its first 3 s),
+    so the lines' spacing is the pass length, and a co-running slot that shares the batch gets
+    one token per pass. A step much longer than the slot's typical pass (``PAUSE_FACTOR``) means
+    the slot was left out of batches for a while (another LoRA setting, or a lower slot's prompt
+    filled them): only the last typical pass of such a step counts as active. The unlogged head
+    (before the first line) and tail (after the last) get ``round(tokens / chunk)`` passes spread
+    evenly, ``chunk`` being the slot's usual step (else the session's, else 2048).
+
+    Returns ``(active, passes)``: ``active`` has one row per active stretch (task keys, slot,
+    ``start_s``, ``end_s``, ``prompt_tokens_new``, ``line``), ``passes`` one row per estimated
+    pass end (``t_s``, ``prompt_tokens_new`` of its prefill, task keys).
+    """
+    keys = GROUP + ["task_id"]
+    pre = pd.DataFrame({c: _col(tv, c) for c in keys + ["slot", "prompt_tokens_new", "line", "prefill_start_s", "first_token_s"]})
+    pre["ps"], pre["ft"] = _f(pre["prefill_start_s"]), _f(pre["first_token_s"])
+    pre["new"] = _f(pre["prompt_tokens_new"])
+    pre = pre[(pre["ft"] > pre["ps"])].drop(columns=["prefill_start_s", "first_token_s"]).reset_index(drop=True)
+    pre["pid"] = np.arange(len(pre))
+    lines = pd.DataFrame(columns=keys + ["t_s", "n_tokens", "step_tokens", "step_s"])
+    if prefill_samples is not None and len(prefill_samples):
+        lines = prefill_samples[keys + ["t_s", "n_tokens", "step_tokens", "step_s"]]
+    lines = lines.merge(pre[keys + ["pid", "ps", "ft"]], on=keys, how="inner")
+    lines = lines[(lines["t_s"] >= lines["ps"]) & (lines["t_s"] <= lines["ft"] + SAME_PASS_S)]
+    lines = lines.assign(n_tokens=_f(lines["n_tokens"]), step_tokens=_f(lines["step_tokens"]), step_s=_f(lines["step_s"]))
+    lines = lines.sort_values(["pid", "t_s"], kind="stable").reset_index(drop=True)
+    # Typical chunk and pass length: the task's own, else its session's, else defaults.
+    own = lines.groupby("pid").agg(chunk=("step_tokens", "median"), pass_s=("step_s", "median"),
+                                   first_t=("t_s", "first"), first_n=("n_tokens", "first"),
+                                   last_t=("t_s", "last"), last_n=("n_tokens", "last"))
+    sess = lines.groupby(GROUP, dropna=False).agg(s_chunk=("step_tokens", "median"), s_pass=("step_s", "median")).reset_index()
+    pre = pre.merge(own, left_on="pid", right_index=True, how="left").merge(sess, on=GROUP, how="left")
+    pre["chunk"] = pre["chunk"].fillna(pre["s_chunk"]).fillna(2048.0).clip(lower=1)
+    pre["pass_s"] = pre["pass_s"].fillna(pre["s_pass"])
+
+    # Steps: (from, to, passes) — head, one per logged pass, tail; or the whole prefill.
+    logged = pre["first_t"].notna()
+    head = pd.DataFrame({"pid": pre["pid"], "a": pre["ps"], "z": pre["first_t"],
+                         "p": np.maximum(1, np.round(pre["first_n"] / pre["chunk"]))})[logged]
+    tail = pd.DataFrame({"pid": pre["pid"], "a": pre["last_t"], "z": pre["ft"],
+                         "p": np.ceil(np.maximum(0, pre["new"] - pre["last_n"]) / pre["chunk"])})[logged]
+    whole = pd.DataFrame({"pid": pre["pid"], "a": pre["ps"], "z": pre["ft"],
+                          "p": np.maximum(1, np.ceil(pre["new"].fillna(1) / pre["chunk"]))})[~logged]
+    mids = lines[lines["step_s"].notna()]
+    mid = pd.DataFrame({"pid": mids["pid"], "a": mids["t_s"] - mids["step_s"], "z": mids["t_s"], "p": 1.0})
+    steps = pd.concat([head, mid, tail, whole], ignore_index=True)
+    steps = steps[(steps["z"] > steps["a"]) & (steps["p"] > 0)].merge(pre[["pid", "pass_s"]], on="pid", how="left")
+    expected = steps["p"] * steps["pass_s"]
+    paused = expected.notna() & ((steps["z"] - steps["a"]) > PAUSE_FACTOR * expected)
+    steps["a"] = np.where(paused, steps["z"] - expected, steps["a"])
+    steps = steps.sort_values(["pid", "a"], kind="stable")
+
+    # Active stretches: adjacent active steps merged.
+    prev_z = steps.groupby("pid")["z"].shift(1)
+    new_run = prev_z.isna() | (steps["a"] > prev_z + 1e-6)
+    run = new_run.cumsum()
+    act = steps.groupby(run).agg(pid=("pid", "first"), start_s=("a", "min"), end_s=("z", "max"))
+    info = pre[keys + ["pid", "slot", "prompt_tokens_new", "line"]]
+    active = act.merge(info, on="pid", how="left")[keys + ["slot", "start_s", "end_s", "prompt_tokens_new", "line"]]
+
+    # Pass ends: p per step, evenly spaced over its active part, the last at its end.
+    p = steps["p"].to_numpy(dtype=np.int64)
+    rep = np.repeat(np.arange(len(steps)), p)
+    k = np.arange(p.sum()) - np.repeat(np.cumsum(p) - p, p)
+    a, z = steps["a"].to_numpy()[rep], steps["z"].to_numpy()[rep]
+    pp = p[rep]
+    t = z - (pp - 1 - k) * (z - a) / pp
+    passes = pd.DataFrame({"pid": steps["pid"].to_numpy()[rep], "t_s": t}).merge(info, on="pid", how="left")
+    passes = passes[keys + ["slot", "t_s", "prompt_tokens_new"]].sort_values(GROUP + ["t_s"], kind="stable", ignore_index=True)
+    return active.reset_index(drop=True), passes
+
+
+def server_passes(passes: pd.DataFrame) -> pd.DataFrame:
+    """Pass ends of several prefills merged into server passes (lines of different slots within
+    ``SAME_PASS_S`` are one pass), each with the largest ``prompt_tokens_new`` among them."""
+    if len(passes) == 0:
+        return pd.DataFrame({c: pd.Series(dtype="float64") for c in GROUP + ["t_s", "prompt_tokens_new"]})
+    p = passes.sort_values(GROUP + ["t_s"], kind="stable", ignore_index=True)
+    grp = p.groupby(GROUP, dropna=False, sort=False).ngroup()
+    gap = p["t_s"].diff()
+    new = (grp != grp.shift(1)) | (gap > SAME_PASS_S)
+    cluster = new.cumsum()
+    out = p.assign(_new=_f(p["prompt_tokens_new"])).groupby(cluster).agg(
+        **{c: (c, "first") for c in GROUP}, t_s=("t_s", "last"), prompt_tokens_new=("_new", "max"))
+    return out.reset_index(drop=True)

@@ -1,0 +1,79 @@
+"""The breakdown table: own generation, own prefill, contention, waits and queue."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import pandas as pd
+import pytest
+
+from slotscope.analyze import TABLES, Options
+from slotscope.analyze.breakdown import BREAKDOWN_COLUMNS, breakdown, ran_alone
+from slotscope.dataset import Dataset, load, task_view
+
+from .conftest import REAL
+
+
+@lru_cache(maxsize=None)
+def _ds(path: str) -> Dataset:
+    return load([REAL / path])
+
+
+def _components_sum_to_total(df: pd.DataFrame) -> None:
+    for _, g in df.groupby("purpose"):
+        parts = g[g["component"] != "total"]
+        total = g[g["component"] == "total"]
+        assert len(total) == 1
+        assert parts["seconds"].sum() == pytest.approx(total["seconds"].iloc[0], abs=0.01)
+        assert parts["share"].sum() == pytest.approx(1.0, abs=1e-3)
+        assert (parts["seconds"] >= 0).all()
+
+
+def test_components_sum_to_the_total_overall_and_per_purpose() -> None:
+    ds = _ds("before/logs")
+    df = TABLES["breakdown"](ds, Options())
+    assert list(df.columns) == BREAKDOWN_COLUMNS
+    _components_sum_to_total(df)
+    tv = task_view(ds)
+    total = df[(df["purpose"] == "all") & (df["component"] == "total")]["seconds"].iloc[0]
+    expected = (tv["release_s"] - tv["launch_s"]).sum() + tv["queue_ms"].sum() / 1000
+    assert total == pytest.approx(expected, abs=0.01)
+    per_purpose = df[(df["purpose"] != "all") & (df["component"] == "total")]["seconds"].sum()
+    assert per_purpose == pytest.approx(total, abs=0.01)
+    assert set(df["purpose"]) == {"all", *tv["purpose"].dropna().astype(str)}
+    assert {"own_generation", "own_prefill", "contention", "wait", "queue", "total"} <= set(df["component"])
+
+
+def test_solo_speeds_come_from_tasks_that_ran_alone() -> None:
+    ds = _ds("before/logs")
+    tv = task_view(ds)
+    alone = ran_alone(tv)
+    df = breakdown(ds, Options())
+    row = df.iloc[0]
+    assert row["solo_gen_n"] == alone["alone_generation"].sum() > 0
+    assert row["solo_prefill_n"] == alone["alone_prefill"].sum() > 0
+    # README: ~49 tok/s generation and ~570-730 tok/s prefill alone on this CPU.
+    assert 40 < row["solo_gen_tps"] < 55
+    assert 500 < row["solo_prefill_tps"] < 800
+
+
+def test_solo_speed_options_override_the_estimate() -> None:
+    df = breakdown(_ds("before/logs"), Options(solo_gen_tps=52.0, solo_prefill_tps=800.0))
+    assert (df["solo_gen_tps"] == 52.0).all() and (df["solo_gen_basis"] == "option").all()
+    assert df["solo_gen_n"].isna().all()
+    _components_sum_to_total(df)
+
+
+def test_works_without_app_log() -> None:
+    ds = _ds("before/logs/llama-server.log")
+    df = breakdown(ds, Options())
+    _components_sum_to_total(df)
+    assert set(df["purpose"]) == {"all", "unknown"}
+    assert "queue" not in set(df["component"])
+
+
+def test_restart_cancelled_task_without_release_is_left_out() -> None:
+    ds = _ds("restart/logs")
+    df = breakdown(ds, Options())
+    _components_sum_to_total(df)
+    assert df[df["purpose"] == "all"]["tasks"].iloc[0] == ds.tasks["release_s"].notna().sum()

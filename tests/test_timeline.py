@@ -1,0 +1,137 @@
+"""The interval layer: phases, the concurrency step function, overlap queries, prefill passes."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from slotscope import timeline as tl
+from slotscope.dataset import Dataset, load, task_view
+
+from .conftest import REAL, SCENARIOS
+
+
+@lru_cache(maxsize=None)
+def _ds(scenario: str) -> Dataset:
+    return load([REAL / scenario / "logs"])
+
+
+def test_phases_tile_each_task_from_launch_to_release() -> None:
+    tv = task_view(_ds("before"))
+    ph = tl.phases(tv)
+    assert list(ph.columns) == tl.PHASE_COLUMNS
+    assert set(ph["phase"].astype(str)) == {"queue", "wait", "prefill", "generation"}
+    assert (ph["end_s"] >= ph["start_s"]).all()
+    inside = ph[ph["phase"] != "queue"]
+    span = inside.groupby("task_id").agg(a=("start_s", "min"), z=("end_s", "max"), s=("end_s", "sum"))
+    tasks = tv.set_index("task_id")
+    assert np.allclose(span["a"], tasks.loc[span.index, "launch_s"])
+    assert np.allclose(span["z"], tasks.loc[span.index, "release_s"])
+    lengths = (inside["end_s"] - inside["start_s"]).groupby(inside["task_id"]).sum()
+    assert np.allclose(lengths, tasks.loc[lengths.index, "release_s"] - tasks.loc[lengths.index, "launch_s"])
+
+
+def test_no_queue_phase_without_app_log() -> None:
+    ds = load([REAL / "before" / "logs" / "llama-server.log"])
+    ph = tl.phases(task_view(ds))
+    assert "queue" not in set(ph["phase"].astype(str))
+    assert len(ph) == 3 * len(ds.tasks)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_concurrency_never_exceeds_slots_and_shares_sum_to_one(scenario: str) -> None:
+    ds = _ds(scenario)
+    steps = tl.concurrency(task_view(ds), ds.server.sessions)
+    assert list(steps.columns) == tl.CONCURRENCY_COLUMNS
+    slots = steps.merge(ds.server.sessions[tl.GROUP + ["n_slots"]], on=tl.GROUP)
+    assert len(slots) == len(steps)
+    assert (slots["running"] <= slots["n_slots"]).all()
+    assert (steps["running"] >= 0).all() and (steps["waiting"] >= 0).all()
+    assert (steps["prefilling"] + steps["generating"] <= steps["running"]).all()
+    sec = steps["end_s"] - steps["start_s"]
+    assert (sec > 0).all()
+    shares = sec.groupby(steps["running"]).sum() / sec.sum()
+    assert shares.sum() == pytest.approx(1.0)
+    # Steps of a session are contiguous from the first launch to the last task end.
+    for _, g in steps.groupby(tl.GROUP):
+        assert np.allclose(g["start_s"].to_numpy()[1:], g["end_s"].to_numpy()[:-1])
+
+
+def test_concurrency_keeps_a_task_cut_by_restart_running_to_its_session_end() -> None:
+    ds = _ds("restart")
+    tv = task_view(ds)
+    cut = tv[tv["cut_by_restart"]]
+    assert len(cut) == 1
+    steps = tl.concurrency(tv, ds.server.sessions)
+    s1 = steps[steps["session"] == cut["session"].iloc[0]]
+    last_s = ds.server.sessions.set_index("session").loc[cut["session"].iloc[0], "last_s"]
+    assert s1["end_s"].max() == pytest.approx(last_s)
+
+
+def _brute(q: pd.Series, iv: pd.DataFrame) -> tuple[float, int]:
+    sub = iv[(iv["start_s"] < q["end_s"]) & (iv["end_s"] > q["start_s"])]
+    cuts = sorted({q["start_s"], q["end_s"], *[x for x in np.r_[sub["start_s"], sub["end_s"]] if q["start_s"] < x < q["end_s"]]})
+    cov, mc = 0.0, 0
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        n = int(((sub["start_s"] <= a) & (sub["end_s"] >= b)).sum())
+        cov += (b - a) if n else 0.0
+        mc = max(mc, n)
+    return cov, mc
+
+
+def test_overlaps_agree_with_brute_force_and_exclude_the_own_interval() -> None:
+    rng = np.random.default_rng(7)
+    n = 60
+    s = rng.uniform(0, 100, n)
+    iv = pd.DataFrame({"source": "x", "port": -1, "session": rng.integers(1, 3, n), "start_s": s,
+                       "end_s": s + rng.exponential(6, n), "v": rng.integers(0, 1000, n)})
+    own = iv.sample(25, random_state=1)
+    # Queries inside, across and outside their own interval.
+    q = own[tl.GROUP].assign(start_s=own["start_s"] + rng.uniform(-3, 3, 25), end_s=own["end_s"] + rng.uniform(-3, 3, 25))
+    q = q[q["end_s"] > q["start_s"]]
+    own = own.loc[q.index]
+    got = tl.overlaps(q, iv, value="v")
+    got_own = tl.overlaps(q, iv, own_start=own["start_s"].to_numpy(), own_end=own["end_s"].to_numpy())
+    for i, (idx, row) in enumerate(q.iterrows()):
+        same = iv[iv["session"] == row["session"]]
+        cov, mc = _brute(row, same)
+        assert got["covered_s"].iloc[i] == pytest.approx(cov, abs=1e-5)
+        assert got["max_count"].iloc[i] == mc
+        hit = same[(same["start_s"] < row["end_s"]) & (same["end_s"] > row["start_s"])]
+        assert got["max_value"].iloc[i] == hit["v"].max()
+        assert iv["v"].iloc[got["max_pos"].iloc[i]] == hit["v"].max()
+        cov_o, mc_o = _brute(row, same.drop(index=idx))
+        assert got_own["covered_s"].iloc[i] == pytest.approx(cov_o, abs=1e-5)
+        assert got_own["max_count"].iloc[i] == mc_o
+
+
+def test_count_points_counts_half_open_windows_per_session() -> None:
+    pts = pd.DataFrame({"source": "x", "port": -1, "session": [1, 1, 1, 2], "t_s": [1.0, 2.0, 3.0, 2.0]})
+    q = pd.DataFrame({"source": "x", "port": -1, "session": [1, 1, 2, 3], "start_s": [1.0, 0.0, 0.0, 0.0], "end_s": [3.0, 0.5, 5.0, 9.0]})
+    assert tl.count_points(q, pts).tolist() == [2, 0, 1, 0]
+
+
+def test_prefill_activity_drops_pauses_and_puts_one_pass_per_progress_line() -> None:
+    ds = _ds("before")
+    tv = task_view(ds)
+    active, passes = tl.prefill_activity(tv, ds.server.prefill_samples)
+    # Task 102 (17,306 tokens) printed nothing from 19.76 s to 31.41 s while a lower slot with
+    # another LoRA setting held the batch: that stretch is not active prefill.
+    a = active[active["task_id"] == 102].sort_values("start_s")
+    assert len(a) == 2
+    assert a["end_s"].iloc[0] == pytest.approx(19.761788)
+    assert 25 < a["start_s"].iloc[1] < 31.4
+    p = passes[passes["task_id"] == 102]
+    lines = ds.server.prefill_samples
+    logged = lines[lines["task_id"] == 102]["t_s"]
+    assert set(np.round(logged, 6)) <= set(np.round(p["t_s"], 6))
+    # Plus the unlogged first pass (4,096 tokens at the first line = 2 passes) and the last
+    # pass (the 1,046 tokens after the last line), which ends at the first token.
+    assert len(p) == len(logged) + 2
+    assert p["t_s"].max() == pytest.approx(tv.set_index("task_id").loc[102, "first_token_s"])
+    # Every pass end lies inside its prefill.
+    j = passes.merge(tv[tl.GROUP + ["task_id", "prefill_start_s", "first_token_s"]], on=tl.GROUP + ["task_id"])
+    assert ((j["t_s"] > j["prefill_start_s"]) & (j["t_s"] <= j["first_token_s"] + tl.SAME_PASS_S)).all()
