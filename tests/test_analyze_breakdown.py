@@ -57,6 +57,15 @@ def test_solo_speeds_come_from_tasks_that_ran_alone() -> None:
     assert 500 < row["solo_prefill_tps"] < 800
 
 
+def test_busy_server_takes_solo_generation_from_stretches_alone() -> None:
+    # In `after` no task generated alone from first token to release.
+    df = breakdown(_ds("after/logs"), Options())
+    row = df.iloc[0]
+    assert row["solo_gen_basis"] == "median of stretches alone"
+    assert 40 < row["solo_gen_tps"] < 55
+    _components_sum_to_total(df)
+
+
 def test_solo_speed_options_override_the_estimate() -> None:
     df = breakdown(_ds("before/logs"), Options(solo_gen_tps=52.0, solo_prefill_tps=800.0))
     assert (df["solo_gen_tps"] == 52.0).all() and (df["solo_gen_basis"] == "option").all()

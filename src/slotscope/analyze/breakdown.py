@@ -9,8 +9,10 @@ Tasks with a release but no timings (cancelled) cannot be split: their time is `
 
 Solo speeds are the medians of ``prefill_tps`` / ``gen_tps`` over tasks that had no other task
 prefilling or generating during their whole prefill / generation, unless
-``opts.solo_prefill_tps`` / ``opts.solo_gen_tps`` set them. With no such task the 90th
-percentile over all tasks stands in (``solo_*_basis`` says which).
+``opts.solo_prefill_tps`` / ``opts.solo_gen_tps`` set them. On a busy server no task may have
+generated alone from start to end; the generation speed then comes from the stretches of
+generation that ran alone (the ``alone`` class of :mod:`.stalls`), and failing those, as for
+prefill, from the 90th percentile over all tasks (``solo_*_basis`` says which).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def ran_alone(tv: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def solo_speeds(tv: pd.DataFrame, opts: Options) -> dict[str, object]:
+def solo_speeds(ds: Dataset, tv: pd.DataFrame, opts: Options) -> dict[str, object]:
     """Solo prefill and generation speeds with their sample counts and basis."""
     alone = ran_alone(tv)
     res: dict[str, object] = {}
@@ -63,10 +65,19 @@ def solo_speeds(tv: pd.DataFrame, opts: Options) -> dict[str, object]:
             res[kind] = (float(override), pd.NA, "option")
         elif len(sample):
             res[kind] = (float(sample.median()), len(sample), "median of tasks alone")
+        elif kind == "gen" and len(stretches := _alone_stretches(ds, tv, opts)):
+            res[kind] = (float(stretches.median()), len(stretches), "median of stretches alone")
         else:
             allv = v[v.notna() & (v > 0)]
             res[kind] = (float(allv.quantile(0.9)) if len(allv) else np.nan, len(allv), "p90 of all tasks")
     return res
+
+
+def _alone_stretches(ds: Dataset, tv: pd.DataFrame, opts: Options) -> pd.Series:
+    from .stalls import MIN_PIECE_S, segment_pieces
+
+    p = segment_pieces(ds, opts, tv)
+    return p.loc[(p["class"] == "alone") & (p["seconds"] >= MIN_PIECE_S), "tok_per_s"]
 
 
 @register("breakdown")
@@ -74,7 +85,7 @@ def breakdown(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Seconds and share of each component, for all tasks (``purpose`` = ``all``) and per purpose
     (``unlogged`` for tasks no app call matched; ``unknown`` when there is no app log)."""
     tv = task_view(ds)
-    solo = solo_speeds(tv, opts)
+    solo = solo_speeds(ds, tv, opts)
     gen_tps, gen_n, gen_basis = solo["gen"]  # type: ignore[misc]
     pre_tps, pre_n, pre_basis = solo["prefill"]  # type: ignore[misc]
     launch, ps, ft, rel = (_f(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))
