@@ -32,6 +32,29 @@ CAPTIONS = {
     "lora-switch": "Prefill time of short prompts right after a LoRA change vs the same setting.",
     "findings": "What the numbers show.",
 }
+# The columns a terminal report shows per table (CSV/JSON exports keep every column).
+REPORT_COLUMNS = {
+    "turns": ["by", "group", "count", "total_median_s", "total_p95_s", "total_max_s", "ttft_median_s", "ttft_p95_s",
+              "ttft_max_s", "few_samples"],
+    "load": ["scope", "running", "seconds", "share"],
+    "breakdown": ["purpose", "component", "seconds", "share", "tasks", "few_samples"],
+    "stalls": ["class", "samples", "median_tg_3s_tps", "p10_tg_3s_tps", "tokens", "seconds", "tok_per_s_pooled", "few_samples"],
+    "stalls-worst": ["class", "tok_per_s", "tokens", "seconds", "task_id", "purpose", "user", "line", "cause_task_id",
+                     "cause_purpose", "cause_prompt_tokens_new", "cause_line"],
+    "waits": ["cause", "count", "total_s", "max_s", "median_s", "few_samples"],
+    "waits-worst": ["wait_s", "cause", "task_id", "purpose", "lora", "line", "holder_task_id", "holder_purpose",
+                    "holder_lora", "holder_line"],
+    "prefills": ["by", "value", "count", "new_tokens_total", "seconds_total", "few_samples"],
+    "prefill-speed": ["step_tokens", "steps", "median_tps", "median_step_tokens", "few_samples"],
+    "context": ["basis", "context_tokens", "samples", "tasks", "median_tg_3s_tps", "few_samples"],
+    "cache": ["user", "consecutive_turns", "misses", "miss_share", "misses_on_other_slot", "few_samples"],
+    "cache-misses": ["user", "call_id", "purpose", "slot", "task_id", "prev_call_id", "prev_slot", "gap_s",
+                     "prev_left_tokens", "cached_tokens"],
+    "lora-switch": ["setting", "count", "prefill_median_ms", "alone_count", "alone_prefill_median_ms", "few_samples"],
+}
+# Columns whose single value is said once under the table instead of on every row.
+FOOTNOTE_COLUMNS = ["note", "basis", "solo_gen_basis", "solo_prefill_basis", "effective_chunk_tokens", "max_running",
+                    "n_slots", "solo_gen_tps", "solo_gen_n", "solo_prefill_tps", "solo_prefill_n"]
 APP_LOG_ADDS = (
     "No app call log was given: purpose, user, LoRA and queue time are unknown, so `turns`, "
     "`prefills`, `cache`, `lora-switch` and the LoRA classes of `waits` are empty. Add the app's "
@@ -75,10 +98,33 @@ def render(ds: Dataset, tables: dict[str, pd.DataFrame], file: IO[str] | None = 
         if df.empty:
             console.print("(no rows)", markup=False)
             continue
-        console.print(rich_table(_readable(df), max_rows=max_rows))
+        shown = _readable(name, df)
+        console.print(rich_table(shown, max_rows=max_rows))
+        for text in _footnotes(df):
+            console.print(f"  {text}", markup=False)
 
 
-def _readable(df: pd.DataFrame) -> pd.DataFrame:
-    """Drop bookkeeping columns that only make a terminal table wider."""
-    drop = [c for c in df.columns if c in ("source", "port", "file", "note") or c.endswith("_line") and c != "line"]
-    return df.drop(columns=drop)
+def _readable(name: str, df: pd.DataFrame) -> pd.DataFrame:
+    """The columns worth a terminal's width; per-day load rows only when there are several days."""
+    if name == "load" and "scope" in df.columns:
+        days = [s for s in df["scope"].unique() if s != "overall"]
+        if len(days) <= 1:
+            df = df[df["scope"] == "overall"]
+    cols = REPORT_COLUMNS.get(name)
+    if cols is None:
+        drop = [c for c in df.columns if c in ("source", "port", "file") or c in FOOTNOTE_COLUMNS]
+        return df.drop(columns=drop)
+    return df[[c for c in cols if c in df.columns]]
+
+
+def _footnotes(df: pd.DataFrame) -> list[str]:
+    """``name: value`` for bookkeeping columns that hold one value (or a few) for the whole table."""
+    out = []
+    for c in FOOTNOTE_COLUMNS:
+        if c not in df.columns:
+            continue
+        vals = [v for v in df[c].dropna().unique().tolist() if v != ""]
+        if 1 <= len(vals) <= 3:
+            shown = "; ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in vals)
+            out.append(f"{c.replace('_', ' ')}: {shown}")
+    return out

@@ -57,6 +57,15 @@ def findings(ds: Dataset, opts: Options, tables: dict[str, pd.DataFrame]) -> pd.
                 add(f"Only {n_lp} generation stretch(es) overlapped another slot's {k} prefill "
                     f"(median {v_lp:.2f} tok/s vs {v_base:.1f} tok/s {base['class'].replace('_', ' ')}): too few "
                     f"(< {opts.min_samples}) to state as a finding.", "stalls", n_lp, False)
+        op = _row(stalls, "class", "other_prefill")
+        v_op = _num(op["median_tg_3s_tps"]) if op is not None else None
+        n_op = int(_num(op["samples"]) or 0) if op is not None else 0
+        if (v_op is not None and v_base and n_op >= opts.min_samples and v_op < v_base / 5
+                and (v_lp is None or n_lp < opts.min_samples)):
+            add(f"Generation fell to {v_op:.2f} tok/s (median of {n_op} stretches) while another slot prefilled a "
+                f"shorter prompt (under {opts.long_prefill_tokens / 1000:g}K new tokens), against {v_base:.1f} tok/s "
+                f"{base['class'].replace('_', ' ')}: a generating slot gets one token per batch pass.",
+                "stalls", n_op, True)
 
     waits = tables.get("waits")
     if waits is not None and "cause" in waits.columns:
