@@ -65,7 +65,7 @@ def test_since_until_on_the_server_clock() -> None:
     df = pd.read_csv(io.StringIO(res.stdout))
     assert len(df) > 0 and df["launch_s"].between(100, 200).all()
     res = run("tasks", str(REAL / "before" / "logs"), "--since", "2026-11-29T07:35:00")
-    assert res.exit_code == 1 and "wall-clock" in res.stderr
+    assert res.exit_code == 2 and "wall-clock" in res.stderr
 
 
 def test_match_csv_columns() -> None:
@@ -150,3 +150,11 @@ def test_head_closes_the_pipe_quietly(tmp_path: Path) -> None:
     _, errout = proc.communicate(timeout=120)
     assert proc.returncode == 0
     assert b"Traceback" not in errout and errout == b""
+
+
+def test_where_lists_the_tasks_behind_a_row() -> None:
+    res = run("tasks", str(REAL / "before" / "logs"), "--where", "wait_before_prefill_ms >= 1000", "-q")
+    df = pd.read_csv(io.StringIO(res.stdout))
+    assert len(df) == 31 and (df["wait_before_prefill_ms"] >= 1000).all()  # = the waits table's 29 + 2
+    bad = run("tasks", str(REAL / "before" / "logs"), "--where", "no_such_column > 1")
+    assert bad.exit_code == 2 and "columns: source, session" in bad.stderr

@@ -16,7 +16,7 @@ from rich.console import Console
 from . import output
 from .accounting import Accounting
 from .errors import InputError, SlotscopeError
-from .filters import parse_when, window
+from .filters import parse_when, where as where_rows, window
 from .app_log import load_column_file, parse_column_spec
 from .dataset import Dataset, load, read_app
 from .server_log import read_server_logs
@@ -38,6 +38,7 @@ SinceOpt = Annotated[Optional[str], typer.Option("--since", help="Keep tasks lau
 UntilOpt = Annotated[Optional[str], typer.Option("--until", help="Keep tasks launched before this (same forms as --since).")]
 StrictOpt = Annotated[bool, typer.Option("--strict", help="Exit 1 when any input line is unrecognized.")]
 TzOpt = Annotated[str, typer.Option("--tz", help="Time zone for stamps without one (journald short, naive ISO).")]
+WhereOpt = Annotated[Optional[str], typer.Option("--where", "-w", help="Keep rows matching a condition on the columns, e.g. \"wait_before_prefill_ms >= 1000 and slot == 2\".")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No summary on stderr.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks.", hidden=True)]
 
@@ -138,7 +139,7 @@ def _paths(paths: Optional[list[str]]) -> list[str]:
 @command()
 def tasks(
     paths: PathsArg = None, fmt: FormatOpt = None, out: OutOpt = None, since: SinceOpt = None,
-    until: UntilOpt = None, strict: StrictOpt = False, tz: TzOpt = "UTC", quiet: QuietOpt = False,
+    until: UntilOpt = None, where: WhereOpt = None, strict: StrictOpt = False, tz: TzOpt = "UTC", quiet: QuietOpt = False,
 ) -> None:
     """One row per server task: launch, wait before prefill, prefill, generation, release."""
     ps = _paths(paths)
@@ -146,7 +147,7 @@ def tasks(
         logs = read_server_logs(ps, keep_samples=False, tz=tz, progress=progress)  # type: ignore[arg-type]
     if not any(f.kind == "server" for f in logs.accounting.files):
         _no_input(logs.accounting.unusable, "no llama-server log among the inputs")
-    df = window(logs.tasks, parse_when(since), parse_when(until), time_col="launch_s")
+    df = where_rows(window(logs.tasks, parse_when(since), parse_when(until), time_col="launch_s"), where)
     output.write(df, fmt, out, title="tasks", table_columns=TASK_TABLE)
     _finish(logs.accounting, strict, quiet)
 
@@ -156,7 +157,7 @@ def samples(
     paths: PathsArg = None,
     kind: Annotated[str, typer.Option("--kind", "-k", help="gen (tg_3s heartbeats) or prefill (progress lines).")] = "gen",
     fmt: FormatOpt = None, out: OutOpt = None, since: SinceOpt = None, until: UntilOpt = None,
-    strict: StrictOpt = False, tz: TzOpt = "UTC", quiet: QuietOpt = False,
+    where: WhereOpt = None, strict: StrictOpt = False, tz: TzOpt = "UTC", quiet: QuietOpt = False,
 ) -> None:
     """Generation heartbeats (n_gen, tg, tg_3s and the window each covers) or prefill progress."""
     if kind not in ("gen", "prefill"):
@@ -167,7 +168,7 @@ def samples(
     if not any(f.kind == "server" for f in logs.accounting.files):
         _no_input(logs.accounting.unusable, "no llama-server log among the inputs")
     df = logs.gen_samples if kind == "gen" else logs.prefill_samples
-    df = window(df, parse_when(since), parse_when(until), time_col="t_s")
+    df = where_rows(window(df, parse_when(since), parse_when(until), time_col="t_s"), where)
     output.write(df, fmt, out, title=f"samples ({kind})", table_columns=GEN_TABLE if kind == "gen" else PREFILL_TABLE)
     _finish(logs.accounting, strict, quiet)
 
@@ -225,16 +226,16 @@ def match_cmd(
     paths: PathsArg = None, fmt: FormatOpt = None, out: OutOpt = None, tz: TzOpt = "UTC",
     app_columns: AppColumnsOpt = None, server_start: ServerStartOpt = None,
     unlogged: Annotated[bool, typer.Option("--unlogged", help="List the server tasks no call explains instead.")] = False,
-    quiet: QuietOpt = False, strict: StrictOpt = False,
+    where: WhereOpt = None, quiet: QuietOpt = False, strict: StrictOpt = False,
 ) -> None:
     """Every app call joined to its server task: queue, wait, prefill, generation, TTFT."""
     ds = _load(_paths(paths), tz, app_columns, server_start, keep_samples=False)
     if ds.matches is None:
         raise output.UsageError(None, None, "no app call log among the inputs; `match` joins one to the server log")
     if unlogged:
-        output.write(ds.matches.unlogged, fmt, out, title="tasks no call explains", table_columns=TASK_TABLE + ["busy_s"])
+        output.write(where_rows(ds.matches.unlogged, where), fmt, out, title="tasks no call explains", table_columns=TASK_TABLE + ["busy_s"])
     else:
-        output.write(ds.matches.calls, fmt, out, title="calls matched to tasks", table_columns=MATCH_TABLE)
+        output.write(where_rows(ds.matches.calls, where), fmt, out, title="calls matched to tasks", table_columns=MATCH_TABLE)
     _print_alignment(ds, quiet)
     if not quiet:
         m = ds.matches.calls

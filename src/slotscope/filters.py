@@ -6,11 +6,11 @@ import re
 
 import pandas as pd
 
-from .errors import SlotscopeError
+from .output import UsageError
 
 
-class WindowError(SlotscopeError):
-    """A --since/--until value that cannot be read or applied."""
+class WindowError(UsageError):
+    """A --since/--until/--where value that cannot be read or applied (a usage error, exit 2)."""
 
 
 _LLAMA_TS = re.compile(r"^(\d+)\.(\d\d)\.(\d{3})\.(\d{3})$")
@@ -65,3 +65,13 @@ def window(
             col = df[time_col]
         keep &= (col >= bound) if is_since else (col < bound)
     return df[keep.fillna(False).astype(bool)]
+
+
+def where(df: pd.DataFrame, expr: str | None) -> pd.DataFrame:
+    """Rows matching a pandas query over the table's columns, e.g. ``wait_before_prefill_ms >= 1000``."""
+    if not expr:
+        return df
+    try:
+        return df.query(expr, engine="python")
+    except Exception as e:  # noqa: BLE001 - any bad expression is the user's to fix
+        raise WindowError(None, None, f"--where {expr!r}: {type(e).__name__}: {e}; columns: {', '.join(map(str, df.columns))}") from None
