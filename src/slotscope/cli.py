@@ -305,6 +305,64 @@ def demo() -> None:
     analyze(paths=None)
 
 
+SideOpt = Annotated[Optional[list[str]], typer.Option(help="START..END: a wall-clock window of PATHS (ISO times or dates; tasks by launch time), or this side's own logs (files or directories; repeat for several).", show_default=False)]
+
+
+@command("compare")
+def compare_cmd(
+    paths: PathsArg = None, before: SideOpt = None, after: SideOpt = None,
+    table: Annotated[Optional[str], typer.Option("--table", "-t", help="Only this table: overall | same-conditions | indicators | changes | cautions.")] = None,
+    fmt: FormatOpt = None, out: OutOpt = None, tz: TzOpt = "UTC",
+    app_columns: AppColumnsOpt = None, server_start: ServerStartOpt = None,
+    short_tokens: Annotated[int, typer.Option(help="Turns with fewer new prompt tokens are 'short' (same-conditions).")] = 1_000,
+    long_prefill: Annotated[int, typer.Option(help="New tokens that make a prefill 'long' (stalls).")] = 15_000,
+    big_prefill: Annotated[int, typer.Option(help="New tokens that make a prefill 'big' (same-conditions, prefill speed).")] = 5_000,
+    wait_threshold: Annotated[float, typer.Option(help="Seconds of wait before prefill worth counting.")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Seed of the bootstrap intervals.")] = 0,
+    resamples: Annotated[int, typer.Option(help="Bootstrap resamples per interval.")] = 2000,
+    quiet: QuietOpt = False, strict: StrictOpt = False, debug: DebugOpt = False,
+) -> None:
+    """Before/after a change, in a way that survives changing traffic: load, TTFT under the same
+    conditions, the mechanisms (stalls, waits, speeds) and the settings that changed.
+
+    Either two windows of one set of logs (slotscope compare logs/ --before 2026-11-28 --after
+    2026-11-30..2026-11-30T12:00) or two sets (--before old/logs --after new/logs).
+    """
+    from . import compare as cmp
+    from .analyze import Options
+
+    sides = cmp.read_sides(paths, before, after, tz)
+    if table is not None and table not in cmp.TABLE_NAMES + ["cautions"]:
+        raise output.UsageError(None, None, f"unknown table {table!r}; tables: {', '.join(cmp.TABLE_NAMES)}, cautions")
+    exporting = table is not None or fmt in ("csv", "json", "parquet") or bool(out and not out.endswith(".txt"))
+    if exporting and table is None:
+        raise output.UsageError(None, None, f"exporting needs one table: --table NAME ({', '.join(cmp.TABLE_NAMES)})")
+    opts = Options(long_prefill_tokens=long_prefill, big_prefill_tokens=big_prefill, wait_threshold_s=wait_threshold)
+    if sides.windows:
+        ds = _load(_paths(paths), tz, app_columns, server_start)
+        b_ds, a_ds = cmp.split(ds, sides.before_window, sides.after_window)  # type: ignore[arg-type]
+        accounting = ds.accounting
+    else:
+        b_ds = _load(list(sides.before_paths), tz, app_columns, server_start)
+        a_ds = _load(list(sides.after_paths), tz, app_columns, server_start)
+        accounting = b_ds.accounting.merge(a_ds.accounting)
+    for side_ds in (b_ds, a_ds):
+        if not any(f.kind == "server" for f in side_ds.accounting.files):
+            _no_input(side_ds.accounting.unusable, "no llama-server log among the inputs")
+    tables = cmp.compare(b_ds, a_ds, opts, seed=seed, n_boot=resamples, short_tokens=short_tokens)
+    if exporting:
+        output.write(tables[table], fmt, out, title=table)  # type: ignore[index]
+    else:
+        target = open(out, "w") if out else None
+        try:
+            cmp.render(tables, file=target, width=None if output.is_terminal(sys.stdout) and not out else 100,
+                       header=[f"before: {cmp.describe(b_ds)}", f"after: {cmp.describe(a_ds)}"])
+        finally:
+            if target is not None:
+                target.close()
+    _finish(accounting, strict, quiet)
+
+
 def main() -> None:
     """Entry point: map library errors to one line, exit quietly on a closed pipe."""
     global _debug

@@ -1,0 +1,873 @@
+"""Before/after comparison that survives changing traffic.
+
+A change to the server (``-b 512``, one LoRA setting for every call) is judged by comparing two
+stretches of traffic, and traffic never repeats: the after window may be busier, hold no 15K
+prefill, or have only a handful of turns. So the comparison does not stop at "p95 went down":
+
+* ``overall``: the load of each side (turns, turns/hour, time with 2+ and 4+ tasks running,
+  15K+ prefills, concurrency) next to the time to first token (TTFT) of all turns, so a
+  difference in load is visible before any difference in speed is read;
+* ``same-conditions``: TTFT of short chat turns compared only among turns that met the same
+  conditions (nothing else running / other tasks running / another task's 5K+ prefill running
+  during the turn's queue, wait and prefill);
+* ``indicators``: the mechanisms themselves, which depend much less on the traffic: generation
+  speed during another slot's long prefill (the stalls analyzer's ``long_prefill`` pieces),
+  waits before prefill and the ones behind a different LoRA setting, prefill and generation
+  speed;
+* ``changes``: the settings each side's logs show (slots, context, effective prefill chunk,
+  LoRA settings), and a warning when more than one changed at once;
+* ``cautions``: what limits the reading, in plain sentences.
+
+Every difference is after minus before. Its 90% interval is a percentile bootstrap, seeded per
+row (the same numbers whichever table is asked for), computed on 2-D arrays of resample counts
+(one block for these logs; bounded blocks for a day of tasks), never one resample at a time. Generation pieces are resampled by the long prefill that caused
+them (pieces stalled by one prefill are not independent); everything else by turn or task.
+Load rows (turns/hour, busy time, concurrency) describe what happened in each window; they are
+not estimates and get no interval.
+
+Two sides are either two datasets (two runs) or two wall-clock windows of one dataset
+(:func:`split`). A window selects tasks by their wall-clock launch time; what ran around them is
+kept as context, so a turn just after the window's start still sees the prefill that started
+before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import zlib
+from dataclasses import dataclass
+from typing import IO
+
+import numpy as np
+import pandas as pd
+from rich.console import Console
+from rich.rule import Rule
+
+from . import timeline as tl
+from .analyze import Options
+from .analyze.prefill_speed import effective_chunk_tokens
+from .analyze.stalls import MIN_PIECE_S, segment_pieces
+from .analyze.turns import is_chat_turn
+from .analyze.waits import classify_waits
+from .dataset import Dataset, task_view
+from .errors import SlotscopeError
+from .output import UsageError, rich_table
+
+TABLE_NAMES = ["overall", "same-conditions", "indicators", "changes"]
+OVERALL_COLUMNS = ["metric", "before", "after", "before_n", "after_n", "diff", "ci_low", "ci_high", "caution"]
+SAME_COLUMNS = [
+    "condition", "before_median_s", "before_p90_s", "before_n", "after_median_s", "after_p90_s", "after_n",
+    "diff_median_s", "ci_low", "ci_high", "caution", "definition",
+]
+INDICATOR_COLUMNS = ["indicator", "before", "after", "before_n", "after_n", "diff", "ci_low", "ci_high", "caution"]
+CHANGE_COLUMNS = ["setting", "before", "after", "changed", "note"]
+CAUTION_COLUMNS = ["about", "caution"]
+CONDITIONS = ["nothing_else_running", "overlapping_another_task", "overlapping_prefill_5k_plus"]
+INDICATORS = [
+    "gen_tps_during_long_prefill", "waits_over_1s_count", "waits_over_1s_total_s", "waits_over_1s_max_s",
+    "waits_different_lora_count", "prefill_tps_5k_plus", "gen_tps_median",
+]
+
+SHORT_TOKENS = 1_000  # a "short" turn has fewer new prompt tokens than this
+LEVEL = 0.90
+LOAD_RATIO = 1.25  # load differing by more than 25% between the sides is worth a caution
+BUSY_TASKS = 4  # "4 or more tasks running at once" is a condition that matters
+UNKNOWN = "unknown"
+# Resample counts are drawn in blocks of at most this many cells, so a day of tasks stays in memory.
+_BLOCK_CELLS = 4_000_000
+_Z = 1.6448536269514722  # two-sided 90%
+
+
+class CompareError(SlotscopeError):
+    """Two sides that cannot be compared as asked (no wall clock for a window, an empty window)."""
+
+
+@dataclass
+class Window(Dataset):
+    """One wall-clock window of a dataset: tasks launched in [start, end) are its subjects.
+
+    The tables hold the subjects and the tasks that ran around them (context); ``start``/``end``
+    are None for an open end.
+    """
+
+    start: pd.Timestamp | None = None
+    end: pd.Timestamp | None = None
+    unplaced: int = 0  # tasks of the whole dataset with no wall-clock time (left out)
+
+
+# --- windows -----------------------------------------------------------------------------------
+
+
+def parse_window(value: str, tz: str = "UTC") -> tuple[pd.Timestamp | None, pd.Timestamp | None]:
+    """``START..END`` (ISO times or dates, either side may be empty) -> bounds of [start, end).
+
+    A time without a zone is read in ``tz``. A date alone as END includes that whole day (as a
+    pandas date slice does): ``2026-11-28..2026-11-28`` is the 28th.
+    """
+    if ".." not in value:
+        raise CompareError(None, None, f"a window is START..END, not {value!r}")
+    a, b = value.split("..", 1)
+    return _when(a, tz, is_end=False), _when(b, tz, is_end=True)
+
+
+def _when(text: str, tz: str, *, is_end: bool) -> pd.Timestamp | None:
+    t = text.strip()
+    if not t:
+        return None
+    try:
+        ts = pd.Timestamp(t)
+    except (ValueError, TypeError):
+        raise CompareError(None, None, f"cannot read {t!r} as a wall time; give an ISO time or date, "
+                           "e.g. 2026-11-29T07:30..2026-11-29T08:00") from None
+    if ts.tzinfo is None:
+        ts = ts.tz_localize(tz)
+    date_only = len(t) <= 10 and ":" not in t
+    return ts + pd.Timedelta(days=1) if (is_end and date_only) else ts
+
+
+def _us(ts: pd.Timestamp | None, default: float) -> float:
+    return default if ts is None else ts.value / 1e3
+
+
+def _wall_offsets(ds: Dataset) -> pd.DataFrame:
+    """Per session: wall time (µs since epoch) of its clock's zero, from the app-log alignment,
+    else from a wrapper's stamps; NaN where neither exists."""
+    s = ds.server.sessions
+    out = s[tl.GROUP].copy()
+    off = pd.to_numeric(s["wall_offset_us"], errors="coerce").to_numpy(dtype="float64", na_value=np.nan) \
+        if "wall_offset_us" in s.columns else np.full(len(s), np.nan)
+    if ds.matches is not None and len(ds.matches.aligned):
+        al = out.merge(ds.matches.aligned[tl.GROUP + ["offset_us"]].drop_duplicates(tl.GROUP), on=tl.GROUP, how="left")
+        app = pd.to_numeric(al["offset_us"], errors="coerce").to_numpy(dtype="float64", na_value=np.nan)
+        off = np.where(np.isnan(app), off, app)
+    out["offset_us"] = off
+    return out
+
+
+def _f(s: pd.Series) -> np.ndarray:
+    return pd.to_numeric(s, errors="coerce").to_numpy(dtype="float64", na_value=np.nan)
+
+
+def _wall(frame: pd.DataFrame, offsets: pd.DataFrame, col: str) -> np.ndarray:
+    """Wall µs of a server-clock column (seconds) of rows carrying session keys."""
+    off = frame[tl.GROUP].merge(offsets, on=tl.GROUP, how="left")["offset_us"].to_numpy(dtype="float64")
+    return off + _f(frame[col]) * 1e6
+
+
+def cut(ds: Dataset, start: pd.Timestamp | None, end: pd.Timestamp | None, *, tv: pd.DataFrame | None = None) -> Window:
+    """The part of ``ds`` one window needs: tasks launched in [start, end) and their context."""
+    tv = task_view(ds) if tv is None else tv
+    offsets = _wall_offsets(ds)
+    launch = _wall(tv, offsets, "launch_s")
+    if np.isnan(launch).all():
+        raise CompareError(None, None, "a time window needs wall-clock times: an app log to align the server "
+                           "clock with, or wrapper stamps on the server lines (journald, docker -t, ts); "
+                           "or compare two log sets with --before DIR --after DIR")
+    lo, hi = _us(start, -np.inf), _us(end, np.inf)
+    subject = (launch >= lo) & (launch < hi)
+    if not subject.any():
+        first, last = np.nanmin(launch), np.nanmax(launch)
+        raise CompareError(None, None, f"no task was launched in the window {_span_text(start, end)}; "
+                           f"the logs' tasks were launched {_ts(first)} to {_ts(last)}")
+    ends = _wall(tv.assign(_end_s=tl.task_ends(tv, ds.server.sessions)), offsets, "_end_s")
+    queue_us = np.nan_to_num(_f(tv["queue_ms"]) * 1e3 if "queue_ms" in tv.columns else np.zeros(len(tv)))
+    begin = launch - queue_us
+    ctx_lo = min(lo, float(np.nanmin(begin[subject])))
+    ctx_hi = max(hi if np.isfinite(hi) else -np.inf, float(np.nanmax(ends[subject])))
+    context = (begin < ctx_hi) & (ends > ctx_lo)
+    keys = tv.loc[context, tl.GROUP + ["task_id"]]
+    server = ds.server
+    tasks = server.tasks.merge(keys, on=tl.GROUP + ["task_id"], how="inner")
+    server = dataclasses.replace(
+        server, tasks=tasks,
+        gen_samples=_semi(server.gen_samples, keys), prefill_samples=_semi(server.prefill_samples, keys),
+        sessions=server.sessions.merge(keys[tl.GROUP].drop_duplicates(), on=tl.GROUP, how="inner"),
+    )
+    matches, app = ds.matches, ds.app
+    if matches is not None:
+        calls = matches.calls
+        start_us = calls["start_at"].astype("datetime64[us, UTC]").astype("int64").to_numpy(dtype="float64")
+        by_task = calls[tl.GROUP + ["task_id"]].merge(keys.assign(_k=True), on=tl.GROUP + ["task_id"], how="left")["_k"]
+        keep = by_task.fillna(False).to_numpy(dtype=bool) | (calls["task_id"].isna().to_numpy() & (start_us >= ctx_lo) & (start_us < ctx_hi))
+        matches = dataclasses.replace(matches, calls=calls[keep].reset_index(drop=True),
+                                      unlogged=_semi(matches.unlogged, keys))
+        if app is not None:
+            ids = set(matches.calls["call_id"].dropna())
+            app = dataclasses.replace(app, calls=app.calls[app.calls["call_id"].isin(ids)].reset_index(drop=True))
+    return Window(server=server, app=app, matches=matches, accounting=ds.accounting,
+                  start=start, end=end, unplaced=int(np.isnan(launch).sum()))
+
+
+def _semi(df: pd.DataFrame, keys: pd.DataFrame) -> pd.DataFrame:
+    if df is None or not len(df) or "task_id" not in df.columns:
+        return df
+    k = keys.drop_duplicates()
+    return df.merge(k, on=tl.GROUP + ["task_id"], how="inner")
+
+
+def split(
+    ds: Dataset,
+    before: tuple[pd.Timestamp | None, pd.Timestamp | None],
+    after: tuple[pd.Timestamp | None, pd.Timestamp | None],
+) -> tuple[Window, Window]:
+    """Cut one dataset into a before and an after window (each ``(start, end)``, wall clock)."""
+    tv = task_view(ds)
+    return cut(ds, *before, tv=tv), cut(ds, *after, tv=tv)
+
+
+def _ts(us: float) -> str:
+    return pd.Timestamp(int(us), unit="us", tz="UTC").isoformat(timespec="seconds")
+
+
+def _span_text(start: pd.Timestamp | None, end: pd.Timestamp | None) -> str:
+    a = start.isoformat() if start is not None else "(start)"
+    b = end.isoformat() if end is not None else "(end)"
+    return f"{a}..{b}"
+
+
+# --- one side ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Side:
+    """What one side contributes: per-row samples and the load of its window."""
+
+    turns: pd.DataFrame  # chat turns: wall, measured, ttft_s, new tokens, condition
+    tasks: pd.DataFrame  # subject tasks: wait_s, different_lora, prefill_tps, gen_tps, new tokens
+    pieces: pd.DataFrame  # long_prefill generation pieces of subject tasks: tok_per_s, cluster
+    observed_s: float
+    busy2_s: float
+    busy4_s: float
+    max_running: float
+    has_app: bool
+    has_lora: bool
+    settings: dict[str, str]
+    lora_calls: str
+
+
+def side(ds: Dataset, opts: Options, short_tokens: int = SHORT_TOKENS) -> Side:
+    """Every sample the comparison needs from one dataset or window."""
+    tv = task_view(ds)
+    offsets = _wall_offsets(ds)
+    launch_us = _wall(tv, offsets, "launch_s")
+    lo = _us(ds.start, -np.inf) if isinstance(ds, Window) else -np.inf
+    hi = _us(ds.end, np.inf) if isinstance(ds, Window) else np.inf
+    subj = (launch_us >= lo) & (launch_us < hi) if isinstance(ds, Window) else np.ones(len(tv), dtype=bool)
+    keys = tl.GROUP + ["task_id"]
+    f = _f
+
+    # Tasks: waits, LoRA waits, speeds.
+    wait_s = f(tv["wait_before_prefill_ms"]) / 1000
+    waits = classify_waits(ds, opts, tv)
+    diff_lora = tv[keys].merge(waits.loc[waits["cause"] == "different_lora", keys].assign(_d=True), on=keys, how="left")["_d"]
+    has_lora = ds.matches is not None and "lora" in tv.columns and tv["lora"].notna().any()
+    new = f(tv["prompt_tokens_new"])
+    tasks = pd.DataFrame({
+        "wait_s": wait_s,
+        "different_lora": diff_lora.fillna(False).to_numpy(dtype=bool),
+        "prompt_tokens_new": new,
+        "prefill_tps": f(tv["prefill_tps"]),
+        "gen_tps": np.where(f(tv["n_gen"]) >= 2, f(tv["gen_tps"]), np.nan),
+    })[subj].reset_index(drop=True)
+
+    # Chat turns: by their task's launch when matched, else by the call's start.
+    turns = _turns(ds, tv, subj, opts, short_tokens, lo, hi)
+
+    # Generation pieces during another slot's long prefill, resampled by that prefill.
+    pieces = segment_pieces(ds, opts, tv)
+    pieces = pieces[(pieces["class"] == "long_prefill") & (pieces["seconds"] >= MIN_PIECE_S)]
+    pieces = pieces.merge(tv.loc[subj, keys], on=keys, how="inner")
+    cluster = pieces.groupby(tl.GROUP + ["cause_task_id"], dropna=False, sort=False).ngroup()
+    pieces = pd.DataFrame({"tok_per_s": pieces["tok_per_s"].to_numpy(dtype="float64"),
+                           "cluster": cluster.to_numpy(dtype=np.int64)})
+
+    # Load within the window (or over the whole observed span of a dataset).
+    steps = tl.concurrency(tv, ds.server.sessions)
+    if len(steps):
+        a = _wall(steps, offsets, "start_s") if isinstance(ds, Window) else f(steps["start_s"])
+        z = _wall(steps, offsets, "end_s") if isinstance(ds, Window) else f(steps["end_s"])
+        scale = 1e6 if isinstance(ds, Window) else 1.0
+        a, z = np.maximum(a, lo), np.minimum(z, hi)
+        secs = np.clip(z - a, 0, None) / scale
+        run = steps["running"].to_numpy()
+        observed, busy2, busy4 = secs.sum(), secs[run >= 2].sum(), secs[run >= BUSY_TASKS].sum()
+        max_running = float(run[secs > 0].max()) if (secs > 0).any() else 0.0
+    else:
+        observed = busy2 = busy4 = max_running = 0.0
+
+    settings, lora_calls = _settings(ds, tv, subj, lo, hi)
+    return Side(turns=turns, tasks=tasks, pieces=pieces, observed_s=float(observed), busy2_s=float(busy2),
+                busy4_s=float(busy4), max_running=max_running, has_app=ds.matches is not None,
+                has_lora=bool(has_lora), settings=settings, lora_calls=lora_calls)
+
+
+def _turns(ds: Dataset, tv: pd.DataFrame, subj: np.ndarray, opts: Options, short_tokens: int,
+           lo: float, hi: float) -> pd.DataFrame:
+    empty = pd.DataFrame({"measured": pd.Series(dtype=bool), "ttft_s": pd.Series(dtype="float64"),
+                          "short": pd.Series(dtype=bool), "condition": pd.Series(dtype="object")})
+    if ds.matches is None:
+        return empty
+    keys = tl.GROUP + ["task_id"]
+    calls = ds.matches.calls
+    calls = calls[is_chat_turn(calls["purpose"]).to_numpy()]
+    matched = calls["task_id"].notna().to_numpy()
+    at = calls["launch_at"].where(calls["launch_at"].notna(), calls["start_at"]) if "launch_at" in calls.columns else calls["start_at"]
+    at_us = at.astype("datetime64[us, UTC]").astype("int64").to_numpy(dtype="float64")
+    at_us = np.where(at.isna().to_numpy(), np.nan, at_us)
+    if np.isfinite(lo) or np.isfinite(hi):
+        # A matched call belongs where its task does (a task outside the window may be context).
+        sub_keys = tv.loc[subj, keys].assign(_s=True)
+        in_task = calls[keys].merge(sub_keys, on=keys, how="left")["_s"].fillna(False).to_numpy(dtype=bool)
+        keep = np.where(matched, in_task, (at_us >= lo) & (at_us < hi))
+        calls = calls[keep]
+    measured = (calls["ok"].fillna(False).astype(bool) & calls["task_id"].notna() & calls["ttft_ms"].notna()).to_numpy()
+    t = calls.loc[measured, keys + ["ttft_ms"]].merge(
+        tv[keys + ["launch_s", "first_token_s", "prompt_tokens_new", "queue_ms", "release_s", "prefill_start_s"]],
+        on=keys, how="left")
+    f = _f
+    launch = f(t["launch_s"])
+    q = np.nan_to_num(f(t["queue_ms"]) / 1000)
+    span = t[tl.GROUP].assign(start_s=launch - q, end_s=f(t["first_token_s"]))
+    # What else ran: every task from launch to end, the turn's own left out.
+    run = tv[tl.GROUP].assign(start_s=f(tv["launch_s"]), end_s=tl.task_ends(tv, ds.server.sessions))
+    own_end = t[keys].merge(tv[keys].assign(_e=run["end_s"].to_numpy()), on=keys, how="left")["_e"].to_numpy(dtype="float64")
+    others = tl.overlaps(span, run, own_start=launch, own_end=own_end)["max_count"].to_numpy()
+    ph = tl.phases(tv)
+    big = ph[(ph["phase"] == "prefill") & (f(ph["prompt_tokens_new"]) >= opts.big_prefill_tokens)]
+    own_big = f(t["prompt_tokens_new"]) >= opts.big_prefill_tokens
+    big_cov = np.zeros(len(t))
+    for own, mask in ((False, ~own_big), (True, own_big)):
+        if not mask.any():
+            continue
+        kw = {"own_start": f(t.loc[mask, "prefill_start_s"]), "own_end": f(t.loc[mask, "first_token_s"])} if own else {}
+        big_cov[mask] = tl.overlaps(span[mask], big, **kw)["covered_s"].to_numpy()
+    condition = np.select([big_cov > 0, others >= 1], CONDITIONS[:0:-1], CONDITIONS[0])
+    out = pd.DataFrame({"measured": np.ones(len(t), dtype=bool), "ttft_s": f(t["ttft_ms"]) / 1000,
+                        "short": (f(t["prompt_tokens_new"]) < short_tokens), "condition": condition})
+    unmeasured = pd.DataFrame({"measured": np.zeros(int((~measured).sum()), dtype=bool), "ttft_s": np.nan,
+                               "short": False, "condition": None})
+    return pd.concat([out, unmeasured], ignore_index=True) if len(unmeasured) else out
+
+
+def _settings(ds: Dataset, tv: pd.DataFrame, subj: np.ndarray, lo: float, hi: float) -> tuple[dict[str, str], str]:
+    keys = tl.GROUP + ["task_id"]
+    sess = ds.server.sessions.merge(tv.loc[subj, tl.GROUP].drop_duplicates(), on=tl.GROUP, how="inner")
+
+    def values(col: str) -> str:
+        v = pd.to_numeric(sess[col], errors="coerce").dropna().astype("int64").unique() if col in sess.columns else []
+        return ", ".join(str(x) for x in sorted(v)) if len(v) else UNKNOWN
+
+    ps = ds.server.prefill_samples
+    own = dataclasses.replace(ds, server=dataclasses.replace(ds.server, prefill_samples=_semi(ps, tv.loc[subj, keys])))
+    chunk = effective_chunk_tokens(own) if ps is not None and len(ps) else None
+    lora, mix = UNKNOWN, ""
+    if ds.matches is not None and "lora" in ds.matches.calls.columns:
+        calls = ds.matches.calls
+        if np.isfinite(lo) or np.isfinite(hi):
+            at = calls["launch_at"].where(calls["launch_at"].notna(), calls["start_at"])
+            at_us = at.astype("datetime64[us, UTC]").astype("int64").to_numpy(dtype="float64")
+            calls = calls[(at_us >= lo) & (at_us < hi) & at.notna().to_numpy()]
+        labels = calls["lora"].astype("string").dropna()
+        if len(labels):
+            counts = labels.value_counts().sort_index()
+            lora = ", ".join(counts.index)
+            mix = ", ".join(f"{k} {v}" for k, v in counts.items())
+    return {
+        "n_slots": values("n_slots"),
+        "n_ctx_slot": values("n_ctx_slot"),
+        "chunk_tokens": str(chunk) if chunk is not None else UNKNOWN,
+        # The parser keeps neither: b11434 at the default verbosity prints `loading model '...'`
+        # but no build line, and the session table has no column for either.
+        "model": UNKNOWN,
+        "build": UNKNOWN,
+        "lora": lora,
+    }, mix
+
+
+# --- bootstrap ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One statistic on both sides, the difference and its bootstrap interval."""
+
+    before: float
+    after: float
+    before_n: int
+    after_n: int
+    diff: float
+    ci_low: float
+    ci_high: float
+    se: float  # bootstrap standard deviation of the difference (NaN without an interval)
+
+
+def _stat(xs: np.ndarray, w: np.ndarray, kind: str) -> np.ndarray:
+    """The statistic of each weighted resample (a row of counts ``w``) of sorted values ``xs``.
+
+    Quantiles match ``numpy.quantile`` (linear) on the sample the counts expand to.
+    """
+    if kind == "sum":
+        return w @ xs
+    if kind == "max":
+        return xs[w.shape[1] - 1 - np.argmax(w[:, ::-1] > 0, axis=1)]
+    q = {"median": 0.5, "p90": 0.9, "p95": 0.95}[kind]
+    m = w.sum(axis=1)
+    h = (m - 1) * q
+    lo = np.floor(h)
+    cum = np.cumsum(w, axis=1)
+    i_lo = np.argmax(cum > lo[:, None], axis=1)
+    i_hi = np.argmax(cum > np.minimum(lo + 1, m - 1)[:, None], axis=1)
+    return xs[i_lo] + (h - lo) * (xs[i_hi] - xs[i_lo])
+
+
+def _resamples(values: np.ndarray, clusters: np.ndarray | None, kind: str, rng: np.random.Generator,
+               n_boot: int) -> np.ndarray:
+    """``n_boot`` bootstrap values of the statistic; units (clusters, else values) are drawn with
+    replacement as one 2-D array of indices per block."""
+    order = np.argsort(values, kind="stable")
+    xs = values[order]
+    codes = pd.factorize(clusters[order])[0] if clusters is not None else np.arange(len(xs))
+    k = int(codes.max()) + 1
+    out = np.empty(n_boot)
+    rows = max(1, _BLOCK_CELLS // max(len(xs), k))
+    for b0 in range(0, n_boot, rows):
+        b = min(rows, n_boot - b0)
+        idx = rng.integers(0, k, size=(b, k))
+        counts = np.bincount((idx + k * np.arange(b)[:, None]).ravel(), minlength=b * k).reshape(b, k)
+        out[b0:b0 + b] = _stat(xs, counts[:, codes], kind)
+    return out
+
+
+def _point(values: np.ndarray, kind: str) -> float:
+    if not len(values):
+        return float("nan")
+    xs = np.sort(values)
+    return float(_stat(xs, np.ones((1, len(xs)), dtype=np.int64), kind)[0])
+
+
+def estimate(name: str, before: np.ndarray, after: np.ndarray, kind: str, *, seed: int = 0, n_boot: int = 2000,
+             before_clusters: np.ndarray | None = None, after_clusters: np.ndarray | None = None) -> Estimate:
+    """A statistic (``median``, ``p90``, ``p95``, ``sum``, ``max``) of each side, after - before,
+    and the percentile-bootstrap 90% interval of the difference. The generator is seeded by
+    ``seed`` and ``name``, so a row's interval does not depend on the other rows."""
+    b_ok, a_ok = np.isfinite(before), np.isfinite(after)
+    b, a = before[b_ok], after[a_ok]
+    bc = before_clusters[b_ok] if before_clusters is not None else None
+    ac = after_clusters[a_ok] if after_clusters is not None else None
+    pb, pa = _point(b, kind), _point(a, kind)
+    lo = hi = se = float("nan")
+    if len(b) >= 2 and len(a) >= 2 and n_boot > 0:
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+        d = _resamples(a, ac, kind, rng, n_boot) - _resamples(b, bc, kind, rng, n_boot)
+        lo, hi = (float(x) for x in np.quantile(d, [(1 - LEVEL) / 2, (1 + LEVEL) / 2]))
+        se = float(np.std(d))
+    return Estimate(pb, pa, len(b), len(a), pa - pb, lo, hi, se)
+
+
+def needed_samples(e: Estimate, min_samples: int) -> int | None:
+    """About how many samples per side would tell a difference of the observed size from noise
+    (the 90% interval's half-width shrinking like 1/sqrt(n)); None when the spread says nothing."""
+    n = min(e.before_n, e.after_n)
+    if not (n > 0 and math.isfinite(e.se) and e.se > 0 and math.isfinite(e.diff) and e.diff != 0):
+        return None
+    return max(min_samples, math.ceil(n * (_Z * e.se / abs(e.diff)) ** 2))
+
+
+_SINGULAR = {"turns": "turn", "tasks": "task", "prefills": "prefill", "stretches of generation": "stretch of generation"}
+
+
+def few_caution(e: Estimate, unit: str, min_samples: int) -> str:
+    """The plain-language caution for a side with fewer than ``min_samples`` samples ('' if none)."""
+    small = [(n, s) for n, s in ((e.before_n, "before"), (e.after_n, "after")) if n < min_samples]
+    if not small:
+        return ""
+    empty = [s for n, s in small if n == 0]
+    if empty:
+        return f"no {unit} {' or '.join(empty)}: nothing to compare"
+    what = " and ".join(f"{n} {_SINGULAR.get(unit, unit) if n == 1 else unit} {s}" for n, s in small)
+    need = needed_samples(e, min_samples)
+    if need is None or need <= min_samples:
+        tail = f"at least {min_samples} per side would be needed"
+    elif need > 100_000:
+        tail = "far more would be needed to tell a difference this small from noise"
+    else:
+        tail = f"about {need:,} per side would be needed for a difference this size"
+    return f"only {what}: too few to call an effect; {tail}"
+
+
+# --- tables ------------------------------------------------------------------------------------
+
+
+def _ratio(a: float, b: float) -> float:
+    if not (math.isfinite(a) and math.isfinite(b)) or min(a, b) <= 0:
+        return math.inf if max(a, b) > 0 else 1.0
+    return max(a, b) / min(a, b)
+
+
+def _join(*parts: str) -> str:
+    return "; ".join(p for p in parts if p)
+
+
+def _row(label: str, e: Estimate, caution: str, name_col: str) -> dict[str, object]:
+    return {name_col: label, "before": e.before, "after": e.after, "before_n": e.before_n, "after_n": e.after_n,
+            "diff": e.diff, "ci_low": e.ci_low, "ci_high": e.ci_high, "caution": caution}
+
+
+def _load_row(label: str, b: float, a: float, caution: str = "", n: tuple[int, int] | None = None) -> dict[str, object]:
+    return {"metric": label, "before": b, "after": a, "before_n": n[0] if n else pd.NA, "after_n": n[1] if n else pd.NA,
+            "diff": a - b, "ci_low": np.nan, "ci_high": np.nan, "caution": caution}
+
+
+def _overall(b: Side, a: Side, opts: Options, seed: int, n_boot: int) -> pd.DataFrame:
+    ms = opts.min_samples
+    tb, ta = len(b.turns), len(a.turns)
+    hours_b, hours_a = b.observed_s / 3600, a.observed_s / 3600
+    tph_b = tb / hours_b if hours_b > 0 else np.nan
+    tph_a = ta / hours_a if hours_a > 0 else np.nan
+    share_b = b.busy2_s / b.observed_s if b.observed_s > 0 else np.nan
+    share_a = a.busy2_s / a.observed_s if a.observed_s > 0 else np.nan
+    long_b = int((b.tasks["prompt_tokens_new"] >= opts.long_prefill_tokens).sum())
+    long_a = int((a.tasks["prompt_tokens_new"] >= opts.long_prefill_tokens).sum())
+    load = f"load differs by more than {LOAD_RATIO - 1:.0%}: differences in time may come from the traffic"
+    rows = [
+        _load_row("turns", tb, ta, few_caution(Estimate(tb, ta, tb, ta, ta - tb, np.nan, np.nan, np.nan), "turns", ms)
+                  if (b.has_app and a.has_app) else "needs an app log on both sides", (tb, ta)),
+        _load_row("observed_s", b.observed_s, a.observed_s,
+                  "windows of different length: compare rates, not counts" if _ratio(b.observed_s, a.observed_s) > LOAD_RATIO else ""),
+        _load_row("turns_per_hour", tph_b, tph_a, load if _ratio(tph_b, tph_a) > LOAD_RATIO else "", (tb, ta)),
+        _load_row("time_2plus_running_s", b.busy2_s, a.busy2_s),
+        _load_row("share_2plus_running", share_b, share_a, load if _ratio(share_b, share_a) > LOAD_RATIO else ""),
+        _load_row(f"time_{BUSY_TASKS}plus_running_s", b.busy4_s, a.busy4_s,
+                  _one_sided(b.busy4_s, a.busy4_s, f"{BUSY_TASKS}+ tasks running at once")),
+        _load_row("max_concurrency", b.max_running, a.max_running),
+        _load_row(f"prefills_{opts.long_prefill_tokens // 1000}k_plus", long_b, long_a,
+                  _one_sided(long_b, long_a, f"prefills of {opts.long_prefill_tokens:,}+ new tokens")),
+    ]
+    for kind, label in (("median", "ttft_median_s"), ("p95", "ttft_p95_s")):
+        tb_v = b.turns.loc[b.turns["measured"], "ttft_s"].to_numpy(dtype="float64")
+        ta_v = a.turns.loc[a.turns["measured"], "ttft_s"].to_numpy(dtype="float64")
+        e = estimate(label, tb_v, ta_v, kind, seed=seed, n_boot=n_boot)
+        rows.append(_row(label, e, few_caution(e, "turns", ms), "metric"))
+    out = pd.DataFrame(rows)
+    for c in ("before_n", "after_n"):
+        out[c] = pd.array(out[c], dtype="Int64")
+    return _rounded(out, OVERALL_COLUMNS)
+
+
+def _one_sided(b: float, a: float, what: str) -> str:
+    if (b > 0) == (a > 0):
+        return ""
+    where, other = ("before", "after") if b > 0 else ("after", "before")
+    return f"{what} happened {where} but not {other}: the sides did not face the same conditions"
+
+
+def _same_conditions(b: Side, a: Side, opts: Options, short_tokens: int, seed: int, n_boot: int) -> pd.DataFrame:
+    definitions = {
+        "nothing_else_running": "no other task ran during the turn's queue, wait and prefill",
+        "overlapping_another_task": f"other tasks ran meanwhile, none prefilling {opts.big_prefill_tokens:,}+ new tokens",
+        "overlapping_prefill_5k_plus": f"another task's prefill of {opts.big_prefill_tokens:,}+ new tokens ran meanwhile",
+    }
+    rows = []
+    for cond in CONDITIONS:
+        vb, va = _short_ttft(b, cond), _short_ttft(a, cond)
+        e = estimate(f"same-conditions:{cond}", vb, va, "median", seed=seed, n_boot=n_boot)
+        p90b, p90a = _point(vb[np.isfinite(vb)], "p90"), _point(va[np.isfinite(va)], "p90")
+        caution = few_caution(e, "turns", opts.min_samples)
+        if not (b.has_app and a.has_app):
+            caution = "needs an app log on both sides (which calls are chat turns, their queue time)"
+        elif (len(vb) == 0) != (len(va) == 0):
+            caution = _join(_one_sided(len(vb), len(va), "this condition"), caution)
+        rows.append({"condition": cond, "before_median_s": e.before, "before_p90_s": p90b, "before_n": e.before_n,
+                     "after_median_s": e.after, "after_p90_s": p90a, "after_n": e.after_n,
+                     "diff_median_s": e.diff, "ci_low": e.ci_low, "ci_high": e.ci_high, "caution": caution,
+                     "definition": f"short turns (< {short_tokens:,} new tokens): {definitions[cond]}"})
+    return _rounded(pd.DataFrame(rows), SAME_COLUMNS)
+
+
+def _short_ttft(s: Side, condition: str) -> np.ndarray:
+    t = s.turns
+    return t.loc[t["measured"] & t["short"] & (t["condition"] == condition), "ttft_s"].to_numpy(dtype="float64")
+
+
+def _indicators(b: Side, a: Side, opts: Options, seed: int, n_boot: int) -> pd.DataFrame:
+    ms = opts.min_samples
+    thr = opts.wait_threshold_s
+    rows = []
+    e = estimate("gen_tps_during_long_prefill", b.pieces["tok_per_s"].to_numpy(), a.pieces["tok_per_s"].to_numpy(),
+                 "median", seed=seed, n_boot=n_boot, before_clusters=b.pieces["cluster"].to_numpy(),
+                 after_clusters=a.pieces["cluster"].to_numpy())
+    events = [(s.pieces["cluster"].nunique(), n) for s, n in ((b, "before"), (a, "after"))]
+    few_events = [f"{k} {name}" for k, name in events if 0 < k < ms]
+    rows.append(_row("gen_tps_during_long_prefill", e, _join(
+        few_caution(e, "stretches of generation", ms),
+        f"the stretches come from few long prefills ({', '.join(few_events)}): not independent samples" if few_events else ""),
+        "indicator"))
+
+    def w(s: Side) -> pd.DataFrame:
+        return s.tasks[np.isfinite(s.tasks["wait_s"])]
+
+    wb, wa = w(b), w(a)
+    over_b, over_a = (wb["wait_s"] >= thr).to_numpy(), (wa["wait_s"] >= thr).to_numpy()
+    for name, kind, vb, va in (
+        ("waits_over_1s_count", "sum", over_b.astype(float), over_a.astype(float)),
+        ("waits_over_1s_total_s", "sum", wb["wait_s"].to_numpy() * over_b, wa["wait_s"].to_numpy() * over_a),
+        ("waits_over_1s_max_s", "max", wb["wait_s"].to_numpy() * over_b, wa["wait_s"].to_numpy() * over_a),
+    ):
+        e = estimate(name, vb, va, kind, seed=seed, n_boot=n_boot)
+        length = "counted over windows of different length" if (
+            kind == "sum" and _ratio(b.observed_s, a.observed_s) > LOAD_RATIO) else ""
+        rows.append(_row(name, e, _join(few_caution(e, "tasks", ms), length), "indicator"))
+    if b.has_lora and a.has_lora:
+        e = estimate("waits_different_lora_count", (wb["different_lora"] & (wb["wait_s"] >= thr)).to_numpy(float),
+                     (wa["different_lora"] & (wa["wait_s"] >= thr)).to_numpy(float), "sum", seed=seed, n_boot=n_boot)
+        rows.append(_row("waits_different_lora_count", e, few_caution(e, "tasks", ms), "indicator"))
+    else:
+        rows.append({"indicator": "waits_different_lora_count", "before": np.nan, "after": np.nan, "before_n": 0,
+                     "after_n": 0, "diff": np.nan, "ci_low": np.nan, "ci_high": np.nan,
+                     "caution": "needs an app log with each call's LoRA setting on both sides"})
+
+    def big(s: Side) -> np.ndarray:
+        t = s.tasks
+        return t.loc[t["prompt_tokens_new"] >= opts.big_prefill_tokens, "prefill_tps"].to_numpy(dtype="float64")
+
+    e = estimate("prefill_tps_5k_plus", big(b), big(a), "median", seed=seed, n_boot=n_boot)
+    rows.append(_row("prefill_tps_5k_plus", e, few_caution(e, "prefills", ms), "indicator"))
+    e = estimate("gen_tps_median", b.tasks["gen_tps"].to_numpy(dtype="float64"), a.tasks["gen_tps"].to_numpy(dtype="float64"),
+                 "median", seed=seed, n_boot=n_boot)
+    rows.append(_row("gen_tps_median", e, few_caution(e, "tasks", ms), "indicator"))
+    out = pd.DataFrame(rows)
+    out["indicator"] = pd.Categorical(out["indicator"], categories=INDICATORS)
+    out = out.sort_values("indicator").reset_index(drop=True)
+    out["indicator"] = out["indicator"].astype(str)
+    for c in ("before_n", "after_n"):
+        out[c] = out[c].astype("int64")
+    return _rounded(out, INDICATOR_COLUMNS)
+
+
+_HUMAN = {"chunk_tokens": "n_batch", "lora": "LoRA", "n_slots": "the slot count", "n_ctx_slot": "the context size",
+          "model": "the model", "build": "the server build"}
+
+
+def _changes(b: Side, a: Side) -> pd.DataFrame:
+    rows = []
+    slots = max([int(x) for s in (b, a) for x in s.settings["n_slots"].split(", ") if x.isdigit()] or [0])
+    for key in ("n_slots", "n_ctx_slot", "chunk_tokens", "model", "build", "lora"):
+        vb, va = b.settings[key], a.settings[key]
+        note = ""
+        if UNKNOWN in (vb, va):
+            changed: object = pd.NA
+            note = {"model": "the parsed log keeps no model line; compare the model files by hand",
+                    "build": "the parsed log keeps no build line; compare `llama-server --version` by hand",
+                    "lora": "needs an app log with each call's LoRA setting",
+                    "chunk_tokens": "no prefill progress lines (prefills under 3 s)"}.get(key, "")
+        elif key == "chunk_tokens":
+            # A pass takes n_batch minus one token per generating slot from a prefill.
+            changed = abs(int(vb) - int(va)) > slots
+            note = "prompt tokens one pass takes from a prefill (n_batch minus generating slots), from progress lines"
+        else:
+            changed = vb != va
+        if key == "lora" and UNKNOWN not in (vb, va):
+            note = f"calls by setting: {b.lora_calls} -> {a.lora_calls}"
+        rows.append({"setting": key, "before": vb, "after": va, "changed": changed, "note": note})
+    out = pd.DataFrame(rows, columns=CHANGE_COLUMNS)
+    out["changed"] = pd.array(out["changed"], dtype="boolean")
+    return out
+
+
+def _multiple(changes: pd.DataFrame) -> str:
+    names = changes.loc[changes["changed"].fillna(False).astype(bool), "setting"].tolist()
+    if len(names) < 2:
+        return ""
+    human = [_HUMAN.get(n, n) for n in names]
+    both = " and ".join(human) if len(human) == 2 else ", ".join(human[:-1]) + " and " + human[-1]
+    return (f"{len(names)} settings changed at once ({', '.join(names)}): the effects of {both} can't be "
+            f"separated by this comparison; compare runs that differ in one setting to tell them apart")
+
+
+def _rounded(df: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
+    df = df[columns].copy()
+    for c in df.columns:
+        if pd.api.types.is_float_dtype(df[c]):
+            df[c] = df[c].astype("float64").round(3)
+    return df
+
+
+def compare(
+    before: Dataset,
+    after: Dataset,
+    opts: Options | None = None,
+    *,
+    seed: int = 0,
+    n_boot: int = 2000,
+    short_tokens: int = SHORT_TOKENS,
+) -> dict[str, pd.DataFrame]:
+    """The comparison's tables: ``overall``, ``same-conditions``, ``indicators``, ``changes`` and
+    ``cautions`` (what limits the reading, one sentence a row). Differences are after - before."""
+    opts = opts or Options()
+    b, a = side(before, opts, short_tokens), side(after, opts, short_tokens)
+    tables = {
+        "overall": _overall(b, a, opts, seed, n_boot),
+        "same-conditions": _same_conditions(b, a, opts, short_tokens, seed, n_boot),
+        "indicators": _indicators(b, a, opts, seed, n_boot),
+        "changes": _changes(b, a),
+    }
+    multiple = _multiple(tables["changes"])
+    if multiple:
+        ch = tables["changes"]
+        ch.loc[ch["changed"].fillna(False).astype(bool), "note"] = ch["note"].where(ch["note"] == "", ch["note"] + "; ") \
+            + "changed together with another setting"
+    tables["cautions"] = _cautions(before, after, b, a, tables, multiple)
+    return tables
+
+
+def _cautions(before: Dataset, after: Dataset, b: Side, a: Side, tables: dict[str, pd.DataFrame], multiple: str) -> pd.DataFrame:
+    rows: list[tuple[str, str]] = []
+    if multiple:
+        rows.append(("changes", multiple))
+    ov = tables["overall"].set_index("metric")
+    for metric in ("turns_per_hour", "share_2plus_running"):
+        if ov.loc[metric, "caution"]:
+            vb, va = ov.loc[metric, "before"], ov.loc[metric, "after"]
+            rows.append(("load", f"load differs between the sides by more than {LOAD_RATIO - 1:.0%} ({metric} "
+                                 f"{vb:,.3g} before, {va:,.3g} after): a difference in time may come from the traffic, "
+                                 "not from the change; trust same-conditions and indicators over overall"))
+    for metric in ov.index:
+        if ov.loc[metric, "caution"] and "happened" in str(ov.loc[metric, "caution"]):
+            rows.append(("conditions", str(ov.loc[metric, "caution"])))
+    if ov.loc["observed_s", "caution"]:
+        rows.append(("windows", f"the sides cover {b.observed_s / 60:,.1f} and {a.observed_s / 60:,.1f} minutes: "
+                                "counts and totals (turns, waits) are not comparable as they stand"))
+    if isinstance(before, Window) and isinstance(after, Window):
+        if _us(before.start, -np.inf) < _us(after.end, np.inf) and _us(after.start, -np.inf) < _us(before.end, np.inf):
+            rows.append(("windows", "the windows overlap: the same turns count on both sides"))
+        if before.unplaced:
+            rows.append(("windows", f"{before.unplaced} task(s) have no wall-clock time and are in neither window"))
+    if not (b.has_app and a.has_app):
+        rows.append(("app log", "an app call log is missing on one side: turns, same-conditions and LoRA waits "
+                                "need it (purpose, LoRA and queue time come from it)"))
+    rows.append(("reading", "an interval that excludes 0 says the difference is larger than resampling noise in "
+                            "these windows; it does not say the change caused it"))
+    return pd.DataFrame(rows, columns=CAUTION_COLUMNS)
+
+
+# --- report ------------------------------------------------------------------------------------
+
+CAPTIONS = {
+    "overall": "Traffic and load of each side, then time to first token (TTFT) of every chat turn, whatever "
+               "ran meanwhile (read same-conditions before these). diff = after - before; ci = 90% bootstrap "
+               "interval, given for estimates from samples only.",
+    "same-conditions": "TTFT of short chat turns, compared only among turns that met the same conditions "
+                       "(before/after: median / p90 in seconds; diff: of the medians).",
+    "indicators": "The mechanisms: generation speed while another slot ran a long prefill, waits before prefill "
+                  "(and those behind a different LoRA setting), prefill and generation speed.",
+    "changes": "Settings each side's logs show.",
+}
+
+
+def render(tables: dict[str, pd.DataFrame], file: IO[str] | None = None, width: int | None = None,
+           header: list[str] | None = None) -> None:
+    """Print the four tables, each row's caution as a numbered note under its table, then the
+    cautions that concern the whole comparison."""
+    console = Console(file=file, width=width, soft_wrap=False, highlight=False)
+    console.print(Rule("slotscope compare", align="left"))
+    for line in header or []:
+        console.print(line, markup=False)
+    for name in TABLE_NAMES:
+        df = tables[name]
+        console.print()
+        console.print(Rule(name, align="left"))
+        console.print(CAPTIONS[name], markup=False)
+        if "definition" in df.columns:
+            for cond, text in zip(df.iloc[:, 0], df["definition"]):
+                console.print(f"  {cond}: {text}", markup=False)
+            df = df.drop(columns="definition")
+        shown, notes = _with_notes(df)
+        console.print(rich_table(_compact(shown)))
+        for text in notes:
+            console.print(f"- {text}", markup=False)
+    cautions = tables.get("cautions")
+    if cautions is not None and len(cautions):
+        console.print()
+        console.print(Rule("cautions", align="left"))
+        for r in cautions.itertuples(index=False):
+            console.print(f"- {r.about}: {r.caution}", markup=False)
+
+
+def _with_notes(df: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
+    """Text columns (caution, note) leave the table and are listed under it by row, so the
+    numbers keep their width."""
+    text_cols = [c for c in ("caution", "note") if c in df.columns]
+    first = df.columns[0]
+    notes = [f"{label}: {text}" for label, *cells in df[[first] + text_cols].itertuples(index=False)
+             for text in cells if isinstance(text, str) and text]
+    return df.drop(columns=text_cols), notes
+
+
+def _compact(df: pd.DataFrame) -> pd.DataFrame:
+    """Median / p90 in one cell per side, so same-conditions fits a 100-column terminal."""
+    if "before_p90_s" not in df.columns:
+        return df
+    out = df[["condition"]].copy()
+    for s in ("before", "after"):
+        med, p90 = df[f"{s}_median_s"], df[f"{s}_p90_s"]
+        out[s] = [f"{_num(m)} / {_num(p)}" if pd.notna(m) else "" for m, p in zip(med, p90)]
+        out[f"n_{s}"] = df[f"{s}_n"]
+    return pd.concat([out, df[["diff_median_s", "ci_low", "ci_high"]].rename(columns={"diff_median_s": "diff"})], axis=1)
+
+
+def _num(v: float) -> str:
+    return f"{v:,.2f}" if abs(v) < 100 else f"{v:,.0f}"
+
+
+@dataclass(frozen=True)
+class Sides:
+    """What ``--before``/``--after`` ask for: two windows of one set of logs, or two sets of logs."""
+
+    before_window: tuple[pd.Timestamp | None, pd.Timestamp | None] | None = None
+    after_window: tuple[pd.Timestamp | None, pd.Timestamp | None] | None = None
+    before_paths: tuple[str, ...] = ()
+    after_paths: tuple[str, ...] = ()
+
+    @property
+    def windows(self) -> bool:
+        return self.before_window is not None
+
+
+def read_sides(paths: list[str] | None, before: list[str] | None, after: list[str] | None, tz: str = "UTC") -> Sides:
+    """Interpret ``--before``/``--after``: a value with ``..`` that is not an existing path is a
+    window (``START..END``) of ``paths``; anything else names the logs of that side."""
+    before, after, paths = list(before or []), list(after or []), list(paths or [])
+    if not before or not after:
+        raise UsageError(None, None, "give both --before and --after: two windows START..END of the logs, "
+                         "or two sets of logs (--before DIR --after DIR)")
+
+    def is_window(v: str) -> bool:
+        return ".." in v and not os.path.exists(v)
+
+    kinds = {is_window(v) for v in before + after}
+    if kinds == {True}:
+        if len(before) != 1 or len(after) != 1:
+            raise UsageError(None, None, "give one window each: --before START..END --after START..END")
+        if not paths:
+            raise UsageError(None, None, "time windows need the logs to cut: slotscope compare PATHS --before "
+                             "START..END --after START..END")
+        return Sides(before_window=parse_window(before[0], tz), after_window=parse_window(after[0], tz))
+    if kinds == {False}:
+        if paths:
+            raise UsageError(None, None, "with --before/--after naming logs, give no other paths (or use windows "
+                             "START..END to cut PATHS)")
+        for v in before + after:
+            if not os.path.exists(v) and v != "-":
+                raise UsageError(None, None, f"{v}: no such file or directory (a time window is START..END)")
+        return Sides(before_paths=tuple(before), after_paths=tuple(after))
+    raise UsageError(None, None, "--before and --after must both be windows (START..END) or both name logs")
+
+
+def describe(ds: Dataset) -> str:
+    """One line naming a side for the report's header: its window or its sources."""
+    if isinstance(ds, Window):
+        return f"tasks launched {_span_text(ds.start, ds.end)}"
+    src = sorted(set(ds.tasks["source"].astype(str))) if len(ds.tasks) else []
+    return ", ".join(src) or "(no server log)"
