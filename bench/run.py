@@ -71,13 +71,35 @@ def rss_method() -> str:
             "os.wait4 in a `python -I -S` helper (floor ~10 MB)")
 
 
+PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def _group_rss_kb(pgid: int) -> int:
+    """Current RSS of every process in a process group (from /proc/*/stat)."""
+    total = 0
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                st = f.read()
+            fields = st[st.rindex(b")") + 2:].split()  # fields[0] = stat field 3 (state)
+            if int(fields[2]) == pgid:  # field 5: pgrp
+                total += int(fields[21]) * PAGE_KB  # field 24: rss in pages
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
 def run_child(argv: list[str], env: dict | None = None, timeout: float = 3600.0,
-              capture: bool = False) -> dict:
+              capture: bool = False, max_rss_mb: float | None = None) -> dict:
     """Run argv, stdout to /dev/null: wall seconds, cpu seconds, the command's own peak RSS.
 
     capture: stdout to a temporary file instead, kept in the result. Needed for grep: GNU grep
     notices that stdout is /dev/null and stops at the first match, like -q (measured: 0.002 s
     for 1 GB).
+    max_rss_mb: kill the command's process group once its RSS passes this (polled every
+    0.2 s): a command that grows with the input must not take the shared machine down.
     """
     with tempfile.TemporaryFile() as err, tempfile.NamedTemporaryFile("r") as rep, \
             tempfile.TemporaryFile() as out:
@@ -91,11 +113,34 @@ def run_child(argv: list[str], env: dict | None = None, timeout: float = 3600.0,
                                  stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         except OSError as e:
             return {"rc": None, "error": f"cannot start: {e}"}
-        timer = threading.Timer(timeout, lambda: os.killpg(p.pid, 9))
-        timer.start()
+        done = threading.Event()
+        killed: dict = {}
+
+        def watchdog() -> None:
+            while not done.wait(0.2):
+                why = None
+                if time.perf_counter() - t0 > timeout:
+                    why = f"killed after {timeout:.0f} s timeout"
+                elif max_rss_mb:
+                    kb = _group_rss_kb(p.pid)
+                    killed["polled_peak_kb"] = max(kb, killed.get("polled_peak_kb", 0))
+                    if kb > max_rss_mb * 1024:
+                        why = f"killed at {kb / 1024:.0f} MB RSS (cap --max-rss-mb {max_rss_mb:g})"
+                        killed["over_rss_cap"] = True
+                if why:
+                    killed["why"] = why
+                    try:
+                        os.killpg(p.pid, 9)
+                    except ProcessLookupError:
+                        pass
+                    return
+
+        wd = threading.Thread(target=watchdog, daemon=True)
+        wd.start()
         _, status, ru = os.wait4(p.pid, 0)
         t1 = time.perf_counter()
-        timer.cancel()
+        done.set()
+        wd.join()
         p.returncode = os.waitstatus_to_exitcode(status)  # reaped here, tell Popen
         err.seek(0)
         tail = err.read()[-2000:].decode(errors="replace").strip()
@@ -110,6 +155,8 @@ def run_child(argv: list[str], env: dict | None = None, timeout: float = 3600.0,
             rss_kb = json.loads(report)["maxrss_kb"]
     except (ValueError, IndexError, KeyError):
         pass
+    if killed.get("over_rss_cap"):
+        rss_kb = max(rss_kb or 0, killed["polled_peak_kb"])
     r = {
         "rc": p.returncode,
         "seconds": t1 - t0,
@@ -118,10 +165,12 @@ def run_child(argv: list[str], env: dict | None = None, timeout: float = 3600.0,
     }
     if capture:
         r["stdout"] = stdout
-    if p.returncode != 0 or rss_kb is None:
-        why = (f"killed after {timeout:.0f} s timeout" if t1 - t0 >= timeout else
-               f"exit {p.returncode}" if p.returncode != 0 else "no rusage report")
-        r["error"] = why + (f": {tail}" if tail else "")
+    if killed.get("over_rss_cap"):
+        r["over_rss_cap"] = True
+    if p.returncode != 0 or rss_kb is None or "why" in killed:
+        why = killed.get("why") or (f"exit {p.returncode}" if p.returncode != 0 else
+                                    "no rusage report")
+        r["error"] = why + (f": {tail}" if tail and "why" not in killed else "")
         r["rc"] = r["rc"] or -1
     return r
 
@@ -217,6 +266,8 @@ def main(argv=None) -> int:
                     help="run the whole sequence N times (interleaved); report medians (default 1)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=3600, help="per command, seconds")
+    ap.add_argument("--max-rss-mb", type=float, default=4096,
+                    help="kill a command whose RSS passes this (default 4096; 0 = no cap)")
     a = ap.parse_args(argv)
 
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
@@ -262,14 +313,19 @@ def main(argv=None) -> int:
                 r["status"] = "not available"
                 r["error"] = why_not or "slotscope not found"
                 continue
-            if r.get("status") == "failed":
+            if r.get("status") in ("failed", "over RSS cap"):
                 continue
             print(f"[{rep + 1}/{a.repeat}] {inputs[key]['label']:>6}  {name} ...", file=sys.stderr,
                   flush=True)
-            x = run_child(cmd, env=env, timeout=a.timeout, capture=cmd[0] in ("wc", "grep"))
+            x = run_child(cmd, env=env, timeout=a.timeout, capture=cmd[0] in ("wc", "grep"),
+                          max_rss_mb=a.max_rss_mb)
+            if x.get("over_rss_cap"):
+                r["over_rss_cap"] = True
             if x.get("rc") != 0:
-                r["status"] = "failed"
+                r["status"] = "over RSS cap" if x.get("over_rss_cap") else "failed"
                 r["error"] = x.get("error")
+                if x.get("over_rss_cap"):
+                    r["rss_mb"] = x["rss_mb"]  # a lower bound, enough to fail the RSS checks
                 continue
             r["runs"].append(x)
             r["status"] = "ok"
@@ -283,7 +339,9 @@ def main(argv=None) -> int:
     # ---- table
     def get(key, name, field="seconds"):
         r = results.get((key, name))
-        return r.get(field) if r and r.get("status") == "ok" else None
+        if r and (r.get("status") == "ok" or (field == "rss_mb" and r.get("over_rss_cap"))):
+            return r.get(field)
+        return None
 
     rows = []
     for (key, name), r in results.items():
@@ -297,7 +355,8 @@ def main(argv=None) -> int:
                          f"{r['ratio_to_grep']:.1f}x" if g else "-", f"{r['rss_mb']:.0f}",
                          f"{r['cpu_seconds']:.2f}"])
         else:
-            rows.append([r["label"], name, r["status"].upper(), "", "", "", ""])
+            rss = f">{r['rss_mb']:.0f}" if r.get("over_rss_cap") else ""
+            rows.append([r["label"], name, r["status"].upper(), "", "", rss, ""])
     hdr = ["input", "command", "seconds", "MB/s", "vs grep -c", "peak RSS MB", "cpu s"]
     widths = [max(len(str(x[i])) for x in rows + [hdr]) for i in range(len(hdr))]
     print()
@@ -326,7 +385,7 @@ def main(argv=None) -> int:
 
     def na(*keys):
         bad = [f"{inputs[k]['label']} {n}: {results[(k, n)]['status']}"
-               for k, n in keys if results[(k, n)]["status"] != "ok"]
+               for k, n in keys if results[(k, n)]["status"] != "ok"]  # (after a value check)
         return ", ".join(bad) or None
 
     t, g = get("big", "tasks"), get("big", "grep -c 'slot '")
@@ -341,6 +400,10 @@ def main(argv=None) -> int:
                   f"{rss:.0f} MB" if rss else "", na((key, name)))
     for name in ("tasks", "tasks .gz", "analyze"):
         rb, rs = get("big", name, "rss_mb"), get("small", name, "rss_mb")
+        if results[("small", name)].get("over_rss_cap"):  # both are only lower bounds
+            checks.append({"check": f"RSS({B}) within {LIMITS['rss_growth']:.0%} of RSS({S}): {name}",
+                           "status": "N/A", "detail": f"{S} {name} was killed over the RSS cap"})
+            continue
         check(f"RSS({B}) within {LIMITS['rss_growth']:.0%} of RSS({S}): {name}",
               rb / rs if rb and rs else None, f"{1 - LIMITS['rss_growth']:g}..{1 + LIMITS['rss_growth']:g}",
               lambda v: abs(v - 1) <= LIMITS["rss_growth"] + 1e-9,
