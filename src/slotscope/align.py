@@ -61,15 +61,40 @@ def best_interval(lo: np.ndarray, hi: np.ndarray) -> Vote | None:
     return Vote(low=float(pts[i]), high=float(pts[i + 1]) if i + 1 < len(pts) else float(pts[i]), support=best)
 
 
+SMALL_KEY = 256  # calls x tasks sharing one token key, beyond which pairs are taken by rank
+
+
 def candidate_pairs(tasks: pd.DataFrame, calls: pd.DataFrame) -> pd.DataFrame:
-    """Call/task pairs whose counts agree: exact ``timings`` where the app kept them, else tokens."""
+    """Call/task pairs whose counts agree: exact ``timings`` where the app kept them, else tokens.
+
+    A token key shared by many calls and tasks (retries, replays, fixed-size batch jobs) would
+    make a quadratic join; for such keys the i-th call (by start) is paired only with the
+    tasks of nearby rank (by launch) in each session, which keeps the candidates linear and
+    still contains the true pairs when the log covers the calls.
+    """
     t = tasks[tasks["status"] == "complete"]
     c = calls[calls["prompt_tokens"].notna() & calls["completion_tokens"].notna()]
     cols_t = SESSION_KEY + ["task_id", "launch_s", "release_s", "prompt_tokens", "n_gen", "prompt_eval_ms", "eval_ms"]
     cols_c = ["call_id", "start_us", "end_us", "prompt_tokens", "completion_tokens", "timings_prompt_ms", "timings_predicted_ms"]
-    pairs = c[cols_c].merge(
-        t[cols_t], left_on=["prompt_tokens", "completion_tokens"], right_on=["prompt_tokens", "n_gen"], how="inner"
-    )
+    c = c[cols_c].rename(columns={"completion_tokens": "n_gen"})
+    c["n_gen"] = c["n_gen"].astype("int64")
+    c["prompt_tokens"] = c["prompt_tokens"].astype("int64")
+    t = t[cols_t].astype({"prompt_tokens": "int64", "n_gen": "int64"})
+    key = ["prompt_tokens", "n_gen"]
+    m = c.groupby(key).size().rename("_m")
+    n = t.groupby(SESSION_KEY + key).size().rename("_n").reset_index()
+    n = n.merge(m.reset_index(), on=key)
+    big = n[n["_m"] * n["_n"] > SMALL_KEY]
+    small_t = t.merge(n[n["_m"] * n["_n"] <= SMALL_KEY][SESSION_KEY + key], on=SESSION_KEY + key)
+    parts = [c.merge(small_t, on=key)]
+    if len(big):
+        bt = t.merge(big[SESSION_KEY + key], on=SESSION_KEY + key).sort_values("launch_s", kind="stable")
+        bt["_rank"] = bt.groupby(SESSION_KEY + key).cumcount()
+        bc = c.merge(big[key].drop_duplicates(), on=key).sort_values("start_us", kind="stable")
+        bc["_rank"] = bc.groupby(key).cumcount()
+        for d in (-2, -1, 0, 1, 2):
+            parts.append(bc.assign(_rank=bc["_rank"] + d).merge(bt, on=key + ["_rank"]).drop(columns=["_rank"]))
+    pairs = pd.concat(parts, ignore_index=True)
     has_timings = pairs["timings_prompt_ms"].notna() & pairs["timings_predicted_ms"].notna()
     exact = has_timings & ((pairs["timings_prompt_ms"] - pairs["prompt_eval_ms"]).abs() < 0.006) & (
         (pairs["timings_predicted_ms"] - pairs["eval_ms"]).abs() < 0.006
@@ -88,6 +113,7 @@ def align(
     """One row per server session: its clock offset (µs since the epoch, app clock) and how it was found."""
     rows = []
     pairs = candidate_pairs(tasks, calls) if calls is not None and len(calls) and len(tasks) else None
+    by_session = dict(iter(pairs.groupby(SESSION_KEY, sort=False))) if pairs is not None and len(pairs) else {}
     for _, s in sessions.iterrows():  # a handful of sessions, not a hot path
         key = (s["source"], s["port"], s["session"])
         wrapper = s.get("wall_offset_us")
@@ -95,8 +121,8 @@ def align(
         row = dict(zip(SESSION_KEY, key), method="none", offset_us=np.nan, support=0, spread_ms=np.nan,
                    wrapper_offset_us=wrapper, app_clock_skew_s=np.nan, warning="")
         vote = None
-        if pairs is not None and len(pairs):
-            p = pairs[(pairs["source"] == key[0]) & (pairs["port"] == key[1]) & (pairs["session"] == key[2])]
+        p = by_session.get(key)
+        if p is not None and len(p):
             if p["exact"].any():
                 p = p[p["exact"]]
             vote = best_interval(

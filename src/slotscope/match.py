@@ -39,19 +39,36 @@ class Matches:
     aligned: pd.DataFrame
 
 
-def _pairs(calls: pd.DataFrame, tasks: pd.DataFrame, left: list[str], right: list[str]) -> pd.DataFrame:
-    c = calls.dropna(subset=left)
-    t = tasks.dropna(subset=right)
-    return c[["_ci"] + left + ["start_us", "end_us"]].merge(
-        t[["_ti"] + right + ["launch_us", "release_us"]], left_on=left, right_on=right, how="inner"
-    )
+def _window_pairs(cl: pd.DataFrame, tk: pd.DataFrame, tol_us: float) -> pd.DataFrame:
+    """Every (call, task) with the task launched inside the call's span (± tolerance).
+
+    A sorted sweep (``searchsorted``): the pairs grow with calls × concurrency, never with
+    calls × tasks. A call without an end is given ten minutes.
+    """
+    launch = tk["launch_us"].to_numpy(dtype=float)
+    order = np.argsort(launch, kind="stable")
+    sorted_launch = launch[order]
+    start = cl["start_us"].to_numpy(dtype=float)
+    end = cl["end_us"].astype("float64").fillna(cl["start_us"].astype("float64") + 600e6).to_numpy()
+    lo = np.searchsorted(sorted_launch, start - tol_us, side="left")
+    hi = np.searchsorted(sorted_launch, end + tol_us, side="right")
+    cnt = np.maximum(hi - lo, 0)
+    ci = np.repeat(np.arange(len(cl)), cnt)
+    within = np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+    ti = order[np.repeat(lo, cnt) + within]
+    p = pd.DataFrame({"_ci": cl["_ci"].to_numpy()[ci], "_ti": tk["_ti"].to_numpy()[ti]})
+    for c in ("start_us", "end_us", "prompt_tokens", "completion_tokens", "timings_prompt_n", "timings_prompt_ms",
+              "timings_predicted_n", "timings_predicted_ms"):
+        if c in cl.columns:
+            p[c] = cl[c].to_numpy()[ci]
+    for c in ("launch_us", "release_us", "prompt_tokens", "prompt_tokens_new", "n_gen", "prompt_eval_ms", "eval_ms", "status"):
+        p[c + "_task" if c in ("prompt_tokens",) else c] = tk[c].to_numpy()[ti]
+    release_ok = np.isnan(p["release_us"].to_numpy(dtype=float)) | (p["release_us"].to_numpy(dtype=float) <= end[ci] + tol_us)
+    return p[release_ok].reset_index(drop=True)
 
 
-def _in_window(p: pd.DataFrame, tol_us: float) -> pd.Series:
-    end = p["end_us"].astype("float64").fillna(np.inf)
-    return (p["launch_us"] >= p["start_us"] - tol_us) & (p["launch_us"] <= end + tol_us) & (
-        p["release_us"].isna() | (p["release_us"] <= end + tol_us)
-    )
+def _eq(a: pd.Series, b: pd.Series) -> pd.Series:
+    return (pd.to_numeric(a, errors="coerce") == pd.to_numeric(b, errors="coerce")).fillna(False).astype(bool)
 
 
 def _assign(p: pd.DataFrame, method: str, confidence: float, taken_c: set, taken_t: set) -> list[tuple[int, int, str, float]]:
@@ -88,29 +105,21 @@ def match(calls: pd.DataFrame, tasks: pd.DataFrame, aligned: pd.DataFrame, sessi
     taken_t: set = set()
     found: list[tuple[int, int, str, float]] = []
     known = tk[np.isfinite(tk["launch_us"].to_numpy(dtype=float))]
+    p = _window_pairs(cl, known, tol)
 
-    if "timings_prompt_ms" in cl and cl["timings_prompt_ms"].notna().any():
-        p = _pairs(cl, known, ["timings_prompt_n", "timings_predicted_n"], ["prompt_tokens_new", "n_gen"])
-        p = p.merge(cl[["_ci", "timings_prompt_ms", "timings_predicted_ms"]], on="_ci").merge(
-            known[["_ti", "prompt_eval_ms", "eval_ms"]], on="_ti")
-        p = p[((p["timings_prompt_ms"] - p["prompt_eval_ms"]).abs() < 0.006) & ((p["timings_predicted_ms"] - p["eval_ms"]).abs() < 0.006)]
-        found += _assign(p, "timings", 1.0, taken_c, taken_t)
+    if "timings_prompt_ms" in p and p["timings_prompt_ms"].notna().any():
+        exact = (_eq(p["timings_prompt_n"], p["prompt_tokens_new"]) & _eq(p["timings_predicted_n"], p["n_gen"])
+                 & ((p["timings_prompt_ms"] - p["prompt_eval_ms"]).abs() < 0.006)
+                 & ((p["timings_predicted_ms"] - p["eval_ms"]).abs() < 0.006))
+        found += _assign(p[exact], "timings", 1.0, taken_c, taken_t)
 
-    p = _pairs(cl, known, ["prompt_tokens", "completion_tokens"], ["prompt_tokens", "n_gen"])
-    found += _assign(p[_in_window(p, tol)], "tokens+time", 0.99, taken_c, taken_t)
+    tokens = _eq(p["prompt_tokens"], p["prompt_tokens_task"]) & _eq(p["completion_tokens"], p["n_gen"])
+    found += _assign(p[tokens], "tokens+time", 0.99, taken_c, taken_t)
 
     # Time alone, for calls whose counts cannot agree (cut off, failed, or counted differently).
-    rest_c = cl[~cl["_ci"].isin(taken_c)]
-    rest_t = known[~known["_ti"].isin(taken_t)]
-    if len(rest_c) and len(rest_t):
-        p = rest_c[["_ci", "start_us", "end_us", "prompt_tokens"]].merge(
-            rest_t[["_ti", "launch_us", "release_us", "prompt_tokens", "status"]], how="cross", suffixes=("", "_task")
-        ) if len(rest_c) * len(rest_t) <= 2_000_000 else pd.DataFrame()
-        if len(p):
-            p = p[_in_window(p, tol)]
-            agree = p["prompt_tokens"].isna() | p["prompt_tokens_task"].isna() | (p["prompt_tokens"] == p["prompt_tokens_task"])
-            near_end = p["release_us"].isna() | ((p["end_us"].astype("float64") - p["release_us"]).abs() < 1e6)
-            found += _assign(p[agree & near_end], "time", 0.5, taken_c, taken_t)
+    agree = p["prompt_tokens"].isna() | p["prompt_tokens_task"].isna() | _eq(p["prompt_tokens"], p["prompt_tokens_task"])
+    near_end = p["release_us"].isna() | ((p["end_us"].astype("float64") - p["release_us"]).abs() < 1e6)
+    found += _assign(p[agree & near_end], "time", 0.5, taken_c, taken_t)
 
     pairs = pd.DataFrame(found, columns=["_ci", "_ti", "match_method", "confidence"])
     task_side = tk.drop(columns=["prompt_tokens"])
