@@ -25,24 +25,35 @@ def _value(raw: str) -> Any:
         return raw
 
 
+def _number(x: Any) -> float | None:
+    """A JSON number as float; None for anything else (strings, huge or damaged values)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    try:
+        v = float(x)
+    except OverflowError:
+        return None
+    return v if abs(v) < 2.0**63 else None
+
+
 def _fields(obj: dict[str, Any]) -> dict[str, Any] | None:
     msg = str(obj.get("msg", obj.get("message", ""))).strip()
-    slot = obj.get("id_slot", obj.get("slot_id"))
-    task = obj.get("id_task", obj.get("task_id"))
+    slot = _number(obj.get("id_slot", obj.get("slot_id")))
+    task = _number(obj.get("id_task", obj.get("task_id")))
     row: dict[str, Any] = {"kind": 0, "slot": slot, "task": task, "port": -1, "ts_us": -1, "cont": False}
-    stamp = obj.get("timestamp")
-    if isinstance(stamp, (int, float)):
-        row["wall_stamp"] = float(stamp)
+    stamp = _number(obj.get("timestamp"))
+    if stamp is not None and abs(stamp) < 1e12:  # unix seconds; anything else is damage
+        row["wall_stamp"] = stamp
     if msg == "slot is processing task":
         row["kind"] = LAUNCH
     elif msg.startswith("prompt eval time"):
-        row.update(kind=PROMPT_EVAL, v1=obj.get("t_prompt_processing"), v2=obj.get("n_prompt_tokens_processed"))
+        row.update(kind=PROMPT_EVAL, v1=_number(obj.get("t_prompt_processing")), v2=_number(obj.get("n_prompt_tokens_processed")))
     elif msg.startswith("generation eval time"):
-        row.update(kind=EVAL, v1=obj.get("t_token_generation"), v2=obj.get("n_decoded"))
+        row.update(kind=EVAL, v1=_number(obj.get("t_token_generation")), v2=_number(obj.get("n_decoded")))
     elif msg.startswith("total time"):
-        row.update(kind=TOTAL, v1=obj.get("t_total"))
+        row.update(kind=TOTAL, v1=_number(obj.get("t_total")))
     elif msg == "slot released":
-        row.update(kind=RELEASE, v1=obj.get("n_past"), v2=1 if obj.get("truncated") in (True, "true", 1) else 0)
+        row.update(kind=RELEASE, v1=_number(obj.get("n_past")), v2=1 if obj.get("truncated") in (True, "true", 1) else 0)
     if row["kind"] and (task is None or (row["kind"] != LAUNCH and slot is None and row["kind"] != RELEASE)):
         row["kind"] = 0
     return row

@@ -109,7 +109,10 @@ def decode_json_lines(lines: list[bytes], wrapper: Wrapper) -> tuple[list[bytes]
         else:
             msg = obj.get("log")
             t = obj.get("time")
-            wall = pd.Timestamp(t).timestamp() if isinstance(t, str) else None
+            try:
+                wall = pd.Timestamp(t).timestamp() if isinstance(t, str) else None
+            except (ValueError, OverflowError):  # a damaged stamp: the line stays, without a wall time
+                wall = None
         if not isinstance(msg, str):
             out.append(raw)
             walls.append(None)
@@ -146,13 +149,19 @@ def stamps_to_us(stamps: pd.Series, kind: str, year: int, tz: str) -> np.ndarray
         missing = ts.isna()
         if missing.any():
             ts[missing] = pd.to_datetime(f"{year} " + stamps[missing], format="%Y %b %d %H:%M:%S", errors="coerce")
-        ts = ts.dt.tz_localize(tz)
+        ts = ts.dt.tz_localize(tz, ambiguous="NaT", nonexistent="NaT")
     else:
         s = stamps.str.replace(",", ".", regex=False)
-        if s.str.contains(r"(?:Z|[+-]\d\d:?\d\d)$", regex=True).all():
+        zoned = s.str.contains(r"(?:Z|[+-]\d\d:?\d\d)$", regex=True).fillna(False).to_numpy(dtype=bool)
+        if zoned.all():
             ts = pd.to_datetime(s, format="ISO8601", errors="coerce", utc=True)
-        else:
-            ts = pd.to_datetime(s, format="ISO8601", errors="coerce").dt.tz_localize(tz)
+        elif not zoned.any():
+            ts = pd.to_datetime(s, format="ISO8601", errors="coerce").dt.tz_localize(tz, ambiguous="NaT", nonexistent="NaT")
+        else:  # both kinds in one block (a damaged or spliced log): each read on its own
+            ts = pd.Series(pd.NaT, index=s.index, dtype="datetime64[us, UTC]")
+            ts[zoned] = pd.to_datetime(s[zoned], format="ISO8601", errors="coerce", utc=True).dt.tz_convert("UTC")
+            naive = pd.to_datetime(s[~zoned], format="ISO8601", errors="coerce")
+            ts[~zoned] = naive.dt.tz_localize(tz, ambiguous="NaT", nonexistent="NaT").dt.tz_convert("UTC")
     ts = ts.dt.tz_convert("UTC")
     us = ts.astype("datetime64[us, UTC]").astype("int64").to_numpy().copy()
     us[ts.isna().to_numpy()] = -1
