@@ -1,0 +1,95 @@
+"""The vectorised line scanner reads every line exactly as FAST_PATTERN alone does.
+
+The scanner (server_log._scan) only takes lines whose FAST_PATTERN reading it can prove; the
+rest go to the pattern. So parse_chunk must return the same events and the same line
+accounting with the scanner on and off, for real lines and for real lines bent in every way
+that sits on a grammar edge: digits turned into signs, ``inf`` or dots, blanks added or
+removed, numbers made too long, non-ASCII in the function field, lines cut short.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from slotscope import server_log
+from slotscope.accounting import FileAccount
+from slotscope.server_log import StreamState, parse_chunk
+
+from .conftest import FORMATS, REAL
+
+FIXTURES = sorted(p for p in FORMATS.glob("*.log")) + sorted(REAL.glob("*/logs/llama-server.log"))
+REAL_LINES = sorted({ln for p in FIXTURES for ln in p.read_bytes().splitlines(keepends=True)})
+
+
+def _parse(data: bytes, scanner: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[pd.DataFrame, tuple]:
+    monkeypatch.setattr(server_log, "_USE_SCANNER", scanner)
+    state = StreamState(source="t")
+    acc = FileAccount("t")
+    ev = parse_chunk(data, 1, state, acc)
+    return ev, (acc.lines, acc.used, acc.ignored, acc.unrecognized, acc.examples, acc.wrapper)
+
+
+def _assert_same(data: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    fast, acc_fast = _parse(data, True, monkeypatch)
+    slow, acc_slow = _parse(data, False, monkeypatch)
+    assert acc_fast == acc_slow
+    pd.testing.assert_frame_equal(fast, slow, check_exact=True)
+
+
+@pytest.mark.parametrize("path", FIXTURES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_fixture_reads_the_same(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _assert_same(path.read_bytes(), monkeypatch)
+
+
+def _bend(line: bytes, op: int, at: int, arg: int) -> bytes:
+    body = line.rstrip(b"\n")
+    k = at % (len(body) + 1)
+    digits = [i for i, b in enumerate(body) if 48 <= b <= 57]
+    d = digits[at % len(digits)] if digits else k
+    if op == 0:  # a digit becomes something a number may or may not start with
+        body = body[:d] + b"-+in. 0x"[arg % 8 : arg % 8 + 1] + body[d + 1 :]
+    elif op == 1:  # one more blank
+        body = body[:k] + b" " + body[k:]
+    elif op == 2:  # one blank less
+        blanks = [i for i, b in enumerate(body) if b == 32]
+        if blanks:
+            j = blanks[at % len(blanks)]
+            body = body[:j] + body[j + 1 :]
+    elif op == 3:  # a number too long to read in two words, or just long
+        body = body[:d] + b"9" * (arg % 20) + body[d:]
+    elif op == 4:  # non-ASCII (the 12-character field counts characters, not bytes)
+        body = body[:k] + "é".encode() + body[k:]
+    elif op == 5:  # cut short
+        body = body[:k]
+    elif op == 6:  # many blanks (runs longer than one or two words)
+        body = body[:k] + b" " * (arg % 20) + body[k:]
+    elif op == 7:  # a number as inf/nan
+        body = body[:d] + (b"inf", b"nan", b"-1", b"+2")[arg % 4] + body[d + 1 :]
+    return body + b"\n"
+
+
+bent_lines = st.lists(
+    st.tuples(st.sampled_from(REAL_LINES), st.integers(0, 9), st.integers(0, 10_000), st.integers(0, 100)),
+    min_size=1, max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(parts=bent_lines, cut_last=st.booleans())
+def test_bent_real_lines_read_the_same(parts, cut_last: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = b"".join(_bend(line, op, at, arg) if op < 8 else line for line, op, at, arg in parts)
+    if cut_last:
+        data = data[:-1]
+    _assert_same(data, monkeypatch)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(blob=st.binary(min_size=1, max_size=400), line=st.sampled_from(REAL_LINES), at=st.integers(0, 200))
+def test_real_lines_with_any_bytes_read_the_same(blob: bytes, line: bytes, at: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    k = at % len(line)
+    _assert_same(line[:k] + blob + line[k:] + line, monkeypatch)
