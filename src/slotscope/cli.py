@@ -363,6 +363,32 @@ def compare_cmd(
     _finish(accounting, strict, quiet)
 
 
+@command()
+def timeline(
+    paths: PathsArg = None,
+    out: Annotated[Optional[str], typer.Option("--output", "-o", help="incident.html (interactive, opens offline), or .png / .svg (static, for an issue thread).")] = None,
+    since: SinceOpt = None, until: UntilOpt = None, tz: TzOpt = "UTC",
+    app_columns: AppColumnsOpt = None, server_start: ServerStartOpt = None,
+    quiet: QuietOpt = False, strict: StrictOpt = False,
+) -> None:
+    """The incident as a picture: one lane per slot, each task's queue, wait, prefill and generation,
+    each slot's generation speed, the worst stalls with the prefill that caused them and the
+    longest waits with the task that held the batch.
+    """
+    from .picture import write_timeline
+
+    if not out:
+        raise output.UsageError(None, None, "timeline needs -o FILE: incident.html, incident.png or incident.svg")
+    ds = _load(_paths(paths), tz, app_columns, server_start)
+    if not any(f.kind == "server" for f in ds.accounting.files):
+        _no_input(ds.accounting.unusable, "no llama-server log among the inputs")
+    write_timeline(ds, out, since=parse_when(since), until=parse_when(until))
+    _print_alignment(ds, quiet)
+    if not quiet:
+        err.print(f"wrote {out}", markup=False)
+    _finish(ds.accounting, strict, quiet)
+
+
 def main() -> None:
     """Entry point: map library errors to one line, exit quietly on a closed pipe."""
     global _debug
