@@ -262,6 +262,7 @@ def analyze(
     wait_threshold: Annotated[float, typer.Option(help="Seconds of wait before prefill worth listing.")] = 1.0,
     solo_gen_tps: Annotated[Optional[float], typer.Option(help="Solo generation speed (default: estimated).")] = None,
     solo_prefill_tps: Annotated[Optional[float], typer.Option(help="Solo prefill speed (default: estimated).")] = None,
+    html_out: Annotated[Optional[str], typer.Option("--html", help="Also write the report and the timeline to this self-contained HTML file.")] = None,
     quiet: QuietOpt = False, strict: StrictOpt = False, debug: DebugOpt = False,
 ) -> None:
     """The incident report: every table of the field report, computed from raw logs, with findings.
@@ -289,6 +290,12 @@ def analyze(
         output.write(tables[table], fmt, out, title=table)
     else:
         tables = analysis.run(ds, opts, strict=debug)
+        if html_out:
+            from .picture import report_html
+
+            report_html(ds, tables, html_out)
+            if not quiet:
+                err.print(f"wrote {html_out}", markup=False)
         target = open(out, "w") if out else None
         try:
             render(ds, tables, file=target, width=None if output.is_terminal(sys.stdout) and not out else 100)
