@@ -32,6 +32,9 @@ def parse_when(value: str | None) -> float | pd.Timestamp | None:
         return float(v)
     except ValueError:
         pass
+    if re.fullmatch(r"\d{1,2}:\d\d(?::\d\d(?:\.\d+)?)?", v):
+        raise WindowError(None, None, f"time {value!r} has no date: give a date too (e.g. 2026-11-29T{v}), "
+                          "or server-clock seconds")
     try:
         ts = pd.Timestamp(v)
     except (ValueError, TypeError):
