@@ -852,8 +852,7 @@ def read_stream(
                 ev = parse_chunk(chunk, line, state, account)
                 line = account.lines + 1
                 if len(ev):
-                    ev["file"] = account.path
-                    asm.add(assign_sessions(ev, state))
+                    asm.add(assign_sessions(ev, state), file=account.path)
                 if progress is not None:
                     progress(len(chunk))
         except InputError as e:

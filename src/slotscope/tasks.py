@@ -1,8 +1,11 @@
 """Events -> task records and sample tables, streaming: only still-open tasks are held.
 
-Each chunk's events are folded into per-task partial rows with one ``groupby``; partials of
-tasks still running are merged with the next chunk's. A task is closed when its release and
-timings (or cancellation) have been seen, when its process restarts, or at the end of input.
+Each chunk's task events and the partial rows of tasks still open are folded into one
+partial row per task with a single stable sort and a few numpy reductions per column (the
+first value of each kind, sums, maxima). A task is closed when its release and timings (or
+cancellation) have been seen, when its process restarts, or at the end of input. Closed
+rows are kept as numeric numpy columns (the file as an index into a short list), so memory
+grows only with the output table; the DataFrame is built once, at the end.
 """
 
 from __future__ import annotations
@@ -28,21 +31,57 @@ PREFILL_COLUMNS = [
     "source", "session", "slot", "task_id", "t_s", "n_tokens", "progress", "elapsed_s", "tps", "step_tokens",
 ]
 
-_FIRST = "first"
-# Partial-row columns and how two partials of one task combine.
-_AGG = {
-    "slot": _FIRST, "file": _FIRST, "line": _FIRST, "launch_us": _FIRST, "is_child": _FIRST,
-    "prompt_eval_ms": _FIRST, "prompt_tokens_new": _FIRST, "eval_ms": _FIRST, "n_gen": _FIRST,
-    "eval_us": _FIRST, "total_ms": _FIRST, "total_tokens": _FIRST, "total_us": _FIRST,
-    "release_us": _FIRST, "n_tokens_released": _FIRST, "truncated": _FIRST, "release_line": _FIRST,
-    "cancelled": "max", "error": "max", "n_heartbeats": "sum", "n_progress": "sum",
-    "first_line": "min",
-}
+# A task's partial row: values from its first event of one kind (first non-missing value,
+# per column), then flags combined by max, counts by sum, and its first line by min.
+_FIRST_OF_KIND: list[tuple[str, int, str]] = [
+    ("slot_launch", LAUNCH, "slot"), ("file", LAUNCH, "file"), ("line", LAUNCH, "line"),
+    ("launch_us", LAUNCH, "ts_us"), ("is_child", LAUNCH, "v1"),
+    ("prompt_eval_ms", PROMPT_EVAL, "v1"), ("prompt_tokens_new", PROMPT_EVAL, "v2"),
+    ("eval_ms", EVAL, "v1"), ("n_gen", EVAL, "v2"), ("eval_us", EVAL, "ts_us"),
+    ("total_ms", TOTAL, "v1"), ("total_tokens", TOTAL, "v2"), ("total_us", TOTAL, "ts_us"),
+    ("release_us", RELEASE, "ts_us"), ("n_tokens_released", RELEASE, "v1"), ("truncated", RELEASE, "v2"),
+    ("release_line", RELEASE, "line"),
+]
+_FIRST = [c for c, _, _ in _FIRST_OF_KIND] + ["slot_any"]  # slot: the launch's, else any event's
+_MAX = {"cancelled": CANCEL, "error": ERROR}
+_SUM = {"n_heartbeats": HEARTBEAT, "n_progress": PROGRESS}
+_PARTIAL = KEY + _FIRST + list(_MAX) + list(_SUM) + ["first_line"]
+_SAMPLE = KEY + ["slot", "ts_us", "v1", "v2", "v3", "v4", "line"]
 
 
-def _subset(ev: pd.DataFrame, kind: int, cols: dict[str, str]) -> pd.DataFrame:
-    sub = ev.loc[ev["kind"] == kind, KEY + list(cols)]
-    return sub.rename(columns=cols)
+def _fold(cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One row per task key: rows of ``cols`` (in order) combined by the rules above."""
+    order = np.lexsort((cols["task"], cols["session"], cols["port"]))  # stable: order kept per task
+    key = {k: cols[k][order] for k in KEY}
+    new = np.ones(len(order), bool)
+    new[1:] = (key["port"][1:] != key["port"][:-1]) | (key["session"][1:] != key["session"][:-1]) | (
+        key["task"][1:] != key["task"][:-1])
+    starts = np.flatnonzero(new)
+    group = np.cumsum(new) - 1
+    out = {k: v[starts] for k, v in key.items()}
+    for c in _FIRST:
+        v = cols[c][order]
+        have = np.flatnonzero(~np.isnan(v))
+        g = group[have]
+        first = np.ones(len(have), bool)
+        first[1:] = g[1:] != g[:-1]
+        res = np.full(len(starts), np.nan)
+        res[g[first]] = v[have[first]]
+        out[c] = res
+    for c in _MAX:
+        out[c] = np.maximum.reduceat(cols[c][order], starts) if len(starts) else np.zeros(0, np.int8)
+    for c in _SUM:
+        out[c] = np.add.reduceat(cols[c][order], starts) if len(starts) else np.zeros(0, np.int64)
+    out["first_line"] = np.minimum.reduceat(cols["first_line"][order], starts) if len(starts) else np.zeros(0, np.int64)
+    return out
+
+
+def _concat(parts: list[dict[str, np.ndarray]], names: list[str]) -> dict[str, np.ndarray]:
+    return {c: np.concatenate([p[c] for p in parts]) for c in names}
+
+
+def _take(cols: dict[str, np.ndarray], sel: np.ndarray) -> dict[str, np.ndarray]:
+    return {c: v[sel] for c, v in cols.items()}
 
 
 @dataclass
@@ -51,102 +90,159 @@ class TaskAssembler:
 
     source: str
     keep_samples: bool = True
-    _open: pd.DataFrame | None = None
-    _done: list[pd.DataFrame] = field(default_factory=list)
-    _gen: list[pd.DataFrame] = field(default_factory=list)
-    _prefill: list[pd.DataFrame] = field(default_factory=list)
+    _open: dict[str, np.ndarray] | None = None
+    _done: list[dict[str, np.ndarray]] = field(default_factory=list)
+    _gen: list[dict[str, np.ndarray]] = field(default_factory=list)
+    _prefill: list[dict[str, np.ndarray]] = field(default_factory=list)
+    _files: dict[str, int] = field(default_factory=dict)  # file name -> index (the ``file`` column)
     sessions: dict[tuple[int, int], dict] = field(default_factory=dict)
 
-    def add(self, ev: pd.DataFrame) -> None:
-        """Fold one chunk of events (with ``session`` assigned) into the open tasks."""
+    def add(self, ev: pd.DataFrame, file: str | None = None) -> None:
+        """Fold one chunk of events (with ``session`` assigned) into the open tasks.
+
+        The events' file is their ``file`` column, or ``file`` for all of them.
+        """
         if ev.empty:
             return
-        self._track_sessions(ev)
+        cols = {c: ev[c].to_numpy() for c in ("line", "kind", "port", "ts_us", "wall_us", "slot", "task", "v1", "v2",
+                                              "v3", "v4", "session")}
+        if "file" in ev.columns:
+            names = ev["file"].to_numpy(dtype=object)
+        else:
+            names = np.full(len(ev), file, dtype=object)
+        self._track_sessions(cols, names)
+        kind = cols["kind"]
         if self.keep_samples:
-            hb = ev[ev["kind"] == HEARTBEAT]
-            if len(hb):
-                self._gen.append(hb[KEY + ["slot", "ts_us", "v1", "v2", "v3", "line"]])
-            pp = ev[ev["kind"] == PROGRESS]
-            if len(pp):
-                self._prefill.append(pp[KEY + ["slot", "ts_us", "v1", "v2", "v3", "v4", "line"]])
-        tev = ev[ev["task"].notna() & (ev["task"] >= 0)]
-        if tev.empty:
+            for code, store in ((HEARTBEAT, self._gen), (PROGRESS, self._prefill)):
+                sel = np.flatnonzero(kind == code)
+                if len(sel):
+                    store.append({c: cols[c][sel] for c in _SAMPLE})
+        task = cols["task"].astype(np.float64)
+        sel = np.flatnonzero(task >= 0)  # NaN compares False
+        if not len(sel):
             return
-        tev = tev.assign(task=tev["task"].astype(np.int64))
-        parts = [
-            _subset(tev, LAUNCH, {"slot": "slot", "file": "file", "line": "line", "ts_us": "launch_us", "v1": "is_child"}),
-            _subset(tev, PROMPT_EVAL, {"v1": "prompt_eval_ms", "v2": "prompt_tokens_new"}),
-            _subset(tev, EVAL, {"v1": "eval_ms", "v2": "n_gen", "ts_us": "eval_us"}),
-            _subset(tev, TOTAL, {"v1": "total_ms", "v2": "total_tokens", "ts_us": "total_us"}),
-            _subset(tev, RELEASE, {"ts_us": "release_us", "v1": "n_tokens_released", "v2": "truncated", "line": "release_line"}),
-        ]
-        flags = tev[KEY].copy()
-        flags["cancelled"] = (tev["kind"] == CANCEL).astype(np.int8)
-        flags["error"] = (tev["kind"] == ERROR).astype(np.int8)
-        flags["n_heartbeats"] = (tev["kind"] == HEARTBEAT).astype(np.int64)
-        flags["n_progress"] = (tev["kind"] == PROGRESS).astype(np.int64)
-        flags["first_line"] = tev["line"]
-        flags["slot"] = tev["slot"]
-        parts.append(flags)
-        chunk = pd.concat(parts, ignore_index=True)
-        if self._open is not None and len(self._open):
-            chunk = pd.concat([self._open, chunk], ignore_index=True)
-        agg = {c: a for c, a in _AGG.items() if c in chunk.columns}
-        merged = chunk.groupby(KEY, sort=False, dropna=False).agg(agg).reset_index()
-        for c in _AGG:
-            if c not in merged.columns:
-                merged[c] = np.nan
-        self._close(merged, ev)
+        n = len(sel)
+        k = kind[sel]
+        rows: dict[str, np.ndarray] = {
+            "port": cols["port"][sel].astype(np.int64), "session": cols["session"][sel].astype(np.int64),
+            "task": task[sel].astype(np.int64),
+        }
+        fields = {"slot": cols["slot"][sel].astype(np.float64), "line": cols["line"][sel].astype(np.float64),
+                  "ts_us": cols["ts_us"][sel].astype(np.float64), "v1": cols["v1"][sel].astype(np.float64),
+                  "v2": cols["v2"][sel].astype(np.float64)}
+        launch = k == LAUNCH
+        if launch.any():
+            codes = np.full(n, np.nan)
+            for name in pd.unique(names[sel][launch]):
+                code = self._files.setdefault(name, len(self._files))
+                codes[launch & (names[sel] == name)] = code
+            fields["file"] = codes
+        else:
+            fields["file"] = np.full(n, np.nan)
+        for c, code, src in _FIRST_OF_KIND:
+            rows[c] = np.where(k == code, fields[src], np.nan)
+        rows["slot_any"] = fields["slot"]
+        for c, code in _MAX.items():
+            rows[c] = (k == code).astype(np.int8)
+        for c, code in _SUM.items():
+            rows[c] = (k == code).astype(np.int64)
+        rows["first_line"] = cols["line"][sel].astype(np.int64)
+        if self._open is not None and len(self._open["task"]):
+            rows = _concat([self._open, rows], _PARTIAL)  # open partials first: their values come first
+        self._close(_fold(rows), cols)
 
-    def _close(self, merged: pd.DataFrame, ev: pd.DataFrame) -> None:
+    def _close(self, merged: dict[str, np.ndarray], ev: dict[str, np.ndarray]) -> None:
         cur_session: dict[int, int] = {}
         for (p, s) in self.sessions:
             cur_session[p] = max(cur_session.get(p, s), s)
-        latest = ev[ev["ts_us"] >= 0].groupby(["port", "session"])["ts_us"].max()
-        has_release = merged["release_us"].notna()
-        has_timings = merged["total_ms"].notna() | merged["eval_ms"].notna()
-        cancelled = merged["cancelled"].fillna(0) > 0
-        now = pd.MultiIndex.from_frame(merged[["port", "session"]]).map(latest.to_dict()).to_numpy(dtype=float, na_value=np.nan) if len(latest) else np.full(len(merged), np.nan)
-        # Older builds print the release before the timings; wait a little for them.
-        stale_release = has_release & ((now - merged["release_us"].to_numpy(dtype=float)) > 5e6)
-        old_session = merged["session"].to_numpy() < merged["port"].map(cur_session).to_numpy(dtype=float)
+        port, session = merged["port"], merged["session"]
+        # The latest server time of each (port, session) in this chunk: "now" for stale releases.
+        now = np.full(len(port), np.nan)
+        current = np.full(len(port), np.nan)
+        timed = ev["ts_us"] >= 0
+        for p in np.unique(port):
+            at_port = port == p
+            current[at_port] = cur_session.get(int(p), np.nan)
+            ev_port = timed & (ev["port"] == p)
+            for s in np.unique(session[at_port]):
+                ts = ev["ts_us"][ev_port & (ev["session"] == s)]
+                if len(ts):
+                    now[at_port & (session == s)] = ts.max()
+        has_release = ~np.isnan(merged["release_us"])
+        has_timings = ~np.isnan(merged["total_ms"]) | ~np.isnan(merged["eval_ms"])
+        cancelled = merged["cancelled"] > 0
+        with np.errstate(invalid="ignore"):
+            # Older builds print the release before the timings; wait a little for them.
+            stale_release = has_release & ((now - merged["release_us"]) > 5e6)
+            old_session = session < current
         done = (has_release & (has_timings | cancelled)) | stale_release | old_session
-        merged["cut_by_restart"] = old_session & ~has_release.to_numpy()
         if done.any():
-            self._done.append(merged[done])
-        self._open = merged[~done].drop(columns=["cut_by_restart"])
+            finished = _take(merged, done)
+            finished["cut_by_restart"] = old_session[done] & ~has_release[done]
+            self._done.append(finished)
+        self._open = _take(merged, ~done)
 
-    def _track_sessions(self, ev: pd.DataFrame) -> None:
-        timed = ev[ev["ts_us"] >= 0]
-        for (port, session), g in timed.groupby(["port", "session"], sort=False):
-            info = self.sessions.setdefault((int(port), int(session)), {
-                "first_line": int(g["line"].iloc[0]), "file": g["file"].iloc[0], "first_us": int(g["ts_us"].iloc[0]),
+    def _track_sessions(self, ev: dict[str, np.ndarray], names: np.ndarray) -> None:
+        ts = ev["ts_us"]
+        timed = np.flatnonzero(ts >= 0)
+        if not len(timed):
+            return
+        port, session = ev["port"][timed], ev["session"][timed]
+        same = (port == port[0]).all() and (session == session[0]).all()
+        pairs = [(port[0], session[0])] if same else pd.unique(pd.MultiIndex.from_arrays([port, session])).tolist()
+        for p, s in pairs:
+            idx = timed if same else timed[(port == p) & (session == s)]
+            first = idx[0]
+            info = self.sessions.setdefault((int(p), int(s)), {
+                "first_line": int(ev["line"][first]), "file": names[first], "first_us": int(ts[first]),
                 "offset_us": None, "offset_support": 0, "n_slots": None, "n_ctx_slot": None,
             })
-            info["last_us"] = int(g["ts_us"].iloc[-1])
-            w = g[g["wall_us"] >= 0]
-            if len(w):
-                off = int((w["wall_us"] - w["ts_us"]).min())
+            info["last_us"] = int(ts[idx[-1]])
+            wall = ev["wall_us"][idx]
+            w = wall >= 0
+            if w.any():
+                off = int((wall[w] - ts[idx][w]).min())
                 info["offset_us"] = off if info["offset_us"] is None else min(off, info["offset_us"])
-                info["offset_support"] += len(w)
-            cfg = g[g["kind"] == CONFIG]
+                info["offset_support"] += int(w.sum())
+            cfg = idx[ev["kind"][idx] == CONFIG]
             if len(cfg):
-                info["n_slots"] = int(cfg["v1"].iloc[0])
-                info["n_ctx_slot"] = int(cfg["v2"].iloc[0])
+                info["n_slots"] = int(ev["v1"][cfg[0]])
+                info["n_ctx_slot"] = int(ev["v2"][cfg[0]])
 
     def finish(self) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
         """Close every task still open; return (tasks, gen samples, prefill samples, sessions)."""
-        if self._open is not None and len(self._open):
-            rest = self._open.copy()
-            rest["cut_by_restart"] = False
+        if self._open is not None and len(self._open["task"]):
+            rest = dict(self._open)
+            rest["cut_by_restart"] = np.zeros(len(rest["task"]), bool)
             self._done.append(rest)
-            self._open = None
-        raw = pd.concat(self._done, ignore_index=True) if self._done else pd.DataFrame(columns=KEY + list(_AGG) + ["cut_by_restart"])
+        self._open = None
+        raw = self._raw_table()
+        self._done = []
         sessions = self._sessions_table()
         tasks = _derive(raw, self.source, sessions)
-        gen = _gen_samples(self._gen, self.source, tasks)
-        prefill = _prefill_samples(self._prefill, self.source)
+        del raw
+        gen = _gen_samples(self._samples(self._gen), self.source, tasks)
+        self._gen = []
+        prefill = _prefill_samples(self._samples(self._prefill), self.source)
+        self._prefill = []
         return tasks, gen, prefill, sessions
+
+    def _raw_table(self) -> pd.DataFrame:
+        names = _PARTIAL + ["cut_by_restart"]
+        if not self._done:
+            return pd.DataFrame(columns=KEY + ["slot", "file"] + [c for c in _PARTIAL if c not in KEY and not c.startswith(
+                ("slot_", "file"))] + ["cut_by_restart"])
+        cols = _concat(self._done, names)
+        files = np.array(list(self._files), dtype=object)
+        code = cols.pop("file")
+        have = ~np.isnan(code)
+        file = np.full(len(code), None, dtype=object)
+        file[have] = files[code[have].astype(np.int64)]
+        slot = np.where(np.isnan(cols["slot_launch"]), cols.pop("slot_any"), cols.pop("slot_launch"))
+        raw = pd.DataFrame(cols)
+        raw["slot"] = slot
+        raw["file"] = pd.Series(file, dtype="str")
+        return raw
 
     def _sessions_table(self) -> pd.DataFrame:
         rows = []
@@ -164,6 +260,9 @@ class TaskAssembler:
         df["start_at"] = pd.to_datetime(df["wall_offset_us"].astype("Int64"), unit="us", utc=True)
         return df
 
+    @staticmethod
+    def _samples(parts: list[dict[str, np.ndarray]]) -> list[pd.DataFrame]:
+        return [pd.DataFrame(_concat(parts, _SAMPLE))] if parts else []
 
 def _us_to_s(col: pd.Series) -> pd.Series:
     v = col.astype("float64")
