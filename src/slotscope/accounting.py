@@ -31,6 +31,7 @@ class Accounting:
     files: list[FileAccount] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason): not a log
     unusable: list[tuple[str, str]] = field(default_factory=list)  # named explicitly, yet not a usable log
+    notes: list[str] = field(default_factory=list)  # how inputs were read, said with the summary
     tasks_complete: int = 0
     tasks_incomplete: int = 0
     tasks_cancelled: int = 0
@@ -69,6 +70,7 @@ class Accounting:
             files=self.files + other.files,
             skipped=self.skipped + [s for s in other.skipped if s not in self.skipped],
             unusable=self.unusable + [s for s in other.unusable if s not in self.unusable],
+            notes=self.notes + [n for n in other.notes if n not in self.notes],
             tasks_complete=self.tasks_complete + other.tasks_complete,
             tasks_incomplete=self.tasks_incomplete + other.tasks_incomplete,
             tasks_cancelled=self.tasks_cancelled + other.tasks_cancelled,
@@ -95,6 +97,8 @@ class Accounting:
             )
         for ex in self.examples():
             out.append(f"  unrecognized: {ex}")
+        for note in self.notes:
+            out.append(f"note: {note}")
         for path, reason in self.skipped:
             if (path, reason) not in self.unusable:
                 out.append(f"skipped {path}: {reason}")

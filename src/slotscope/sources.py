@@ -61,6 +61,7 @@ class Inputs:
     app: list[LogFile] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
     unusable: list[tuple[str, str]] = field(default_factory=list)  # named explicitly, yet unusable
+    notes: list[str] = field(default_factory=list)  # said on stderr with the summary
     stdin: BinaryIO | None = None  # stdin, already opened (it can be read only once)
 
 
@@ -215,7 +216,16 @@ def collect(paths: Sequence[str | os.PathLike[str]]) -> Inputs:
             continue
         directory, name = os.path.split(f)
         base, n = _rotation_key(name) if f != STDIN else (STDIN, 0)
-        streams.setdefault((directory, base), []).append(LogFile(f, "server", os.path.join(directory, base) if f != STDIN else STDIN, n))
+        group = streams.setdefault((directory, base), [])
+        clash = next((lf for lf in group if lf.order == n), None)
+        if clash is not None:
+            # x.log beside x.log.gz: one rotation position twice, most likely a compressed copy.
+            # Reading both as one stream would double every task; read it as its own source.
+            streams.setdefault((directory, name), []).append(LogFile(f, "server", f, 0))
+            inputs.notes.append(f"{f} and {clash.path} hold the same rotation position; read as separate sources "
+                                "(if one is a copy of the other, give only one)")
+            continue
+        group.append(LogFile(f, "server", os.path.join(directory, base) if f != STDIN else STDIN, n))
     for files in streams.values():
         files.sort(key=lambda lf: -lf.order)  # x.log.2 (oldest) ... x.log (newest)
         inputs.server.append([LogFile(lf.path, lf.kind, lf.stream, i) for i, lf in enumerate(files)])
