@@ -260,6 +260,9 @@ def analyze(
     long_prefill: Annotated[int, typer.Option(help="New tokens that make a prefill 'long' (stalls).")] = 15_000,
     big_prefill: Annotated[int, typer.Option(help="New tokens that make a prefill 'big' (prefills).")] = 5_000,
     wait_threshold: Annotated[float, typer.Option(help="Seconds of wait before prefill worth listing.")] = 1.0,
+    cache_rate: Annotated[float, typer.Option(help="turns: the subset of chat turns with at least this prompt-cache rate.")] = 0.95,
+    uncached_tokens: Annotated[int, typer.Option(help="turns: the subset of chat turns with at least this many new tokens.")] = 5_000,
+    cache_window: Annotated[float, typer.Option(help="cache: consecutive turns of one user within this many seconds.")] = 300.0,
     solo_gen_tps: Annotated[Optional[float], typer.Option(help="Solo generation speed (default: estimated).")] = None,
     solo_prefill_tps: Annotated[Optional[float], typer.Option(help="Solo prefill speed (default: estimated).")] = None,
     html_out: Annotated[Optional[str], typer.Option("--html", help="Also write the report and the timeline to this self-contained HTML file.")] = None,
@@ -279,7 +282,8 @@ def analyze(
     if table is not None and table not in names:
         raise output.UsageError(None, None, f"unknown table {table!r}; tables: {', '.join(names)}")
     opts = analysis.Options(long_prefill_tokens=long_prefill, big_prefill_tokens=big_prefill,
-                            wait_threshold_s=wait_threshold, solo_gen_tps=solo_gen_tps, solo_prefill_tps=solo_prefill_tps)
+                            wait_threshold_s=wait_threshold, solo_gen_tps=solo_gen_tps, solo_prefill_tps=solo_prefill_tps,
+                            cache_rate=cache_rate, uncached_tokens=uncached_tokens, cache_window_s=cache_window)
     ds = _load(paths, tz, app_columns, server_start)
     if not len(ds.server.accounting.files) or not any(f.kind == "server" for f in ds.accounting.files):
         _no_input(ds.accounting.unusable, "no llama-server log among the inputs")
