@@ -30,7 +30,7 @@ from .events import (
 )
 from .accounting import Accounting, FileAccount
 from .errors import InputError
-from .sources import STDIN, Inputs, LogFile, collect, iter_chunks, reopen
+from .sources import CHUNK_SIZE, STDIN, Inputs, LogFile, collect, iter_chunks, reopen
 from .tasks import GEN_COLUMNS, PREFILL_COLUMNS, TASK_COLUMNS, TaskAssembler
 
 _NUM = r"[-+]?(?:\d+(?:\.\d*)?|inf|nan)"
@@ -57,15 +57,14 @@ _SLOT = (
     r"| (?P<k_slot_other>.*)"
     r")"
 )
-_SRV = (
-    r"srv  .{12}: (?:"
+_SRV_EVENT = (
     r"(?P<k_init>initializing \.\.\.)"
     r"|initializing, n_slots = (?P<n_slots>\d+), n_ctx_slot = (?P<n_ctx>\d+)"
     r"|.*cancel task, id_task = (?P<cancel>\d+)"
     r"|(?P<k_exit>.*cleaning up before exit)"
     r"|.*task id = (?P<err_task>\d+), error: (?P<err>.*)"
-    r"|(?P<k_srv_other>.*))"
 )
+_SRV = r"srv  .{12}: (?:" + _SRV_EVENT + r"|(?P<k_srv_other>.*))"
 _COMP = r"(?P<k_comp>(?:cmn |que |res |spec) .{12}: )"
 # Continuation lines of the older multi-line print_timing block (no prefix of their own).
 _CONT = (
@@ -328,6 +327,9 @@ _KEYWORDISH = [_word(t)[0] for t in (b"promp", b"eval ", b"total", b"n_gen", b"n
 _KW_PROMPT, _KW_EVAL, _KW_TOTAL, _KW_GEN, _KW_DECODED, _KW_RELEASE, _KW_LAUNCH = _KEYWORDISH
 _KW_PROGRESS, _KW_PROMPT_EVAL = _word(b"prompt p")[0], _word(b"prompt e")[0]
 _SRV_EVENTS = r"initializing|cancel task, id_task = |cleaning up before exit|task id = "
+# The same alternatives for Python's re (ASCII: \d is [0-9] as in RE2; no \s in them), for the
+# few server lines that may be events: cheaper than compiling FAST_PATTERN for each block.
+_SRV_EVENT_RE = re.compile(_SRV_EVENT, re.ASCII)
 
 
 def _scan(lines: pa.StringArray) -> _Scan:
@@ -405,6 +407,9 @@ def _scan(lines: pa.StringArray) -> _Scan:
     if len(srv):  # ignored, unless it may be one of the server events (those few: FAST_PATTERN)
         maybe = pc.match_substring_regex(lines.take(pa.array(srv)), _SRV_EVENTS).to_numpy(zero_copy_only=False)
         out.known[srv[~maybe]] = True
+        events = srv[maybe]
+        if len(events):
+            _srv_events(out, events, c.pos[events] + 19 - s[events], lines.take(pa.array(events)).to_pylist())
 
     rows = np.flatnonzero(is_slot)
     if not len(rows):
@@ -453,6 +458,33 @@ def _scan(lines: pa.StringArray) -> _Scan:
         for j, val in enumerate(vals):
             out.v[j][good] = val[cur.ok]
     return out
+
+
+def _srv_events(out: _Scan, rows: np.ndarray, rest_at: np.ndarray, texts: list[str]) -> None:
+    """Server lines that may be events, read like FAST_PATTERN's _SRV (the head is ASCII, so
+    byte and character offsets agree). Numbers too long for a float64 to hold: left to it."""
+    for i, at, text in zip(rows, rest_at, texts):
+        m = _SRV_EVENT_RE.match(text.rstrip("\n"), int(at))
+        if m is None:
+            out.known[i] = True  # k_srv_other: a known line, ignored
+            continue
+        g = m.groupdict()
+        if any(len(g[k] or "") > 15 for k in ("n_slots", "n_ctx", "cancel", "err_task")):
+            continue
+        out.known[i] = True
+        if g["k_init"] is not None:
+            out.kind[i] = INIT
+        elif g["n_slots"] is not None:
+            out.kind[i] = CONFIG
+            out.v[0][i], out.v[1][i] = float(g["n_slots"]), float(g["n_ctx"])
+        elif g["cancel"] is not None:
+            out.kind[i] = CANCEL
+            out.task[i] = float(g["cancel"])
+        elif g["k_exit"] is not None:
+            out.kind[i] = EXIT
+        else:
+            out.kind[i] = ERROR
+            out.task[i] = float(g["err_task"])
 
 
 def _launch(c: _Cursor) -> list[np.ndarray]:
@@ -833,8 +865,13 @@ def read_stream(
     tz: str = "UTC",
     year: int | None = None,
     progress: Callable[[int], None] | None = None,
+    chunk_size: int | None = None,
 ) -> tuple[TaskAssembler, list[FileAccount]]:
-    """Parse one server-log stream (rotated files oldest first) into an assembler."""
+    """Parse one server-log stream (rotated files oldest first) into an assembler.
+
+    ``chunk_size``: bytes per block (default :data:`slotscope.sources.CHUNK_SIZE`); the result
+    does not depend on it.
+    """
     source = files[-1].stream if files[-1].stream != STDIN else "<stdin>"
     state = StreamState(source=source, tz=tz)
     if year is not None:
@@ -848,7 +885,7 @@ def read_stream(
         stream = reopen(lf, inputs)
         try:
             line = 1
-            for chunk in iter_chunks(stream, lf.path):
+            for chunk in iter_chunks(stream, lf.path, chunk_size or CHUNK_SIZE):
                 ev = parse_chunk(chunk, line, state, account)
                 line = account.lines + 1
                 if len(ev):
@@ -871,19 +908,23 @@ def read_server_logs(
     year: int | None = None,
     progress: Callable[[int], None] | None = None,
     inputs: Inputs | None = None,
+    chunk_size: int | None = None,
 ) -> ServerLogs:
     """Read llama-server logs (files, directories, globs, ``-``) into task and sample tables.
 
     Tasks are keyed by (source, session, task_id); times are seconds on that session's server
     clock, with wall-clock columns where a capture wrapper stamped the lines. App call logs
     found among the paths are skipped here (see :func:`slotscope.app_log.read_app_logs`).
+    Input is read in blocks of ``chunk_size`` bytes (default 4 MiB); memory is bounded by the
+    block and the tables themselves.
     """
     if inputs is None:
         inputs = collect(paths)
     tasks, gens, prefills, sessions = [], [], [], []
     acc = Accounting(skipped=list(inputs.skipped), unusable=list(inputs.unusable))
     for files in inputs.server:
-        asm, accounts = read_stream(files, inputs, keep_samples=keep_samples, tz=tz, year=year, progress=progress)
+        asm, accounts = read_stream(files, inputs, keep_samples=keep_samples, tz=tz, year=year, progress=progress,
+                                    chunk_size=chunk_size)
         t, g, p, s = asm.finish()
         tasks.append(t)
         gens.append(g)

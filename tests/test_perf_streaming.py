@@ -1,0 +1,106 @@
+"""Streaming holds: results do not depend on block size, and memory does not grow with the input.
+
+The input is several MB made by repeating the real captured (bare) logs back to back (each repeat
+restarts the server clock, so it is a new session: task ids repeat, keys do not). Not timed:
+the benchmark in bench/ measures speed and RSS; these tests pin the behaviour they rely on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from slotscope import tasks as tasks_mod
+from slotscope.accounting import FileAccount
+from slotscope.server_log import StreamState, assign_sessions, parse_chunk, read_server_logs
+from slotscope.sources import iter_chunks, open_binary
+
+from .conftest import REAL
+
+REPEATS = 16  # ~5 MB
+# The bare logs (wallclock carries a `ts` wrapper, which one file cannot mix with bare lines).
+SCENARIOS = ["before", "after", "b2048-unified", "restart"]
+
+
+@pytest.fixture(scope="module")
+def big_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    logs = [(REAL / s / "logs" / "llama-server.log").read_bytes() for s in SCENARIOS]
+    path = tmp_path_factory.mktemp("big") / "llama-server.log"
+    path.write_bytes(b"".join(logs) * REPEATS)
+    return path
+
+
+def _events(path: Path, size: int) -> tuple[pd.DataFrame, FileAccount]:
+    state = StreamState(source="s")
+    acc = FileAccount(str(path))
+    parts, line = [], 1
+    for chunk in iter_chunks(open_binary(str(path)), str(path), size):
+        parts.append(parse_chunk(chunk, line, state, acc))
+        line = acc.lines + 1
+    return pd.concat(parts, ignore_index=True), acc
+
+
+def test_events_do_not_depend_on_block_size(big_log: Path) -> None:
+    whole, acc_whole = _events(big_log, 1 << 30)  # one block
+    assert acc_whole.lines == big_log.read_bytes().count(b"\n")
+    for size in (50_000, 1 << 20, 3 << 20):
+        ev, acc = _events(big_log, size)
+        assert (acc.lines, acc.used, acc.ignored, acc.unrecognized) == (
+            acc_whole.lines, acc_whole.used, acc_whole.ignored, acc_whole.unrecognized)
+        pd.testing.assert_frame_equal(ev, whole, check_exact=True)
+    assert acc_whole.unrecognized == 0
+    # line numbers are exact: every launch event sits on a "processing task" line
+    lines = big_log.read_bytes().split(b"\n")
+    launches = whole.loc[whole["kind"] == 1, "line"].to_numpy()
+    assert all(b"processing task" in lines[i - 1] for i in launches[:: max(1, len(launches) // 200)])
+
+
+def test_tables_do_not_depend_on_block_size(big_log: Path) -> None:
+    ref = read_server_logs([big_log], chunk_size=1 << 30)
+    assert len(ref.tasks) == REPEATS * sum(
+        (REAL / s / "logs" / "llama-server.log").read_text().count("processing task") for s in SCENARIOS)
+    for size in (64 << 10, 1 << 20):
+        got = read_server_logs([big_log], chunk_size=size)
+        for name in ("tasks", "gen_samples", "prefill_samples", "sessions"):
+            pd.testing.assert_frame_equal(getattr(got, name), getattr(ref, name), check_exact=True, obj=name)
+
+
+def test_only_open_tasks_are_held_and_finished_ones_are_numeric(big_log: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    open_counts: list[int] = []
+    real_add = tasks_mod.TaskAssembler.add
+
+    def add(self: tasks_mod.TaskAssembler, ev: pd.DataFrame, file: str | None = None) -> None:
+        real_add(self, ev, file)
+        if self._open is not None:
+            open_counts.append(len(self._open["task"]))
+        for part in self._done:
+            assert all(v.dtype != object for v in part.values())
+
+    monkeypatch.setattr(tasks_mod.TaskAssembler, "add", add)
+    logs = read_server_logs([big_log], chunk_size=64 << 10)
+    assert len(open_counts) > 50
+    # A 4-slot server has at most a handful of tasks in flight; the few cancelled tasks that
+    # were never released stay open until their session ends (restart scenario: 1 per repeat).
+    assert max(open_counts) <= 12 + REPEATS
+    assert len(logs.tasks) > 20 * max(open_counts)
+
+
+def test_one_block_of_repeated_lines_equals_the_stream(big_log: Path) -> None:
+    """parse_chunk + assign_sessions over the whole input at once, or block by block."""
+    data = big_log.read_bytes()
+    state = StreamState(source="s")
+    acc = FileAccount("x")
+    whole = assign_sessions(parse_chunk(data, 1, state, acc), state)
+    state2 = StreamState(source="s")
+    acc2 = FileAccount("x")
+    parts, line = [], 1
+    for chunk in iter_chunks(open_binary(str(big_log)), str(big_log), 200_000):
+        ev = parse_chunk(chunk, line, state2, acc2)
+        line = acc2.lines + 1
+        parts.append(assign_sessions(ev, state2))
+    pd.testing.assert_frame_equal(pd.concat(parts, ignore_index=True), whole, check_exact=True)
+    assert whole["session"].nunique() == REPEATS * (len(SCENARIOS) + 1)  # restart holds 2 sessions
+    assert np.all(np.diff(whole["line"].to_numpy()) > 0)
