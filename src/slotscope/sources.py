@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover - optional dependency
 
 GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-CHUNK_SIZE = 1 << 20  # 1 MiB: fits in L2, measured fastest for the regex scan
+CHUNK_SIZE = 4 << 20  # 4 MiB: numpy's per-call cost spread over ~32k lines; measured fastest (1, 2, 4, 8 MiB)
 SNIFF_BYTES = 64 * 1024
 
 STDIN = "-"
