@@ -217,7 +217,6 @@ class TaskAssembler:
             self._done.append(rest)
         self._open = None
         raw = self._raw_table()
-        self._done = []
         sessions = self._sessions_table()
         tasks = _derive(raw, self.source, sessions)
         del raw
@@ -228,19 +227,32 @@ class TaskAssembler:
         return tasks, gen, prefill, sessions
 
     def _raw_table(self) -> pd.DataFrame:
-        names = _PARTIAL + ["cut_by_restart"]
+        """Finished partial rows as one DataFrame in output order, built column by column so
+        that at most one column exists twice (the parts are freed as they are joined)."""
         if not self._done:
             return pd.DataFrame(columns=KEY + ["slot", "file"] + [c for c in _PARTIAL if c not in KEY and not c.startswith(
                 ("slot_", "file"))] + ["cut_by_restart"])
-        cols = _concat(self._done, names)
+        parts = self._done
+        self._done = []
+
+        def joined(c: str) -> np.ndarray:
+            return np.concatenate([p.pop(c) for p in parts])
+
+        keys = {c: joined(c) for c in ("port", "session", "launch_us", "first_line")}
+        # Output order: per process, by launch (tasks whose launch was never seen last), then line.
+        order = np.lexsort((keys["first_line"], keys["launch_us"], keys["session"], keys["port"]))
+        cols: dict[str, np.ndarray] = {}
+        for c in _PARTIAL + ["cut_by_restart"]:
+            cols[c] = (keys.pop(c) if c in keys else joined(c))[order]
         files = np.array(list(self._files), dtype=object)
         code = cols.pop("file")
         have = ~np.isnan(code)
         file = np.full(len(code), None, dtype=object)
         file[have] = files[code[have].astype(np.int64)]
-        slot = np.where(np.isnan(cols["slot_launch"]), cols.pop("slot_any"), cols.pop("slot_launch"))
-        raw = pd.DataFrame(cols)
-        raw["slot"] = slot
+        slot_any = cols.pop("slot_any")
+        slot_launch = cols.pop("slot_launch")
+        raw = pd.DataFrame(cols, copy=False)
+        raw["slot"] = np.where(np.isnan(slot_launch), slot_any, slot_launch)
         raw["file"] = pd.Series(file, dtype="str")
         return raw
 
@@ -270,8 +282,7 @@ def _us_to_s(col: pd.Series) -> pd.Series:
 
 
 def _derive(raw: pd.DataFrame, source: str, sessions: pd.DataFrame) -> pd.DataFrame:
-    """Timeline arithmetic of research/log-formats.md §1.3, column-wise."""
-    raw = raw.sort_values(["port", "session", "launch_us", "first_line"], kind="stable", na_position="last")
+    """Timeline arithmetic of research/log-formats.md §1.3, column-wise (``raw`` in output order)."""
     t = pd.DataFrame(index=raw.index)
     t["source"] = source
     t["session"] = raw["session"].astype("int64")
