@@ -117,14 +117,16 @@ def _clean(chunk: bytes) -> bytes:
     return chunk
 
 
-def _split(block: bytes, n: int) -> pa.StringArray:
-    """The ``n`` lines of a block as one Arrow array over the block's own bytes.
+def _split(block: bytes, last_ends: bool) -> pa.StringArray:
+    """The lines of a block as one Arrow array over the block's own bytes.
 
-    Each element keeps its newline (the last one may have none): no copy, no Python string
+    Each element keeps its newline (the last one may have none: then ``last_ends`` is False
+    and the piece after the last newline, even empty, is a line). No copy, no Python string
     per line. Patterns used on such elements never cross a newline.
     """
     raw = np.frombuffer(block, np.uint8)
-    nl = np.flatnonzero(raw == 10)[:n]
+    nl = np.flatnonzero(raw == 10)
+    n = len(nl) + (0 if last_ends else 1)
     off = np.empty(n + 1, np.int32)
     off[0] = 0
     off[1 : len(nl) + 1] = nl + 1
@@ -681,18 +683,18 @@ def parse_chunk(
 
     ``first_line`` is the 1-based file line of the block's first line.
     """
-    n = chunk.count(b"\n") + (0 if chunk.endswith(b"\n") else 1)
-    account.lines += n
+    ends = chunk.endswith(b"\n")
     wrapper = state.wrapper
     if not state.wrapper_known:
         state.wrapper = wrapper = prefixes.detect(chunk.split(b"\n", 400)[:400])
         state.wrapper_known = True
         account.wrapper = wrapper.name if wrapper else None
-    wall = np.full(n, -1, dtype=np.int64)
     if wrapper is not None and wrapper.stamp == "json":
         lines_b = chunk.split(b"\n")
         if lines_b and lines_b[-1] == b"":
             lines_b.pop()
+        n = len(lines_b)
+        wall = np.full(n, -1, dtype=np.int64)
         lines_b, json_walls = prefixes.decode_json_lines(lines_b, wrapper)
         wall[:] = [(-1 if x is None else int(round(x * 1e6))) for x in json_walls]
         # A message with a line break inside shifts what follows, as in a plain read of it.
@@ -700,11 +702,14 @@ def parse_chunk(
         del text[n:]
         lines = pa.array([t + "\n" for t in text], pa.string())
     else:
-        lines = _split(_clean(chunk), n)
+        lines = _split(_clean(chunk), ends)  # cleaning never adds or removes a newline
+        n = len(lines)
+        wall = np.full(n, -1, dtype=np.int64)
         if wrapper is not None:
             bare, wall = prefixes.strip(_without_newline(lines), wrapper, state.year, state.tz)
             lines = pc.binary_join_element_wise(bare, "", "\n")
 
+    account.lines += n
     sc = _scan(lines) if _USE_SCANNER else _Scan(
         known=np.zeros(n, bool), kind=np.zeros(n, np.int8), port=np.full(n, -1, np.int64),
         ts=np.full(n, -1, np.int64), slot=np.full(n, np.nan), task=np.full(n, np.nan),
@@ -883,9 +888,10 @@ def read_stream(
         accounts.append(account)
         state.wrapper_known = state.wrapper_known and lf.order > 0
         stream = reopen(lf, inputs)
+        chunks = iter_chunks(stream, lf.path, chunk_size or CHUNK_SIZE)
         try:
             line = 1
-            for chunk in iter_chunks(stream, lf.path, chunk_size or CHUNK_SIZE):
+            for chunk in chunks:
                 ev = parse_chunk(chunk, line, state, account)
                 line = account.lines + 1
                 if len(ev):
@@ -895,6 +901,7 @@ def read_stream(
         except InputError as e:
             account.error = e.reason
         finally:
+            chunks.close()  # stops a read-ahead thread before its stream is closed
             if lf.path != STDIN:
                 stream.close()
     return asm, accounts

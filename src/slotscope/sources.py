@@ -8,11 +8,13 @@ A path may be a file, a directory (every file in it; rotated ``x.log.2.gz``, ``x
 from __future__ import annotations
 
 import glob
-import zlib
 import io
 import os
+import queue
 import re
 import sys
+import threading
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Iterator, Literal, Sequence
@@ -320,12 +322,21 @@ def reopen(lf: LogFile, inputs: Inputs) -> BinaryIO:
     return open_binary(lf.path)
 
 
+LONGEST_LINE = 64 << 20  # a "line" of 64 MiB is not a log line: handed on as it is, to stay bounded
+
+
 def iter_chunks(stream: BinaryIO, path: str, size: int = CHUNK_SIZE) -> Iterator[bytes]:
     """Yield blocks of whole lines (each ends at a newline, except possibly the very last).
 
     A damaged compressed stream yields every line decoded before the damage, then raises
-    :class:`InputError` naming the file.
+    :class:`InputError` naming the file. Compressed streams are decoded one block ahead in a
+    thread (inflating releases the GIL, so it runs on another core while a block is parsed).
     """
+    blocks = _blocks(stream, path, size)
+    return _read_ahead(blocks) if _is_compressed(stream) else blocks
+
+
+def _blocks(stream: BinaryIO, path: str, size: int) -> Iterator[bytes]:
     rest = b""
     failure: InputError | None = None
     while failure is None:
@@ -339,7 +350,7 @@ def iter_chunks(stream: BinaryIO, path: str, size: int = CHUNK_SIZE) -> Iterator
         cut = block.rfind(b"\n")
         if cut < 0:
             rest = block
-            if len(rest) > 64 * size:  # a "line" of 64 MiB is not a log line; stay bounded
+            if len(rest) > LONGEST_LINE:
                 yield rest
                 rest = b""
             continue
@@ -349,6 +360,55 @@ def iter_chunks(stream: BinaryIO, path: str, size: int = CHUNK_SIZE) -> Iterator
         yield rest
     if failure is not None:
         raise failure
+
+
+def _is_compressed(stream: object) -> bool:
+    return isinstance(stream, _GzipStream) or type(stream).__name__ == "ZstdDecompressionReader"
+
+
+class _Raised:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _read_ahead(blocks: Iterator[bytes], depth: int = 2) -> Iterator[bytes]:
+    """The same blocks, produced by a thread at most ``depth`` blocks ahead (errors in order)."""
+    q: queue.Queue[object] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    end = object()
+
+    def put(item: object) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def work() -> None:
+        try:
+            for block in blocks:
+                if not put(block):
+                    return
+        except BaseException as e:  # handed to the reader, raised there after the good blocks
+            put(_Raised(e))
+            return
+        put(end)
+
+    worker = threading.Thread(target=work, name="slotscope-read-ahead", daemon=True)
+    worker.start()
+    try:
+        while True:
+            item = q.get()
+            if item is end:
+                return
+            if isinstance(item, _Raised):
+                raise item.error
+            yield item  # type: ignore[misc]
+    finally:  # also when the reader stops early: let the thread end before the stream closes
+        stop.set()
+        worker.join()
 
 
 def _salvage(stream: BinaryIO, path: str) -> tuple[bytes, InputError]:
