@@ -828,7 +828,13 @@ def assign_sessions(ev: pd.DataFrame, state: StreamState) -> pd.DataFrame:
         # A clock going back by more than a second means a new process (same-millisecond
         # reordering between logger threads is far smaller).
         known = p_ts >= 0
-        ff = pd.Series(np.where(known, p_ts, np.nan)).ffill().shift(1).to_numpy().copy()
+        # The last known time before each row (NaN if none; the first row: the previous block's).
+        last = np.where(known, np.arange(len(p_ts)), -1)
+        np.maximum.accumulate(last, out=last)
+        before = np.empty_like(last)
+        before[0] = -1
+        before[1:] = last[:-1]
+        ff = np.where(before >= 0, p_ts[np.maximum(before, 0)].astype(np.float64), np.nan)
         ff[0] = prev if prev >= 0 else np.nan
         back = known & ~np.isnan(ff) & (p_ts < ff - 1_000_000)
         banner = p_kind == INIT

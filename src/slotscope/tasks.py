@@ -106,11 +106,8 @@ class TaskAssembler:
             return
         cols = {c: ev[c].to_numpy() for c in ("line", "kind", "port", "ts_us", "wall_us", "slot", "task", "v1", "v2",
                                               "v3", "v4", "session")}
-        if "file" in ev.columns:
-            names = ev["file"].to_numpy(dtype=object)
-        else:
-            names = np.full(len(ev), file, dtype=object)
-        self._track_sessions(cols, names)
+        names = ev["file"].to_numpy(dtype=object) if "file" in ev.columns else None
+        self._track_sessions(cols, names if names is not None else file)
         kind = cols["kind"]
         if self.keep_samples:
             for code, store in ((HEARTBEAT, self._gen), (PROGRESS, self._prefill)):
@@ -130,15 +127,13 @@ class TaskAssembler:
         fields = {"slot": cols["slot"][sel].astype(np.float64), "line": cols["line"][sel].astype(np.float64),
                   "ts_us": cols["ts_us"][sel].astype(np.float64), "v1": cols["v1"][sel].astype(np.float64),
                   "v2": cols["v2"][sel].astype(np.float64)}
-        launch = k == LAUNCH
-        if launch.any():
-            codes = np.full(n, np.nan)
-            for name in pd.unique(names[sel][launch]):
-                code = self._files.setdefault(name, len(self._files))
-                codes[launch & (names[sel] == name)] = code
-            fields["file"] = codes
+        if names is None:
+            fields["file"] = np.full(n, float(self._files.setdefault(file, len(self._files))))  # type: ignore[arg-type]
         else:
             fields["file"] = np.full(n, np.nan)
+            launch = k == LAUNCH
+            for name in pd.unique(names[sel][launch]):
+                fields["file"][launch & (names[sel] == name)] = self._files.setdefault(name, len(self._files))
         for c, code, src in _FIRST_OF_KIND:
             rows[c] = np.where(k == code, fields[src], np.nan)
         rows["slot_any"] = fields["slot"]
@@ -182,7 +177,7 @@ class TaskAssembler:
             self._done.append(finished)
         self._open = _take(merged, ~done)
 
-    def _track_sessions(self, ev: dict[str, np.ndarray], names: np.ndarray) -> None:
+    def _track_sessions(self, ev: dict[str, np.ndarray], names: np.ndarray | str | None) -> None:
         ts = ev["ts_us"]
         timed = np.flatnonzero(ts >= 0)
         if not len(timed):
@@ -194,7 +189,8 @@ class TaskAssembler:
             idx = timed if same else timed[(port == p) & (session == s)]
             first = idx[0]
             info = self.sessions.setdefault((int(p), int(s)), {
-                "first_line": int(ev["line"][first]), "file": names[first], "first_us": int(ts[first]),
+                "first_line": int(ev["line"][first]), "file": names[first] if isinstance(names, np.ndarray) else names,
+                "first_us": int(ts[first]),
                 "offset_us": None, "offset_support": 0, "n_slots": None, "n_ctx_slot": None,
             })
             info["last_us"] = int(ts[idx[-1]])
