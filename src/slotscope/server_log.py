@@ -250,8 +250,54 @@ class _Cursor:
 
     def either(self, a: bytes, b: bytes) -> None:
         in_a = self.has(a)
-        self.ok &= in_a | self.has(b)
+        not_a = np.flatnonzero(~in_a)
+        if len(not_a):  # b is read only where a is not there (usually nowhere)
+            in_b = np.zeros(len(in_a), bool)
+            in_b[not_a] = self.has(b, at=self.pos[not_a])
+            self.ok &= in_a | in_b
         self.pos = self.pos + np.where(in_a, len(a), len(b))
+
+    def field(self, blanks: int | None = None, sign: bool = False, frac: bool = False) -> np.ndarray:
+        """`` *`` (``blanks``: at least that many; None: no blanks), ``-?`` (``sign``), ``\\d+``
+        and, with ``frac``, ``(?:\\.\\d*)?``, as float64 like :meth:`uint`/:meth:`decimal`.
+
+        Read from the one word at the position where the field ends inside it (a byte after
+        it is seen there); the other rows are read step by step.
+        """
+        w = self.w.at(self.pos)
+        k = _blanks(w) if blanks is not None else np.zeros(len(w), np.int64)
+        x = (w >> (k * 8).astype(_U)) ^ _ASCII0  # bytes shifted in read as non-digits
+        room = 8 - k
+        neg = np.zeros(len(w), bool)
+        if sign:
+            neg = (x & _U(0xFF)) == _U(0x1D)  # "-"
+            x = np.where(neg, x >> _U(8), x)
+            room = room - neg
+        n1 = _lead((((x & _LO7) + _OVER9) | x) & _HI)
+        used = n1
+        value = _value(x, n1).astype(np.float64)
+        if frac:
+            dot = ((x >> (n1 * 8).astype(_U)) & _U(0xFF)) == _U(0x1E)  # "."
+            x2 = x >> ((n1 + 1) * 8).astype(_U)
+            n2 = np.where(dot, _lead((((x2 & _LO7) + _OVER9) | x2) & _HI), 0)
+            used = n1 + dot + n2
+            value = (_value(x, n1) * _POW10[n2] + _value(x2, n2)) / _POW10F[n2]
+        if sign:
+            value = np.where(neg, -1.0, 1.0) * value
+        ok = n1 >= 1
+        if blanks:
+            ok &= k >= blanks
+        pos = self.pos + k + neg + used
+        unsure = np.flatnonzero(used >= room)  # the field may go on past this word
+        if len(unsure):
+            sub = _Cursor(self.w, self.pos[unsure])
+            if blanks is not None:
+                sub.blanks(blanks)
+            v = sub.signed() if sign else sub.decimal() if frac else sub.uint()
+            value[unsure], ok[unsure], pos[unsure] = v, sub.ok, sub.pos
+        self.ok &= ok
+        self.pos = pos
+        return value
 
     def blanks(self, least: int = 0) -> None:
         n = _blank_run(self.w, self.pos)
@@ -417,10 +463,9 @@ def _scan(lines: pa.StringArray) -> _Scan:
     if not len(rows):
         return out
     h = _Cursor(words, c.pos[rows] + 21)
-    h.blanks(least=1)
-    slot = h.signed()
+    slot = h.field(blanks=1, sign=True)
     h.lit(b" | task ")
-    task = h.signed()
+    task = h.field(sign=True)
     h.lit(b" |")
     rows, m, slot, task = rows[h.ok], h.pos[h.ok], slot[h.ok], task[h.ok]
     out.slot[rows] = slot
@@ -499,33 +544,26 @@ def _launch(c: _Cursor) -> list[np.ndarray]:
 
 def _progress(c: _Cursor) -> list[np.ndarray]:
     c.lit(b"prompt processing, n_tokens =")
-    c.blanks()
-    n = c.uint()
+    n = c.field(blanks=0)
     c.lit(b", progress =")
-    c.blanks()
-    prog = c.decimal()
+    prog = c.field(blanks=0, frac=True)
     c.lit(b", t =")
-    c.blanks()
-    t = c.decimal()
+    t = c.field(blanks=0, frac=True)
     c.lit(b" s /")
-    c.blanks()
-    tps = c.decimal()
+    tps = c.field(blanks=0, frac=True)
     c.lit(b" tokens per second")
     return [n, prog, t, tps]
 
 
 def _heartbeat(c: _Cursor) -> list[np.ndarray]:
     c.either(b"n_gen =", b"n_decoded =")
-    c.blanks()
-    n = c.uint()
+    n = c.field(blanks=0)
     c.lit(b", tg =")
-    c.blanks()
-    tg = c.decimal()
+    tg = c.field(blanks=0, frac=True)
     c.lit(b" t/s")
     tail = c.has(b", tg_3s =")
     t = _Cursor(c.w, c.pos + 9)
-    t.blanks()
-    tg3 = t.decimal()
+    tg3 = t.field(blanks=0, frac=True)
     t.lit(b" t/s")
     c.ok &= ~tail | t.ok  # a tail FAST_PATTERN might read otherwise (inf, nan, signs): not ours
     return [n, tg, np.where(tail, tg3, np.nan)]
@@ -533,35 +571,29 @@ def _heartbeat(c: _Cursor) -> list[np.ndarray]:
 
 def _prompt_eval(c: _Cursor) -> list[np.ndarray]:
     c.lit(b"prompt eval time =")
-    c.blanks()
-    ms = c.decimal()
+    ms = c.field(blanks=0, frac=True)
     c.lit(b" ms /")
-    c.blanks()
-    n = c.uint()
+    n = c.field(blanks=0)
     c.lit(b" tokens")
     return [ms, n]
 
 
 def _eval(c: _Cursor) -> list[np.ndarray]:
     c.lit(b"eval time =")
-    c.blanks()
-    ms = c.decimal()
+    ms = c.field(blanks=0, frac=True)
     c.lit(b" ms /")
-    c.blanks()
-    n = c.uint()
+    n = c.field(blanks=0)
     c.either(b" tokens", b" runs")
     return [ms, n]
 
 
 def _total(c: _Cursor) -> list[np.ndarray]:
     c.lit(b"total time =")
-    c.blanks()
-    ms = c.decimal()
+    ms = c.field(blanks=0, frac=True)
     c.lit(b" ms")
     tail = c.has(b" /")
     t = _Cursor(c.w, c.pos + 2)
-    t.blanks()
-    n = t.uint()
+    n = t.field(blanks=0)
     t.lit(b" tokens")
     c.ok &= ~tail | t.ok
     return [ms, np.where(tail, n, np.nan)]
@@ -569,11 +601,9 @@ def _total(c: _Cursor) -> list[np.ndarray]:
 
 def _release(c: _Cursor) -> list[np.ndarray]:
     c.either(b"stop processing: n_tokens =", b"stop processing: n_past =")
-    c.blanks()
-    n = c.uint()
+    n = c.field(blanks=0)
     c.lit(b", truncated =")
-    c.blanks()
-    tr = c.uint()
+    tr = c.field(blanks=0)
     return [n, tr]
 
 
