@@ -216,9 +216,9 @@ class TaskAssembler:
         sessions = self._sessions_table()
         tasks = _derive(raw, self.source, sessions)
         del raw
-        gen = _gen_samples(self._samples(self._gen), self.source, tasks)
+        gen = _gen_samples(self._gen, self.source, tasks)
         self._gen = []
-        prefill = _prefill_samples(self._samples(self._prefill), self.source)
+        prefill = _prefill_samples(self._prefill, self.source)
         self._prefill = []
         return tasks, gen, prefill, sessions
 
@@ -268,9 +268,6 @@ class TaskAssembler:
         df["start_at"] = pd.to_datetime(df["wall_offset_us"].astype("Int64"), unit="us", utc=True)
         return df
 
-    @staticmethod
-    def _samples(parts: list[dict[str, np.ndarray]]) -> list[pd.DataFrame]:
-        return [pd.DataFrame(_concat(parts, _SAMPLE))] if parts else []
 
 def _us_to_s(col: pd.Series) -> pd.Series:
     v = col.astype("float64")
@@ -338,42 +335,70 @@ def _derive(raw: pd.DataFrame, source: str, sessions: pd.DataFrame) -> pd.DataFr
     return t.reset_index(drop=True)
 
 
-def _gen_samples(chunks: list[pd.DataFrame], source: str, tasks: pd.DataFrame) -> pd.DataFrame:
-    if not chunks:
+def _sorted_samples(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Sample rows joined and ordered by task, then time (parts freed as they are joined)."""
+    cols = {c: np.concatenate([p.pop(c) for p in parts]) for c in _SAMPLE}
+    order = np.lexsort((cols["ts_us"], cols["task"], cols["session"], cols["port"]))
+    return {c: v[order] for c, v in cols.items()}
+
+
+def _same_task_as_previous(port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
+    same = np.zeros(len(port), bool)
+    same[1:] = (port[1:] == port[:-1]) & (session[1:] == session[:-1]) & (task[1:] == task[:-1])
+    return same
+
+
+def _previous(v: np.ndarray, same: np.ndarray) -> np.ndarray:
+    out = np.full(len(v), np.nan)
+    out[1:] = v[:-1]
+    out[~same] = np.nan
+    return out
+
+
+def _seconds(us: np.ndarray) -> np.ndarray:
+    v = us.astype(np.float64)
+    return np.where(v >= 0, v, np.nan) / 1e6
+
+
+def _gen_samples(parts: list[dict[str, np.ndarray]], source: str, tasks: pd.DataFrame) -> pd.DataFrame:
+    if not parts:
         return pd.DataFrame({c: pd.Series(dtype="float64") for c in GEN_COLUMNS + ["tokens", "line", "port"]})
-    hb = pd.concat(chunks, ignore_index=True)
-    hb = hb.sort_values(KEY + ["ts_us"], kind="stable")
-    g = pd.DataFrame({
-        "source": source, "session": hb["session"].astype("int64"), "slot": hb["slot"].astype("Int64"),
-        "task_id": hb["task"].astype("int64"), "t_s": _us_to_s(hb["ts_us"]), "n_gen": hb["v1"].astype("Int64"),
-        "tg_tps": hb["v2"], "tg_3s_tps": hb["v3"], "port": hb["port"].astype("int64"), "line": hb["line"].astype("int64"),
-    })
-    same = (g[["port", "session", "task_id"]] == g[["port", "session", "task_id"]].shift(1)).all(axis=1)
-    prev_t = g["t_s"].shift(1).where(same)
-    prev_n = g["n_gen"].shift(1).where(same)
+    hb = _sorted_samples(parts)
+    port, session, task = hb["port"].astype(np.int64), hb["session"].astype(np.int64), hb["task"].astype(np.int64)
+    same = _same_task_as_previous(port, session, task)
+    t_s = _seconds(hb["ts_us"])
+    n_gen = hb["v1"].astype(np.float64)
     # The first heartbeat's window starts at the task's first token (t_print_last is reset there).
-    ft = tasks.set_index(["port", "session", "task_id"])["first_token_s"] if len(tasks) else pd.Series(dtype=float)
-    ft = ft[~ft.index.duplicated()]
-    first_token = pd.MultiIndex.from_frame(g[["port", "session", "task_id"]]).map(ft.to_dict())
-    first_token = pd.Series(np.asarray(first_token, dtype="float64"), index=g.index)
-    g["window_s"] = (g["t_s"] - prev_t).fillna(g["t_s"] - first_token)
-    g["tokens"] = (g["n_gen"] - prev_n.astype("Int64")).fillna(g["n_gen"])
-    g["window_s"] = g["window_s"].round(6)
-    g["window_start_s"] = (g["t_s"] - g["window_s"]).round(6)
-    return g[GEN_COLUMNS + ["tokens", "window_start_s", "line", "port"]].reset_index(drop=True)
-
-
-def _prefill_samples(chunks: list[pd.DataFrame], source: str) -> pd.DataFrame:
-    if not chunks:
-        return pd.DataFrame({c: pd.Series(dtype="float64") for c in PREFILL_COLUMNS + ["step_s", "line", "port"]})
-    pp = pd.concat(chunks, ignore_index=True).sort_values(KEY + ["ts_us"], kind="stable")
-    p = pd.DataFrame({
-        "source": source, "session": pp["session"].astype("int64"), "slot": pp["slot"].astype("Int64"),
-        "task_id": pp["task"].astype("int64"), "t_s": _us_to_s(pp["ts_us"]), "n_tokens": pp["v1"].astype("Int64"),
-        "progress": pp["v2"], "elapsed_s": pp["v3"], "tps": pp["v4"], "port": pp["port"].astype("int64"),
-        "line": pp["line"].astype("int64"),
+    first_token = np.full(len(t_s), np.nan)
+    if len(tasks):
+        ft = tasks.set_index(["port", "session", "task_id"])["first_token_s"]
+        ft = ft[~ft.index.duplicated()]
+        at = ft.index.get_indexer(pd.MultiIndex.from_arrays([port, session, task]))
+        first_token = np.where(at >= 0, ft.to_numpy(dtype=np.float64)[at], np.nan)
+    step = t_s - _previous(t_s, same)
+    window = np.round(np.where(np.isnan(step), t_s - first_token, step), 6)
+    tokens = n_gen - _previous(n_gen, same)
+    tokens = np.where(np.isnan(tokens), n_gen, tokens)
+    return pd.DataFrame({
+        "source": source, "session": session, "slot": pd.array(hb["slot"], dtype="Int64"), "task_id": task,
+        "t_s": t_s, "n_gen": pd.array(n_gen, dtype="Int64"), "tg_tps": hb["v2"].astype(np.float64),
+        "tg_3s_tps": hb["v3"].astype(np.float64), "window_s": window, "tokens": pd.array(tokens, dtype="Int64"),
+        "window_start_s": np.round(t_s - window, 6), "line": hb["line"].astype(np.int64), "port": port,
     })
-    same = (p[["port", "session", "task_id"]] == p[["port", "session", "task_id"]].shift(1)).all(axis=1)
-    p["step_tokens"] = (p["n_tokens"] - p["n_tokens"].shift(1)).where(same).astype("Int64")
-    p["step_s"] = (p["t_s"] - p["t_s"].shift(1)).where(same).round(6)
-    return p[PREFILL_COLUMNS + ["step_s", "line", "port"]].reset_index(drop=True)
+
+
+def _prefill_samples(parts: list[dict[str, np.ndarray]], source: str) -> pd.DataFrame:
+    if not parts:
+        return pd.DataFrame({c: pd.Series(dtype="float64") for c in PREFILL_COLUMNS + ["step_s", "line", "port"]})
+    pp = _sorted_samples(parts)
+    port, session, task = pp["port"].astype(np.int64), pp["session"].astype(np.int64), pp["task"].astype(np.int64)
+    same = _same_task_as_previous(port, session, task)
+    t_s = _seconds(pp["ts_us"])
+    n = pp["v1"].astype(np.float64)
+    return pd.DataFrame({
+        "source": source, "session": session, "slot": pd.array(pp["slot"], dtype="Int64"), "task_id": task,
+        "t_s": t_s, "n_tokens": pd.array(n, dtype="Int64"), "progress": pp["v2"].astype(np.float64),
+        "elapsed_s": pp["v3"].astype(np.float64), "tps": pp["v4"].astype(np.float64),
+        "step_tokens": pd.array(n - _previous(n, same), dtype="Int64"),
+        "step_s": np.round(t_s - _previous(t_s, same), 6), "line": pp["line"].astype(np.int64), "port": port,
+    })
