@@ -301,7 +301,10 @@ def _derive(raw: pd.DataFrame, source: str, sessions: pd.DataFrame) -> pd.DataFr
     has_release = raw["release_us"].notna()
     has_timings = raw["total_ms"].notna() | raw["eval_ms"].notna()
     cancelled = (raw["cancelled"].fillna(0) > 0) | (has_release & ~has_timings)
-    status = np.where(has_release & has_timings & ~(raw["cancelled"].fillna(0) > 0), "complete",
+    # Complete needs the whole life in the log: a task whose launch came before the log's first
+    # line (a log that starts mid-task) stays incomplete, even with its release and timings.
+    launched = raw["line"].notna()
+    status = np.where(launched & has_release & has_timings & ~(raw["cancelled"].fillna(0) > 0), "complete",
                       np.where(cancelled, "cancelled", "incomplete"))
     t["status"] = status
     t["line"] = raw["line"].astype("Int64")
