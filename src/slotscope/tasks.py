@@ -46,33 +46,68 @@ _FIRST = [c for c, _, _ in _FIRST_OF_KIND] + ["slot_any"]  # slot: the launch's,
 _MAX = {"cancelled": CANCEL, "error": ERROR}
 _SUM = {"n_heartbeats": HEARTBEAT, "n_progress": PROGRESS}
 _PARTIAL = KEY + _FIRST + list(_MAX) + list(_SUM) + ["first_line"]
+_BY_KIND: dict[int, list[tuple[str, str]]] = {}
+for _c, _kind, _src in _FIRST_OF_KIND:
+    _BY_KIND.setdefault(_kind, []).append((_c, _src))
 _SAMPLE = KEY + ["slot", "ts_us", "v1", "v2", "v3", "v4", "line"]
 
 
-def _fold(cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """One row per task key: rows of ``cols`` (in order) combined by the rules above."""
-    order = np.lexsort((cols["task"], cols["session"], cols["port"]))  # stable: order kept per task
-    key = {k: cols[k][order] for k in KEY}
+_CORE = KEY + ["slot_any"] + list(_MAX) + list(_SUM) + ["first_line"]  # what every event row has
+
+
+def _fold(
+    open_rows: dict[str, np.ndarray] | None,
+    events: dict[str, np.ndarray],
+    kinds: list[tuple[np.ndarray, dict[str, np.ndarray]]],
+) -> dict[str, np.ndarray]:
+    """One partial row per task key, in key order.
+
+    ``open_rows``: the open partial rows (every column); ``events``: one row per task event of
+    the block, in line order (the columns of ``_CORE``); ``kinds``: per event kind, the rows of
+    ``events`` of that kind and their values for that kind's first-of-kind columns. A column
+    takes the first value that is there: an open row's, else its kind's first event's.
+    """
+    n_open = len(open_rows["task"]) if open_rows is not None else 0
+    rows = _concat([open_rows, events], _CORE) if n_open else events
+    order = np.lexsort((rows["task"], rows["session"], rows["port"]))  # stable: order kept per task
+    key = {k: rows[k][order] for k in KEY}
     new = np.ones(len(order), bool)
     new[1:] = (key["port"][1:] != key["port"][:-1]) | (key["session"][1:] != key["session"][:-1]) | (
         key["task"][1:] != key["task"][:-1])
     starts = np.flatnonzero(new)
-    group = np.cumsum(new) - 1
+    n_groups = len(starts)
+    group_sorted = np.cumsum(new) - 1
+    group = np.empty_like(group_sorted)
+    group[order] = group_sorted  # the group of each row, rows in their own order
     out = {k: v[starts] for k, v in key.items()}
-    for c in _FIRST:
-        v = cols[c][order]
-        have = np.flatnonzero(~np.isnan(v))
-        g = group[have]
-        first = np.ones(len(have), bool)
-        first[1:] = g[1:] != g[:-1]
-        res = np.full(len(starts), np.nan)
-        res[g[first]] = v[have[first]]
-        out[c] = res
+
+    def first(rows_at: np.ndarray, values: np.ndarray) -> np.ndarray:
+        have = ~np.isnan(values)
+        g, at = np.unique(group[rows_at[have]], return_index=True)  # index of each group's first
+        res = np.full(n_groups, np.nan)
+        res[g] = values[have][at]
+        return res
+
+    opened = np.arange(n_open)
+    for at, values in kinds:
+        for c, v in values.items():
+            if n_open:
+                out[c] = first(np.concatenate([opened, at + n_open]), np.concatenate([open_rows[c], v]))  # type: ignore[index]
+            else:
+                out[c] = first(at, v)
+    # slot_any over every row: first non-missing per group, walking the rows in key order
+    v = rows["slot_any"][order]
+    have = np.flatnonzero(~np.isnan(v))
+    g = group_sorted[have]
+    lead = np.ones(len(have), bool)
+    lead[1:] = g[1:] != g[:-1]
+    out["slot_any"] = np.full(n_groups, np.nan)
+    out["slot_any"][g[lead]] = v[have[lead]]
     for c in _MAX:
-        out[c] = np.maximum.reduceat(cols[c][order], starts) if len(starts) else np.zeros(0, np.int8)
+        out[c] = np.maximum.reduceat(rows[c][order], starts) if n_groups else np.zeros(0, np.int8)
     for c in _SUM:
-        out[c] = np.add.reduceat(cols[c][order], starts) if len(starts) else np.zeros(0, np.int64)
-    out["first_line"] = np.minimum.reduceat(cols["first_line"][order], starts) if len(starts) else np.zeros(0, np.int64)
+        out[c] = np.add.reduceat(rows[c][order], starts) if n_groups else np.zeros(0, np.int64)
+    out["first_line"] = np.minimum.reduceat(rows["first_line"][order], starts) if n_groups else np.zeros(0, np.int64)
     return out
 
 
@@ -118,33 +153,29 @@ class TaskAssembler:
         sel = np.flatnonzero(task >= 0)  # NaN compares False
         if not len(sel):
             return
-        n = len(sel)
         k = kind[sel]
-        rows: dict[str, np.ndarray] = {
+        events: dict[str, np.ndarray] = {
             "port": cols["port"][sel].astype(np.int64), "session": cols["session"][sel].astype(np.int64),
-            "task": task[sel].astype(np.int64),
+            "task": task[sel].astype(np.int64), "slot_any": cols["slot"][sel].astype(np.float64),
+            "first_line": cols["line"][sel].astype(np.int64),
         }
-        fields = {"slot": cols["slot"][sel].astype(np.float64), "line": cols["line"][sel].astype(np.float64),
-                  "ts_us": cols["ts_us"][sel].astype(np.float64), "v1": cols["v1"][sel].astype(np.float64),
-                  "v2": cols["v2"][sel].astype(np.float64)}
-        if names is None:
-            fields["file"] = np.full(n, float(self._files.setdefault(file, len(self._files))))  # type: ignore[arg-type]
-        else:
-            fields["file"] = np.full(n, np.nan)
-            launch = k == LAUNCH
-            for name in pd.unique(names[sel][launch]):
-                fields["file"][launch & (names[sel] == name)] = self._files.setdefault(name, len(self._files))
-        for c, code, src in _FIRST_OF_KIND:
-            rows[c] = np.where(k == code, fields[src], np.nan)
-        rows["slot_any"] = fields["slot"]
         for c, code in _MAX.items():
-            rows[c] = (k == code).astype(np.int8)
+            events[c] = (k == code).astype(np.int8)
         for c, code in _SUM.items():
-            rows[c] = (k == code).astype(np.int64)
-        rows["first_line"] = cols["line"][sel].astype(np.int64)
-        if self._open is not None and len(self._open["task"]):
-            rows = _concat([self._open, rows], _PARTIAL)  # open partials first: their values come first
-        self._close(_fold(rows), cols)
+            events[c] = (k == code).astype(np.int64)
+        kinds = []
+        for code, columns in _BY_KIND.items():
+            at = np.flatnonzero(k == code)  # also when empty: open rows carry this kind's columns
+            src = sel[at]
+            values = {c: cols[f][src].astype(np.float64) for c, f in columns if f != "file"}
+            if code == LAUNCH:
+                if names is None:
+                    values["file"] = np.full(len(at), float(self._files.setdefault(file, len(self._files))))  # type: ignore[arg-type]
+                else:
+                    values["file"] = np.array([float(self._files.setdefault(x, len(self._files))) for x in names[src]],
+                                              dtype=np.float64)
+            kinds.append((at, values))
+        self._close(_fold(self._open if self._open is not None and len(self._open["task"]) else None, events, kinds), cols)
 
     def _close(self, merged: dict[str, np.ndarray], ev: dict[str, np.ndarray]) -> None:
         cur_session: dict[int, int] = {}
