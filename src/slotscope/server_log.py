@@ -288,7 +288,15 @@ class _Cursor:
         if blanks:
             ok &= k >= blanks
         pos = self.pos + k + neg + used
-        unsure = np.flatnonzero(used >= room)  # the field may go on past this word
+        unsure = used >= room  # the field may go on past this word
+        if not frac:  # digits up to the word's end: the next word holds the rest (task ids)
+            more = np.flatnonzero(unsure & (n1 >= 1) & (k < 8))
+            if len(more):
+                x2, n2 = _digits(self.w.at(pos[more]))
+                value[more] = value[more] * _POW10[n2] + np.where(neg[more], -1.0, 1.0) * _value(x2, n2)
+                pos[more] += n2
+                unsure[more] = n2 == 8
+        unsure = np.flatnonzero(unsure)
         if len(unsure):
             sub = _Cursor(self.w, self.pos[unsure])
             if blanks is not None:
@@ -304,9 +312,10 @@ class _Cursor:
         self.ok &= (n >= least) & (n < 16)
         self.pos = self.pos + n
 
-    def number_at(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The digits at each position: (value, how many; 16 = too many to read)."""
-        x, n = _digits(self.w.at(pos))
+    def number_at(self, pos: np.ndarray, word: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The digits at each position (``word``: the word there, if read already):
+        (value, how many; 16 = too many to read)."""
+        x, n = _digits(self.w.at(pos) if word is None else word)
         v = _value(x, n)
         long = np.flatnonzero(n == 8)
         if len(long):  # 9 to 16 digits: a second word
@@ -399,10 +408,10 @@ def _scan(lines: pa.StringArray) -> _Scan:
     if n == 0:
         return out
     c = _Cursor(words, s.copy())
+    w0 = words.at(c.pos)
 
     # [port] (router mode)
-    first = words.at(c.pos) & _U(0xFF)
-    bracket = np.flatnonzero(first == _U(0x5B))
+    bracket = np.flatnonzero((w0 & _U(0xFF)) == _U(0x5B))
     if len(bracket):
         b = _Cursor(words, c.pos[bracket] + 1)
         b.blanks()
@@ -413,7 +422,7 @@ def _scan(lines: pa.StringArray) -> _Scan:
         c.ok[bracket] &= b.ok
 
     # M.SS.mmm.uuu timestamp (optional): minutes of any width, then 12 fixed bytes
-    minutes, nd = c.number_at(c.pos)
+    minutes, nd = c.number_at(c.pos, w0 if not len(bracket) else None)
     stamped = np.flatnonzero(c.ok & (nd >= 1))
     if len(stamped):
         q = c.pos[stamped] + nd[stamped]
