@@ -90,3 +90,14 @@ def test_without_app_log_the_report_says_what_it_would_add() -> None:
     assert res.exit_code == 0
     assert "No app call log was given" in res.stdout
     assert "\nstalls ─" in res.stdout and "could not compute" not in res.stdout
+
+
+def test_library_run_by_name_in_a_fresh_process() -> None:
+    """A notebook asks for tables by name without importing the analyzer modules first."""
+    import subprocess
+    import sys
+
+    code = ("import slotscope, slotscope.analyze as a; ds = slotscope.load([%r]); "
+            "t = a.run(ds, names=['stalls', 'waits']); print(sorted(t), list(t['stalls'].columns[:2]))") % str(REAL / "before" / "logs")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "['stalls', 'waits'] ['class', 'samples']" in out

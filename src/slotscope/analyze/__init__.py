@@ -75,7 +75,11 @@ def run(ds: Dataset, opts: Options | None = None, names: list[str] | None = None
     ``strict`` (tests and ``--debug``) asks for the error.
     """
     opts = opts or Options()
+    _import_all()
     wanted = table_names() if names is None else names
+    unknown = [n for n in wanted if n not in TABLES and n != "findings"]
+    if unknown:
+        raise KeyError(f"unknown table(s) {', '.join(unknown)}; tables: {', '.join(table_names())}")
     needed = table_names() if "findings" in wanted else wanted
     out: dict[str, pd.DataFrame] = {}
     for name in needed:
