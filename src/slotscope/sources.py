@@ -239,13 +239,15 @@ class _GzipStream(io.RawIOBase):
 
     ``gzip.GzipFile`` discards the data of a read that hits a truncated member; a log cut by a
     crash must still yield its lines, and the damage is reported as an error after them.
+    Each read inflates straight into the size asked for (``max_length``): no intermediate
+    buffer, one copy at most.
     """
 
     def __init__(self, raw: BinaryIO, path: str) -> None:
         self._raw = raw
         self._path = path
         self._d = _zlib.decompressobj(wbits=31)
-        self._buf = bytearray()
+        self._input = b""  # compressed bytes read but not yet inflated
         self._eof = False
         self._in_member = False
         self._pending: Exception | None = None
@@ -253,43 +255,52 @@ class _GzipStream(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def _fill(self, want: int) -> None:
-        while len(self._buf) < want and not self._eof:
-            data = self._raw.read(1 << 20)
-            if not data:
-                self._eof = True
-                if self._in_member:  # a member was started but its end never came
-                    raise EOFError("compressed file ended before the end-of-stream marker was reached")
-                return
-            while data:
-                self._in_member = True
-                self._buf += self._d.decompress(data)
-                if self._d.eof:  # next gzip member (concatenated .gz files are one stream)
-                    self._in_member = False
-                    data = self._d.unused_data
-                    self._d = _zlib.decompressobj(wbits=31)
-                else:
-                    data = b""
+    def _inflate(self, most: int) -> bytes:
+        """Up to ``most`` bytes of output (b"" at a clean end); raises on damage."""
+        while True:
+            if self._input:
+                data, self._input = self._input, b""
+            else:
+                if self._eof:
+                    return b""
+                data = self._raw.read(1 << 20)
+                if not data:
+                    self._eof = True
+                    if self._in_member:  # a member was started but its end never came
+                        raise EOFError("compressed file ended before the end-of-stream marker was reached")
+                    return b""
+            self._in_member = True
+            out = self._d.decompress(data, most)
+            if self._d.eof:  # next gzip member (concatenated .gz files are one stream)
+                self._in_member = False
+                self._input = self._d.unused_data
+                self._d = _zlib.decompressobj(wbits=31)
+            else:
+                self._input = self._d.unconsumed_tail
+            if out:
+                return out
 
     def read(self, n: int = -1) -> bytes:  # type: ignore[override]
-        try:
-            self._fill(n if n >= 0 else 1 << 62)
-        except (EOFError, zlib.error) as e:
-            if self._buf:  # hand out what was decoded; the next read raises
-                self._eof = True
-                self._pending = e
-            else:
-                raise EOFError(str(e)) from None
-        if not self._buf and self._pending is not None:
+        if self._pending is not None:
             e, self._pending = self._pending, None
             raise EOFError(str(e))
-        if n < 0 or n >= len(self._buf):
-            out = bytes(self._buf)
-            self._buf.clear()
-        else:
-            out = bytes(self._buf[:n])
-            del self._buf[:n]
-        return out
+        limit = n if n >= 0 else 1 << 62
+        parts: list[bytes] = []
+        got = 0
+        try:
+            while got < limit:
+                out = self._inflate(limit - got)
+                if not out:
+                    break
+                parts.append(out)
+                got += len(out)
+        except (EOFError, zlib.error) as e:
+            self._eof = True
+            self._input = b""
+            if not parts:
+                raise EOFError(str(e)) from None
+            self._pending = e  # hand out what was decoded; the next read raises
+        return b"".join(parts)
 
     def close(self) -> None:
         if self._raw is not sys.stdin.buffer:
