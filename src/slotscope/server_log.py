@@ -1,10 +1,15 @@
 """llama-server log lines -> events, per chunk, with every line accounted for.
 
-The hot path works on blocks of ~1 MiB: the block is decoded once, colour codes and carriage
-returns are removed with one bytes-level substitution, the wrapper prefix (if any) is stripped
-with one vectorised regex, and a single RE2 pattern (``pyarrow.compute.extract_regex``)
-recognises every current line kind at once. No Python code runs per line, except for lines
-the fast pattern does not know (older formats, see :mod:`slotscope.legacy`), which are rare.
+The hot path works on blocks of ~4 MiB, with no Python code per line: colour codes and
+carriage returns are removed with one bytes-level substitution, the lines become one Arrow
+array over the block's own bytes (offsets from the newline positions), a wrapper prefix (if
+any) is stripped with one vectorised regex, and a numpy scanner reads the lines of the
+current llama.cpp grammar column-wise (``_scan``). The scanner only takes lines whose reading
+by the single RE2 pattern ``FAST_PATTERN`` it can prove, and gives the same reading; the rest
+(older multi-line timings, damaged lines) go through ``FAST_PATTERN`` itself, and lines it does
+not know either go to :mod:`slotscope.legacy` one by one (older formats, which are rare).
+Measured on the bench's 1 GB log: 70-100 MB/s for the whole parse on one core (the shared
+machine varies), where ``FAST_PATTERN`` on every line ran at ~6 MB/s.
 
 Keys are message texts, not the 12-character function field (it moved between versions).
 Each event row carries its file line so every figure can be traced back.
@@ -390,6 +395,7 @@ _SRV_EVENT_RE = re.compile(_SRV_EVENT, re.ASCII)
 
 
 def _scan(lines: pa.StringArray) -> _Scan:
+    """Read each line of a block (elements ending in a newline) with the scanner's grammar."""
     n = len(lines)
     off = np.frombuffer(lines.buffers()[1], np.int32, count=n + 1, offset=4 * lines.offset).astype(np.int64)
     data = lines.buffers()[2]
