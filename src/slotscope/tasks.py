@@ -55,6 +55,21 @@ _SAMPLE = KEY + ["slot", "ts_us", "v1", "v2", "v3", "v4", "line"]
 _CORE = KEY + ["slot_any"] + list(_MAX) + list(_SUM) + ["first_line"]  # what every event row has
 
 
+def _give_back_freed_memory() -> None:
+    """Return the heap pages freed by the partial rows to the OS (glibc keeps them otherwise).
+
+    The partial rows (~200 B per task) are freed once the task table is built, but glibc's
+    allocator keeps their pages; whoever writes the table next (a CSV writer copying it)
+    would then add its own peak on top. Not glibc (macOS, musl): nothing to do.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _fold(
     open_rows: dict[str, np.ndarray] | None,
     events: dict[str, np.ndarray],
@@ -244,6 +259,7 @@ class TaskAssembler:
             self._done.append(rest)
         self._open = None
         raw = self._raw_table()
+        _give_back_freed_memory()  # the per-block parts just joined: small holes the table cannot reuse
         sessions = self._sessions_table()
         tasks = _derive(raw, self.source, sessions)
         del raw
@@ -251,6 +267,7 @@ class TaskAssembler:
         self._gen = []
         prefill = _prefill_samples(self._prefill, self.source)
         self._prefill = []
+        _give_back_freed_memory()
         return tasks, gen, prefill, sessions
 
     def _raw_table(self) -> pd.DataFrame:
@@ -306,61 +323,78 @@ def _us_to_s(col: pd.Series) -> pd.Series:
 
 
 def _derive(raw: pd.DataFrame, source: str, sessions: pd.DataFrame) -> pd.DataFrame:
-    """Timeline arithmetic of research/log-formats.md §1.3, column-wise (``raw`` in output order)."""
+    """Timeline arithmetic of research/log-formats.md §1.3, column-wise (``raw`` in output order).
+
+    ``raw`` is consumed: each column is dropped after its last use, so the partial rows and
+    the task table are not both held whole.
+    """
+    take = raw.pop
+    for c in ("first_line", "total_tokens"):
+        if c in raw.columns:
+            del raw[c]
     t = pd.DataFrame(index=raw.index)
     t["source"] = source
     t["session"] = raw["session"].astype("int64")
-    t["slot"] = raw["slot"].astype("Int64")
-    t["task_id"] = raw["task"].astype("int64")
+    t["slot"] = take("slot").astype("Int64")
+    t["task_id"] = take("task").astype("int64")
     t["launch_s"] = _us_to_s(raw["launch_us"])
-    anchor = raw["eval_us"].where(raw["eval_us"] >= 0, raw["total_us"]).astype("float64")
+    eval_us, total_us = take("eval_us"), take("total_us")
+    anchor = eval_us.where(eval_us >= 0, total_us).astype("float64")
+    del eval_us, total_us
     total_ms = raw["total_ms"].astype("float64").fillna(raw["prompt_eval_ms"].astype("float64") + raw["eval_ms"].astype("float64"))
     t["prefill_start_s"] = (anchor.where(anchor >= 0) - total_ms * 1000) / 1e6
+    del anchor, total_ms
     t["first_token_s"] = t["prefill_start_s"] + raw["prompt_eval_ms"].astype("float64") / 1000
     t["release_s"] = _us_to_s(raw["release_us"])
     t["wait_before_prefill_ms"] = (t["prefill_start_s"] - t["launch_s"]) * 1000
-    t["prompt_tokens_new"] = raw["prompt_tokens_new"].astype("Int64")
-    n_gen = raw["n_gen"].astype("Int64")
+    t["prompt_tokens_new"] = take("prompt_tokens_new").astype("Int64")
+    n_gen = take("n_gen").astype("Int64")
     t["prompt_tokens_cached"] = raw["n_tokens_released"].astype("Int64") - n_gen + 1 - t["prompt_tokens_new"]
     t["n_gen"] = n_gen
-    t["prompt_eval_ms"] = raw["prompt_eval_ms"].astype("float64")
+    t["prompt_eval_ms"] = take("prompt_eval_ms").astype("float64")
     t["eval_ms"] = raw["eval_ms"].astype("float64")
     with np.errstate(divide="ignore", invalid="ignore"):
         t["prefill_tps"] = (t["prompt_tokens_new"].astype("float64") / (t["prompt_eval_ms"] / 1000)).replace([np.inf, -np.inf], np.nan)
         t["gen_tps"] = ((n_gen.astype("float64") - 1) / (t["eval_ms"] / 1000)).replace([np.inf, -np.inf], np.nan)
-    t["truncated"] = raw["truncated"].astype("float64").map({1.0: True, 0.0: False}).astype("boolean")
+    del n_gen
+    t["truncated"] = take("truncated").astype("float64").map({1.0: True, 0.0: False}).astype("boolean")
     has_release = raw["release_us"].notna()
-    has_timings = raw["total_ms"].notna() | raw["eval_ms"].notna()
-    cancelled = (raw["cancelled"].fillna(0) > 0) | (has_release & ~has_timings)
+    has_timings = raw["total_ms"].notna() | take("eval_ms").notna()
+    flagged = take("cancelled").fillna(0) > 0
+    cancelled = flagged | (has_release & ~has_timings)
     # Complete needs the whole life in the log: a task whose launch came before the log's first
     # line (a log that starts mid-task) stays incomplete, even with its release and timings.
     launched = raw["line"].notna()
-    status = np.where(launched & has_release & has_timings & ~(raw["cancelled"].fillna(0) > 0), "complete",
-                      np.where(cancelled, "cancelled", "incomplete"))
-    t["status"] = status
-    t["line"] = raw["line"].astype("Int64")
+    t["status"] = np.where(launched & has_release & has_timings & ~flagged, "complete",
+                           np.where(cancelled, "cancelled", "incomplete"))
+    del flagged, cancelled, launched
+    t["line"] = take("line").astype("Int64")
     # Columns beyond the stable set.
-    t["file"] = raw["file"]
+    t["file"] = take("file")
     t["port"] = raw["port"].astype("int64")
-    t["release_line"] = raw["release_line"].astype("Int64")
-    t["total_ms"] = raw["total_ms"].astype("float64")
-    t["n_tokens_released"] = raw["n_tokens_released"].astype("Int64")
+    t["release_line"] = take("release_line").astype("Int64")
+    t["total_ms"] = take("total_ms").astype("float64")
+    t["n_tokens_released"] = take("n_tokens_released").astype("Int64")
     t["prompt_tokens"] = t["prompt_tokens_cached"] + t["prompt_tokens_new"]
-    t["n_heartbeats"] = raw["n_heartbeats"].fillna(0).astype("int64")
-    t["n_progress"] = raw["n_progress"].fillna(0).astype("int64")
+    t["n_heartbeats"] = take("n_heartbeats").fillna(0).astype("int64")
+    t["n_progress"] = take("n_progress").fillna(0).astype("int64")
     t["has_timings"] = has_timings.to_numpy()
     t["has_release"] = has_release.to_numpy()
-    t["cut_by_restart"] = raw["cut_by_restart"].fillna(False).astype(bool).to_numpy()
-    t["is_child"] = raw["is_child"].astype("float64").map({1.0: True, 0.0: False}).astype("boolean")
-    t["error"] = raw["error"].fillna(0).astype(bool).to_numpy()
+    del has_timings, has_release
+    t["cut_by_restart"] = take("cut_by_restart").fillna(False).astype(bool).to_numpy()
+    t["is_child"] = take("is_child").astype("float64").map({1.0: True, 0.0: False}).astype("boolean")
+    t["error"] = take("error").fillna(0).astype(bool).to_numpy()
     # Log values have µs (times) and 10 µs (ms fields) resolution; do not print float noise.
     for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"):
         t[c] = t[c].round(6)
     for c in ("wait_before_prefill_ms", "prefill_tps", "gen_tps"):
         t[c] = t[c].round(3)
-    offsets = sessions.set_index(["port", "session"])["wall_offset_us"] if len(sessions) else pd.Series(dtype=float)
-    off = pd.MultiIndex.from_frame(raw[["port", "session"]]).map(offsets.to_dict()) if len(raw) else pd.Index([])
-    off = pd.Series(np.asarray(off, dtype="float64"), index=t.index)
+    off = np.full(len(raw), np.nan)
+    if len(sessions) and len(raw):
+        offsets = sessions.set_index(["port", "session"])["wall_offset_us"]
+        at = offsets.index.get_indexer(pd.MultiIndex.from_arrays([raw["port"].to_numpy(), raw["session"].to_numpy()]))
+        off = np.where(at >= 0, offsets.to_numpy(dtype="float64", na_value=np.nan)[at], np.nan)
+    off = pd.Series(off, index=t.index)
     if off.notna().any():
         t["launch_at"] = pd.to_datetime((off + raw["launch_us"].astype("float64")).round().astype("Int64"), unit="us", utc=True)
         t["release_at"] = pd.to_datetime((off + raw["release_us"].astype("float64")).round().astype("Int64"), unit="us", utc=True)
