@@ -158,3 +158,15 @@ def test_where_lists_the_tasks_behind_a_row() -> None:
     assert len(df) == 31 and (df["wait_before_prefill_ms"] >= 1000).all()  # = the waits table's 29 + 2
     bad = run("tasks", str(REAL / "before" / "logs"), "--where", "no_such_column > 1")
     assert bad.exit_code == 2 and "columns: source, session" in bad.stderr
+
+
+def test_a_compressed_copy_beside_the_log_is_not_read_as_its_rotation(tmp_path: Path) -> None:
+    import gzip
+
+    raw = (REAL / "before" / "logs" / "llama-server.log").read_bytes()
+    (tmp_path / "llama-server.log").write_bytes(raw)
+    (tmp_path / "llama-server.log.gz").write_bytes(gzip.compress(raw))
+    res = run("tasks", str(tmp_path))
+    df = pd.read_csv(io.StringIO(res.stdout))
+    assert df.groupby("source").size().tolist() == [45, 45]  # two sources, each read once
+    assert "hold the same rotation position" in res.stderr

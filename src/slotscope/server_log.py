@@ -979,7 +979,7 @@ def read_server_logs(
     if inputs is None:
         inputs = collect(paths)
     tasks, gens, prefills, sessions = [], [], [], []
-    acc = Accounting(skipped=list(inputs.skipped), unusable=list(inputs.unusable))
+    acc = Accounting(skipped=list(inputs.skipped), unusable=list(inputs.unusable), notes=list(inputs.notes))
     for files in inputs.server:
         asm, accounts = read_stream(files, inputs, keep_samples=keep_samples, tz=tz, year=year, progress=progress,
                                     chunk_size=chunk_size)
