@@ -52,13 +52,26 @@ def choose_format(fmt: str | None, out: str | None, stdout_is_tty: bool) -> Form
     return chosen
 
 
+def iso(col: pd.Series) -> pd.Series:
+    """ISO-8601 text of a datetime column, exactly as ``Timestamp.isoformat()`` writes it.
+
+    Column-wise for UTC (every time slotscope produces); other zones fall back to per value.
+    """
+    if str(getattr(col.dt, "tz", None)) in ("UTC", "UTC+00:00"):
+        text = col.dt.strftime("%Y-%m-%dT%H:%M:%S.%f").str.replace(r"\.000000$", "", regex=True) + "+00:00"
+        return text.where(col.notna(), "")
+    return col.map(lambda x: x.isoformat() if not pd.isna(x) else "")
+
+
 def for_text(df: pd.DataFrame) -> pd.DataFrame:
-    """Datetimes as ISO-8601 with offset, everything else as is (for CSV and tables)."""
-    out = df.copy()
-    for c in out.columns:
-        if isinstance(out[c].dtype, pd.DatetimeTZDtype) or pd.api.types.is_datetime64_any_dtype(out[c]):
-            out[c] = out[c].map(lambda x: x.isoformat() if not pd.isna(x) else "")
-    return out
+    """Datetimes as ISO-8601 with offset, everything else as is (for CSV and tables).
+
+    Only the datetime columns are replaced; the table itself is not copied (a million-row
+    task table would be).
+    """
+    dt = {c: iso(df[c]) for c in df.columns
+          if isinstance(df[c].dtype, pd.DatetimeTZDtype) or pd.api.types.is_datetime64_any_dtype(df[c])}
+    return df.assign(**dt) if dt else df
 
 
 def _cell(v: object) -> str:
