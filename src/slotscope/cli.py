@@ -38,6 +38,9 @@ SinceOpt = Annotated[Optional[str], typer.Option("--since", help="Keep tasks lau
 UntilOpt = Annotated[Optional[str], typer.Option("--until", help="Keep tasks launched before this (same forms as --since).")]
 StrictOpt = Annotated[bool, typer.Option("--strict", help="Exit 1 when any input line is unrecognized.")]
 TzOpt = Annotated[str, typer.Option("--tz", help="Time zone for stamps without one (journald short, naive ISO).")]
+LongPrefillOpt = Annotated[int, typer.Option("--long-prefill", help="New tokens that make a prefill 'long' (stalls, indicators).")]
+BigPrefillOpt = Annotated[int, typer.Option("--big-prefill", help="New tokens that make a prefill 'big' (prefills, same-conditions, prefill speed).")]
+WaitThresholdOpt = Annotated[float, typer.Option("--wait-threshold", help="Seconds of wait before prefill worth counting.")]
 WhereOpt = Annotated[Optional[str], typer.Option("--where", "-w", help="Keep rows matching a condition on the columns, e.g. \"wait_before_prefill_ms >= 1000 and slot == 2\".")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No summary on stderr.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks.", hidden=True)]
@@ -257,9 +260,7 @@ def analyze(
     table: Annotated[Optional[str], typer.Option("--table", "-t", help="Only this table (see the report's section names).")] = None,
     fmt: FormatOpt = None, out: OutOpt = None, tz: TzOpt = "UTC",
     app_columns: AppColumnsOpt = None, server_start: ServerStartOpt = None,
-    long_prefill: Annotated[int, typer.Option(help="New tokens that make a prefill 'long' (stalls).")] = 15_000,
-    big_prefill: Annotated[int, typer.Option(help="New tokens that make a prefill 'big' (prefills).")] = 5_000,
-    wait_threshold: Annotated[float, typer.Option(help="Seconds of wait before prefill worth listing.")] = 1.0,
+    long_prefill: LongPrefillOpt = 15_000, big_prefill: BigPrefillOpt = 5_000, wait_threshold: WaitThresholdOpt = 1.0,
     cache_rate: Annotated[float, typer.Option(help="turns: the subset of chat turns with at least this prompt-cache rate.")] = 0.95,
     uncached_tokens: Annotated[int, typer.Option(help="turns: the subset of chat turns with at least this many new tokens.")] = 5_000,
     cache_window: Annotated[float, typer.Option(help="cache: consecutive turns of one user within this many seconds.")] = 300.0,
@@ -326,9 +327,7 @@ def compare_cmd(
     fmt: FormatOpt = None, out: OutOpt = None, tz: TzOpt = "UTC",
     app_columns: AppColumnsOpt = None, server_start: ServerStartOpt = None,
     short_tokens: Annotated[int, typer.Option(help="Turns with fewer new prompt tokens are 'short' (same-conditions).")] = 1_000,
-    long_prefill: Annotated[int, typer.Option(help="New tokens that make a prefill 'long' (stalls).")] = 15_000,
-    big_prefill: Annotated[int, typer.Option(help="New tokens that make a prefill 'big' (same-conditions, prefill speed).")] = 5_000,
-    wait_threshold: Annotated[float, typer.Option(help="Seconds of wait before prefill worth counting.")] = 1.0,
+    long_prefill: LongPrefillOpt = 15_000, big_prefill: BigPrefillOpt = 5_000, wait_threshold: WaitThresholdOpt = 1.0,
     seed: Annotated[int, typer.Option(help="Seed of the bootstrap intervals.")] = 0,
     resamples: Annotated[int, typer.Option(help="Bootstrap resamples per interval.")] = 2000,
     quiet: QuietOpt = False, strict: StrictOpt = False, debug: DebugOpt = False,
