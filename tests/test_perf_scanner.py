@@ -1,6 +1,6 @@
 """The vectorised line scanner reads every line exactly as FAST_PATTERN alone does.
 
-The scanner (server_log._scan) only takes lines whose FAST_PATTERN reading it can prove; the
+The scanner (scanner.scan) only takes lines whose FAST_PATTERN reading it can prove; the
 rest go to the pattern. So parse_chunk must return the same events and the same line
 accounting with the scanner on and off, for real lines and for real lines bent in every way
 that sits on a grammar edge: digits turned into signs, ``inf`` or dots, blanks added or

@@ -1,0 +1,509 @@
+"""The line scanner: the common llama-server line shape read column-wise with numpy.
+
+Most lines of a llama-server log follow one grammar (timestamp, level, ``slot <func>: id N |
+task N | <message>``). The scanner reads a whole block of them at once and proves, line by
+line, that :data:`slotscope.server_log.FAST_PATTERN` (the RE2 pattern that defines what each
+line means) would read it the same way; lines it cannot prove are left "not known" for that
+pattern. ``tests/test_perf_scanner.py`` holds the two readings equal.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .events import (
+    CANCEL, CONFIG, ERROR, EVAL, EXIT, HEARTBEAT, INIT, LAUNCH, PROGRESS, PROMPT_EVAL, RELEASE,
+    TIMING_HEADER, TOTAL,
+)
+
+# The server-event alternatives of FAST_PATTERN's ``srv`` branch (shared with server_log).
+SRV_EVENT = (
+    r"(?P<k_init>initializing \.\.\.)"
+    r"|initializing, n_slots = (?P<n_slots>\d+), n_ctx_slot = (?P<n_ctx>\d+)"
+    r"|.*cancel task, id_task = (?P<cancel>\d+)"
+    r"|(?P<k_exit>.*cleaning up before exit)"
+    r"|.*task id = (?P<err_task>\d+), error: (?P<err>.*)"
+)
+
+#
+# Most lines of a llama-server log follow one grammar (timestamp, level, ``slot <func>: id N |
+# task N | <message>``). They are read here column-wise with numpy: 8-byte words are gathered
+# at each line's current position and tested a word at a time (SWAR: digits and blanks found
+# with bit tricks, numbers of up to 8 digits converted with two multiplications). A step that
+# fails leaves the line "not known", and such lines go through the full RE2 pattern below
+# (FAST_PATTERN), which stays the definition of what each line means: the scanner only takes
+# lines whose FAST_PATTERN reading it can prove, and reproduces that reading exactly.
+
+_U = np.uint64
+_HI = _U(0x8080808080808080)
+_LO7 = _U(0x7F7F7F7F7F7F7F7F)
+_ASCII0 = _U(0x3030303030303030)
+_BLANKS = _U(0x2020202020202020)
+_OVER9 = _U(0x7676767676767676)
+_BYTE_INDEX = _U(0x0001020304050607)
+_PAIR_MASK = _U(0x000000FF000000FF)
+_PAIR_MUL1 = _U(100 + (1000000 << 32))
+_PAIR_MUL2 = _U(1 + (10000 << 32))
+_POW10 = 10 ** np.arange(17, dtype=np.int64)
+_POW10F = 10.0 ** np.arange(17)
+
+
+def _word(text: bytes) -> tuple[np.uint64, np.uint64]:
+    """(value, mask) of up to 8 bytes as a little-endian word."""
+    pad = text.ljust(8, b"\0")
+    return np.frombuffer(pad, "<u8")[0], np.frombuffer(b"\xff" * len(text) + b"\0" * (8 - len(text)), "<u8")[0]
+
+
+class _Words:
+    """A block's bytes, zero-padded, read as 8-byte little-endian words at any positions."""
+
+    def __init__(self, data: np.ndarray) -> None:
+        size = len(data) + 32
+        buf = np.zeros(size, np.uint8)
+        buf[: len(data)] = data
+        # One overlapping (stride-1, unaligned) view: word i is bytes i..i+7. Indexing it is
+        # ~5x cheaper than two aligned gathers and a funnel shift.
+        self._w = np.ndarray((size - 8,), dtype="<u8", buffer=buf, strides=(1,))
+        self._last = size - 9
+
+    def at(self, pos: np.ndarray) -> np.ndarray:
+        return self._w[np.minimum(pos, self._last)]  # only lines that already failed read past the end
+
+
+def _lead(stop: np.ndarray) -> np.ndarray:
+    """Index (0..8) of the first byte with its high bit set in ``stop`` (8: none)."""
+    low = stop & (~stop + _U(1))
+    k = (((low >> _U(7)) * _BYTE_INDEX) >> _U(56)).astype(np.int64)
+    return k + (stop == 0) * 8
+
+
+def _digits(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The word with digits as 0..9, and how many bytes (0..8) from its start are digits."""
+    x = w ^ _ASCII0
+    return x, _lead((((x & _LO7) + _OVER9) | x) & _HI)
+
+
+def _blanks(w: np.ndarray) -> np.ndarray:
+    """How many bytes (0..8) from the start of each word are spaces."""
+    x = w ^ _BLANKS
+    return _lead((((x & _LO7) + _LO7) | x) & _HI)
+
+
+def _blank_run(words: _Words, pos: np.ndarray) -> np.ndarray:
+    """How many spaces (0..16; 16: too many to count) start at each position."""
+    n = _blanks(words.at(pos))
+    more = np.flatnonzero(n == 8)
+    if len(more):
+        n[more] += _blanks(words.at(pos[more] + 8))
+    return n
+
+
+def _value(x: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """The number written by the first ``n`` (1..8) digits of ``x`` (digits as 0..9)."""
+    v = x << (np.minimum(8 - n, 7) * 8).astype(_U)
+    v = v * _U(10) + (v >> _U(8))
+    v = (((v & _PAIR_MASK) * _PAIR_MUL1) + (((v >> _U(16)) & _PAIR_MASK) * _PAIR_MUL2)) >> _U(32)
+    return np.where(n > 0, v.astype(np.int64), 0)
+
+
+class _Cursor:
+    """One position per line, moved along a grammar; ``ok`` turns False where a step fails."""
+
+    _lits: dict[bytes, list[tuple[int, np.uint64, np.uint64]]] = {}
+
+    def __init__(self, words: _Words, pos: np.ndarray) -> None:
+        self.w = words
+        self.pos = pos
+        self.ok = np.ones(len(pos), bool)
+
+    def has(self, text: bytes, at: np.ndarray | None = None) -> np.ndarray:
+        """Whether ``text`` is at the position (does not move)."""
+        pieces = self._lits.get(text)
+        if pieces is None:
+            pieces = self._lits[text] = [(k, *_word(text[k : k + 8])) for k in range(0, len(text), 8)]
+        pos = self.pos if at is None else at
+        out: np.ndarray | None = None
+        for k, val, mask in pieces:
+            hit = (self.w.at(pos + k) & mask) == val
+            out = hit if out is None else out & hit
+        assert out is not None
+        return out
+
+    def lit(self, text: bytes) -> None:
+        self.ok &= self.has(text)
+        self.pos = self.pos + len(text)
+
+    def either(self, a: bytes, b: bytes) -> None:
+        in_a = self.has(a)
+        not_a = np.flatnonzero(~in_a)
+        if len(not_a):  # b is read only where a is not there (usually nowhere)
+            in_b = np.zeros(len(in_a), bool)
+            in_b[not_a] = self.has(b, at=self.pos[not_a])
+            self.ok &= in_a | in_b
+        self.pos = self.pos + np.where(in_a, len(a), len(b))
+
+    def field(self, blanks: int | None = None, sign: bool = False, frac: bool = False) -> np.ndarray:
+        """`` *`` (``blanks``: at least that many; None: no blanks), ``-?`` (``sign``), ``\\d+``
+        and, with ``frac``, ``(?:\\.\\d*)?``, as float64 like :meth:`uint`/:meth:`decimal`.
+
+        Read from the one word at the position where the field ends inside it (a byte after
+        it is seen there); the other rows are read step by step.
+        """
+        w = self.w.at(self.pos)
+        k = _blanks(w) if blanks is not None else np.zeros(len(w), np.int64)
+        x = (w >> (k * 8).astype(_U)) ^ _ASCII0  # bytes shifted in read as non-digits
+        room = 8 - k
+        neg = np.zeros(len(w), bool)
+        if sign:
+            neg = (x & _U(0xFF)) == _U(0x1D)  # "-"
+            x = np.where(neg, x >> _U(8), x)
+            room = room - neg
+        n1 = _lead((((x & _LO7) + _OVER9) | x) & _HI)
+        used = n1
+        value = _value(x, n1).astype(np.float64)
+        if frac:
+            dot = ((x >> (n1 * 8).astype(_U)) & _U(0xFF)) == _U(0x1E)  # "."
+            x2 = x >> ((n1 + 1) * 8).astype(_U)
+            n2 = np.where(dot, _lead((((x2 & _LO7) + _OVER9) | x2) & _HI), 0)
+            used = n1 + dot + n2
+            value = (_value(x, n1) * _POW10[n2] + _value(x2, n2)) / _POW10F[n2]
+        if sign:
+            value = np.where(neg, -1.0, 1.0) * value
+        ok = n1 >= 1
+        if blanks:
+            ok &= k >= blanks
+        pos = self.pos + k + neg + used
+        unsure = used >= room  # the field may go on past this word
+        if not frac:  # digits up to the word's end: the next word holds the rest (task ids)
+            more = np.flatnonzero(unsure & (n1 >= 1) & (k < 8))
+            if len(more):
+                x2, n2 = _digits(self.w.at(pos[more]))
+                value[more] = value[more] * _POW10[n2] + np.where(neg[more], -1.0, 1.0) * _value(x2, n2)
+                pos[more] += n2
+                unsure[more] = n2 == 8
+        unsure = np.flatnonzero(unsure)
+        if len(unsure):
+            sub = _Cursor(self.w, self.pos[unsure])
+            if blanks is not None:
+                sub.blanks(blanks)
+            v = sub.signed() if sign else sub.decimal() if frac else sub.uint()
+            value[unsure], ok[unsure], pos[unsure] = v, sub.ok, sub.pos
+        self.ok &= ok
+        self.pos = pos
+        return value
+
+    def blanks(self, least: int = 0) -> None:
+        n = _blank_run(self.w, self.pos)
+        self.ok &= (n >= least) & (n < 16)
+        self.pos = self.pos + n
+
+    def number_at(self, pos: np.ndarray, word: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The digits at each position (``word``: the word there, if read already):
+        (value, how many; 16 = too many to read)."""
+        x, n = _digits(self.w.at(pos) if word is None else word)
+        v = _value(x, n)
+        long = np.flatnonzero(n == 8)
+        if len(long):  # 9 to 16 digits: a second word
+            x2, n2 = _digits(self.w.at(pos[long] + 8))
+            v[long] = v[long] * _POW10[n2] + _value(x2, n2)
+            n[long] += n2
+        return v, n
+
+    def uint(self) -> np.ndarray:
+        """``\\d+`` as float64 (at most 15 digits, so exact)."""
+        v, n = self.number_at(self.pos)
+        self.ok &= (n >= 1) & (n <= 15)
+        self.pos = self.pos + n
+        return v.astype(np.float64)
+
+    def signed(self) -> np.ndarray:
+        """``-?\\d+`` as float64."""
+        neg = (self.w.at(self.pos) & _U(0xFF)) == _U(0x2D)
+        self.pos = self.pos + neg
+        return np.where(neg, -1.0, 1.0) * self.uint()
+
+    def decimal(self) -> np.ndarray:
+        """``\\d+(?:\\.\\d*)?`` as the float64 nearest to it, like Arrow's string->double cast.
+
+        Integer digits and fraction digits together fit in 15 digits, so both the integer
+        they spell and the power of ten are exact, and one IEEE division rounds correctly.
+        """
+        whole, n1 = self.number_at(self.pos)
+        self.pos = self.pos + n1
+        dot = (self.w.at(self.pos) & _U(0xFF)) == _U(0x2E)
+        self.pos = self.pos + dot
+        frac, n2 = self.number_at(self.pos)
+        n2 = np.where(dot, n2, 0)
+        self.pos = self.pos + n2
+        self.ok &= (n1 >= 1) & (n1 + n2 <= 15)
+        return (whole * _POW10[n2] + np.where(dot, frac, 0)) / _POW10F[n2]
+
+
+@dataclass
+class Scan:
+    """What the scanner made of each line of a block (``known`` False: ask FAST_PATTERN)."""
+
+    known: np.ndarray
+    kind: np.ndarray
+    port: np.ndarray
+    ts: np.ndarray
+    slot: np.ndarray
+    task: np.ndarray
+    v: list[np.ndarray]
+
+
+_TAG_SLOT, _TAG_SRV = _word(b"slot ")[0], _word(b"srv  ")[0]
+_TAG_COMP = [_word(t)[0] for t in (b"cmn  ", b"que  ", b"res  ", b"spec ")]
+_MASK2, _MASK4, _MASK5 = _word(b"..")[1], _word(b"....")[1], _word(b".....")[1]
+_ID = _word(b": id")[0]
+# The 12 bytes after the minutes, ".SS.mmm.uuu ", as two words XOR "0" bytes: "." is 0x1E, " " 0x10.
+_TS_DOTS, _TS_DOTS_MASK = _U(0x1E00000000000000 | 0x1E000000 | 0x1E), _U(0xFF000000FF0000FF)
+_TS_END, _TS_END_MASK = _U(0x10000000), _U(0xFF000000)
+_TS_DIGITS1 = _U(0x0080808000808000)  # high bits of bytes 1, 2, 4, 5, 6
+_TS_DIGITS2 = _U(0x0000000000808080)  # bytes 0, 1, 2
+_COLON = _word(b": ")[0]
+_LEVELS = [_U(ord(c)) for c in "IWED"]
+# A slot message that starts (after its blanks) with one of these may be a record or a
+# broken one (FAST_PATTERN's k_bad): never taken as an ignored line by the scanner.
+_KEYWORDISH = [_word(t)[0] for t in (b"promp", b"eval ", b"total", b"n_gen", b"n_dec", b"stop ", b"proce")]
+_KW_PROMPT, _KW_EVAL, _KW_TOTAL, _KW_GEN, _KW_DECODED, _KW_RELEASE, _KW_LAUNCH = _KEYWORDISH
+_KW_PROGRESS, _KW_PROMPT_EVAL = _word(b"prompt p")[0], _word(b"prompt e")[0]
+_SRV_EVENTS = r"initializing|cancel task, id_task = |cleaning up before exit|task id = "
+# The same alternatives for Python's re (ASCII: \d is [0-9] as in RE2; no \s in them), for the
+# few server lines that may be events: cheaper than compiling FAST_PATTERN for each block.
+_SRV_EVENT_RE = re.compile(SRV_EVENT, re.ASCII)
+
+
+def scan(lines: pa.StringArray) -> Scan:
+    """Read each line of a block (elements ending in a newline) with the scanner's grammar."""
+    n = len(lines)
+    off = np.frombuffer(lines.buffers()[1], np.int32, count=n + 1, offset=4 * lines.offset).astype(np.int64)
+    data = lines.buffers()[2]
+    raw = np.frombuffer(data, np.uint8, count=int(off[-1])) if data is not None else np.zeros(0, np.uint8)
+    words = _Words(raw)
+    s, e = off[:-1], off[1:]
+    ends_nl = np.zeros(n, bool)
+    has = e > s
+    ends_nl[has] = raw[e[has] - 1] == 10
+    e = e - ends_nl
+    out = Scan(
+        known=np.zeros(n, bool), kind=np.zeros(n, np.int8), port=np.full(n, -1, np.int64),
+        ts=np.full(n, -1, np.int64), slot=np.full(n, np.nan), task=np.full(n, np.nan),
+        v=[np.full(n, np.nan) for _ in range(4)],
+    )
+    if n == 0:
+        return out
+    c = _Cursor(words, s.copy())
+    w0 = words.at(c.pos)
+
+    # [port] (router mode)
+    bracket = np.flatnonzero((w0 & _U(0xFF)) == _U(0x5B))
+    if len(bracket):
+        b = _Cursor(words, c.pos[bracket] + 1)
+        b.blanks()
+        p = b.uint()
+        b.lit(b"] ")
+        out.port[bracket] = np.where(b.ok, p, -1).astype(np.int64)
+        c.pos[bracket] = b.pos
+        c.ok[bracket] &= b.ok
+
+    # M.SS.mmm.uuu timestamp (optional): minutes of any width, then 12 fixed bytes
+    minutes, nd = c.number_at(c.pos, w0 if not len(bracket) else None)
+    stamped = np.flatnonzero(c.ok & (nd >= 1))
+    if len(stamped):
+        q = c.pos[stamped] + nd[stamped]
+        x1 = words.at(q) ^ _ASCII0  # ".SS.mmm."
+        x2 = words.at(q + 8) ^ _ASCII0  # "uuu "
+        good = (nd[stamped] <= 10) & ((x1 & _TS_DOTS_MASK) == _TS_DOTS) & ((x2 & _TS_END_MASK) == _TS_END)
+        good &= ((((x1 & _LO7) + _OVER9) | x1) & _TS_DIGITS1) == 0
+        good &= ((((x2 & _LO7) + _OVER9) | x2) & _TS_DIGITS2) == 0
+
+        def d(x: np.ndarray, k: int) -> np.ndarray:
+            return ((x >> _U(8 * k)) & _U(0xFF)).astype(np.int64)
+
+        sec = d(x1, 1) * 10 + d(x1, 2)
+        ms = d(x1, 4) * 100 + d(x1, 5) * 10 + d(x1, 6)
+        us = d(x2, 0) * 100 + d(x2, 1) * 10 + d(x2, 2)
+        # The same float64 arithmetic as FAST_PATTERN's reading (it rounds past 2**53 µs).
+        ts = ((minutes[stamped].astype(np.float64) * 60 + sec) * 1000 + ms) * 1000 + us
+        out.ts[stamped] = np.where(good, ts, -1).astype(np.int64)
+        c.pos[stamped] = q + 12
+        c.ok[stamped] &= good  # digits that are no timestamp: not for the scanner
+
+    # level letter (optional), then the tag and its 12-character function field
+    w = words.at(c.pos)
+    b0 = w & _U(0xFF)
+    level = ((b0 == _LEVELS[0]) | (b0 == _LEVELS[1]) | (b0 == _LEVELS[2]) | (b0 == _LEVELS[3])) & (
+        ((w >> _U(8)) & _U(0xFF)) == _U(0x20))
+    c.pos = c.pos + 2 * level
+    w = np.where(level, w >> _U(16), w)
+    tag = w & _MASK5
+    f1 = words.at(c.pos + 5)
+    f2 = words.at(c.pos + 13)
+    field = c.ok & ((f1 & _HI) == 0) & ((f2 & _U(0x80808080)) == 0) & (c.pos + 17 <= e)
+    after = f2 >> _U(32)
+    is_slot = field & (tag == _TAG_SLOT) & (after == _ID)
+    colon = field & ((after & _MASK2) == _COLON)
+    comp = colon & ((tag == _TAG_COMP[0]) | (tag == _TAG_COMP[1]) | (tag == _TAG_COMP[2]) | (tag == _TAG_COMP[3]))
+    out.known[comp] = True
+    srv = np.flatnonzero(colon & (tag == _TAG_SRV))
+    if len(srv):  # ignored, unless it may be one of the server events (those few: FAST_PATTERN)
+        maybe = pc.match_substring_regex(lines.take(pa.array(srv)), _SRV_EVENTS).to_numpy(zero_copy_only=False)
+        out.known[srv[~maybe]] = True
+        events = srv[maybe]
+        if len(events):
+            _srv_events(out, events, c.pos[events] + 19 - s[events], lines.take(pa.array(events)).to_pylist())
+
+    rows = np.flatnonzero(is_slot)
+    if not len(rows):
+        return out
+    h = _Cursor(words, c.pos[rows] + 21)
+    slot = h.field(blanks=1, sign=True)
+    h.lit(b" | task ")
+    task = h.field(sign=True)
+    h.lit(b" |")
+    rows, m, slot, task = rows[h.ok], h.pos[h.ok], slot[h.ok], task[h.ok]
+    out.slot[rows] = slot
+    out.task[rows] = task
+    end = e[rows]
+
+    k = _blank_run(words, m)
+    header = (end == m) | ((end == m + 1) & (k == 1))
+    kw = words.at(m + k)
+    kw5 = kw & _MASK5
+    keywordish = np.zeros(len(rows), bool)
+    for word in _KEYWORDISH:
+        keywordish |= kw5 == word
+    other = (k >= 1) & (k < 16) & ~header & ~keywordish
+    out.kind[rows[header]] = TIMING_HEADER
+    out.known[rows[header | other]] = True
+
+    one = (k == 1) & ~header
+    some = (k >= 1) & (k < 16) & ~header
+    for code, sel, parse in (
+        (LAUNCH, one & (kw5 == _KW_LAUNCH), _launch),
+        (PROGRESS, one & (kw == _KW_PROGRESS), _progress),
+        (HEARTBEAT, one & ((kw5 == _KW_GEN) | (kw5 == _KW_DECODED)), _heartbeat),
+        (PROMPT_EVAL, one & (kw == _KW_PROMPT_EVAL), _prompt_eval),
+        (EVAL, some & (kw5 == _KW_EVAL), _eval),
+        (TOTAL, some & (kw5 == _KW_TOTAL), _total),
+        (RELEASE, one & (kw5 == _KW_RELEASE), _release),
+    ):
+        i = np.flatnonzero(sel)
+        if not len(i):
+            continue
+        cur = _Cursor(words, m[i] + k[i])
+        vals = parse(cur)
+        good = rows[i[cur.ok]]
+        out.known[good] = True
+        out.kind[good] = code
+        for j, val in enumerate(vals):
+            out.v[j][good] = val[cur.ok]
+    return out
+
+
+def _srv_events(out: Scan, rows: np.ndarray, rest_at: np.ndarray, texts: list[str]) -> None:
+    """Server lines that may be events, read like FAST_PATTERN's _SRV (the head is ASCII, so
+    byte and character offsets agree). Numbers too long for a float64 to hold: left to it."""
+    for i, at, text in zip(rows, rest_at, texts):
+        m = _SRV_EVENT_RE.match(text.rstrip("\n"), int(at))
+        if m is None:
+            out.known[i] = True  # k_srv_other: a known line, ignored
+            continue
+        g = m.groupdict()
+        if any(len(g[k] or "") > 15 for k in ("n_slots", "n_ctx", "cancel", "err_task")):
+            continue
+        out.known[i] = True
+        if g["k_init"] is not None:
+            out.kind[i] = INIT
+        elif g["n_slots"] is not None:
+            out.kind[i] = CONFIG
+            out.v[0][i], out.v[1][i] = float(g["n_slots"]), float(g["n_ctx"])
+        elif g["cancel"] is not None:
+            out.kind[i] = CANCEL
+            out.task[i] = float(g["cancel"])
+        elif g["k_exit"] is not None:
+            out.kind[i] = EXIT
+        else:
+            out.kind[i] = ERROR
+            out.task[i] = float(g["err_task"])
+
+
+def _launch(c: _Cursor) -> list[np.ndarray]:
+    c.lit(b"processing task")
+    tail = c.has(b", is_child = ")
+    child, nd = c.number_at(c.pos + 13)  # the optional group takes the digits if there are any
+    c.ok &= ~tail | (nd <= 15)
+    return [np.where(tail & (nd >= 1), child.astype(np.float64), np.nan)]
+
+
+def _progress(c: _Cursor) -> list[np.ndarray]:
+    c.lit(b"prompt processing, n_tokens =")
+    n = c.field(blanks=0)
+    c.lit(b", progress =")
+    prog = c.field(blanks=0, frac=True)
+    c.lit(b", t =")
+    t = c.field(blanks=0, frac=True)
+    c.lit(b" s /")
+    tps = c.field(blanks=0, frac=True)
+    c.lit(b" tokens per second")
+    return [n, prog, t, tps]
+
+
+def _heartbeat(c: _Cursor) -> list[np.ndarray]:
+    c.either(b"n_gen =", b"n_decoded =")
+    n = c.field(blanks=0)
+    c.lit(b", tg =")
+    tg = c.field(blanks=0, frac=True)
+    c.lit(b" t/s")
+    tail = c.has(b", tg_3s =")
+    t = _Cursor(c.w, c.pos + 9)
+    tg3 = t.field(blanks=0, frac=True)
+    t.lit(b" t/s")
+    c.ok &= ~tail | t.ok  # a tail FAST_PATTERN might read otherwise (inf, nan, signs): not ours
+    return [n, tg, np.where(tail, tg3, np.nan)]
+
+
+def _prompt_eval(c: _Cursor) -> list[np.ndarray]:
+    c.lit(b"prompt eval time =")
+    ms = c.field(blanks=0, frac=True)
+    c.lit(b" ms /")
+    n = c.field(blanks=0)
+    c.lit(b" tokens")
+    return [ms, n]
+
+
+def _eval(c: _Cursor) -> list[np.ndarray]:
+    c.lit(b"eval time =")
+    ms = c.field(blanks=0, frac=True)
+    c.lit(b" ms /")
+    n = c.field(blanks=0)
+    c.either(b" tokens", b" runs")
+    return [ms, n]
+
+
+def _total(c: _Cursor) -> list[np.ndarray]:
+    c.lit(b"total time =")
+    ms = c.field(blanks=0, frac=True)
+    c.lit(b" ms")
+    tail = c.has(b" /")
+    t = _Cursor(c.w, c.pos + 2)
+    n = t.field(blanks=0)
+    t.lit(b" tokens")
+    c.ok &= ~tail | t.ok
+    return [ms, np.where(tail, n, np.nan)]
+
+
+def _release(c: _Cursor) -> list[np.ndarray]:
+    c.either(b"stop processing: n_tokens =", b"stop processing: n_past =")
+    n = c.field(blanks=0)
+    c.lit(b", truncated =")
+    tr = c.field(blanks=0)
+    return [n, tr]
+
+
