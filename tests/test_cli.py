@@ -133,9 +133,13 @@ def test_strict_fails_on_unrecognized_lines(tmp_path: Path) -> None:
 
 
 def test_stdin_and_gzip(tmp_path: Path) -> None:
+    import gzip
+
     raw = (REAL / "before" / "logs" / "llama-server.log").read_bytes()
-    res = runner.invoke(app, ["tasks", "-", "-q"], input=raw)
-    assert res.exit_code == 0 and len(res.stdout.splitlines()) == 46
+    plain = runner.invoke(app, ["tasks", "-", "-q"], input=raw)
+    assert plain.exit_code == 0 and len(plain.stdout.splitlines()) == 46
+    packed = runner.invoke(app, ["tasks", "-", "-q"], input=gzip.compress(raw))
+    assert packed.exit_code == 0 and packed.stdout == plain.stdout
 
 
 def test_head_closes_the_pipe_quietly(tmp_path: Path) -> None:

@@ -19,10 +19,6 @@ class FileAccount:
     wrapper: str | None = None
     error: str | None = None  # why the file could not be (fully) read
 
-    def check(self) -> None:
-        """Every line must land in exactly one bucket."""
-        assert self.used + self.ignored + self.unrecognized == self.lines, self
-
 
 @dataclass
 class Accounting:

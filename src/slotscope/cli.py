@@ -400,25 +400,10 @@ def timeline(
 
 
 def main() -> None:
-    """Entry point: map library errors to one line, exit quietly on a closed pipe."""
+    """Entry point. Library errors and a closed pipe are mapped in each command (``_handled``)."""
     global _debug
     _debug = "--debug" in sys.argv
     try:
         app()
-    except BrokenPipeError:
-        # `slotscope tasks big.log | head`: the reader left; stop without a traceback.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        sys.exit(0)
-    except output.UsageError as e:
-        if _debug:
-            raise
-        err.print(f"error: {e}", markup=False)
-        sys.exit(2)
-    except SlotscopeError as e:
-        if _debug:
-            raise
-        err.print(f"error: {e}", markup=False)
-        sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)

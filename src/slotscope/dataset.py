@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 import pandas as pd
 
 from .accounting import Accounting, FileAccount
-from .align import align
+from .align import align, to_app_clock
 from .app_log import AppLog, read_app_log_stream
 from .match import Matches, match
 from .server_log import ServerLogs, read_server_logs
@@ -109,8 +109,7 @@ def task_view(ds: Dataset) -> pd.DataFrame:
         cols = ["source", "port", "session", "task_id"]
         keep = cols + [c for c in TASK_VIEW_EXTRA if c in m.columns]
         t = t.drop(columns=TASK_VIEW_EXTRA).merge(m[keep], on=cols, how="left")
-        aligned = ds.matches.aligned
-        off = t[["source", "port", "session"]].merge(aligned[["source", "port", "session", "offset_us"]], how="left")["offset_us"].to_numpy()
-        for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"):
-            t[c[:-2] + "_at"] = pd.to_datetime(pd.Series(off + t[c].to_numpy(dtype=float) * 1e6).round().astype("Int64"), unit="us", utc=True)
+        wall = to_app_clock(t, ds.matches.aligned)
+        for c in ("launch", "prefill_start", "first_token", "release"):
+            t[c + "_at"] = pd.to_datetime(wall[c + "_us"].round().astype("Int64"), unit="us", utc=True)
     return t

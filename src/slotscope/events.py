@@ -18,9 +18,3 @@ config     n_slots          n_ctx_slot
 
 LAUNCH, PROGRESS, HEARTBEAT, PROMPT_EVAL, EVAL, TOTAL, RELEASE = 1, 2, 3, 4, 5, 6, 7
 TIMING_HEADER, INIT, CONFIG, CANCEL, EXIT, ERROR = 8, 9, 10, 11, 12, 13
-
-KIND_NAMES = {
-    LAUNCH: "launch", PROGRESS: "progress", HEARTBEAT: "heartbeat", PROMPT_EVAL: "prompt_eval",
-    EVAL: "eval", TOTAL: "total", RELEASE: "release", TIMING_HEADER: "timing_header",
-    INIT: "init", CONFIG: "config", CANCEL: "cancel", EXIT: "exit", ERROR: "error",
-}

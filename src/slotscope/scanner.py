@@ -245,16 +245,29 @@ class _Cursor:
 
 
 @dataclass
-class Scan:
-    """What the scanner made of each line of a block (``known`` False: ask FAST_PATTERN)."""
+class Reading:
+    """One reading of each line of a block: event kind (0 none), port, time, slot, task, values."""
 
-    known: np.ndarray
     kind: np.ndarray
     port: np.ndarray
     ts: np.ndarray
     slot: np.ndarray
     task: np.ndarray
     v: list[np.ndarray]
+
+
+@dataclass
+class Scan(Reading):
+    """What the scanner made of each line of a block (``known`` False: ask FAST_PATTERN)."""
+
+    known: np.ndarray
+
+    @classmethod
+    def empty(cls, n: int) -> "Scan":
+        """No line known yet: every line is left to FAST_PATTERN."""
+        return cls(known=np.zeros(n, bool), kind=np.zeros(n, np.int8), port=np.full(n, -1, np.int64),
+                   ts=np.full(n, -1, np.int64), slot=np.full(n, np.nan), task=np.full(n, np.nan),
+                   v=[np.full(n, np.nan) for _ in range(4)])
 
 
 _TAG_SLOT, _TAG_SRV = _word(b"slot ")[0], _word(b"srv  ")[0]
@@ -291,11 +304,7 @@ def scan(lines: pa.StringArray) -> Scan:
     has = e > s
     ends_nl[has] = raw[e[has] - 1] == 10
     e = e - ends_nl
-    out = Scan(
-        known=np.zeros(n, bool), kind=np.zeros(n, np.int8), port=np.full(n, -1, np.int64),
-        ts=np.full(n, -1, np.int64), slot=np.full(n, np.nan), task=np.full(n, np.nan),
-        v=[np.full(n, np.nan) for _ in range(4)],
-    )
+    out = Scan.empty(n)
     if n == 0:
         return out
     c = _Cursor(words, s.copy())

@@ -36,7 +36,7 @@ from .events import (
 from .accounting import Accounting, FileAccount
 from .errors import InputError
 from .sources import CHUNK_SIZE, STDIN, Inputs, LogFile, collect, iter_chunks, reopen
-from .scanner import SRV_EVENT, Scan, scan
+from .scanner import SRV_EVENT, Reading, Scan, scan
 from .tasks import GEN_COLUMNS, PREFILL_COLUMNS, TASK_COLUMNS, TaskAssembler
 
 _NUM = r"[-+]?(?:\d+(?:\.\d*)?|inf|nan)"
@@ -150,18 +150,12 @@ def _num(col: pa.Array, typ: pa.DataType = pa.float64()) -> np.ndarray:
 
 
 @dataclass
-class _Exact:
+class _Exact(Reading):
     """FAST_PATTERN's reading of some lines (the definition the scanner reproduces)."""
 
     valid: np.ndarray
     bad: np.ndarray
     cont: np.ndarray
-    kind: np.ndarray
-    port: np.ndarray
-    ts: np.ndarray
-    slot: np.ndarray
-    task: np.ndarray
-    v: list[np.ndarray]
 
 
 def _parse_exact(lines: pa.Array) -> _Exact:
@@ -271,10 +265,7 @@ def parse_chunk(
             lines = pc.binary_join_element_wise(bare, "", "\n")
 
     account.lines += n
-    sc = scan(lines) if _USE_SCANNER else Scan(
-        known=np.zeros(n, bool), kind=np.zeros(n, np.int8), port=np.full(n, -1, np.int64),
-        ts=np.full(n, -1, np.int64), slot=np.full(n, np.nan), task=np.full(n, np.nan),
-        v=[np.full(n, np.nan) for _ in range(4)])
+    sc = scan(lines) if _USE_SCANNER else Scan.empty(n)
     kind, port, ts, slot, task, v = sc.kind, sc.port, sc.ts, sc.slot, sc.task, sc.v
     valid = sc.known.copy()
     bad = np.zeros(n, bool)

@@ -332,7 +332,7 @@ def _derive(raw: pd.DataFrame, source: str, sessions: pd.DataFrame) -> pd.DataFr
         if c in raw.columns:
             del raw[c]
     t = pd.DataFrame(index=raw.index)
-    t["source"] = pd.Categorical.from_codes(np.zeros(len(raw), dtype=np.int8), categories=[source])
+    t["source"] = _source_column(source, len(raw))
     t["session"] = raw["session"].astype("int64")
     t["slot"] = take("slot").astype("Int64")
     t["task_id"] = take("task").astype("int64")
@@ -402,11 +402,34 @@ def _derive(raw: pd.DataFrame, source: str, sessions: pd.DataFrame) -> pd.DataFr
     return t.reset_index(drop=True)
 
 
-def _sorted_samples(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+def _source_column(source: str, n: int) -> pd.Categorical:
+    """The source name as a one-category column (not a string repeated on every row)."""
+    return pd.Categorical.from_codes(np.zeros(n, dtype=np.int8), categories=[source])
+
+
+@dataclass
+class _Samples:
+    """Sample rows of one kind joined and ordered by task, then time, with their key columns."""
+
+    cols: dict[str, np.ndarray]
+    port: np.ndarray
+    session: np.ndarray
+    task: np.ndarray
+    same: np.ndarray  # row belongs to the same task as the row before
+    t_s: np.ndarray
+
+    def key_columns(self, source: str) -> dict[str, object]:
+        return {"source": _source_column(source, len(self.t_s)), "session": self.session,
+                "slot": pd.array(self.cols["slot"], dtype="Int64"), "task_id": self.task, "t_s": self.t_s}
+
+
+def _sorted_samples(parts: list[dict[str, np.ndarray]]) -> _Samples:
     """Sample rows joined and ordered by task, then time (parts freed as they are joined)."""
     cols = {c: np.concatenate([p.pop(c) for p in parts]) for c in _SAMPLE}
     order = np.lexsort((cols["ts_us"], cols["task"], cols["session"], cols["port"]))
-    return {c: v[order] for c, v in cols.items()}
+    cols = {c: v[order] for c, v in cols.items()}
+    port, session, task = (cols[c].astype(np.int64) for c in ("port", "session", "task"))
+    return _Samples(cols, port, session, task, _same_task_as_previous(port, session, task), _seconds(cols["ts_us"]))
 
 
 def _same_task_as_previous(port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
@@ -430,10 +453,8 @@ def _seconds(us: np.ndarray) -> np.ndarray:
 def _gen_samples(parts: list[dict[str, np.ndarray]], source: str, tasks: pd.DataFrame) -> pd.DataFrame:
     if not parts:
         return pd.DataFrame({c: pd.Series(dtype="float64") for c in GEN_COLUMNS + ["tokens", "line", "port"]})
-    hb = _sorted_samples(parts)
-    port, session, task = hb["port"].astype(np.int64), hb["session"].astype(np.int64), hb["task"].astype(np.int64)
-    same = _same_task_as_previous(port, session, task)
-    t_s = _seconds(hb["ts_us"])
+    sp = _sorted_samples(parts)
+    hb, port, session, task, same, t_s = sp.cols, sp.port, sp.session, sp.task, sp.same, sp.t_s
     n_gen = hb["v1"].astype(np.float64)
     # The first heartbeat's window starts at the task's first token (t_print_last is reset there).
     first_token = np.full(len(t_s), np.nan)
@@ -447,9 +468,8 @@ def _gen_samples(parts: list[dict[str, np.ndarray]], source: str, tasks: pd.Data
     tokens = n_gen - _previous(n_gen, same)
     tokens = np.where(np.isnan(tokens), n_gen, tokens)
     return pd.DataFrame({
-        "source": pd.Categorical.from_codes(np.zeros(len(session), dtype=np.int8), categories=[source]),
-        "session": session, "slot": pd.array(hb["slot"], dtype="Int64"), "task_id": task,
-        "t_s": t_s, "n_gen": pd.array(n_gen, dtype="Int64"), "tg_tps": hb["v2"].astype(np.float64),
+        **sp.key_columns(source),
+        "n_gen": pd.array(n_gen, dtype="Int64"), "tg_tps": hb["v2"].astype(np.float64),
         "tg_3s_tps": hb["v3"].astype(np.float64), "window_s": window, "tokens": pd.array(tokens, dtype="Int64"),
         "window_start_s": np.round(t_s - window, 6), "line": hb["line"].astype(np.int64), "port": port,
     })
@@ -458,16 +478,13 @@ def _gen_samples(parts: list[dict[str, np.ndarray]], source: str, tasks: pd.Data
 def _prefill_samples(parts: list[dict[str, np.ndarray]], source: str) -> pd.DataFrame:
     if not parts:
         return pd.DataFrame({c: pd.Series(dtype="float64") for c in PREFILL_COLUMNS + ["step_s", "line", "port"]})
-    pp = _sorted_samples(parts)
-    port, session, task = pp["port"].astype(np.int64), pp["session"].astype(np.int64), pp["task"].astype(np.int64)
-    same = _same_task_as_previous(port, session, task)
-    t_s = _seconds(pp["ts_us"])
+    sp = _sorted_samples(parts)
+    pp, same, t_s = sp.cols, sp.same, sp.t_s
     n = pp["v1"].astype(np.float64)
     return pd.DataFrame({
-        "source": pd.Categorical.from_codes(np.zeros(len(session), dtype=np.int8), categories=[source]),
-        "session": session, "slot": pd.array(pp["slot"], dtype="Int64"), "task_id": task,
-        "t_s": t_s, "n_tokens": pd.array(n, dtype="Int64"), "progress": pp["v2"].astype(np.float64),
+        **sp.key_columns(source),
+        "n_tokens": pd.array(n, dtype="Int64"), "progress": pp["v2"].astype(np.float64),
         "elapsed_s": pp["v3"].astype(np.float64), "tps": pp["v4"].astype(np.float64),
         "step_tokens": pd.array(n - _previous(n, same), dtype="Int64"),
-        "step_s": np.round(t_s - _previous(t_s, same), 6), "line": pp["line"].astype(np.int64), "port": port,
+        "step_s": np.round(t_s - _previous(t_s, same), 6), "line": pp["line"].astype(np.int64), "port": sp.port,
     })
