@@ -68,6 +68,42 @@ def test_tables_do_not_depend_on_block_size(big_log: Path) -> None:
             pd.testing.assert_frame_equal(getattr(got, name), getattr(ref, name), check_exact=True, obj=name)
 
 
+@pytest.mark.parametrize("compressed", [False, True])
+def test_tables_do_not_depend_on_worker_processes(big_log: Path, tmp_path: Path, compressed: bool) -> None:
+    """Blocks parsed by worker processes (byte spans of a plain file; shipped bytes of a .gz)
+    give the same tables and line accounts as parsing them in this process."""
+    path = big_log
+    if compressed:
+        import gzip
+
+        path = tmp_path / "llama-server.log.gz"
+        path.write_bytes(gzip.compress(big_log.read_bytes(), 1))
+    ref = read_server_logs([path], chunk_size=64 << 10, jobs=1)
+    got = read_server_logs([path], chunk_size=64 << 10, jobs=2)
+    for name in ("tasks", "gen_samples", "prefill_samples", "sessions"):
+        pd.testing.assert_frame_equal(getattr(got, name), getattr(ref, name), check_exact=True, obj=name)
+    (a,), (b,) = ref.accounting.files, got.accounting.files
+    assert (a.lines, a.used, a.ignored, a.unrecognized, a.examples) == (b.lines, b.used, b.ignored, b.unrecognized, b.examples)
+    assert a.lines == big_log.read_bytes().count(b"\n")
+
+
+def test_worker_processes_report_bad_lines_by_file_line(tmp_path: Path) -> None:
+    """An unrecognized line far into a file parsed by workers is named by its own line number."""
+    real = (REAL / "before" / "logs" / "llama-server.log").read_bytes()
+    lines = real.splitlines(keepends=True)
+    good = next(ln for ln in lines if b"n_gen =" in ln)
+    broken = good[: good.index(b"n_gen =") + 9] + b"\n"  # a heartbeat cut short
+    body = real * 8
+    at = body.count(b"\n") + 1
+    path = tmp_path / "llama-server.log"
+    path.write_bytes(body + broken + real)
+    logs = read_server_logs([path], chunk_size=32 << 10, jobs=2)
+    (acc,) = logs.accounting.files
+    assert acc.unrecognized == 1
+    assert acc.examples[0][0] == at
+    assert acc.lines == (body + broken + real).count(b"\n")
+
+
 def test_only_open_tasks_are_held_and_finished_ones_are_numeric(big_log: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     open_counts: list[int] = []
     real_add = tasks_mod.TaskAssembler.add
@@ -104,3 +140,21 @@ def test_one_block_of_repeated_lines_equals_the_stream(big_log: Path) -> None:
     pd.testing.assert_frame_equal(pd.concat(parts, ignore_index=True), whole, check_exact=True)
     assert whole["session"].nunique() == REPEATS * (len(SCENARIOS) + 1)  # restart holds 2 sessions
     assert np.all(np.diff(whole["line"].to_numpy()) > 0)
+
+
+@pytest.mark.parametrize("tail", [b"", b"no newline at the end", b"\n\n"])
+def test_spans_cover_the_file_and_end_at_newlines(tmp_path: Path, tail: bytes) -> None:
+    from slotscope.sources import is_plain, iter_spans, read_span
+
+    real = (REAL / "after" / "logs" / "llama-server.log").read_bytes()
+    data = real[: 300_000] + tail
+    path = tmp_path / "x.log"
+    path.write_bytes(data)
+    for size in (1, 100, 4096, 1 << 20):
+        with open_binary(str(path)) as f:
+            assert is_plain(f)
+            spans = list(iter_spans(f, str(path), size))
+        pieces = [read_span(s) for s in spans]
+        assert b"".join(pieces) == data
+        assert all(p.endswith(b"\n") for p in pieces[:-1])
+        assert all(p for p in pieces)

@@ -21,7 +21,7 @@ import datetime as _dt
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import BinaryIO, Callable, Iterator, Sequence
 
 import numpy as np
 import pandas as pd
@@ -35,7 +35,10 @@ from .events import (
 )
 from .accounting import Accounting, FileAccount
 from .errors import InputError
-from .sources import CHUNK_SIZE, STDIN, Inputs, LogFile, collect, iter_chunks, reopen
+from .sources import (
+    CHUNK_SIZE, STDIN, Inputs, LogFile, Span, collect, is_plain, iter_chunks, iter_spans, read_span, reopen,
+)
+from .workers import Pool
 from .scanner import SRV_EVENT, Reading, Scan, scan
 from .tasks import GEN_COLUMNS, PREFILL_COLUMNS, TASK_COLUMNS, TaskAssembler
 
@@ -420,6 +423,25 @@ class ServerLogs:
     accounting: Accounting
 
 
+def _parse_block(job: tuple[bytes | Span, prefixes.Wrapper | None, int, str]) -> tuple[dict[str, np.ndarray], FileAccount, int]:
+    """Parse one block on its own (in a worker process): its events (line numbers from 1),
+    its line counts, and its size in bytes."""
+    block, wrapper, year, tz = job
+    data = read_span(block) if isinstance(block, Span) else block
+    state = StreamState(source="", wrapper=wrapper, wrapper_known=True, year=year, tz=tz)
+    account = FileAccount("")
+    ev = parse_chunk(data, 1, state, account)
+    return {c: ev[c].to_numpy() for c in ev.columns}, account, len(data)
+
+
+def _blocks(stream: BinaryIO, lf: LogFile, size: int, pool: Pool | None) -> Iterator[bytes | Span]:
+    """The blocks of one file: byte spans that a worker reads itself where the file is plain
+    and there are workers, else the bytes."""
+    if pool is not None and pool.jobs > 1 and is_plain(stream):
+        return iter_spans(stream, lf.path, size)
+    return iter_chunks(stream, lf.path, size)
+
+
 def read_stream(
     files: list[LogFile],
     inputs: Inputs,
@@ -429,11 +451,13 @@ def read_stream(
     year: int | None = None,
     progress: Callable[[int], None] | None = None,
     chunk_size: int | None = None,
+    pool: Pool | None = None,
 ) -> tuple[TaskAssembler, list[FileAccount]]:
     """Parse one server-log stream (rotated files oldest first) into an assembler.
 
-    ``chunk_size``: bytes per block (default :data:`slotscope.sources.CHUNK_SIZE`); the result
-    does not depend on it.
+    ``chunk_size``: bytes per block (default :data:`slotscope.sources.CHUNK_SIZE`); ``pool``:
+    worker processes that parse blocks while this process assembles tasks in order. The
+    result depends on neither.
     """
     source = files[-1].stream if files[-1].stream != STDIN else "<stdin>"
     state = StreamState(source=source, tz=tz)
@@ -446,23 +470,42 @@ def read_stream(
         accounts.append(account)
         state.wrapper_known = state.wrapper_known and lf.order > 0
         stream = reopen(lf, inputs)
-        chunks = iter_chunks(stream, lf.path, chunk_size or CHUNK_SIZE)
+        blocks = _blocks(stream, lf, chunk_size or CHUNK_SIZE, pool)
         try:
-            line = 1
-            for chunk in chunks:
-                ev = parse_chunk(chunk, line, state, account)
-                line = account.lines + 1
-                if len(ev):
-                    asm.add(assign_sessions(ev, state), file=account.path)
+            if not state.wrapper_known:  # the first block, here: it decides how lines are framed
+                first = next(blocks, None)
+                if first is not None:
+                    chunk = read_span(first) if isinstance(first, Span) else first
+                    _add(asm, state, account, parse_chunk(chunk, 1, state, account))
+                    if progress is not None:
+                        progress(len(chunk))
+            jobs = ((b, state.wrapper, state.year, state.tz) for b in blocks)
+            parsed = pool.map(_parse_block, jobs) if pool is not None else map(_parse_block, jobs)
+            for cols, part, nbytes in parsed:
+                cols["line"] = cols["line"] + account.lines
+                for i, text in part.examples:
+                    if len(account.examples) < 5:
+                        account.examples.append((i + account.lines, text))
+                account.lines += part.lines
+                account.used += part.used
+                account.ignored += part.ignored
+                account.unrecognized += part.unrecognized
+                _add(asm, state, account, pd.DataFrame(cols, copy=False))
                 if progress is not None:
-                    progress(len(chunk))
+                    progress(nbytes)
         except InputError as e:
             account.error = e.reason
         finally:
-            chunks.close()  # stops a read-ahead thread before its stream is closed
+            if hasattr(blocks, "close"):
+                blocks.close()  # stops a read-ahead thread before its stream is closed
             if lf.path != STDIN:
                 stream.close()
     return asm, accounts
+
+
+def _add(asm: TaskAssembler, state: StreamState, account: FileAccount, ev: pd.DataFrame) -> None:
+    if len(ev):
+        asm.add(assign_sessions(ev, state), file=account.path)
 
 
 def read_server_logs(
@@ -474,28 +517,31 @@ def read_server_logs(
     progress: Callable[[int], None] | None = None,
     inputs: Inputs | None = None,
     chunk_size: int | None = None,
+    jobs: int | None = None,
 ) -> ServerLogs:
     """Read llama-server logs (files, directories, globs, ``-``) into task and sample tables.
 
     Tasks are keyed by (source, session, task_id); times are seconds on that session's server
     clock, with wall-clock columns where a capture wrapper stamped the lines. App call logs
     found among the paths are skipped here (see :func:`slotscope.app_log.read_app_logs`).
-    Input is read in blocks of ``chunk_size`` bytes (default 4 MiB); memory is bounded by the
-    block and the tables themselves.
+    Input is read in blocks of ``chunk_size`` bytes (default 4 MiB), parsed by ``jobs`` worker
+    processes (default: :func:`slotscope.workers.default_jobs`; 1: in this process) and
+    assembled here in order; memory is bounded by a few blocks and the tables themselves.
     """
     if inputs is None:
         inputs = collect(paths)
     tasks, gens, prefills, sessions = [], [], [], []
     acc = Accounting(skipped=list(inputs.skipped), unusable=list(inputs.unusable), notes=list(inputs.notes))
-    for files in inputs.server:
-        asm, accounts = read_stream(files, inputs, keep_samples=keep_samples, tz=tz, year=year, progress=progress,
-                                    chunk_size=chunk_size)
-        t, g, p, s = asm.finish()
-        tasks.append(t)
-        gens.append(g)
-        prefills.append(p)
-        sessions.append(s)
-        acc.files.extend(accounts)
+    with Pool(jobs) as pool:
+        for files in inputs.server:
+            asm, accounts = read_stream(files, inputs, keep_samples=keep_samples, tz=tz, year=year,
+                                        progress=progress, chunk_size=chunk_size, pool=pool)
+            t, g, p, s = asm.finish()
+            tasks.append(t)
+            gens.append(g)
+            prefills.append(p)
+            sessions.append(s)
+            acc.files.extend(accounts)
     out = ServerLogs(
         tasks=_concat(tasks, TASK_COLUMNS),
         gen_samples=_concat(gens, GEN_COLUMNS),

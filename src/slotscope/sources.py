@@ -443,3 +443,69 @@ def file_size(path: str) -> int | None:
         return Path(path).stat().st_size
     except OSError:
         return None
+
+
+@dataclass(frozen=True)
+class Span:
+    """A byte range of a plain (uncompressed, seekable) file that holds whole lines only."""
+
+    path: str
+    start: int
+    length: int
+
+
+def iter_spans(stream: BinaryIO, path: str, size: int = CHUNK_SIZE) -> Iterator[Span]:
+    """Cut an open plain file into spans of ~``size`` bytes that end at a newline.
+
+    Only the bytes around each cut are read here (to find the newline), so the spans can be
+    read and parsed elsewhere, e.g. by another process. Together they cover the file as it is
+    when the read starts (a file that grows meanwhile is read up to that point). A line longer
+    than :data:`LONGEST_LINE` is cut there, as :func:`iter_chunks` does.
+    """
+    try:
+        end = os.fstat(stream.fileno()).st_size
+        start = 0
+        while start < end:
+            cut = min(start + size, end)
+            if cut < end:
+                stream.seek(cut - 1)
+                scanned = 0
+                while True:
+                    piece = stream.read(1 << 16)
+                    at = piece.find(b"\n")
+                    if at >= 0:
+                        cut = min(cut + scanned + at, end)
+                        break
+                    scanned += len(piece)
+                    if not piece or scanned > LONGEST_LINE:
+                        cut = min(cut - 1 + scanned, end)
+                        break
+            yield Span(path, start, cut - start)
+            start = cut
+    except OSError as e:
+        raise InputError(path, None, f"cannot read: {e.strerror or e}") from None
+
+
+def read_span(span: Span) -> bytes:
+    """The bytes of a span (in whichever process parses it)."""
+    try:
+        with open(span.path, "rb") as f:
+            f.seek(span.start)
+            data = f.read(span.length)
+    except OSError as e:
+        raise InputError(span.path, None, f"cannot read: {e.strerror or e}") from None
+    if len(data) != span.length:
+        raise InputError(span.path, None, "the file shrank while it was read (truncated or rotated meanwhile?)")
+    return data
+
+
+def is_plain(stream: BinaryIO) -> bool:
+    """Whether a stream is a regular uncompressed file that can be cut into spans."""
+    if _is_compressed(stream) or stream is sys.stdin.buffer or not hasattr(stream, "fileno"):
+        return False
+    try:
+        import stat
+
+        return stat.S_ISREG(os.fstat(stream.fileno()).st_mode) and stream.seekable()
+    except (OSError, ValueError, io.UnsupportedOperation):
+        return False

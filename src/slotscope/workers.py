@@ -1,0 +1,110 @@
+"""Work spread over the machine's cores, results handed back in input order.
+
+The server-log parser reads each block of lines independently of the others (only session
+numbering and task assembly need the blocks in order, and those stay in the calling
+process), so blocks are parsed by worker processes while the caller assembles the results
+of earlier blocks. At most ``ahead`` items are in flight: memory stays bounded by a few
+blocks whatever the input size.
+
+Workers are forked (Linux, macOS with fork available), so they start in milliseconds with
+every module already imported. Where forking is not available, or one core is all there is,
+the work runs in the calling process instead; the results are the same either way.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Callable, Iterable, Iterator, TypeVar
+
+from .errors import SlotscopeError
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+ENV = "SLOTSCOPE_JOBS"
+
+
+def default_jobs() -> int:
+    """Worker processes to use: ``$SLOTSCOPE_JOBS`` if set, else the usable CPUs (at most 8)."""
+    env = os.environ.get(ENV, "").strip()
+    if env:
+        try:
+            return max(1, int(env))
+        except ValueError:
+            raise SlotscopeError(None, None, f"{ENV}={env!r} is not a number of jobs") from None
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, 8))
+
+
+class Pool:
+    """Ordered map over worker processes (or in this process when ``jobs`` is 1).
+
+    Use as a context manager; the workers are started on first use and stopped on exit.
+    """
+
+    def __init__(self, jobs: int | None = None) -> None:
+        self.jobs = default_jobs() if jobs is None else max(1, jobs)
+        self._executor: ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> "Pool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+
+    def _start(self) -> ProcessPoolExecutor | None:
+        if self.jobs < 2:
+            return None
+        if self._executor is None:
+            try:
+                ctx = multiprocessing.get_context("fork")
+                self._executor = ProcessPoolExecutor(max_workers=self.jobs, mp_context=ctx)
+            except (ValueError, OSError, NotImplementedError):  # no fork here: one process
+                self.jobs = 1
+                return None
+        return self._executor
+
+    def map(self, fn: Callable[[T], R], items: Iterable[T], ahead: int | None = None) -> Iterator[R]:
+        """``fn(item)`` for each item, in order; at most ``ahead`` (default 2 × jobs) in flight.
+
+        ``fn`` must be a module-level function (workers find it by name). An exception raised
+        by ``fn`` is raised here, when its item's turn comes.
+        """
+        executor = self._start()
+        if executor is None:
+            for item in items:
+                yield fn(item)
+            return
+        limit = ahead or 2 * self.jobs
+        pending: deque[Future[R]] = deque()
+        it = iter(items)
+        try:
+            for item in it:
+                pending.append(executor.submit(fn, item))
+                if len(pending) >= limit:
+                    yield _result(pending.popleft())
+            while pending:
+                yield _result(pending.popleft())
+        finally:
+            for f in pending:
+                f.cancel()
+
+
+def _result(f: "Future[R]") -> R:
+    try:
+        return f.result()
+    except BrokenProcessPool:
+        raise SlotscopeError(None, None, "a worker process died (out of memory?); "
+                             f"try again with fewer workers: {ENV}=1") from None
