@@ -7,8 +7,9 @@ the same. Each stage stays importable on its own.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
 
 import pandas as pd
 
@@ -28,6 +29,38 @@ class Dataset:
     app: AppLog | None
     matches: Matches | None
     accounting: Accounting
+    # Intermediates several analyzers share (see :meth:`shared`); None outside such a block.
+    _memo: dict[Any, Any] | None = field(default=None, init=False, repr=False, compare=False)
+
+    @contextmanager
+    def shared(self) -> Iterator[Dataset]:
+        """Within this block, :meth:`memo` computes each shared intermediate once.
+
+        Outside it nothing is kept, so a caller who changes the tables between two calls never
+        sees a stale result. Nested blocks share the outer one's results.
+        """
+        if self._memo is not None:
+            yield self
+            return
+        self._memo = {}
+        try:
+            yield self
+        finally:
+            self._memo = None
+
+    def memo(self, key: Any, make: Callable[[], Any]) -> Any:
+        """``make()``, computed once per :meth:`shared` block under ``key`` (every call outside one)."""
+        if self._memo is None:
+            return make()
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
+
+    def forget(self, keep: Callable[[Any], bool] = lambda key: False) -> None:
+        """Drop the shared intermediates (but those ``keep`` names), to free their memory."""
+        if self._memo is not None:
+            for key in [k for k in self._memo if not keep(k)]:
+                del self._memo[key]
 
     @property
     def tasks(self) -> pd.DataFrame:
@@ -92,13 +125,34 @@ def load(
 TASK_VIEW_EXTRA = ["call_id", "purpose", "user", "lora", "call_start_at", "queue_ms", "ttft_ms", "call_total_ms", "match_method"]
 
 
+TASK_VIEW = "task_view"  # its memo key
+
+
 def task_view(ds: Dataset) -> pd.DataFrame:
     """Tasks with what the app says about them (purpose, user, LoRA, queue wait) where matched.
 
     Times stay in seconds on each session's server clock (``*_s``); where the session's clock
     is aligned, ``*_at`` columns give wall times (app clock when an app log aligned it, else the
     wrapper's). Unlogged tasks keep NA in the app columns.
+
+    Inside :meth:`Dataset.shared` every caller gets its own shallow copy of one computed table
+    (copy-on-write: adding or changing a column never reaches the others).
     """
+    if ds._memo is None:
+        return _task_view(ds)
+    return own_copy(ds.memo(TASK_VIEW, lambda: _task_view(ds)))
+
+
+# pandas >= 3 copies on write: a shallow copy is a private table. Before that it shares values.
+_COPY_ON_WRITE = int(pd.__version__.split(".")[0]) >= 3 or pd.options.mode.copy_on_write is True
+
+
+def own_copy(df: pd.DataFrame) -> pd.DataFrame:
+    """A copy of a shared table that its receiver may change freely (cheap with copy-on-write)."""
+    return df.copy(deep=not _COPY_ON_WRITE)
+
+
+def _task_view(ds: Dataset) -> pd.DataFrame:
     t = ds.server.tasks.copy()
     for c in TASK_VIEW_EXTRA:
         t[c] = pd.NA

@@ -12,7 +12,7 @@ from typing import Callable
 
 import pandas as pd
 
-from ..dataset import Dataset
+from ..dataset import TASK_VIEW, Dataset
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,11 @@ def table_names() -> list[str]:
     return names + [n for n in TABLES if n not in REPORT_ORDER]
 
 
+def _shared_with(module: str) -> Callable[[object], bool]:
+    """Which memo keys the tables of ``module`` may still use: the task view and their own."""
+    return lambda key: key == TASK_VIEW or (isinstance(key, tuple) and key[:1] == (module,))
+
+
 def run(ds: Dataset, opts: Options | None = None, names: list[str] | None = None, *, strict: bool = False) -> dict[str, pd.DataFrame]:
     """Compute the report's tables (all, or ``names``) in report order.
 
@@ -82,15 +87,20 @@ def run(ds: Dataset, opts: Options | None = None, names: list[str] | None = None
         raise KeyError(f"unknown table(s) {', '.join(unknown)}; tables: {', '.join(table_names())}")
     needed = table_names() if "findings" in wanted else wanted
     out: dict[str, pd.DataFrame] = {}
-    for name in needed:
-        if name == "findings":
-            continue
-        try:
-            out[name] = TABLES[name](ds, opts)
-        except Exception as e:  # noqa: BLE001 - one broken table must not hide the rest
-            if strict:
-                raise
-            out[name] = pd.DataFrame({"note": [f"could not compute {name}: {type(e).__name__}: {e}"]})
+    # Tables share intermediates through ``ds.memo``: the task view serves every table, the rest
+    # are keyed ``(module, ...)`` by the module that defines them (stalls' pieces, waits'
+    # classes) and dropped, to free their memory, once the tables of another module run.
+    with ds.shared():
+        for name in needed:
+            if name == "findings":
+                continue
+            ds.forget(keep=_shared_with(TABLES[name].__module__))
+            try:
+                out[name] = TABLES[name](ds, opts)
+            except Exception as e:  # noqa: BLE001 - one broken table must not hide the rest
+                if strict:
+                    raise
+                out[name] = pd.DataFrame({"note": [f"could not compute {name}: {type(e).__name__}: {e}"]})
     if "findings" in wanted:
         from .findings import findings
 
