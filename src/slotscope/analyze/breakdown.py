@@ -51,8 +51,12 @@ def ran_alone(tv: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def solo_speeds(ds: Dataset, tv: pd.DataFrame, opts: Options) -> dict[str, object]:
-    """Solo prefill and generation speeds with their sample counts and basis."""
+def solo_speeds(ds: Dataset, tv: pd.DataFrame, opts: Options, *, tv_is_task_view: bool = False) -> dict[str, object]:
+    """Solo prefill and generation speeds with their sample counts and basis.
+
+    ``tv_is_task_view`` says ``tv`` is ``task_view(ds)``: the stretches alone (a fallback) are
+    then the ones the ``stalls`` tables share instead of being computed anew.
+    """
     alone = ran_alone(tv)
     res: dict[str, object] = {}
     for kind, col, flag, override in (
@@ -65,7 +69,7 @@ def solo_speeds(ds: Dataset, tv: pd.DataFrame, opts: Options) -> dict[str, objec
             res[kind] = (float(override), pd.NA, "option")
         elif len(sample):
             res[kind] = (float(sample.median()), len(sample), "median of tasks alone")
-        elif kind == "gen" and len(stretches := _alone_stretches(ds, tv, opts)):
+        elif kind == "gen" and len(stretches := _alone_stretches(ds, tv, opts, tv_is_task_view)):
             res[kind] = (float(stretches.median()), len(stretches), "median of stretches alone")
         else:
             allv = v[v.notna() & (v > 0)]
@@ -73,11 +77,11 @@ def solo_speeds(ds: Dataset, tv: pd.DataFrame, opts: Options) -> dict[str, objec
     return res
 
 
-def _alone_stretches(ds: Dataset, tv: pd.DataFrame, opts: Options) -> pd.Series:
-    from .stalls import MIN_PIECE_S, segment_pieces
+def _alone_stretches(ds: Dataset, tv: pd.DataFrame, opts: Options, tv_is_task_view: bool) -> pd.Series:
+    from .stalls import CLASSES, MIN_PIECE_S, _pieces, _shared_pieces
 
-    p = segment_pieces(ds, opts, tv)
-    return p.loc[(p["class"] == "alone") & (p["seconds"] >= MIN_PIECE_S), "tok_per_s"]
+    p = _shared_pieces(ds, opts) if tv_is_task_view else _pieces(ds, opts, tv)
+    return pd.Series(p.tok_per_s[(p.cls == CLASSES.index("alone")) & (p.seconds >= MIN_PIECE_S)])
 
 
 @register("breakdown")
@@ -85,7 +89,7 @@ def breakdown(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Seconds and share of each component, for all tasks (``purpose`` = ``all``) and per purpose
     (``unlogged`` for tasks no app call matched; ``unknown`` when there is no app log)."""
     tv = task_view(ds)
-    solo = solo_speeds(ds, tv, opts)
+    solo = solo_speeds(ds, tv, opts, tv_is_task_view=True)
     gen_tps, gen_n, gen_basis = solo["gen"]  # type: ignore[misc]
     pre_tps, pre_n, pre_basis = solo["prefill"]  # type: ignore[misc]
     launch, ps, ft, rel = (_f(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))

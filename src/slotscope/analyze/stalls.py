@@ -29,6 +29,8 @@ during the whole segment, a slight bias away from ``alone``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pandas as pd
 
@@ -47,6 +49,122 @@ EPS_S = 0.2
 WORST_MIN_S = 3.0
 
 _TASK_KEYS = tl.GROUP + ["task_id"]
+_SEGMENT_COLUMNS = _TASK_KEYS + ["slot", "start_s", "end_s", "tokens", "kind", "hb_line", "tg_3s_tps"]
+
+
+def _f(s: pd.Series) -> np.ndarray:
+    return pd.to_numeric(s, errors="coerce").to_numpy(dtype="float64", na_value=np.nan)
+
+
+def _positions(n: int) -> type:
+    return np.int32 if n < 2**31 else np.int64
+
+
+@dataclass
+class _Segments:
+    """Generation segments as arrays, in the order of :func:`generation_segments`' rows:
+    ``row`` (the task's row in the task view), ``hb`` (the heartbeat's row in ``gen_samples``,
+    -1 for tails), ``start``/``end`` (s) and ``tokens``."""
+
+    row: np.ndarray
+    hb: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    tokens: np.ndarray
+
+
+def _last_valid(values: np.ndarray, code: np.ndarray, n_codes: int) -> np.ndarray:
+    """Per code, the last non-NaN value in row order (NaN where none): a groupby's ``last``."""
+    out = np.full(n_codes, np.nan)
+    ok = np.flatnonzero(~np.isnan(values))
+    out[code[ok]] = values[ok]  # later rows overwrite earlier ones
+    return out
+
+
+def _segments(ds: Dataset, tv: pd.DataFrame) -> _Segments:
+    """The work of :func:`generation_segments`, kept as arrays (one row per segment)."""
+    n_tasks = len(tv)
+    first_token = _f(tv["first_token_s"])
+    n_gen = pd.to_numeric(tv["n_gen"], errors="coerce").astype("float64").to_numpy(na_value=np.nan)
+    gs = ds.server.gen_samples
+    last_t = np.full(n_tasks, np.nan)
+    last_n = np.full(n_tasks, np.nan)
+    hb_parts: tuple[np.ndarray, ...] | None = None
+    if gs is not None and len(gs):
+        gcode, tcode = tl.key_codes([gs, tv], _TASK_KEYS)
+        # Each heartbeat with the row of its task (an inner join on the task keys, heartbeat order).
+        pairs = pd.DataFrame({"k": gcode, "h": np.arange(len(gs))}).merge(
+            pd.DataFrame({"k": tcode, "r": np.arange(n_tasks)}), on="k", how="inner")
+        h, r = pairs["h"].to_numpy(), pairs["r"].to_numpy()
+        del pairs
+        t_s = _f(gs["t_s"])
+        order = np.lexsort((t_s[h], gcode[h]))  # by task, then time
+        h, r = h[order], r[order]
+        k, t, n = gcode[h], t_s[h], pd.to_numeric(gs["n_gen"], errors="coerce").astype("float64").to_numpy(na_value=np.nan)[h]
+        same = np.zeros(len(h), dtype=bool)
+        same[1:] = k[1:] == k[:-1]
+        prev_t = np.r_[np.nan, t[:-1]]
+        prev_n = np.r_[np.nan, n[:-1]]
+        hb_parts = (r, h, np.where(same, prev_t, first_token[r]), t, np.where(same, n - prev_n, n - 1))
+        # The last heartbeat of each task: where its tail starts.
+        n_codes = int(max(gcode.max(initial=-1), tcode.max(initial=-1))) + 1
+        last_t = _last_valid(t, k, n_codes)[tcode]
+        last_n = _last_valid(n, k, n_codes)[tcode]
+        del gcode, k, t, n, prev_t, prev_n, same
+    d = n_gen - last_n
+    tail = (np.arange(n_tasks), np.full(n_tasks, -1), np.where(np.isnan(last_t), first_token, last_t),
+            _f(tv["release_s"]), np.where(np.isnan(d), n_gen - 1, d))
+    parts = [p for p in (hb_parts, tail) if p is not None]
+    row, hb, start, end, tokens = (np.concatenate([p[i] for p in parts]) for i in range(5))
+    del parts, hb_parts, tail
+    ok = np.flatnonzero((end > start) & ~np.isnan(tokens) & (tokens >= 0))
+    row, hb, start, end, tokens = row[ok], hb[ok], start[ok], end[ok], tokens[ok]
+    # Session, then start, then slot (NA last); ties keep heartbeats before tails.
+    grp = _group_of(ds, tv, row, hb)
+    slot = pd.factorize(tv["slot"], sort=True, use_na_sentinel=False)[0][row]
+    order = np.lexsort((slot, start, grp))
+    idx = _positions(max(len(tv), len(gs) if gs is not None else 0))
+    return _Segments(row=row[order].astype(idx), hb=hb[order].astype(idx), start=start[order], end=end[order],
+                     tokens=tokens[order])
+
+
+def _group_of(ds: Dataset, tv: pd.DataFrame, row: np.ndarray, hb: np.ndarray) -> np.ndarray:
+    """Sort-order code of each segment's session (the heartbeat's keys, else the task's)."""
+    gs = ds.server.gen_samples
+    if _keys_from_tasks(ds, tv):
+        return tl.key_codes([tv], tl.GROUP)[0][row]
+    gcode, tcode = tl.key_codes([gs, tv], tl.GROUP)
+    return np.where(hb >= 0, gcode[np.maximum(hb, 0)], tcode[row])
+
+
+def _segment_frame(ds: Dataset, tv: pd.DataFrame, sg: _Segments) -> pd.DataFrame:
+    """:func:`generation_segments`' table from its arrays."""
+    gs = ds.server.gen_samples
+    is_hb = sg.hb >= 0
+    if _keys_from_tasks(ds, tv):  # the heartbeat's keys equal its task's
+        out = tv[_TASK_KEYS].iloc[sg.row].reset_index(drop=True)
+    else:  # keys as a join of differently typed columns gives them
+        hb_rows, tail_rows = np.flatnonzero(is_hb), np.flatnonzero(~is_hb)
+        both = pd.concat([gs[_TASK_KEYS].iloc[sg.hb[hb_rows]], tv[_TASK_KEYS].iloc[sg.row[tail_rows]]], ignore_index=True)
+        out = both.iloc[np.argsort(np.r_[hb_rows, tail_rows], kind="stable")].reset_index(drop=True)
+    out["slot"] = tv["slot"].iloc[sg.row].array
+    out["start_s"] = sg.start
+    out["end_s"] = sg.end
+    out["tokens"] = sg.tokens
+    out["kind"] = pd.Series(np.array(["tail", "heartbeat"], dtype=object)[is_hb.astype(np.int8)])
+    tg = np.full(len(sg.hb), np.nan)
+    if gs is not None and len(gs):
+        tg[is_hb] = _f(gs["tg_3s_tps"])[sg.hb[is_hb]]
+    out["hb_line"] = _hb_lines(gs, sg.hb)
+    out["tg_3s_tps"] = tg
+    return out[_SEGMENT_COLUMNS]
+
+
+def _hb_lines(gs: pd.DataFrame | None, hb: np.ndarray) -> pd.api.extensions.ExtensionArray:
+    """The heartbeats' lines (Int64), NA where ``hb`` is -1 (a tail)."""
+    if gs is None or not len(gs):
+        return pd.array([pd.NA] * len(hb), dtype="Int64")
+    return gs["line"].astype("Int64").array.take(hb.astype(np.int64), allow_fill=True)
 
 
 def generation_segments(ds: Dataset, tv: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -58,73 +176,69 @@ def generation_segments(ds: Dataset, tv: pd.DataFrame | None = None) -> pd.DataF
     pass produced, so it counts ``n_gen - 1`` tokens.
     """
     tv = task_view(ds) if tv is None else tv
-    t = tv[_TASK_KEYS + ["slot", "first_token_s", "release_s", "n_gen"]].copy()
-    t["n_gen"] = pd.to_numeric(t["n_gen"], errors="coerce").astype("float64")
-    gs = ds.server.gen_samples
-    if gs is not None and len(gs):
-        hb = gs[_TASK_KEYS + ["t_s", "n_gen", "tg_3s_tps", "line"]].merge(t[_TASK_KEYS + ["slot", "first_token_s"]], on=_TASK_KEYS, how="inner")
-        hb = hb.sort_values(_TASK_KEYS + ["t_s"], kind="stable").reset_index(drop=True)
-        same = (hb[_TASK_KEYS] == hb[_TASK_KEYS].shift(1)).all(axis=1)
-        n = hb["n_gen"].astype("float64")
-        hb_seg = pd.DataFrame({
-            **{c: hb[c] for c in _TASK_KEYS + ["slot"]},
-            "start_s": hb["t_s"].shift(1).where(same, hb["first_token_s"]),
-            "end_s": hb["t_s"],
-            "tokens": (n - n.shift(1)).where(same, n - 1),
-            "kind": "heartbeat", "hb_line": hb["line"].astype("Int64"), "tg_3s_tps": hb["tg_3s_tps"],
-        })
-        last = hb.groupby(_TASK_KEYS, dropna=False).agg(last_t=("t_s", "last"), last_n=("n_gen", "last")).reset_index()
-        t = t.merge(last, on=_TASK_KEYS, how="left")
-    else:
-        hb_seg = None
-        t["last_t"], t["last_n"] = np.nan, np.nan
-    last_n = pd.to_numeric(t["last_n"], errors="coerce").astype("float64")
-    tail = pd.DataFrame({
-        **{c: t[c] for c in _TASK_KEYS + ["slot"]},
-        "start_s": t["last_t"].fillna(t["first_token_s"]),
-        "end_s": t["release_s"],
-        "tokens": (t["n_gen"] - last_n).fillna(t["n_gen"] - 1),
-        "kind": "tail", "hb_line": pd.array([pd.NA] * len(t), dtype="Int64"), "tg_3s_tps": np.nan,
-    })
-    seg = pd.concat([x for x in (hb_seg, tail) if x is not None], ignore_index=True)
-    seg = seg[(seg["end_s"] > seg["start_s"]) & seg["tokens"].notna() & (seg["tokens"] >= 0)]
-    return seg.sort_values(tl.GROUP + ["start_s", "slot"], kind="stable", ignore_index=True)
+    return _segment_frame(ds, tv, _segments(ds, tv))
 
 
-def segment_pieces(ds: Dataset, opts: Options, tv: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Generation segments split by what the other slots did: one row per (segment, class).
+@dataclass
+class _Pieces:
+    """Segment pieces as arrays, in :func:`segment_pieces`' row order (every ``long_prefill``
+    piece, then every ``other_prefill`` one, then the rest): ``seg`` (row in the segments),
+    ``cls`` (index into :data:`CLASSES`), ``seconds``, ``tokens``, ``cause`` (task id of the
+    largest other-slot prefill, meaningful where ``has_cause``); per segment ``split``."""
 
-    Columns: task keys, slot, ``class``, ``seconds``, ``tokens``, ``tok_per_s``, ``split``
-    (the segment had more than one piece), ``seg_start_s``, ``seg_end_s``, ``seg_tokens``,
-    ``hb_line``, and ``cause_task_id`` (the largest other-slot prefill running during a
-    prefill piece; NA for the rest).
-    """
-    tv = task_view(ds) if tv is None else tv
-    seg = generation_segments(ds, tv)
+    segments: _Segments
+    seg: np.ndarray
+    cls: np.ndarray
+    seconds: np.ndarray
+    tokens: np.ndarray
+    cause: np.ndarray
+    has_cause: np.ndarray
+    split: np.ndarray
+
+    @property
+    def tok_per_s(self) -> np.ndarray:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return self.tokens / self.seconds
+
+
+def _pieces(ds: Dataset, opts: Options, tv: pd.DataFrame) -> _Pieces:
+    """The work of :func:`segment_pieces`, kept as arrays."""
+    sg = _segments(ds, tv)
     active, passes = tl.prefill_activity(tv, ds.server.prefill_samples)
-    thr = opts.long_prefill_tokens
-    new = pd.to_numeric(active["prompt_tokens_new"], errors="coerce").astype("float64")
-    long_act = active[new >= thr]
-    cov_long = tl.overlaps(seg, long_act, value="prompt_tokens_new")
-    cov_any = tl.overlaps(seg, active)
-    short_act = active[~(new >= thr)]
-    cov_short = tl.overlaps(seg, short_act, value="prompt_tokens_new")
-    gen = tl.phases(tv)
-    gen = gen[gen["phase"] == "generation"]
-    # The segment lies inside its own task's generation; leave that one out.
-    own = seg[_TASK_KEYS].merge(tv[_TASK_KEYS + ["first_token_s", "release_s"]], on=_TASK_KEYS, how="left")
-    cov_gen = tl.overlaps(seg, gen, own_start=own["first_token_s"].to_numpy(dtype=float), own_end=own["release_s"].to_numpy(dtype=float))
     sp = tl.server_passes(passes)
-    sp_new = pd.to_numeric(sp["prompt_tokens_new"], errors="coerce").astype("float64")
-    # A pass ending within SAME_PASS_S of the segment's start made its first token; one at its end made the last.
-    shifted = seg[tl.GROUP].assign(start_s=seg["start_s"] + tl.SAME_PASS_S, end_s=seg["end_s"] + tl.SAME_PASS_S)
-    p_all = tl.count_points(shifted, sp)
-    p_long = tl.count_points(shifted, sp[sp_new >= thr])
+    del passes
+    thr = opts.long_prefill_tokens
+    acode, tcode, pcode = tl.key_codes([active, tv, sp], tl.GROUP)
+    scode = tcode[sg.row]  # a segment's session is its task's
+    new = pd.to_numeric(active["prompt_tokens_new"], errors="coerce").astype("float64").to_numpy(na_value=np.nan)
+    a_start, a_end = _f(active["start_s"]), _f(active["end_s"])
+    a_task = active["task_id"].to_numpy(dtype=np.int64) if len(active) else np.zeros(0, dtype=np.int64)
+    is_long = new >= thr
+    lg, sh = np.flatnonzero(is_long), np.flatnonzero(~is_long)
+    qs, qe = sg.start, sg.end
 
-    dur = (seg["end_s"] - seg["start_s"]).to_numpy()
-    k = seg["tokens"].to_numpy(dtype=float)
-    s_long = np.minimum(cov_long["covered_s"].to_numpy(), dur)
-    s_other = np.clip(cov_any["covered_s"].to_numpy() - s_long, 0, None)
+    # Seconds of the segment under long prefills (and the largest one), under any prefill, and
+    # the largest short prefill during it.
+    cov_long, _, _, pos_long = tl.overlap_arrays(scode, qs, qe, acode[lg], a_start[lg], a_end[lg], vals=new[lg],
+                                                 need=("covered",))
+    cov_any = tl.overlap_arrays(scode, qs, qe, acode, a_start, a_end, need=("covered",))[0]
+    pos_short = tl.overlap_arrays(scode, qs, qe, acode[sh], a_start[sh], a_end[sh], vals=new[sh], need=())[3]
+    # Another slot generating at any time of the segment (its own task's generation left out).
+    ft, rel = _f(tv["first_token_s"]), _f(tv["release_s"])
+    gen = np.flatnonzero(~np.isnan(ft) & ~np.isnan(rel) & (rel >= ft))
+    others_gen = tl.overlap_arrays(scode, qs, qe, tcode[gen], ft[gen], rel[gen], own_start=ft[sg.row],
+                                   own_end=rel[sg.row], need=("max_count",))[1]
+    # A pass ending within SAME_PASS_S of the segment's start made its first token; one at its end made the last.
+    sp_t = _f(sp["t_s"])
+    sp_long = pd.to_numeric(sp["prompt_tokens_new"], errors="coerce").astype("float64").to_numpy(na_value=np.nan) >= thr
+    p_all = tl.count_point_arrays(scode, qs + tl.SAME_PASS_S, qe + tl.SAME_PASS_S, pcode, sp_t)
+    p_long = tl.count_point_arrays(scode, qs + tl.SAME_PASS_S, qe + tl.SAME_PASS_S, pcode[sp_long], sp_t[sp_long])
+    del scode, sp, sp_t, pcode
+
+    dur = qe - qs
+    k = sg.tokens
+    s_long = np.minimum(cov_long.round(6), dur)
+    s_other = np.clip(cov_any.round(6) - s_long, 0, None)
     s_rest = np.clip(dur - s_long - s_other, 0, None)
     has = [s >= EPS_S for s in (s_long, s_other, s_rest)]
     # Pieces under EPS_S are dropped (the other pieces share the tokens); a segment made only
@@ -139,42 +253,68 @@ def segment_pieces(ds: Dataset, opts: Options, tv: pd.DataFrame | None = None) -
     rem = k - tok_long
     tok_other = np.where(has[1], np.where(last_other, rem, np.minimum(rem, p_all - p_long)), 0.0)
     tok_rest = np.where(has[2], rem - tok_other, 0.0)
-    n_pieces = has[0].astype(int) + has[1] + has[2]
-    rest_class = np.where(cov_gen["max_count"].to_numpy() >= 1, "generation_only", "alone")
+    split = (has[0].astype(np.int8) + has[1] + has[2]) > 1
+    rest_cls = np.where(others_gen >= 1, CLASSES.index("generation_only"), CLASSES.index("alone")).astype(np.int8)
 
-    base = seg[_TASK_KEYS + ["slot", "hb_line"]].reset_index(drop=True)
-    base["seg_start_s"] = seg["start_s"].to_numpy()
-    base["seg_end_s"] = seg["end_s"].to_numpy()
-    base["seg_tokens"] = k
-    base["split"] = n_pieces > 1
-    cause_long = _cause_task(long_act, cov_long)
-    cause_short = _cause_task(short_act, cov_short)
-    parts = []
-    for cls, secs, toks, mask, cause in (
-        ("long_prefill", s_long, tok_long, has[0], cause_long),
-        ("other_prefill", s_other, tok_other, has[1], cause_short),
-        (None, s_rest, tok_rest, has[2], pd.array([pd.NA] * len(seg), dtype="Int64")),
-    ):
-        p = base[mask].copy()
-        p["class"] = cls if cls is not None else rest_class[mask]
-        p["seconds"] = secs[mask]
-        p["tokens"] = toks[mask]
-        p["cause_task_id"] = cause[mask]
-        parts.append(p)
-    pieces = pd.concat(parts, ignore_index=True)
-    pieces["tok_per_s"] = pieces["tokens"] / pieces["seconds"]
-    pieces["class"] = pd.Categorical(pieces["class"], categories=CLASSES)
-    return pieces
+    seg = [np.flatnonzero(h).astype(_positions(len(k))) for h in has]
+    cause_long = np.where(pos_long >= 0, a_task[lg][np.maximum(pos_long, 0)] if len(lg) else 0, 0)
+    cause_short = np.where(pos_short >= 0, a_task[sh][np.maximum(pos_short, 0)] if len(sh) else 0, 0)
+    return _Pieces(
+        segments=sg,
+        seg=np.concatenate(seg),
+        cls=np.concatenate([np.full(len(seg[0]), 0, np.int8), np.full(len(seg[1]), 1, np.int8), rest_cls[seg[2]]]),
+        seconds=np.concatenate([s_long[seg[0]], s_other[seg[1]], s_rest[seg[2]]]),
+        tokens=np.concatenate([tok_long[seg[0]], tok_other[seg[1]], tok_rest[seg[2]]]),
+        cause=np.concatenate([cause_long[seg[0]], cause_short[seg[1]], np.zeros(len(seg[2]), np.int64)]),
+        has_cause=np.concatenate([pos_long[seg[0]] >= 0, pos_short[seg[1]] >= 0, np.zeros(len(seg[2]), bool)]),
+        split=split,
+    )
 
 
-def _cause_task(prefills: pd.DataFrame, cov: pd.DataFrame) -> pd.arrays.IntegerArray:
-    """Task id of the prefill :func:`tl.overlaps` found largest (``max_pos``), NA where none."""
-    pos = cov["max_pos"].to_numpy()
-    ids = pd.array(np.zeros(len(pos), dtype=np.int64), dtype="Int64")
-    if len(prefills):
-        ids[:] = prefills["task_id"].to_numpy(dtype=np.int64)[np.maximum(pos, 0)]
-    ids[pos < 0] = pd.NA
-    return ids
+def _shared_pieces(ds: Dataset, opts: Options) -> _Pieces:
+    """The pieces of the task view, computed once for the tables that read them."""
+    return ds.memo((__name__, "pieces", opts.long_prefill_tokens), lambda: _pieces(ds, opts, task_view(ds)))
+
+
+def _pieces_frame(ds: Dataset, tv: pd.DataFrame, pc: _Pieces, rows: np.ndarray | None = None) -> pd.DataFrame:
+    """:func:`segment_pieces`' table (``rows``: only those pieces, in that order)."""
+    rows = np.arange(len(pc.seg)) if rows is None else rows
+    sg = pc.segments
+    seg = pc.seg[rows]
+    task = sg.row[seg]
+    base = tv[_TASK_KEYS].iloc[task].reset_index(drop=True) if _keys_from_tasks(ds, tv) \
+        else _segment_frame(ds, tv, sg)[_TASK_KEYS].iloc[seg].reset_index(drop=True)
+    base["slot"] = tv["slot"].iloc[task].array
+    base["hb_line"] = _hb_lines(ds.server.gen_samples, sg.hb[seg])
+    base["seg_start_s"] = sg.start[seg]
+    base["seg_end_s"] = sg.end[seg]
+    base["seg_tokens"] = sg.tokens[seg]
+    base["split"] = pc.split[seg]
+    base["class"] = pd.Categorical.from_codes(pc.cls[rows], categories=CLASSES)
+    base["seconds"] = pc.seconds[rows]
+    base["tokens"] = pc.tokens[rows]
+    base["cause_task_id"] = pd.arrays.IntegerArray(pc.cause[rows], ~pc.has_cause[rows])
+    base["tok_per_s"] = base["tokens"] / base["seconds"]
+    return base
+
+
+def _keys_from_tasks(ds: Dataset, tv: pd.DataFrame) -> bool:
+    gs = ds.server.gen_samples
+    return gs is None or not len(gs) or all(gs[c].dtype == tv[c].dtype for c in _TASK_KEYS)
+
+
+def segment_pieces(ds: Dataset, opts: Options, tv: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Generation segments split by what the other slots did: one row per (segment, class).
+
+    Columns: task keys, slot, ``class``, ``seconds``, ``tokens``, ``tok_per_s``, ``split``
+    (the segment had more than one piece), ``seg_start_s``, ``seg_end_s``, ``seg_tokens``,
+    ``hb_line``, and ``cause_task_id`` (the largest other-slot prefill running during a
+    prefill piece; NA for the rest).
+    """
+    if tv is None:
+        tv = task_view(ds)
+        return _pieces_frame(ds, tv, _shared_pieces(ds, opts))
+    return _pieces_frame(ds, tv, _pieces(ds, opts, tv))
 
 
 @register("stalls")
@@ -186,7 +326,13 @@ def stalls(ds: Dataset, opts: Options) -> pd.DataFrame:
     number. ``tok_per_s_pooled`` is all tokens over all seconds of the class. ``basis`` says
     whether the class rests on exact segment counts, pass-cadence splits, or both.
     """
-    pieces = segment_pieces(ds, opts)
+    pc = _shared_pieces(ds, opts)
+    sg = pc.segments
+    task = tl.key_codes([task_view(ds)], _TASK_KEYS)[0][sg.row[pc.seg]]
+    pieces = pd.DataFrame({
+        "class": pd.Categorical.from_codes(pc.cls, categories=CLASSES), "seconds": pc.seconds, "tokens": pc.tokens,
+        "tok_per_s": pc.tok_per_s, "split": pc.split[pc.seg], "task": task,
+    })
     long_enough = pieces[pieces["seconds"] >= MIN_PIECE_S]
     g = long_enough.groupby("class", observed=False)
     stats = pd.DataFrame({
@@ -194,7 +340,7 @@ def stalls(ds: Dataset, opts: Options) -> pd.DataFrame:
         "median_tg_3s_tps": g["tok_per_s"].median(),
         "p10_tg_3s_tps": g["tok_per_s"].quantile(0.1),
         "split_samples": g["split"].sum(),
-        "tasks": long_enough[["class"] + _TASK_KEYS].drop_duplicates().groupby("class", observed=False).size(),
+        "tasks": long_enough[["class", "task"]].drop_duplicates().groupby("class", observed=False).size(),
     }).reindex(CLASSES)
     sums = pieces.groupby("class", observed=False)[["tokens", "seconds"]].sum().reindex(CLASSES)
     out = stats.join(sums).reset_index(names="class")
@@ -219,8 +365,11 @@ def worst_stalls(ds: Dataset, opts: Options) -> pd.DataFrame:
     """The slowest pieces of generation at least ``WORST_MIN_S`` long, with the stalled task and
     the largest other-slot prefill running during it (``cause_*``, NA when no prefill ran)."""
     tv = task_view(ds)
-    pieces = segment_pieces(ds, opts, tv)
-    p = pieces[pieces["seconds"] >= WORST_MIN_S].sort_values(["tok_per_s", "seconds"], ascending=[True, False], kind="stable").head(opts.worst)
+    pc = _shared_pieces(ds, opts)
+    # The slowest long-enough pieces (tok/s up, seconds down; ties in piece order), as table rows.
+    cand = np.flatnonzero(pc.seconds >= WORST_MIN_S)
+    cand = cand[np.lexsort((-pc.seconds[cand], pc.tok_per_s[cand]))][: opts.worst]
+    p = _pieces_frame(ds, tv, pc, cand)
     who = ["slot", "purpose", "user", "lora", "line"]
     stalled = p[_TASK_KEYS].merge(tv[_TASK_KEYS + who], on=_TASK_KEYS, how="left").drop(columns="slot")
     cause_cols = ["slot", "purpose", "user", "lora", "prompt_tokens_new", "line"]
