@@ -59,3 +59,18 @@ def test_garbage_lines_are_named_with_their_line_numbers() -> None:
     lines = {line for f in acc.files for line, _text in f.examples}
     assert set(int(k) for k in spec["junk_line_kinds"]) <= lines
     assert spec["final_partial_line"] in lines
+
+
+@pytest.mark.parametrize("name", sorted(MANIFEST))
+def test_variant_reads_the_same_in_small_blocks_and_worker_processes(name: str) -> None:
+    """Blocks folded on their own (by workers, or here) and joined in order give the tables of
+    one whole read, for every framing: wall-clock-only times, multi-line timing blocks cut
+    between blocks, several ports, restarts."""
+    paths = _paths(MANIFEST[name])
+    whole = read_server_logs(paths, chunk_size=1 << 30, jobs=1)
+    for jobs in (1, 2):
+        got = read_server_logs(paths, chunk_size=700, jobs=jobs)
+        for table in ("tasks", "gen_samples", "prefill_samples", "sessions"):
+            pd.testing.assert_frame_equal(getattr(got, table), getattr(whole, table), check_exact=True, obj=table)
+        assert [(f.lines, f.used, f.ignored, f.unrecognized, f.examples) for f in got.accounting.files] == [
+            (f.lines, f.used, f.ignored, f.unrecognized, f.examples) for f in whole.accounting.files]

@@ -106,16 +106,16 @@ def test_worker_processes_report_bad_lines_by_file_line(tmp_path: Path) -> None:
 
 def test_only_open_tasks_are_held_and_finished_ones_are_numeric(big_log: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     open_counts: list[int] = []
-    real_add = tasks_mod.TaskAssembler.add
+    real_merge = tasks_mod.TaskAssembler.merge
 
-    def add(self: tasks_mod.TaskAssembler, ev: pd.DataFrame, file: str | None = None) -> None:
-        real_add(self, ev, file)
+    def merge(self: tasks_mod.TaskAssembler, *args: object, **kwargs: object) -> None:
+        real_merge(self, *args, **kwargs)  # type: ignore[arg-type]
         if self._open is not None:
             open_counts.append(len(self._open["task"]))
         for part in self._done:
             assert all(v.dtype != object for v in part.values())
 
-    monkeypatch.setattr(tasks_mod.TaskAssembler, "add", add)
+    monkeypatch.setattr(tasks_mod.TaskAssembler, "merge", merge)
     logs = read_server_logs([big_log], chunk_size=64 << 10)
     assert len(open_counts) > 50
     # A 4-slot server has at most a handful of tasks in flight; the few cancelled tasks that

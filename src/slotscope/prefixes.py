@@ -100,7 +100,7 @@ def decode_json_lines(lines: list[bytes], wrapper: Wrapper) -> tuple[list[bytes]
             out.append(raw)
             walls.append(None)
             continue
-        if wrapper is JOURNALD_JSON:
+        if wrapper == JOURNALD_JSON:  # equal, not identical: workers get a copy
             msg = obj.get("MESSAGE")
             if isinstance(msg, list):  # journald stores non-printable payloads as byte arrays
                 msg = bytes(b & 0xFF for b in msg if isinstance(b, int)).decode("utf-8", "replace")

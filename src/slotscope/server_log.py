@@ -40,7 +40,7 @@ from .sources import (
 )
 from .workers import Pool
 from .scanner import SRV_EVENT, Reading, Scan, scan
-from .tasks import GEN_COLUMNS, PREFILL_COLUMNS, TASK_COLUMNS, TaskAssembler
+from .tasks import GEN_COLUMNS, PREFILL_COLUMNS, TASK_COLUMNS, BlockTasks, TaskAssembler, fold_block
 
 _NUM = r"[-+]?(?:\d+(?:\.\d*)?|inf|nan)"
 _HEAD = (
@@ -340,6 +340,15 @@ def assign_sessions(ev: pd.DataFrame, state: StreamState) -> pd.DataFrame:
     if ev.empty:
         ev["session"] = pd.Series(dtype=np.int64)
         return ev
+    _fill_times(ev, state)
+    local, ports = local_sessions(ev)
+    ev["session"] = local + _shift_array(ev["port"].to_numpy(), resolve_sessions(ports, state))
+    return ev
+
+
+def _fill_times(ev: pd.DataFrame, state: StreamState) -> None:
+    """Times that depend on earlier lines: a relative clock from wall-clock stamps (logs
+    without llama's own), and the header's slot/task/time on older multi-line timing blocks."""
     ts = ev["ts_us"].to_numpy().copy()
     wall = ev["wall_us"].to_numpy()
     if (ts < 0).all() and (wall >= 0).any():
@@ -349,9 +358,8 @@ def assign_sessions(ev: pd.DataFrame, state: StreamState) -> pd.DataFrame:
         ev["ts_us"] = ts
     # Older multi-line blocks: continuation rows take slot/task/time from their header.
     cont = ev["cont"].to_numpy()
-    if cont.any() or state.last_header is not None:
-        k = ev["kind"].to_numpy()
-        hdr = k == TIMING_HEADER
+    hdr = ev["kind"].to_numpy() == TIMING_HEADER
+    if cont.any() or hdr.any():  # a header's lines may follow in the next block
         if cont.any():
             h_port = pd.Series(np.where(hdr, ev["port"], np.nan))
             h_slot = pd.Series(np.where(hdr, ev["slot"], np.nan))
@@ -372,44 +380,92 @@ def assign_sessions(ev: pd.DataFrame, state: StreamState) -> pd.DataFrame:
         if hdr.any():
             last = np.flatnonzero(hdr)[-1]
             state.last_header = (int(ev["port"].iat[last]), int(ev["slot"].iat[last]), int(ev["task"].iat[last]), int(ts[last]))
+
+
+def _needs_earlier_lines(ev: pd.DataFrame, state: StreamState) -> bool:
+    """Whether :func:`_fill_times` would need what earlier blocks left in ``state``."""
+    ts, wall = ev["ts_us"].to_numpy(), ev["wall_us"].to_numpy()
+    if len(ts) and (ts < 0).all() and (wall >= 0).any() and state.wall_origin is None:
+        return True
+    cont = ev["cont"].to_numpy()
+    if cont.any():
+        hdr = np.flatnonzero(ev["kind"].to_numpy() == TIMING_HEADER)
+        return not len(hdr) or np.flatnonzero(cont)[0] < hdr[0]
+    return False
+
+
+@dataclass
+class PortSessions:
+    """What numbering a block's sessions needs from the lines before it, per port."""
+
+    port: int
+    first_ts: int  # the port's first row's relative time (-1: none)
+    first_is_banner: bool
+    last_ts: int  # its last known relative time in the block (-1: none)
+    starts: int  # sessions started inside the block after its first row
+
+
+def local_sessions(ev: pd.DataFrame) -> tuple[np.ndarray, list[PortSessions]]:
+    """Sessions numbered from 0 within the block, per port, and what fixes them up.
+
+    A new session starts where the clock goes back by more than a second from the last known
+    time before it (same-millisecond reordering between logger threads is far smaller), and
+    at a start-up banner. Whether the port's first row starts one depends on earlier blocks:
+    :func:`resolve_sessions` decides that.
+    """
+    ts = ev["ts_us"].to_numpy()
     ports = ev["port"].to_numpy()
     kinds = ev["kind"].to_numpy()
-    session = np.zeros(len(ev), dtype=np.int64)
-    for port in np.unique(ports):
-        m = ports == port
+    local = np.zeros(len(ev), dtype=np.int64)
+    info = []
+    uniq = np.unique(ports)
+    for port in uniq:
+        m = slice(None) if len(uniq) == 1 else ports == port
         p_ts = ts[m]
-        p_kind = kinds[m]
-        prev = state.last_ts.get(int(port), -1)
-        # A clock going back by more than a second means a new process (same-millisecond
-        # reordering between logger threads is far smaller).
+        banner = kinds[m] == INIT
         known = p_ts >= 0
-        # The last known time before each row (NaN if none; the first row: the previous block's).
+        # The last known time before each row (none for the first).
         last = np.where(known, np.arange(len(p_ts)), -1)
         np.maximum.accumulate(last, out=last)
         before = np.empty_like(last)
         before[0] = -1
         before[1:] = last[:-1]
-        ff = np.where(before >= 0, p_ts[np.maximum(before, 0)].astype(np.float64), np.nan)
-        ff[0] = prev if prev >= 0 else np.nan
-        back = known & ~np.isnan(ff) & (p_ts < ff - 1_000_000)
-        banner = p_kind == INIT
-        start = back | banner
-        had = state.session_has_lines.get(int(port), False)
+        prior = p_ts[np.maximum(before, 0)]
+        start = (known & (before >= 0) & (p_ts < prior - 1_000_000)) | banner
+        start[0] = False
+        s = np.cumsum(start)
+        local[m] = s
+        k = np.flatnonzero(known)
+        info.append(PortSessions(int(port), int(p_ts[0]), bool(banner[0]), int(p_ts[k[-1]]) if len(k) else -1,
+                                 int(s[-1])))
+    return local, info
+
+
+def resolve_sessions(ports: list[PortSessions], state: StreamState) -> dict[int, int]:
+    """Per port, the session number of the block's local session 0; ``state`` moves on."""
+    shift = {}
+    for ps in ports:
+        prev = state.last_ts.get(ps.port, -1)
+        had = state.session_has_lines.get(ps.port, False)
+        back = ps.first_ts >= 0 and prev >= 0 and ps.first_ts < prev - 1_000_000
         # A banner at the very start of a stream opens session 1; it is not a restart.
-        cur = state.session.get(int(port), 1)
-        boundaries = start.copy()
-        if not had and banner.any():
-            first_banner = np.flatnonzero(banner)[0]
-            if not (~banner[:first_banner] & (p_kind[:first_banner] != INIT)).any():
-                boundaries[first_banner] = False
-        s = cur + np.cumsum(boundaries)
-        session[m] = s
-        state.session[int(port)] = int(s[-1])
-        state.session_has_lines[int(port)] = True
-        if known.any():
-            state.last_ts[int(port)] = int(p_ts[known][-1])
-    ev["session"] = session
-    return ev
+        first_starts = (back or ps.first_is_banner) and not (ps.first_is_banner and not had)
+        base = state.session.get(ps.port, 1) + int(first_starts)
+        shift[ps.port] = base
+        state.session[ps.port] = base + ps.starts
+        state.session_has_lines[ps.port] = True
+        if ps.last_ts >= 0:
+            state.last_ts[ps.port] = ps.last_ts
+    return shift
+
+
+def _shift_array(port: np.ndarray, shift: dict[int, int]) -> np.ndarray:
+    if len(shift) == 1:
+        return np.full(len(port), next(iter(shift.values())), dtype=np.int64)
+    out = np.zeros(len(port), dtype=np.int64)
+    for p, d in shift.items():
+        out[port == p] = d
+    return out
 
 
 @dataclass
@@ -423,15 +479,34 @@ class ServerLogs:
     accounting: Accounting
 
 
-def _parse_block(job: tuple[bytes | Span, prefixes.Wrapper | None, int, str]) -> tuple[dict[str, np.ndarray], FileAccount, int]:
-    """Parse one block on its own (in a worker process): its events (line numbers from 1),
-    its line counts, and its size in bytes."""
-    block, wrapper, year, tz = job
+@dataclass
+class _Parsed:
+    """One block parsed on its own: folded tasks (or, where its meaning depends on earlier
+    lines, its raw events), its line counts and its size in bytes. Line numbers count from 1
+    at the block's first line."""
+
+    account: FileAccount
+    nbytes: int
+    block: BlockTasks | None = None
+    ports: list[PortSessions] | None = None
+    last_header: tuple[int, int, int, int] | None = None
+    events: dict[str, np.ndarray] | None = None
+
+
+def _parse_block(job: tuple[bytes | Span, StreamState, bool]) -> _Parsed:
+    """Parse and fold one block with nothing from the blocks before it (in a worker process)."""
+    block, given, keep_samples = job
     data = read_span(block) if isinstance(block, Span) else block
-    state = StreamState(source="", wrapper=wrapper, wrapper_known=True, year=year, tz=tz)
+    state = StreamState(source="", wrapper=given.wrapper, wrapper_known=True, year=given.year, tz=given.tz,
+                        wall_origin=given.wall_origin)
     account = FileAccount("")
     ev = parse_chunk(data, 1, state, account)
-    return {c: ev[c].to_numpy() for c in ev.columns}, account, len(data)
+    if not len(ev) or _needs_earlier_lines(ev, state):
+        return _Parsed(account, len(data), events={c: ev[c].to_numpy() for c in ev.columns})
+    _fill_times(ev, state)
+    local, ports = local_sessions(ev)
+    ev["session"] = local
+    return _Parsed(account, len(data), block=fold_block(ev, keep_samples), ports=ports, last_header=state.last_header)
 
 
 def _blocks(stream: BinaryIO, lf: LogFile, size: int, pool: Pool | None) -> Iterator[bytes | Span]:
@@ -479,20 +554,29 @@ def read_stream(
                     _add(asm, state, account, parse_chunk(chunk, 1, state, account))
                     if progress is not None:
                         progress(len(chunk))
-            jobs = ((b, state.wrapper, state.year, state.tz) for b in blocks)
-            parsed = pool.map(_parse_block, jobs) if pool is not None else map(_parse_block, jobs)
-            for cols, part, nbytes in parsed:
-                cols["line"] = cols["line"] + account.lines
+            jobs = ((b, _given(state), keep_samples) for b in blocks)
+            for got in (pool.map(_parse_block, jobs) if pool is not None else map(_parse_block, jobs)):
+                offset = account.lines
+                part = got.account
                 for i, text in part.examples:
                     if len(account.examples) < 5:
-                        account.examples.append((i + account.lines, text))
+                        account.examples.append((i + offset, text))
                 account.lines += part.lines
                 account.used += part.used
                 account.ignored += part.ignored
                 account.unrecognized += part.unrecognized
-                _add(asm, state, account, pd.DataFrame(cols, copy=False))
+                if got.block is not None:
+                    assert got.ports is not None
+                    shift = resolve_sessions(got.ports, state)
+                    if got.last_header is not None:
+                        state.last_header = got.last_header
+                    got.block.shift_lines(offset)
+                    asm.merge(got.block, shift, file=account.path)
+                elif got.events is not None:
+                    got.events["line"] = got.events["line"] + offset
+                    _add(asm, state, account, pd.DataFrame(got.events))
                 if progress is not None:
-                    progress(nbytes)
+                    progress(got.nbytes)
         except InputError as e:
             account.error = e.reason
         finally:
@@ -501,6 +585,12 @@ def read_stream(
             if lf.path != STDIN:
                 stream.close()
     return asm, accounts
+
+
+def _given(state: StreamState) -> StreamState:
+    """What a worker needs of the stream's state (small: no per-port tables)."""
+    return StreamState(source="", wrapper=state.wrapper, wrapper_known=True, year=state.year, tz=state.tz,
+                       wall_origin=state.wall_origin)
 
 
 def _add(asm: TaskAssembler, state: StreamState, account: FileAccount, ev: pd.DataFrame) -> None:

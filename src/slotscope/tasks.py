@@ -135,8 +135,104 @@ def _take(cols: dict[str, np.ndarray], sel: np.ndarray) -> dict[str, np.ndarray]
 
 
 @dataclass
+class BlockTasks:
+    """One block of events folded: one partial row per task, the samples, and one row per
+    (port, session) with timed events (first/last line and time, wall offset, config, latest
+    time). Sessions may be numbered from 0 within the block; the assembler shifts them."""
+
+    rows: dict[str, np.ndarray]
+    samples: dict[int, dict[str, np.ndarray]]  # HEARTBEAT / PROGRESS -> sample columns
+    sessions: dict[str, np.ndarray]
+
+    def shift_lines(self, n: int) -> None:
+        """Line numbers of a block parsed on its own, moved to where the block starts."""
+        for part, cols in ((self.rows, ("line", "release_line", "first_line")), (self.sessions, ("first_line",)),
+                           *((s, ("line",)) for s in self.samples.values())):
+            for c in cols:
+                part[c] = part[c] + n
+
+
+_SESSION_INFO = ["port", "session", "first_line", "first_us", "last_us", "now_us", "offset_us", "support",
+                 "n_slots", "n_ctx_slot"]
+
+
+def fold_block(ev: pd.DataFrame | dict[str, np.ndarray], keep_samples: bool = True) -> BlockTasks:
+    """Fold one block of events (``session`` assigned, or numbered within the block).
+
+    Pure: it needs nothing from earlier blocks, so worker processes can run it.
+    """
+    cols = {c: np.asarray(ev[c]) for c in ("line", "kind", "port", "ts_us", "wall_us", "slot", "task", "v1", "v2",
+                                           "v3", "v4", "session")}
+    kind = cols["kind"]
+    samples = {}
+    if keep_samples:
+        for code in (HEARTBEAT, PROGRESS):
+            sel = np.flatnonzero(kind == code)
+            if len(sel):
+                samples[code] = {c: cols[c][sel] for c in _SAMPLE}
+    task = cols["task"].astype(np.float64)
+    sel = np.flatnonzero(task >= 0)  # NaN compares False
+    k = kind[sel]
+    events: dict[str, np.ndarray] = {
+        "port": cols["port"][sel].astype(np.int64), "session": cols["session"][sel].astype(np.int64),
+        "task": task[sel].astype(np.int64), "slot_any": cols["slot"][sel].astype(np.float64),
+        "first_line": cols["line"][sel].astype(np.int64),
+    }
+    for c, code in _MAX.items():
+        events[c] = (k == code).astype(np.int8)
+    for c, code in _SUM.items():
+        events[c] = (k == code).astype(np.int64)
+    kinds = []
+    for code, columns in _BY_KIND.items():
+        at = np.flatnonzero(k == code)
+        src = sel[at]
+        values = {c: cols[f][src].astype(np.float64) for c, f in columns if f != "file"}
+        if code == LAUNCH:
+            values["file"] = np.zeros(len(at))  # which file: the assembler knows
+        kinds.append((at, values))
+    rows = _fold(None, events, kinds)
+    return BlockTasks(rows=rows, samples=samples, sessions=_session_info(cols))
+
+
+def _session_info(ev: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per (port, session) with timed events: what :meth:`TaskAssembler.merge` keeps of them."""
+    ts = ev["ts_us"]
+    timed = np.flatnonzero(ts >= 0)
+    out: dict[str, list] = {c: [] for c in _SESSION_INFO}
+    if len(timed):
+        port, session = ev["port"][timed], ev["session"][timed]
+        same = (port == port[0]).all() and (session == session[0]).all()
+        pairs = [(port[0], session[0])] if same else pd.unique(pd.MultiIndex.from_arrays([port, session])).tolist()
+        for p, s in pairs:
+            idx = timed if same else timed[(port == p) & (session == s)]
+            t = ts[idx]
+            wall = ev["wall_us"][idx]
+            w = wall >= 0
+            cfg = idx[ev["kind"][idx] == CONFIG]
+            for c, v in (("port", p), ("session", s), ("first_line", ev["line"][idx[0]]), ("first_us", t[0]),
+                         ("last_us", t[-1]), ("now_us", t.max()),
+                         ("offset_us", (wall[w] - t[w]).min() if w.any() else -1), ("support", w.sum()),
+                         ("n_slots", ev["v1"][cfg[0]] if len(cfg) else np.nan),
+                         ("n_ctx_slot", ev["v2"][cfg[0]] if len(cfg) else np.nan)):
+                out[c].append(v)
+    return {c: np.array(v, dtype=np.float64 if c in ("n_slots", "n_ctx_slot") else np.int64) for c, v in out.items()}
+
+
+def _shifted(port: np.ndarray, session: np.ndarray, shift: dict[int, int]) -> np.ndarray:
+    out = session.astype(np.int64)
+    if len(shift) == 1:
+        return out + next(iter(shift.values()))
+    for p, d in shift.items():
+        out[port == p] += d
+    return out
+
+
+@dataclass
 class TaskAssembler:
-    """Folds event chunks of one server-log stream into finished task rows and samples."""
+    """Folds blocks of one server-log stream, in order, into finished task rows and samples.
+
+    Only tasks still open are held as partial rows; finished ones are kept as numeric columns.
+    """
 
     source: str
     keep_samples: bool = True
@@ -148,108 +244,72 @@ class TaskAssembler:
     sessions: dict[tuple[int, int], dict] = field(default_factory=dict)
 
     def add(self, ev: pd.DataFrame, file: str | None = None) -> None:
-        """Fold one chunk of events (with ``session`` assigned) into the open tasks.
+        """Fold one chunk of events (with ``session`` assigned) from ``file``."""
+        if not ev.empty:
+            self.merge(fold_block(ev, self.keep_samples), file=file)
 
-        The events' file is their ``file`` column, or ``file`` for all of them.
-        """
-        if ev.empty:
+    def merge(self, block: BlockTasks, shift: dict[int, int] | None = None, file: str | None = None) -> None:
+        """Fold one folded block into the open tasks; ``shift``: per port, what to add to the
+        block's session numbers (None: they are final)."""
+        rows, info = block.rows, block.sessions
+        samples = block.samples if self.keep_samples else {}
+        if shift:
+            for part in (rows, info, *samples.values()):
+                part["session"] = _shifted(part["port"], part["session"], shift)
+        self._track_sessions(info, file)
+        for code, store in ((HEARTBEAT, self._gen), (PROGRESS, self._prefill)):
+            if code in samples:
+                store.append(samples[code])
+        n = len(rows["task"])
+        if not n:
             return
-        cols = {c: ev[c].to_numpy() for c in ("line", "kind", "port", "ts_us", "wall_us", "slot", "task", "v1", "v2",
-                                              "v3", "v4", "session")}
-        names = ev["file"].to_numpy(dtype=object) if "file" in ev.columns else None
-        self._track_sessions(cols, names if names is not None else file)
-        kind = cols["kind"]
-        if self.keep_samples:
-            for code, store in ((HEARTBEAT, self._gen), (PROGRESS, self._prefill)):
-                sel = np.flatnonzero(kind == code)
-                if len(sel):
-                    store.append({c: cols[c][sel] for c in _SAMPLE})
-        task = cols["task"].astype(np.float64)
-        sel = np.flatnonzero(task >= 0)  # NaN compares False
-        if not len(sel):
-            return
-        k = kind[sel]
-        events: dict[str, np.ndarray] = {
-            "port": cols["port"][sel].astype(np.int64), "session": cols["session"][sel].astype(np.int64),
-            "task": task[sel].astype(np.int64), "slot_any": cols["slot"][sel].astype(np.float64),
-            "first_line": cols["line"][sel].astype(np.int64),
-        }
-        for c, code in _MAX.items():
-            events[c] = (k == code).astype(np.int8)
-        for c, code in _SUM.items():
-            events[c] = (k == code).astype(np.int64)
-        kinds = []
-        for code, columns in _BY_KIND.items():
-            at = np.flatnonzero(k == code)  # also when empty: open rows carry this kind's columns
-            src = sel[at]
-            values = {c: cols[f][src].astype(np.float64) for c, f in columns if f != "file"}
-            if code == LAUNCH:
-                if names is None:
-                    values["file"] = np.full(len(at), float(self._files.setdefault(file, len(self._files))))  # type: ignore[arg-type]
-                else:
-                    values["file"] = np.array([float(self._files.setdefault(x, len(self._files))) for x in names[src]],
-                                              dtype=np.float64)
-            kinds.append((at, values))
-        self._close(_fold(self._open if self._open is not None and len(self._open["task"]) else None, events, kinds), cols)
+        rows["file"] = np.where(np.isnan(rows["file"]), np.nan, float(self._files.setdefault(file, len(self._files))))  # type: ignore[arg-type]
+        firsts = {c: rows[c] for c in _FIRST if c != "slot_any"}
+        open_rows = self._open if self._open is not None and len(self._open["task"]) else None
+        self._close(_fold(open_rows, rows, [(np.arange(n), firsts)]), info)
 
-    def _close(self, merged: dict[str, np.ndarray], ev: dict[str, np.ndarray]) -> None:
+    def _close(self, merged: dict[str, np.ndarray], info: dict[str, np.ndarray]) -> None:
         cur_session: dict[int, int] = {}
         for (p, s) in self.sessions:
             cur_session[p] = max(cur_session.get(p, s), s)
         port, session = merged["port"], merged["session"]
-        # The latest server time of each (port, session) in this chunk: "now" for stale releases.
+        # The latest server time of each (port, session) in this block: "now" for stale releases.
         now = np.full(len(port), np.nan)
         current = np.full(len(port), np.nan)
-        timed = ev["ts_us"] >= 0
         for p in np.unique(port):
-            at_port = port == p
-            current[at_port] = cur_session.get(int(p), np.nan)
-            ev_port = timed & (ev["port"] == p)
-            for s in np.unique(session[at_port]):
-                ts = ev["ts_us"][ev_port & (ev["session"] == s)]
-                if len(ts):
-                    now[at_port & (session == s)] = ts.max()
+            current[port == p] = cur_session.get(int(p), np.nan)
+        for p, s, t in zip(info["port"], info["session"], info["now_us"]):
+            now[(port == p) & (session == s)] = t
         has_release = ~np.isnan(merged["release_us"])
-        has_timings = ~np.isnan(merged["total_ms"]) | ~np.isnan(merged["eval_ms"])
+        has_total = ~np.isnan(merged["total_ms"])  # the last timing line
         cancelled = merged["cancelled"] > 0
         with np.errstate(invalid="ignore"):
             # Older builds print the release before the timings; wait a little for them.
             stale_release = has_release & ((now - merged["release_us"]) > 5e6)
             old_session = session < current
-        done = (has_release & (has_timings | cancelled)) | stale_release | old_session
+        done = (has_release & (has_total | cancelled)) | stale_release | old_session
         if done.any():
             finished = _take(merged, done)
             finished["cut_by_restart"] = old_session[done] & ~has_release[done]
             self._done.append(finished)
         self._open = _take(merged, ~done)
 
-    def _track_sessions(self, ev: dict[str, np.ndarray], names: np.ndarray | str | None) -> None:
-        ts = ev["ts_us"]
-        timed = np.flatnonzero(ts >= 0)
-        if not len(timed):
-            return
-        port, session = ev["port"][timed], ev["session"][timed]
-        same = (port == port[0]).all() and (session == session[0]).all()
-        pairs = [(port[0], session[0])] if same else pd.unique(pd.MultiIndex.from_arrays([port, session])).tolist()
-        for p, s in pairs:
-            idx = timed if same else timed[(port == p) & (session == s)]
-            first = idx[0]
-            info = self.sessions.setdefault((int(p), int(s)), {
-                "first_line": int(ev["line"][first]), "file": names[first] if isinstance(names, np.ndarray) else names,
-                "first_us": int(ts[first]),
+    def _track_sessions(self, info: dict[str, np.ndarray], file: str | None) -> None:
+        for i in range(len(info["port"])):
+            key = (int(info["port"][i]), int(info["session"][i]))
+            entry = self.sessions.setdefault(key, {
+                "first_line": int(info["first_line"][i]), "file": file, "first_us": int(info["first_us"][i]),
                 "offset_us": None, "offset_support": 0, "n_slots": None, "n_ctx_slot": None,
             })
-            info["last_us"] = int(ts[idx[-1]])
-            wall = ev["wall_us"][idx]
-            w = wall >= 0
-            if w.any():
-                off = int((wall[w] - ts[idx][w]).min())
-                info["offset_us"] = off if info["offset_us"] is None else min(off, info["offset_us"])
-                info["offset_support"] += int(w.sum())
-            cfg = idx[ev["kind"][idx] == CONFIG]
-            if len(cfg):
-                info["n_slots"] = int(ev["v1"][cfg[0]])
-                info["n_ctx_slot"] = int(ev["v2"][cfg[0]])
+            entry["last_us"] = int(info["last_us"][i])
+            if info["support"][i]:
+                off = int(info["offset_us"][i])
+                entry["offset_us"] = off if entry["offset_us"] is None else min(off, entry["offset_us"])
+                entry["offset_support"] += int(info["support"][i])
+            if not np.isnan(info["n_slots"][i]):
+                entry["n_slots"] = int(info["n_slots"][i])
+                entry["n_ctx_slot"] = int(info["n_ctx_slot"][i])
+
 
     def finish(self) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
         """Close every task still open; return (tasks, gen samples, prefill samples, sessions)."""
