@@ -7,13 +7,18 @@ guessed from ``-o FILE``'s extension; binary Parquet is refused on a terminal.
 
 from __future__ import annotations
 
+import csv
 import io
 import math
+import os
 import sys
 from pathlib import Path
 from typing import IO, Literal
 
+import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 from rich import box
 from rich.console import Console
 from rich.table import Table
@@ -72,6 +77,257 @@ def for_text(df: pd.DataFrame) -> pd.DataFrame:
     dt = {c: iso(df[c]) for c in df.columns
           if isinstance(df[c].dtype, pd.DatetimeTZDtype) or pd.api.types.is_datetime64_any_dtype(df[c])}
     return df.assign(**dt) if dt else df
+
+
+# --- CSV --------------------------------------------------------------------------------------
+#
+# ``CsvWriter`` writes exactly the bytes of ``df.to_csv(index=False)`` (pandas' defaults: ",",
+# '"' doubled inside quotes, csv.QUOTE_MINIMAL, os.linesep, NaN/NA as ""), but formats column
+# by column into pyarrow string arrays and joins them into rows in C: no Python per row or
+# value. What pandas writes, per dtype (pandas.core.indexes.base.get_values_for_csv, then the
+# stdlib csv writer, which str()s every value and repr()s Python floats):
+#
+#   float64           numpy's str(): shortest round-trip digits like repr(float); positional for
+#                     1e-4 <= |x| < 1e16 (integral ones end in ".0"), else "1e-05", "1.5e+16".
+#                     pyarrow's cast has the same digits but is positional for 1e-6 <= |x| < 1e10
+#                     only, prints integral values without ".0" and one-digit exponents as
+#                     "e-7": those ranges are rewritten (vectorised) below. NaN -> "".
+#   int, Int64 ...    decimal digits; <NA> -> "".
+#   bool, boolean     "True" / "False"; <NA> -> "".
+#   str, category     the text, quoted when the csv module would quote it; missing -> "".
+#
+# Anything else (datetimes not made text by for_text, float32, mixed objects, MultiIndex
+# columns ...) goes to pandas for the whole batch, so the bytes are always pandas' own.
+
+_EOL = os.linesep
+_CHUNK_CELLS = 1 << 21  # cells formatted and joined at a time: bounds the writer's memory
+
+
+def _csv_dialect() -> tuple[str, str]:
+    """(RE2 class of the characters that make the csv module quote a field, how it writes a lone empty field).
+
+    Asked of the csv module itself with pandas' settings rather than assumed: which control
+    characters force quoting has changed between Python versions.
+    """
+    special = []
+    for code in range(128):
+        buf = io.StringIO()
+        csv.writer(buf, lineterminator=_EOL).writerow([f"a{chr(code)}b", "x"])
+        if buf.getvalue().startswith('"'):
+            special.append(code)
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator=_EOL).writerow([""])
+    return "[" + "".join(f"\\x{c:02x}" for c in special) + "]", buf.getvalue()[: -len(_EOL)]
+
+
+_QUOTE_RE, _LONE_EMPTY = _csv_dialect()
+_BOOL_TEXT = pa.array(["False", "True", ""])
+_MASKED_INTS = {"Int8", "Int16", "Int32", "Int64", "UInt8", "UInt16", "UInt32", "UInt64"}
+
+
+class _Fallback(Exception):
+    """This chunk cannot be formatted exactly here: pandas writes it."""
+
+
+def _as_string(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    if arr.type != pa.string():
+        arr = arr.cast(pa.string())
+    return arr
+
+
+def _no_nulls(text: pa.Array) -> pa.Array:
+    return pc.fill_null(text, "") if text.null_count else text
+
+
+def _quoted(text: pa.Array) -> pa.Array:
+    """Fields the csv module would quote, quoted (inner quotes doubled); the rest as they are."""
+    need = pc.match_substring_regex(text, _QUOTE_RE)
+    if not pc.any(need).as_py():
+        return text
+    sub = text.filter(need)
+    sub = pc.binary_join_element_wise('"', pc.replace_substring(sub, '"', '""'), '"', "")
+    return pc.replace_with_mask(text, need, sub)
+
+
+def _replace(text: pa.Array, mask: np.ndarray, fix) -> pa.Array:  # type: ignore[no-untyped-def]
+    """``text`` with the elements under ``mask`` replaced by ``fix(those elements)``."""
+    if not mask.any():
+        return text
+    return pc.replace_with_mask(text, pa.array(mask), fix(text.filter(pa.array(mask))))
+
+
+def _small_sci(sub: pa.Array) -> pa.Array:
+    """pyarrow's positional "-0.0000123" (1e-6 <= |x| < 1e-4) as Python's "-1.23e-05"."""
+    parts = pc.extract_regex(sub, r"^(?P<sign>-?)0\.(?P<zeros>0*)(?P<lead>\d)(?P<rest>\d*)$")
+    rest = parts.field("rest")
+    frac = pc.if_else(pc.equal(rest, ""), "", pc.binary_join_element_wise(".", rest, ""))
+    exp = pc.binary_join_element_wise("e-", pc.utf8_lpad(pc.cast(pc.add(pc.utf8_length(parts.field("zeros")), 1), pa.string()), 2, "0"), "")
+    return pc.binary_join_element_wise(parts.field("sign"), parts.field("lead"), frac, exp, "")
+
+
+def _big_positional(sub: pa.Array) -> pa.Array:
+    """pyarrow's "1.2345678e+12" (1e10 <= |x| < 1e16, not integral) as Python's "1234567800000.0"."""
+    parts = pc.extract_regex(sub, r"^(?P<sign>-?)(?P<lead>\d)\.?(?P<rest>\d*)e\+(?P<exp>\d+)$")
+    digits = pc.binary_join_element_wise(parts.field("lead"), parts.field("rest"), "")
+    exps = pc.cast(parts.field("exp"), pa.int16()).to_numpy(zero_copy_only=False)
+    out = sub
+    for e in np.unique(exps).tolist():  # at most six exponents: 10..15
+        at = pa.array(exps == e)
+        d = digits.filter(at)
+        whole = pc.utf8_rpad(pc.utf8_slice_codeunits(d, 0, e + 1), e + 1, "0")
+        frac = pc.utf8_slice_codeunits(d, e + 1)
+        frac = pc.if_else(pc.equal(frac, ""), "0", frac)
+        out = pc.replace_with_mask(out, at, pc.binary_join_element_wise(parts.field("sign").filter(at), whole, ".", frac, ""))
+    return out
+
+
+def _float_text(x: np.ndarray, null: np.ndarray | None) -> pa.Array:
+    """float64 as numpy's str() (= repr(float)) writes it; ``null`` (or NaN if None) -> "".
+
+    pyarrow's cast gives the same shortest round-trip digits; the values whose notation differs
+    (see above) are taken out, re-laid out by kind, and gathered back in one pass.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float64)
+    if null is None:
+        null = np.isnan(x)
+    text = pc.cast(pa.array(x), pa.string())
+    a = np.abs(x)
+    with np.errstate(invalid="ignore"):
+        integral = (x == np.trunc(x)) & (a < 1e16)
+        small = (a < 1e-4) & (a > 0)
+        big = (a >= 1e10) & (a < 1e16) & ~integral
+    fix = (integral | small | big) & ~null
+    n_fix = int(np.count_nonzero(fix))
+    if not n_fix and not null.any():
+        return text
+    sub, sx = text.filter(pa.array(fix)), x[fix]
+    integral, small, big = integral[fix], small[fix], big[fix]
+
+    def whole(_: pa.Array) -> pa.Array:
+        # Integral and below 1e16 (< 2**53 or even): the shortest digits are the integer's own.
+        vals = sx[integral]
+        ints = pc.cast(pa.array(vals.astype(np.int64)), pa.string())
+        negzero = (vals == 0) & np.signbit(vals)
+        if negzero.any():
+            ints = pc.if_else(pa.array(negzero), "-0", ints)
+        return pc.binary_join_element_wise(ints, "0", ".")
+
+    sub = _replace(sub, integral, whole)
+    # Below 1e-6 pyarrow is scientific too, but writes "e-7" where Python writes "e-07".
+    sa = np.abs(sx)
+    sub = _replace(sub, small & (sa < 1e-6), lambda s: pc.replace_substring_regex(s, r"e-(\d)$", r"e-0\1"))
+    sub = _replace(sub, small & (sa >= 1e-6), _small_sci)
+    sub = _replace(sub, big, _big_positional)
+    # Row i takes text[i], its fixed text (after len(x)), or "" if missing (the very last).
+    at = np.arange(len(x), dtype=np.int64)
+    at[fix] = len(x) + np.arange(n_fix)
+    at[null] = len(x) + n_fix
+    return pa.concat_arrays([text, sub, pa.array([""])]).take(pa.array(at))
+
+
+def _column_formatter(col: pd.Series):  # type: ignore[no-untyped-def]
+    """``f(start, stop) -> pa.StringArray`` writing rows [start, stop) of ``col`` as pandas would;
+    None for a dtype not handled exactly here."""
+    dtype = col.dtype
+    if isinstance(dtype, np.dtype):
+        values = col.to_numpy()
+        if dtype == np.float64:
+            return lambda i, j: _float_text(values[i:j], None)
+        if dtype.kind in "iu":
+            return lambda i, j: pc.cast(pa.array(values[i:j]), pa.string())
+        if dtype == np.bool_:
+            return lambda i, j: _BOOL_TEXT.take(pa.array(values[i:j].view(np.int8)))
+        if dtype == object:
+            kind = pd.api.types.infer_dtype(values, skipna=True)
+            if kind not in ("string", "empty"):
+                return None
+            return lambda i, j: _quoted(pa.array(np.where(pd.isna(values[i:j]), "", values[i:j]), type=pa.string()))
+        return None
+    arr = col.array
+    if dtype.name in _MASKED_INTS:
+        return lambda i, j: _no_nulls(pc.cast(pa.array(arr[i:j]), pa.string()))
+    if dtype.name == "Float64":
+        return lambda i, j: _float_text(arr[i:j].to_numpy(dtype=np.float64, na_value=0.0), np.asarray(arr[i:j].isna()))
+    if isinstance(dtype, pd.BooleanDtype):
+        return lambda i, j: _BOOL_TEXT.take(pa.array(arr[i:j].to_numpy(dtype=np.int8, na_value=2)))
+    if isinstance(dtype, pd.StringDtype):
+        return lambda i, j: _quoted(_no_nulls(_as_string(pa.array(arr[i:j]))))
+    if isinstance(dtype, pd.CategoricalDtype):
+        # Categories are written as their values' str(), like a column of that dtype would be.
+        fmt = _column_formatter(pd.Series(dtype.categories))
+        if fmt is None:
+            return None
+        cats = pa.concat_arrays([fmt(0, len(dtype.categories)), pa.array([""])])
+        codes = arr.codes
+
+        def categorical(i: int, j: int) -> pa.Array:
+            c = codes[i:j]
+            return cats.take(pa.array(np.where(c < 0, len(cats) - 1, c)))
+
+        return categorical
+    return None
+
+
+def _csv_chunk(formatters: list, start: int, stop: int) -> str:  # type: ignore[type-arg]
+    """Rows [start, stop) as CSV text, line terminators included."""
+    cols = [f(start, stop) for f in formatters]
+    if len(cols) == 1:
+        # The csv module writes a row whose only field is empty as '""' (else it is a blank line).
+        cols[0] = pc.if_else(pc.equal(cols[0], ""), _LONE_EMPTY, cols[0])
+    cols[-1] = pc.binary_join_element_wise(cols[-1], "", _EOL)
+    rows = pc.binary_join_element_wise(*cols, ",")
+    if rows.null_count or len(rows) != stop - start:
+        raise _Fallback
+    _, offsets, data = rows.buffers()
+    bounds = np.frombuffer(offsets, dtype=np.int32)[[rows.offset, rows.offset + len(rows)]]
+    return str(memoryview(data)[bounds[0]:bounds[1]], "utf-8")
+
+
+class CsvWriter:
+    """CSV of one table written in batches: the bytes of ``pd.concat(batches).to_csv(stream, index=False)``.
+
+    ``write(df)`` appends a batch; the header (pandas' own) comes with the first batch, even an
+    empty one, so any split of a table into batches writes the same bytes. Batches must have the
+    same columns. Each batch is formatted column-wise and written a chunk of rows at a time.
+    """
+
+    def __init__(self, stream: IO[str], *, header: bool = True) -> None:
+        self.stream = stream
+        self._header = header
+        self._columns: pd.Index | None = None
+
+    def write(self, df: pd.DataFrame) -> None:
+        first = self._columns is None
+        if first:
+            self._columns = df.columns
+        elif not df.columns.equals(self._columns):  # type: ignore[union-attr]
+            raise ValueError("CsvWriter: a batch's columns differ from the first batch's")
+        header = self._header and first
+        ncols = len(df.columns)
+        formatters = None
+        if ncols and not isinstance(df.columns, pd.MultiIndex):
+            formatters = [_column_formatter(df.iloc[:, k]) for k in range(ncols)]
+        if formatters is None or any(f is None for f in formatters):
+            df.to_csv(self.stream, index=False, header=header)
+            return
+        if header:
+            self.stream.write(df.iloc[:0].to_csv(index=False))
+        step = max(1, _CHUNK_CELLS // ncols)
+        for start in range(0, len(df), step):
+            stop = min(start + step, len(df))
+            try:
+                text = _csv_chunk(formatters, start, stop)
+            except (_Fallback, pa.ArrowException, UnicodeError):
+                df.iloc[start:stop].to_csv(self.stream, index=False, header=False)
+                continue
+            self.stream.write(text)
+
+
+def to_csv(df: pd.DataFrame, stream: IO[str]) -> None:
+    """``df.to_csv(stream, index=False)``, byte for byte, several times faster."""
+    CsvWriter(stream).write(df)
 
 
 def _cell(v: object) -> str:
@@ -147,7 +403,7 @@ def write(
     buf: IO[str] = stream if to_stdout else open(out, "w", newline="")  # type: ignore[arg-type]
     try:
         if chosen == "csv":
-            text.to_csv(buf, index=False)
+            CsvWriter(buf).write(text)
         else:
             text.to_json(buf, orient="records", force_ascii=False)
             buf.write("\n")
@@ -161,7 +417,7 @@ def render_text(df: pd.DataFrame, fmt: Format) -> str:
     """The table as a string in a text format (used by tests and the report)."""
     buf = io.StringIO()
     if fmt == "csv":
-        for_text(df).to_csv(buf, index=False)
+        CsvWriter(buf).write(for_text(df))
     elif fmt == "json":
         for_text(df).to_json(buf, orient="records", force_ascii=False)
     else:

@@ -1,0 +1,242 @@
+"""The column-wise CSV writer writes exactly the bytes of pandas' ``to_csv(index=False)``."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from slotscope import output
+from slotscope.output import CsvWriter, for_text, render_text
+from slotscope.server_log import read_server_logs
+
+from .conftest import REAL, SCENARIOS
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def ours(df: pd.DataFrame, *batches: pd.DataFrame) -> str:
+    buf = io.StringIO()
+    writer = CsvWriter(buf)
+    for b in batches or (df,):
+        writer.write(b)
+    return buf.getvalue()
+
+
+def pandas_csv(df: pd.DataFrame) -> str:
+    return df.to_csv(index=False)
+
+
+# --- values -----------------------------------------------------------------------------------
+
+SPECIAL_FLOATS = [
+    0.0, -0.0, 1.0, -1.0, 2.0, 0.1, 0.1 + 0.2, 1 / 3, 1e-4, 9.999999999999999e-05, 1e-5, 1.5e-5, 1e-6, 9.99e-7,
+    1e-7, 1e-9, 1e-10, 5e-324, 2.2250738585072014e-308, 1e10, 9999999999.5, 1e15, 1e15 + 0.25, 1e16, 1.5e16,
+    9999999999999998.0, 1e21, 1e22, 1e23, 1.7976931348623157e308, float(2**53), float(2**53 + 2),
+    float(2**53 - 1), 4503599627370495.5, 123456789012.0625, 9000000000.0078125, 1.2345678901234567e-5,
+    float("inf"), float("-inf"), float("nan"),
+]
+
+near_power_of_ten = st.builds(
+    lambda e, up, neg: (-1 if neg else 1) * float(np.nextafter(10.0**e, np.inf if up else 0.0)),
+    st.integers(-12, 22), st.booleans(), st.booleans())
+decimal_floats = st.builds(lambda k, d: k / 10**d, st.integers(-(10**17), 10**17), st.integers(0, 12))
+near_2_53 = st.integers(-60, 60).map(lambda i: float(2**53 + i)) | st.integers(-60, 60).map(lambda i: -float(2**53 + 2 * i))
+floats = st.one_of(
+    st.floats(), st.floats(width=32), st.sampled_from(SPECIAL_FLOATS), near_power_of_ten, decimal_floats, near_2_53,
+    st.floats(min_value=-1e-3, max_value=1e-3), st.floats(min_value=-1e17, max_value=1e17),
+)
+# Everything the csv module quotes (comma, quote, newline) and what it does not (\r, NUL, unicode).
+text = st.text(alphabet=st.sampled_from(list(',"\n\r\t ab\x00é€😀')) | st.characters(exclude_categories=("Cs",)), max_size=8)
+big_ints = st.integers(-(2**63), 2**63 - 1)
+ints = st.one_of(st.integers(-1000, 1000), big_ints, st.integers(2**53 - 5, 2**53 + 5))
+
+
+def column(kind: str, n: int) -> st.SearchStrategy[pd.Series]:
+    """A column of ``n`` values of one dtype, missing values included where the dtype has them."""
+    if kind == "float64":
+        return st.lists(floats, min_size=n, max_size=n).map(lambda v: pd.Series(v, dtype="float64"))
+    if kind == "Float64":
+        return st.lists(st.none() | floats, min_size=n, max_size=n).map(lambda v: pd.Series(v, dtype="Float64"))
+    if kind == "int64":
+        return st.lists(ints, min_size=n, max_size=n).map(lambda v: pd.Series(v, dtype="int64"))
+    if kind in ("int8", "uint64"):
+        info = np.iinfo(kind)
+        return st.lists(st.integers(int(info.min), int(info.max)), min_size=n, max_size=n).map(lambda v: pd.Series(v, dtype=kind))
+    if kind in ("Int64", "UInt8"):
+        lo, hi = (-(2**63), 2**63 - 1) if kind == "Int64" else (0, 255)
+        return st.lists(st.none() | st.integers(lo, hi), min_size=n, max_size=n).map(lambda v: pd.Series(v, dtype=kind))
+    if kind == "bool":
+        return st.lists(st.booleans(), min_size=n, max_size=n).map(lambda v: pd.Series(v, dtype="bool"))
+    if kind == "boolean":
+        return st.lists(st.none() | st.booleans(), min_size=n, max_size=n).map(lambda v: pd.Series(v, dtype="boolean"))
+    if kind in ("str", "string[python]", "string[pyarrow]"):
+        return st.lists(st.none() | text, min_size=n, max_size=n).map(lambda v: pd.Series(v, dtype=kind))
+    if kind == "object":
+        return st.lists(st.none() | st.just(np.nan) | text, min_size=n, max_size=n).map(lambda v: pd.Series(v, dtype=object))
+    if kind == "category":
+        return st.lists(st.none() | st.sampled_from(["a", "b,c", 'q"uote', "line\nbreak", "", "/path/to/llama-server.log"]),
+                        min_size=n, max_size=n).map(lambda v: pd.Series(v, dtype="category"))
+    if kind == "category-one":
+        return st.just(pd.Series(["/x/llama-server.log"] * n, dtype="category"))
+    if kind == "category-num":
+        return st.lists(st.none() | floats.filter(lambda f: not np.isnan(f)) | ints.map(float), min_size=n, max_size=n).map(
+            lambda v: pd.Series(v, dtype="category"))
+    if kind == "category-int":
+        return st.lists(st.none() | ints, min_size=n, max_size=n).map(
+            lambda v: pd.Series(pd.Categorical([x for x in v], categories=sorted({x for x in v if x is not None}))))
+    raise AssertionError(kind)
+
+
+KINDS = ["float64", "Float64", "int64", "int8", "uint64", "Int64", "UInt8", "bool", "boolean", "str", "string[python]",
+         "string[pyarrow]", "object", "category", "category-one", "category-num", "category-int"]
+
+
+@st.composite
+def frames(draw: st.DrawFn, kinds: list[str] = KINDS, max_rows: int = 12, max_cols: int = 5) -> pd.DataFrame:
+    n = draw(st.integers(0, max_rows))
+    picked = draw(st.lists(st.sampled_from(kinds), min_size=1, max_size=max_cols))
+    names = draw(st.lists(st.one_of(st.sampled_from(["a", "b", "total_ms"]), text), min_size=len(picked), max_size=len(picked)))
+    cols = {f"{name}#{i}" if draw(st.booleans()) else name: draw(column(kind, n)) for i, (name, kind) in enumerate(zip(names, picked))}
+    return pd.DataFrame(cols)
+
+
+# --- properties -------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(frames())
+def test_same_bytes_as_pandas(df: pd.DataFrame) -> None:
+    assert ours(df) == pandas_csv(df)
+
+
+@SETTINGS
+@given(st.lists(floats, max_size=40))
+def test_floats_one_column(values: list[float]) -> None:
+    # One column: a missing value is the lone empty field that the csv module writes as "".
+    df = pd.DataFrame({"x": np.array(values, dtype=np.float64)})
+    assert ours(df) == pandas_csv(df)
+
+
+@SETTINGS
+@given(st.lists(floats, min_size=1, max_size=40))
+def test_floats_several_columns(values: list[float]) -> None:
+    df = pd.DataFrame({"x": np.array(values, dtype=np.float64), "y": np.array(values[::-1], dtype=np.float64)})
+    assert ours(df) == pandas_csv(df)
+
+
+@SETTINGS
+@given(st.sampled_from(KINDS).flatmap(lambda k: st.integers(0, 6).flatmap(lambda n: column(k, n))))
+def test_one_column_frames(col: pd.Series) -> None:
+    df = col.to_frame("only")
+    assert ours(df) == pandas_csv(df)
+
+
+@SETTINGS
+@given(frames(max_rows=20), st.data())
+def test_any_split_into_batches_gives_the_same_bytes(df: pd.DataFrame, data: st.DataObject) -> None:
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(df)), max_size=4)))
+    bounds = [0, *cuts, len(df)]
+    batches = [df.iloc[a:b] for a, b in zip(bounds, bounds[1:])]
+    assert ours(df, *batches) == pandas_csv(df)
+
+
+def test_float_formatting_matches_numpy_on_many_values() -> None:
+    """pandas formats float64 with numpy's str(): check the fix-ups on ~10^6 values at once."""
+    rng = np.random.default_rng(6)
+    bits = rng.integers(0, 2**64, size=300_000, dtype=np.uint64).view(np.float64)
+    scales = 10.0 ** rng.integers(-12, 20, size=300_000)
+    places = 10.0 ** rng.integers(0, 10, size=300_000)
+    decimals = np.round(rng.standard_normal(300_000) * scales * places) / places
+    powers = 10.0 ** np.arange(-325, 309)
+    edges = np.concatenate([powers, np.nextafter(powers, 0.0), np.nextafter(powers, np.inf)])
+    ties = np.concatenate([(2.0**52 / 2**s) + rng.integers(0, 2**40, size=2000) / 2**s for s in range(1, 12)])
+    x = np.concatenate([bits, decimals, scales, -scales, np.trunc(scales * rng.random(300_000)), edges, -edges, ties, SPECIAL_FLOATS])
+    got = output._float_text(x, None).to_pylist()
+    want = np.where(np.isnan(x), "", x.astype(str)).tolist()
+    bad = [(v, g, w) for v, g, w in zip(x.tolist(), got, want) if g != w]
+    assert not bad[:10]
+
+
+def test_empty_frames() -> None:
+    for df in (pd.DataFrame({"a": pd.Series([], dtype="float64"), "b,c": pd.Series([], dtype="Int64")}),
+               pd.DataFrame({"": pd.Series([], dtype="str")}), pd.DataFrame(), pd.DataFrame(index=[0, 1])):
+        assert ours(df) == pandas_csv(df)
+
+
+def test_header_comes_with_the_first_batch_even_an_empty_one() -> None:
+    df = pd.DataFrame({"a": [1.5, np.nan], 'say "hi"': ["x,y", None]})
+    assert ours(df, df.iloc[:0], df.iloc[:1], df.iloc[:0], df.iloc[1:]) == pandas_csv(df)
+    buf = io.StringIO()
+    CsvWriter(buf, header=False).write(df)
+    assert buf.getvalue() == df.to_csv(index=False, header=False)
+
+
+def test_batches_must_have_the_same_columns() -> None:
+    writer = CsvWriter(io.StringIO())
+    writer.write(pd.DataFrame({"a": [1]}))
+    with pytest.raises(ValueError):
+        writer.write(pd.DataFrame({"b": [1]}))
+
+
+def test_rows_are_written_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(output, "_CHUNK_CELLS", 7)
+    df = pd.DataFrame({"x": np.arange(50) / 7, "s": pd.Series(["a,b", None] * 25, dtype="str"), "i": pd.array([1, None] * 25, dtype="Int64")})
+    assert ours(df) == pandas_csv(df)
+
+
+@pytest.mark.parametrize("df", [
+    pd.DataFrame({"t": pd.to_datetime(["2024-01-01T00:00:00.5Z", None], utc=True, format="ISO8601"), "x": [1.0, 2.0]}),
+    pd.DataFrame({"mixed": [1, "a", 2.5, None, b"b"], "x": range(5)}),
+    pd.DataFrame({"f32": np.array([0.1, np.nan, 3], dtype=np.float32)}),
+    pd.DataFrame({"td": pd.to_timedelta([1, 2], unit="s")}),
+    pd.DataFrame(np.arange(4).reshape(2, 2), columns=pd.MultiIndex.from_tuples([("a", "b"), ("a", "c")])),
+    pd.DataFrame({1: [1.5], 2.5: ["x"]}),
+    pd.DataFrame({"surrogate": pd.Series(["ok", "bad\udc80"], dtype=object), "x": [1, 2]}),
+    pd.DataFrame({"cat_dt": pd.Series(pd.to_datetime(["2024-01-01", None]), dtype="category")}),
+], ids=["datetime", "mixed-object", "float32", "timedelta", "multiindex-columns", "non-str-labels", "surrogate", "datetime-category"])
+def test_what_it_does_not_format_goes_to_pandas(df: pd.DataFrame) -> None:
+    assert ours(df) == pandas_csv(df)
+
+
+# --- ISO datetimes (for_text) ------------------------------------------------------------------
+
+
+def iso_reference(col: pd.Series) -> pd.Series:
+    """``output.iso`` for UTC as it was before the fast path (strftime)."""
+    text = col.dt.strftime("%Y-%m-%dT%H:%M:%S.%f").str.replace(r"\.000000$", "", regex=True) + "+00:00"
+    return text.where(col.notna(), "")
+
+
+# --- the real tables ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=SCENARIOS)
+def real_logs(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    return read_server_logs([str(REAL / request.param / "logs" / "llama-server.log")])
+
+
+@pytest.mark.parametrize("table", ["tasks", "gen_samples", "prefill_samples"])
+def test_real_tables(real_logs, table: str, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    df = getattr(real_logs, table)
+    assert len(df)
+    reference = df.assign(**{c: iso_reference(df[c]) for c in df.columns if isinstance(df[c].dtype, pd.DatetimeTZDtype)})
+    want = pandas_csv(reference)
+    assert pandas_csv(for_text(df)) == want
+    assert render_text(df, "csv") == want
+    # Any split into batches, and through output.write to a file as the CLI does.
+    third = len(df) // 3
+    assert ours(df, for_text(df.iloc[:third]), for_text(df.iloc[third:2 * third]), for_text(df.iloc[2 * third:])) == want
+    output.write(df, "csv", str(tmp_path / "t.csv"))
+    assert (tmp_path / "t.csv").read_bytes() == want.encode()
+
+
+def test_real_task_tables_use_the_fast_path(real_logs) -> None:  # type: ignore[no-untyped-def]
+    """No column of slotscope's own tables falls back to pandas."""
+    df = for_text(real_logs.tasks)
+    assert all(output._column_formatter(df.iloc[:, k]) is not None for k in range(df.shape[1])), df.dtypes
