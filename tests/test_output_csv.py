@@ -213,6 +213,22 @@ def iso_reference(col: pd.Series) -> pd.Series:
     return text.where(col.notna(), "")
 
 
+@SETTINGS
+@given(st.lists(st.none() | st.integers(-(10**16), 10**17), max_size=30), st.sampled_from(["s", "ms", "us", "ns"]))
+def test_iso_matches_strftime(micros: list[int | None], unit: str) -> None:
+    if unit == "ns":  # nanosecond times end in 2262
+        micros = [None if m is None else m % (9 * 10**15) for m in micros]
+    col = pd.Series(pd.to_datetime(micros, unit="us", utc=True)).astype(f"datetime64[{unit}, UTC]")
+    col.index = col.index * 3
+    pd.testing.assert_series_equal(output.iso(col), iso_reference(col))
+
+
+def test_iso_on_whole_seconds_and_far_years() -> None:
+    col = pd.Series(pd.to_datetime(["2024-01-01T00:00:00Z", "0999-12-31T23:59:59.25Z", "2024-01-01T00:00:00.000001Z"], utc=True, format="ISO8601"))
+    pd.testing.assert_series_equal(output.iso(col), iso_reference(col))
+    pd.testing.assert_series_equal(output.iso(col[[0, 2]]), iso_reference(col[[0, 2]]))
+
+
 # --- the real tables ---------------------------------------------------------------------------
 
 

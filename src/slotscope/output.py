@@ -57,12 +57,59 @@ def choose_format(fmt: str | None, out: str | None, stdout_is_tty: bool) -> Form
     return chosen
 
 
+def _iso_utc(col: pd.Series) -> pd.Series | None:
+    """``iso`` of a UTC column without strftime (~20x faster), the same text.
+
+    pyarrow casts the naive times to "YYYY-MM-DD HH:MM:SS.ffffff" (26 bytes each); as rows of
+    a byte matrix those become "YYYY-MM-DDTHH:MM:SS[.ffffff]+00:00" (".000000" dropped, as
+    strftime's "%f" then the regex did). None (the caller formats) for nanosecond times or
+    years outside 1000..9999.
+    """
+    if col.dtype.unit not in ("s", "ms", "us"):  # type: ignore[union-attr]
+        return None
+    naive = pa.array(col.array).cast(pa.timestamp("us"))
+    try:
+        lo, hi = (v.as_py() for v in pc.min_max(naive).values())
+    except (ValueError, OverflowError):
+        return None
+    if lo is not None and not (lo.year >= 1000 and hi.year <= 9999):
+        return None
+    text = pc.cast(naive, pa.string())
+    n = len(text)
+    _, offsets, data = text.buffers()
+    off = np.frombuffer(offsets, dtype=np.int32, count=n + 1)
+    size = np.diff(off)
+    valid = size == 26
+    m = int(np.count_nonzero(valid))
+    if m + text.null_count != n or off[-1] - off[0] != 26 * m:
+        return None
+    src = np.frombuffer(data, dtype=np.uint8, count=26 * m, offset=int(off[0])).reshape(m, 26)
+    out = np.empty((m, 32), dtype=np.uint8)
+    out[:, :26] = src
+    out[:, 10] = ord("T")
+    zone = np.frombuffer(b"+00:00", dtype=np.uint8)
+    out[:, 26:] = zone
+    whole = (src[:, 20:] == ord("0")).all(axis=1)
+    out[whole, 19:25] = zone
+    width = np.where(whole, 25, 32)
+    body = out[np.arange(32) < width[:, None]]  # row by row, each cut to its width
+    size = np.zeros(n, dtype=np.int32)
+    size[valid] = width  # missing times -> ""
+    bounds = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(size, out=bounds[1:])
+    iso_text = pa.StringArray.from_buffers(n, pa.py_buffer(bounds), pa.py_buffer(body))
+    return pd.Series(pd.array(iso_text, dtype="str"), index=col.index, name=col.name)
+
+
 def iso(col: pd.Series) -> pd.Series:
     """ISO-8601 text of a datetime column, exactly as ``Timestamp.isoformat()`` writes it.
 
     Column-wise for UTC (every time slotscope produces); other zones fall back to per value.
     """
     if str(getattr(col.dt, "tz", None)) in ("UTC", "UTC+00:00"):
+        fast = _iso_utc(col)
+        if fast is not None:
+            return fast
         text = col.dt.strftime("%Y-%m-%dT%H:%M:%S.%f").str.replace(r"\.000000$", "", regex=True) + "+00:00"
         return text.where(col.notna(), "")
     return col.map(lambda x: x.isoformat() if not pd.isna(x) else "")
