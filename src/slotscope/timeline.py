@@ -43,12 +43,16 @@ def task_ends(tv: pd.DataFrame, sessions: pd.DataFrame | None = None) -> np.ndar
         return end
     fallback = np.full(len(tv), np.nan)
     if sessions is not None and len(sessions):
-        last = tv[GROUP].merge(sessions[GROUP + ["last_s"]].drop_duplicates(GROUP), on=GROUP, how="left")["last_s"]
-        fallback = _f(last)
-    latest = pd.concat([tv[GROUP], pd.DataFrame({
-        "t": np.fmax.reduce([_f(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s")]),
-    }, index=tv.index)], axis=1).groupby(GROUP, dropna=False)["t"].transform("max")
-    fallback = np.where(np.isnan(fallback), _f(latest), fallback)
+        first = sessions.drop_duplicates(GROUP)
+        code, scode = key_codes([tv, first], GROUP)
+        last = np.full(int(max(code.max(initial=-1), scode.max(initial=-1))) + 1, np.nan)
+        last[scode] = _f(first["last_s"])
+        fallback = last[code]
+    else:
+        code = key_codes([tv], GROUP)[0]
+    t = np.fmax.reduce([_f(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s")])
+    latest = pd.Series(t).groupby(code).transform("max").to_numpy(dtype="float64", na_value=np.nan)
+    fallback = np.where(np.isnan(fallback), latest, fallback)
     return np.where(np.isnan(end), fallback, end)
 
 
@@ -179,7 +183,7 @@ def _group_codes(queries: pd.DataFrame, intervals: pd.DataFrame, by: Sequence[st
     return qcode, icode
 
 
-def _by_group(codes: np.ndarray, usable: np.ndarray) -> dict[int, np.ndarray]:
+def rows_by_group(codes: np.ndarray, usable: np.ndarray) -> dict[int, np.ndarray]:
     """Row positions of the usable rows per code, each in row order (one sort, not one scan per group)."""
     idx = np.flatnonzero(usable)
     idx = idx[np.argsort(codes[idx], kind="stable")]
@@ -255,8 +259,8 @@ def overlap_arrays(
     valid_iv = ~np.isnan(ivs) & ~np.isnan(ive) & (ive > ivs)
     if not (n and valid_iv.any()):
         return covered, max_count, max_value, max_pos
-    query_groups = _by_group(qcode, ~np.isnan(qs) & ~np.isnan(qe) & (qe > qs))
-    for code, grp in _by_group(icode, valid_iv).items():
+    query_groups = rows_by_group(qcode, ~np.isnan(qs) & ~np.isnan(qe) & (qe > qs))
+    for code, grp in rows_by_group(icode, valid_iv).items():
         qi = query_groups.get(code)
         if qi is None:
             continue
@@ -334,8 +338,8 @@ def count_point_arrays(qcode: np.ndarray, qs: np.ndarray, qe: np.ndarray, pcode:
     """:func:`count_points` on arrays, groups given as integer codes: one sorted search per group."""
     out = np.zeros(len(qs), dtype=np.int64)
     ok = ~np.isnan(pt)
-    points = _by_group(pcode, ok)
-    for code, qi in _by_group(qcode, ~np.isnan(qs) & ~np.isnan(qe)).items():
+    points = rows_by_group(pcode, ok)
+    for code, qi in rows_by_group(qcode, ~np.isnan(qs) & ~np.isnan(qe)).items():
         p = points.get(code)
         if p is None:
             continue
