@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from .. import timeline as tl
-from ..dataset import Dataset, task_view
+from ..dataset import Dataset, own_copy, task_view
 from . import Options, register
 
 CAUSES = ["different_lora", "same_lora", "nothing", "deferred"]
@@ -45,27 +45,49 @@ def classify_waits(ds: Dataset, opts: Options, tv: pd.DataFrame | None = None) -
     """Waits before prefill of at least ``opts.wait_threshold_s``, one row each, with ``cause``
     and the seconds of the wait covered by different-/same-/unknown-LoRA work."""
     tv = task_view(ds) if tv is None else tv
+    return _classify(tv, _running(tv, ds.server.sessions), opts)
+
+
+def _shared(ds: Dataset, opts: Options) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """The task view, what ran and the classified waits, computed once for the waits tables."""
+    def make() -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+        tv = task_view(ds)
+        run = _running(tv, ds.server.sessions)
+        return tv, run, _classify(tv, run, opts)
+
+    tv, run, w = ds.memo((__name__, "classified", opts.wait_threshold_s), make)
+    return own_copy(tv), own_copy(run), own_copy(w)
+
+
+def _covered(waits: pd.DataFrame, wcode: np.ndarray, run: pd.DataFrame, rcode: np.ndarray, sel: np.ndarray) -> np.ndarray:
+    """Seconds of each wait covered by the ``sel`` rows of ``run`` (as :func:`tl.overlaps`' ``covered_s``)."""
+    r = np.flatnonzero(sel)
+    return tl.overlap_arrays(wcode, _f(waits["start_s"]), _f(waits["end_s"]), rcode[r], _f(run["start_s"])[r],
+                             _f(run["end_s"])[r], need=("covered",))[0].round(6)
+
+
+def _classify(tv: pd.DataFrame, run: pd.DataFrame, opts: Options) -> pd.DataFrame:
     w_ms = _f(tv["wait_before_prefill_ms"])
     waits = tv[w_ms >= opts.wait_threshold_s * 1000].copy()
     waits["start_s"] = waits["launch_s"]
     waits["end_s"] = waits["prefill_start_s"]
     waits["wait_s"] = waits["end_s"] - waits["start_s"]
     waits = waits.reset_index(drop=True)
-    run = _running(tv, ds.server.sessions)
+    wcode, rcode = tl.key_codes([waits, run], tl.GROUP)
     wl = waits["lora"].astype("object") if "lora" in waits.columns else pd.Series(pd.NA, index=waits.index, dtype="object")
     rl = run["lora"]
     diff_s = np.zeros(len(waits))
     same_s = np.zeros(len(waits))
     for label in pd.unique(wl.dropna()):
-        q = wl == label
+        q = (wl == label).to_numpy()
         if not q.any():
             continue
-        qd = waits[q.to_numpy()]
-        diff_s[q.to_numpy()] = tl.overlaps(qd, run[rl.notna() & (rl != label)])["covered_s"].to_numpy()
-        same_s[q.to_numpy()] = tl.overlaps(qd, run[rl == label])["covered_s"].to_numpy()
+        qi = np.flatnonzero(q)
+        diff_s[q] = _covered(waits.iloc[qi], wcode[qi], run, rcode, (rl.notna() & (rl != label)).to_numpy())
+        same_s[q] = _covered(waits.iloc[qi], wcode[qi], run, rcode, (rl == label).to_numpy())
     # Unknown: what ran had no label, or the waiting task has none (then anything that ran).
-    unk_s = tl.overlaps(waits, run[rl.isna()])["covered_s"].to_numpy()
-    any_s = tl.overlaps(waits, run)["covered_s"].to_numpy()
+    unk_s = _covered(waits, wcode, run, rcode, rl.isna().to_numpy())
+    any_s = _covered(waits, wcode, run, rcode, np.ones(len(run), dtype=bool))
     unk_s = np.where(wl.isna().to_numpy(), any_s, unk_s)
     waits["different_lora_s"] = diff_s
     waits["same_lora_s"] = same_s
@@ -105,8 +127,7 @@ def deferred_launches(ds: Dataset, tv: pd.DataFrame | None = None) -> pd.DataFra
 def waits(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Count, total, longest and median wait per cause; ``share`` of all waits' seconds for the
     wait causes. ``deferred``'s seconds are the app's queue time (NA without an app log)."""
-    tv = task_view(ds)
-    w = classify_waits(ds, opts, tv)
+    tv, _, w = _shared(ds, opts)
     causes = CAUSES[:3] + (["unknown_lora"] if (w["cause"] == "unknown_lora").any() else [])
     g = w.groupby("cause")["wait_s"]
     stats = pd.DataFrame({"count": g.size(), "total_s": g.sum(), "max_s": g.max(), "median_s": g.median()}).reindex(causes)
@@ -138,11 +159,17 @@ def worst_waits(ds: Dataset, opts: Options) -> pd.DataFrame:
     """The longest waits before prefill, with the task that held the batch meanwhile: the
     different-LoRA task that overlapped the wait most, else the largest prefill that ran during
     it, else whatever ran longest during it (``holder_*``; NA when nothing ran)."""
-    tv = task_view(ds)
-    w = classify_waits(ds, opts, tv).sort_values("wait_s", ascending=False, kind="stable").head(opts.worst).reset_index(drop=True)
+    tv, run, w = _shared(ds, opts)
+    w = w.sort_values("wait_s", ascending=False, kind="stable").head(opts.worst).reset_index(drop=True)
     w["_w"] = np.arange(len(w))
-    run = _running(tv, ds.server.sessions)
-    # Only the few listed waits are paired with the tasks of their session.
+    # Only the few listed waits are paired with the tasks of their session that overlap them
+    # (a pair of every task would hold worst x tasks rows).
+    wcode, rcode = tl.key_codes([w, run], tl.GROUP)
+    rs, re_ = _f(run["start_s"]), _f(run["end_s"])
+    near = np.zeros(len(run), dtype=bool)
+    for code, a, z in zip(wcode, _f(w["start_s"]), _f(w["end_s"])):
+        near |= (rcode == code) & (rs < z) & (re_ > a)
+    run = run[near]
     pair = w[tl.GROUP + ["_w", "task_id", "start_s", "end_s", "lora"]].merge(
         run.rename(columns={c: "h_" + c for c in run.columns if c not in tl.GROUP}), on=tl.GROUP, how="inner")
     pair = pair[pair["h_task_id"] != pair["task_id"]]
