@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from .. import timeline as tl
 from ..dataset import Dataset
 from . import Options, register
 
@@ -46,20 +47,23 @@ def tasks_during(tasks: pd.DataFrame, at: pd.DataFrame, start: str, end: str,
     out = np.zeros(len(at), dtype=np.int64)
     if at.empty or tasks.empty:
         return out
-    pos = pd.Series(np.arange(len(at)), index=at.index)
-    by_session = {k: g for k, g in tasks.groupby(SESSION, sort=False)}
-    for key, rows in at.groupby(SESSION, sort=False):
-        t = by_session.get(key if isinstance(key, tuple) else (key,))
+    tcode, acode = tl.key_codes([tasks, at], SESSION)
+    # Rows whose session key has a gap belong to no session (as in a groupby).
+    t_ok = tasks[SESSION].notna().all(axis=1).to_numpy() & tasks[since].notna().to_numpy()
+    a_ok = at[SESSION].notna().all(axis=1).to_numpy()
+    t_since = tasks[since].to_numpy(dtype=float, na_value=np.nan)
+    t_until = tasks[until].to_numpy(dtype=float, na_value=np.inf)
+    a_start = at[start].to_numpy(dtype=float, na_value=np.nan)
+    a_end = at[end].to_numpy(dtype=float, na_value=np.nan)
+    by_session = tl.rows_by_group(tcode, t_ok)
+    for code, rows in tl.rows_by_group(acode, a_ok).items():
+        t = by_session.get(code)
         if t is None:
             continue
-        t = t.loc[t[since].notna()]
-        starts = np.sort(t[since].to_numpy(dtype=float))
-        ends = np.sort(t[until].to_numpy(dtype=float, na_value=np.inf))
-        a = rows[start].to_numpy(dtype=float)
-        b = rows[end].to_numpy(dtype=float)
+        starts = np.sort(t_since[t])
+        ends = np.sort(t_until[t])
         # Begun before the window ends, minus ended before it starts.
-        n = np.searchsorted(starts, b, side="left") - np.searchsorted(ends, a, side="right")
-        out[pos[rows.index].to_numpy()] = n
+        out[rows] = np.searchsorted(starts, a_end[rows], side="left") - np.searchsorted(ends, a_start[rows], side="right")
     return out
 
 
@@ -69,7 +73,8 @@ def context(ds: Dataset, opts: Options) -> pd.DataFrame:
     hb = ds.server.gen_samples
     tasks = ds.server.tasks
     prompt = tasks[SESSION + ["task_id", "prompt_tokens"]].drop_duplicates(SESSION + ["task_id"])
-    w = hb.loc[(hb["window_s"] >= WINDOW_MIN_S) & (hb["window_s"] <= WINDOW_MAX_S) & hb["tg_3s_tps"].notna()]
+    w = hb.loc[(hb["window_s"] >= WINDOW_MIN_S) & (hb["window_s"] <= WINDOW_MAX_S) & hb["tg_3s_tps"].notna(),
+               SESSION + ["task_id", "window_start_s", "t_s", "n_gen", "tg_3s_tps"]]
     w = w.merge(prompt, on=SESSION + ["task_id"], how="inner")
     w = w.assign(context=(w["prompt_tokens"].astype("float64") + w["n_gen"].astype("float64")))
     w = w.loc[w["context"].notna()]
@@ -77,7 +82,7 @@ def context(ds: Dataset, opts: Options) -> pd.DataFrame:
     # The task itself finished its prefill before its first heartbeat window, so any count is another's.
     w["no_prefill"] = tasks_during(tasks, w, "window_start_s", "t_s", "prefill_start_s", "first_token_s") == 0
     w["bin"] = pd.cut(w["context"], EDGES, right=False, labels=LABELS)
-    w["task"] = w["source"].astype(str) + ":" + w["port"].astype(str) + ":" + w["session"].astype(str) + ":" + w["task_id"].astype(str)
+    w["task"] = tl.key_codes([w], SESSION + ["task_id"])[0]  # one number per task (was its keys as text)
     stacked = pd.concat([w.loc[w[b]].assign(basis=b) for b in BASES], ignore_index=True)
     g = stacked.groupby(["basis", "bin"], observed=False)
     table = pd.DataFrame({
