@@ -7,6 +7,7 @@ the same. Each stage stays importable on its own.
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -71,6 +72,24 @@ class Dataset:
         return self.matches.calls if self.matches is not None else None
 
 
+def release_memory() -> None:
+    """Hand memory freed by the last stage back to the OS, so the next stage's peak does not
+    stack on it: glibc keeps freed heap pages (``malloc_trim`` returns them) and pyarrow's pool
+    keeps the buffers of dropped string columns. Elsewhere (macOS, musl) nothing to do."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    pa = sys.modules.get("pyarrow")
+    if pa is not None:
+        try:
+            pa.default_memory_pool().release_unused()
+        except Exception:  # noqa: BLE001 - best effort: an old pyarrow may lack it
+            pass
+
+
 def read_app(inputs: Inputs, *, columns: dict[str, str] | None = None, tz: str = "UTC") -> tuple[AppLog | None, list[FileAccount]]:
     """Read the app logs found among the inputs, with their line accounting."""
     if not inputs.app:
@@ -113,12 +132,14 @@ def load(
     inputs = collect(paths)
     server = read_server_logs(paths, keep_samples=keep_samples, tz=tz, progress=progress, inputs=inputs)
     app, app_accounts = read_app(inputs, columns=app_columns, tz=tz)
+    release_memory()  # the records parsed from JSON
     acc = server.accounting
     acc.files.extend(app_accounts)
     matches = None
     if app is not None:
         aligned = align(server.tasks, server.sessions, app.calls, server_start=server_start)
         matches = match(app.calls, server.tasks, aligned, server.sessions)
+        release_memory()  # the candidate pairs
     return Dataset(server=server, app=app, matches=matches, accounting=acc)
 
 

@@ -12,7 +12,7 @@ from typing import Callable
 
 import pandas as pd
 
-from ..dataset import TASK_VIEW, Dataset
+from ..dataset import TASK_VIEW, Dataset, release_memory
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,7 @@ def run(ds: Dataset, opts: Options | None = None, names: list[str] | None = None
             if name == "findings":
                 continue
             ds.forget(keep=_shared_with(TABLES[name].__module__))
+            release_memory()  # what the previous table dropped: its peak is not the next one's base
             try:
                 out[name] = TABLES[name](ds, opts)
             except Exception as e:  # noqa: BLE001 - one broken table must not hide the rest
