@@ -66,7 +66,7 @@ _DTYPES: dict[str, str] = {
     "error": "string", "ok": "bool", "file": "string", "line": "int64", "start_us": "int64", "end_us": "Int64",
     **{f"timings_{k}": t for k, t in TIMINGS.items()}, "session": "string", "turn": "Int64",
 }
-CHUNK_ROWS = 50_000
+CHUNK_ROWS = 10_000  # records parsed at a time: their dicts are ~3 KB each, the peak of reading
 MAX_EXAMPLES = 5
 # fields that, beside a start time, make a record a call rather than any timestamped line
 _STRONG = ("end", "duration_ms", "duration_s", "purpose", "lora", "prompt_tokens", "completion_tokens",
