@@ -223,6 +223,13 @@ def test_iso_matches_strftime(micros: list[int | None], unit: str) -> None:
     pd.testing.assert_series_equal(output.iso(col), iso_reference(col))
 
 
+@SETTINGS
+@given(st.lists(st.none() | st.integers(-(10**18), 9 * 10**18), max_size=10))
+def test_iso_of_nanosecond_times(nanos: list[int | None]) -> None:
+    col = pd.Series(pd.to_datetime(nanos, unit="ns", utc=True))
+    pd.testing.assert_series_equal(output.iso(col), iso_reference(col))
+
+
 def test_iso_on_whole_seconds_and_far_years() -> None:
     col = pd.Series(pd.to_datetime(["2024-01-01T00:00:00Z", "0999-12-31T23:59:59.25Z", "2024-01-01T00:00:00.000001Z"], utc=True, format="ISO8601"))
     pd.testing.assert_series_equal(output.iso(col), iso_reference(col))

@@ -62,11 +62,14 @@ def _iso_utc(col: pd.Series) -> pd.Series | None:
 
     pyarrow casts the naive times to "YYYY-MM-DD HH:MM:SS.ffffff" (26 bytes each); as rows of
     a byte matrix those become "YYYY-MM-DDTHH:MM:SS[.ffffff]+00:00" (".000000" dropped, as
-    strftime's "%f" then the regex did). None (the caller formats) for nanosecond times or
-    years outside 1000..9999.
+    strftime's "%f" then the regex did). None (the caller formats) for times with nanoseconds
+    or years outside 1000..9999.
     """
-    if col.dtype.unit not in ("s", "ms", "us"):  # type: ignore[union-attr]
-        return None
+    if col.dtype.unit == "ns":  # type: ignore[union-attr]
+        ns = col.array.asi8[col.notna().to_numpy()]  # type: ignore[attr-defined]
+        if (ns % 1000).any():
+            return None
+        col = col.dt.as_unit("us")
     naive = pa.array(col.array).cast(pa.timestamp("us"))
     try:
         lo, hi = (v.as_py() for v in pc.min_max(naive).values())
@@ -147,11 +150,11 @@ def for_text(df: pd.DataFrame) -> pd.DataFrame:
 # columns ...) goes to pandas for the whole batch, so the bytes are always pandas' own.
 
 _EOL = os.linesep
-_CHUNK_CELLS = 1 << 21  # cells formatted and joined at a time: bounds the writer's memory
+_CHUNK_CELLS = 1 << 18  # cells formatted and joined at a time: the writer needs ~10 MB whatever the batch
 
 
-def _csv_dialect() -> tuple[str, str]:
-    """(RE2 class of the characters that make the csv module quote a field, how it writes a lone empty field).
+def _csv_dialect() -> tuple[list[int], str]:
+    """(the characters that make the csv module quote a field, how it writes a lone empty field).
 
     Asked of the csv module itself with pandas' settings rather than assumed: which control
     characters force quoting has changed between Python versions.
@@ -164,10 +167,12 @@ def _csv_dialect() -> tuple[str, str]:
             special.append(code)
     buf = io.StringIO()
     csv.writer(buf, lineterminator=_EOL).writerow([""])
-    return "[" + "".join(f"\\x{c:02x}" for c in special) + "]", buf.getvalue()[: -len(_EOL)]
+    return special, buf.getvalue()[: -len(_EOL)]
 
 
-_QUOTE_RE, _LONE_EMPTY = _csv_dialect()
+_QUOTE_CODES, _LONE_EMPTY = _csv_dialect()
+_QUOTE_BYTES = [bytes([c]) for c in _QUOTE_CODES]
+_QUOTE_RE = "[" + "".join(f"\\x{c:02x}" for c in _QUOTE_CODES) + "]"  # RE2
 _BOOL_TEXT = pa.array(["False", "True", ""])
 _MASKED_INTS = {"Int8", "Int16", "Int32", "Int64", "UInt8", "UInt16", "UInt32", "UInt64"}
 
@@ -188,8 +193,20 @@ def _no_nulls(text: pa.Array) -> pa.Array:
     return pc.fill_null(text, "") if text.null_count else text
 
 
+def _utf8(text: pa.Array) -> memoryview:
+    """The bytes of a string array's values, end to end."""
+    _, offsets, data = text.buffers()
+    if data is None:
+        return memoryview(b"")
+    bounds = np.frombuffer(offsets, dtype=np.int32)[[text.offset, text.offset + len(text)]]
+    return memoryview(data)[bounds[0]:bounds[1]]
+
+
 def _quoted(text: pa.Array) -> pa.Array:
     """Fields the csv module would quote, quoted (inner quotes doubled); the rest as they are."""
+    raw = bytes(_utf8(text))
+    if not any(c in raw for c in _QUOTE_BYTES):  # memchr: ~10x faster than the regex below
+        return text
     need = pc.match_substring_regex(text, _QUOTE_RE)
     if not pc.any(need).as_py():
         return text
@@ -327,9 +344,7 @@ def _csv_chunk(formatters: list, start: int, stop: int) -> str:  # type: ignore[
     rows = pc.binary_join_element_wise(*cols, ",")
     if rows.null_count or len(rows) != stop - start:
         raise _Fallback
-    _, offsets, data = rows.buffers()
-    bounds = np.frombuffer(offsets, dtype=np.int32)[[rows.offset, rows.offset + len(rows)]]
-    return str(memoryview(data)[bounds[0]:bounds[1]], "utf-8")
+    return str(_utf8(rows), "utf-8")
 
 
 class CsvWriter:
