@@ -112,7 +112,7 @@ def test_only_open_tasks_are_held_and_finished_ones_are_numeric(big_log: Path, m
         real_merge(self, *args, **kwargs)  # type: ignore[arg-type]
         if self._open is not None:
             open_counts.append(len(self._open["task"]))
-        for part in self._done:
+        for part in self._done._pending:
             assert all(v.dtype != object for v in part.values())
 
     monkeypatch.setattr(tasks_mod.TaskAssembler, "merge", merge)
@@ -158,3 +158,34 @@ def test_spans_cover_the_file_and_end_at_newlines(tmp_path: Path, tail: bytes) -
         assert b"".join(pieces) == data
         assert all(p.endswith(b"\n") for p in pieces[:-1])
         assert all(p for p in pieces)
+
+
+def test_task_batches_join_to_the_task_table(big_log: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finished tasks spill to disk in chunks and come back in output order, batch by batch:
+    joined, the batches are the task table; no more than a chunk of finished rows is held."""
+    import os
+
+    from slotscope.server_log import read_task_batches
+
+    whole = read_server_logs([big_log], keep_samples=False)
+    held: list[int] = []
+    real_append = tasks_mod.FinishedRows.append
+
+    def append(self: tasks_mod.FinishedRows, rows: dict) -> None:
+        real_append(self, rows)
+        held.append(self._n_pending)
+        dirs.update(c for c in self._chunks if isinstance(c, str))
+
+    dirs: set[str] = set()
+    monkeypatch.setattr(tasks_mod.FinishedRows, "append", append)
+    batches, acc = read_task_batches([big_log], rows=500, chunk_size=256 << 10)
+    parts = list(batches)
+    assert len(dirs) >= len(whole.tasks) // 500 - 1  # spilled as it went
+    assert max(held) < 500 + 50  # one chunk and the tasks one block finished
+    assert all(len(p) == 500 for p in parts[:-1])
+    pd.testing.assert_frame_equal(pd.concat(parts, ignore_index=True), whole.tasks.astype({"source": object, "file": object}),
+                                  check_exact=True, check_categorical=False, check_dtype=False)
+    assert (acc.tasks_complete, acc.tasks_cancelled, acc.tasks_incomplete, acc.sessions) == (
+        whole.accounting.tasks_complete, whole.accounting.tasks_cancelled, whole.accounting.tasks_incomplete,
+        whole.accounting.sessions)
+    assert not any(os.path.exists(d) for d in dirs)  # the temporary chunks are gone

@@ -527,6 +527,7 @@ def read_stream(
     progress: Callable[[int], None] | None = None,
     chunk_size: int | None = None,
     pool: Pool | None = None,
+    spill_rows: int | None = None,
 ) -> tuple[TaskAssembler, list[FileAccount]]:
     """Parse one server-log stream (rotated files oldest first) into an assembler.
 
@@ -538,7 +539,7 @@ def read_stream(
     state = StreamState(source=source, tz=tz)
     if year is not None:
         state.year = year
-    asm = TaskAssembler(source=source, keep_samples=keep_samples)
+    asm = TaskAssembler(source=source, keep_samples=keep_samples, spill_rows=spill_rows)
     accounts = []
     for lf in files:
         account = FileAccount(lf.path if lf.path != STDIN else "<stdin>")
@@ -618,20 +619,15 @@ def read_server_logs(
     processes (default: :func:`slotscope.workers.default_jobs`; 1: in this process) and
     assembled here in order; memory is bounded by a few blocks and the tables themselves.
     """
-    if inputs is None:
-        inputs = collect(paths)
     tasks, gens, prefills, sessions = [], [], [], []
-    acc = Accounting(skipped=list(inputs.skipped), unusable=list(inputs.unusable), notes=list(inputs.notes))
-    with Pool(jobs) as pool:
-        for files in inputs.server:
-            asm, accounts = read_stream(files, inputs, keep_samples=keep_samples, tz=tz, year=year,
-                                        progress=progress, chunk_size=chunk_size, pool=pool)
-            t, g, p, s = asm.finish()
-            tasks.append(t)
-            gens.append(g)
-            prefills.append(p)
-            sessions.append(s)
-            acc.files.extend(accounts)
+    assemblers, acc = _read_all(paths, inputs, keep_samples=keep_samples, tz=tz, year=year, progress=progress,
+                                chunk_size=chunk_size, jobs=jobs)
+    for asm in assemblers:
+        t, g, p, s = asm.finish()
+        tasks.append(t)
+        gens.append(g)
+        prefills.append(p)
+        sessions.append(s)
     out = ServerLogs(
         tasks=_concat(tasks, TASK_COLUMNS),
         gen_samples=_concat(gens, GEN_COLUMNS),
@@ -639,12 +635,72 @@ def read_server_logs(
         sessions=_concat(sessions, ["source", "port", "session"]),
         accounting=acc,
     )
-    st = out.tasks["status"] if len(out.tasks) else pd.Series([], dtype=str)
-    acc.tasks_complete = int((st == "complete").sum())
-    acc.tasks_cancelled = int((st == "cancelled").sum())
-    acc.tasks_incomplete = int((st == "incomplete").sum())
+    _count_status(acc, out.tasks)
     acc.sessions = len(out.sessions)
     return out
+
+
+def read_task_batches(
+    paths: Sequence[str | os.PathLike[str]],
+    *,
+    rows: int = 1 << 16,
+    tz: str = "UTC",
+    year: int | None = None,
+    progress: Callable[[int], None] | None = None,
+    inputs: Inputs | None = None,
+    chunk_size: int | None = None,
+    jobs: int | None = None,
+) -> tuple[Iterator[pd.DataFrame], Accounting]:
+    """:func:`read_server_logs`' task table as batches of ``rows`` rows, for logs of any size.
+
+    All input is read first (finished tasks beyond ``rows`` wait in a temporary directory),
+    so the accounting's line counts are final on return; its task counts are final once every
+    batch has been taken. The batches, joined, are the ``tasks`` table (the same text as CSV).
+    """
+    assemblers, acc = _read_all(paths, inputs, keep_samples=False, tz=tz, year=year, progress=progress,
+                                chunk_size=chunk_size, jobs=jobs, spill_rows=rows)
+    ends = [asm.finish_in_batches(rows) for asm in assemblers]
+    acc.sessions = sum(len(s) for _, s in ends)
+
+    def batches() -> Iterator[pd.DataFrame]:
+        any_rows = False
+        with_wall = any(a.has_wall_rows for a in assemblers if a.n_finished)
+        for asm, (parts, _) in zip(assemblers, ends):
+            for part in (parts if asm.n_finished else ()):
+                if with_wall and "launch_at" not in part.columns:
+                    for c in ("launch_at", "release_at", "prefill_start_at", "first_token_at"):
+                        part[c] = pd.Series(pd.NaT, index=part.index, dtype="datetime64[us, UTC]")
+                _count_status(acc, part, add=True)
+                any_rows = True
+                yield part
+        if not any_rows:
+            yield _concat([], TASK_COLUMNS)
+
+    return batches(), acc
+
+
+def _read_all(
+    paths: Sequence[str | os.PathLike[str]], inputs: Inputs | None, *, spill_rows: int | None = None, **kw: object,
+) -> tuple[list[TaskAssembler], Accounting]:
+    if inputs is None:
+        inputs = collect(paths)
+    acc = Accounting(skipped=list(inputs.skipped), unusable=list(inputs.unusable), notes=list(inputs.notes))
+    assemblers = []
+    jobs = kw.pop("jobs")
+    with Pool(jobs) as pool:  # type: ignore[arg-type]
+        for files in inputs.server:
+            asm, accounts = read_stream(files, inputs, pool=pool, spill_rows=spill_rows, **kw)  # type: ignore[arg-type]
+            assemblers.append(asm)
+            acc.files.extend(accounts)
+    return assemblers, acc
+
+
+def _count_status(acc: Accounting, tasks: pd.DataFrame, add: bool = False) -> None:
+    st = tasks["status"] if len(tasks) else pd.Series([], dtype=str)
+    counts = [int((st == x).sum()) for x in ("complete", "cancelled", "incomplete")]
+    if add:
+        counts = [a + b for a, b in zip(counts, (acc.tasks_complete, acc.tasks_cancelled, acc.tasks_incomplete))]
+    acc.tasks_complete, acc.tasks_cancelled, acc.tasks_incomplete = counts
 
 
 def _concat(frames: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:

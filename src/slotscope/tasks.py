@@ -10,7 +10,10 @@ grows only with the output table; the DataFrame is built once, at the end.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import numpy as np
 import pandas as pd
@@ -134,6 +137,109 @@ def _take(cols: dict[str, np.ndarray], sel: np.ndarray) -> dict[str, np.ndarray]
     return {c: v[sel] for c, v in cols.items()}
 
 
+class FinishedRows:
+    """Finished partial rows in the order they finished, as numeric columns.
+
+    With ``spill_rows``, every ``spill_rows`` rows go to a temporary directory (one ``.npy``
+    file per column), so the rows held in memory stay bounded whatever the input size; they
+    are read back a few chunks at a time, in output order (:meth:`gather`).
+    """
+
+    def __init__(self, spill_rows: int | None = None) -> None:
+        self.spill_rows = spill_rows
+        self._pending: list[dict[str, np.ndarray]] = []
+        self._n_pending = 0
+        self._chunks: list[str | dict[str, np.ndarray]] = []  # spilled directory, or rows in memory
+        self._sizes: list[int] = []
+        self._tmp: "tempfile.TemporaryDirectory[str] | None" = None
+        self._cache: tuple[int, dict[str, np.ndarray]] | None = None
+
+    def __len__(self) -> int:
+        return sum(self._sizes) + self._n_pending
+
+    def append(self, rows: dict[str, np.ndarray]) -> None:
+        n = len(rows["task"])
+        if not n:
+            return
+        self._pending.append(rows)
+        self._n_pending += n
+        if self.spill_rows is not None and self._n_pending >= self.spill_rows:
+            self._seal(spill=True)
+
+    def _seal(self, spill: bool) -> None:
+        if not self._pending:
+            return
+        rows = {c: np.concatenate([p[c] for p in self._pending]) for c in self._pending[0]}
+        self._pending, self._n_pending = [], 0
+        self._sizes.append(len(rows["task"]))
+        if not spill:
+            self._chunks.append(rows)
+            return
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="slotscope-")
+        path = os.path.join(self._tmp.name, str(len(self._chunks)))
+        os.mkdir(path)
+        for c, v in rows.items():
+            np.save(os.path.join(path, c + ".npy"), v, allow_pickle=False)
+        self._chunks.append(path)
+
+    def close(self) -> None:
+        """No more rows: the last ones join the chunks (in memory)."""
+        self._seal(spill=False)
+
+    def _chunk(self, k: int, columns: list[str] | None = None) -> dict[str, np.ndarray]:
+        chunk = self._chunks[k]
+        if isinstance(chunk, dict):
+            return chunk if columns is None else {c: chunk[c] for c in columns}
+        if columns is None and self._cache is not None and self._cache[0] == k:
+            return self._cache[1]
+        names = columns or [f[:-4] for f in sorted(os.listdir(chunk))]
+        cols = {c: np.load(os.path.join(chunk, c + ".npy"), allow_pickle=False) for c in names}
+        if columns is None:
+            self._cache = (k, cols)
+        return cols
+
+    def column(self, c: str) -> np.ndarray:
+        """One column over all rows."""
+        return np.concatenate([self._chunk(k, [c])[c] for k in range(len(self._chunks))]) if self._chunks else np.zeros(0)
+
+    def gather(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+        """The rows at these positions, in this order (chunks read once per call)."""
+        starts = np.cumsum([0] + self._sizes)
+        which = np.searchsorted(starts, idx, side="right") - 1
+        out: dict[str, np.ndarray] = {}
+        for k in np.unique(which):
+            at = np.flatnonzero(which == k)
+            chunk = self._chunk(int(k))
+            local = idx[at] - starts[k]
+            for c, v in chunk.items():
+                if c not in out:
+                    out[c] = np.empty(len(idx), dtype=v.dtype)
+                out[c][at] = v[local]
+        return out
+
+    def take_all(self, order: np.ndarray) -> dict[str, np.ndarray]:
+        """Every row in this order, column by column (each column's chunks freed as it is
+        built, so the rows are never held twice)."""
+        if not self._chunks:
+            return {}
+        names = list(self._chunk(0))
+        out = {}
+        for c in names:
+            out[c] = self.column(c)[order]
+            for chunk in self._chunks:
+                if isinstance(chunk, dict):
+                    del chunk[c]
+        self.discard()
+        return out
+
+    def discard(self) -> None:
+        self._pending, self._chunks, self._sizes, self._cache = [], [], [], None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
 @dataclass
 class BlockTasks:
     """One block of events folded: one partial row per task, the samples, and one row per
@@ -237,11 +343,17 @@ class TaskAssembler:
     source: str
     keep_samples: bool = True
     _open: dict[str, np.ndarray] | None = None
-    _done: list[dict[str, np.ndarray]] = field(default_factory=list)
+    spill_rows: int | None = None  # hold at most this many finished rows in memory (None: all)
+    _done: FinishedRows = field(init=False)
     _gen: list[dict[str, np.ndarray]] = field(default_factory=list)
     _prefill: list[dict[str, np.ndarray]] = field(default_factory=list)
     _files: dict[str, int] = field(default_factory=dict)  # file name -> index (the ``file`` column)
     sessions: dict[tuple[int, int], dict] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._done = FinishedRows(self.spill_rows)
+        self.n_finished = 0  # set when the input ends
+        self.has_wall_rows = False
 
     def add(self, ev: pd.DataFrame, file: str | None = None) -> None:
         """Fold one chunk of events (with ``session`` assigned) from ``file``."""
@@ -313,12 +425,8 @@ class TaskAssembler:
 
     def finish(self) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
         """Close every task still open; return (tasks, gen samples, prefill samples, sessions)."""
-        if self._open is not None and len(self._open["task"]):
-            rest = dict(self._open)
-            rest["cut_by_restart"] = np.zeros(len(rest["task"]), bool)
-            self._done.append(rest)
-        self._open = None
-        raw = self._raw_table()
+        order, _ = self._end()
+        raw = self._raw(self._done.take_all(order))
         _give_back_freed_memory()  # the per-block parts just joined: small holes the table cannot reuse
         sessions = self._sessions_table()
         tasks = _derive(raw, self.source, sessions)
@@ -330,31 +438,54 @@ class TaskAssembler:
         _give_back_freed_memory()
         return tasks, gen, prefill, sessions
 
-    def _raw_table(self) -> pd.DataFrame:
-        """Finished partial rows as one DataFrame in output order, built column by column so
-        that at most one column exists twice (the parts are freed as they are joined)."""
-        if not self._done:
+    def finish_in_batches(self, rows: int = 1 << 16) -> tuple[Iterator[pd.DataFrame], pd.DataFrame]:
+        """Close every task still open; return the task table as batches of ``rows`` rows in
+        output order (together: :meth:`finish`'s table, same values and columns), and the
+        sessions. Only one batch and the sort keys are in memory at a time (with spilling).
+        """
+        order, with_wall = self._end()
+        sessions = self._sessions_table()
+
+        def batches() -> Iterator[pd.DataFrame]:
+            try:
+                if not len(order):
+                    yield _derive(self._raw(None), self.source, sessions)
+                for i in range(0, len(order), rows):
+                    yield _derive(self._raw(self._done.gather(order[i : i + rows])), self.source, sessions, with_wall)
+            finally:
+                self._done.discard()
+
+        return batches(), sessions
+
+    def _end(self) -> tuple[np.ndarray, bool]:
+        """Close the open tasks; the output order of the finished rows, and whether any of them
+        is in a session with wall-clock times (then every row has ``*_at`` columns)."""
+        if self._open is not None and len(self._open["task"]):
+            rest = dict(self._open)
+            rest["cut_by_restart"] = np.zeros(len(rest["task"]), bool)
+            self._done.append(rest)
+        self._open = None
+        self._done.close()
+        port, session = self._done.column("port"), self._done.column("session")
+        # Output order: per process, by launch (tasks whose launch was never seen last), then line.
+        order = np.lexsort((self._done.column("first_line"), self._done.column("launch_us"), session, port))
+        walled = [k for k, info in self.sessions.items() if info["offset_us"] is not None]
+        with_wall = bool(walled) and bool(pd.MultiIndex.from_arrays([port, session]).isin(walled).any())
+        self.n_finished, self.has_wall_rows = len(order), with_wall
+        return order, with_wall
+
+    def _raw(self, cols: dict[str, np.ndarray] | None) -> pd.DataFrame:
+        """Finished partial rows (in output order) as a DataFrame."""
+        if cols is None or not len(cols.get("task", ())):
             return pd.DataFrame(columns=KEY + ["slot", "file"] + [c for c in _PARTIAL if c not in KEY and not c.startswith(
                 ("slot_", "file"))] + ["cut_by_restart"])
-        parts = self._done
-        self._done = []
-
-        def joined(c: str) -> np.ndarray:
-            return np.concatenate([p.pop(c) for p in parts])
-
-        keys = {c: joined(c) for c in ("port", "session", "launch_us", "first_line")}
-        # Output order: per process, by launch (tasks whose launch was never seen last), then line.
-        order = np.lexsort((keys["first_line"], keys["launch_us"], keys["session"], keys["port"]))
-        cols: dict[str, np.ndarray] = {}
-        for c in _PARTIAL + ["cut_by_restart"]:
-            cols[c] = (keys.pop(c) if c in keys else joined(c))[order]
         code = cols.pop("file")
         # One category per file instead of its path repeated on every row (44 MB at 1 GB of log).
         file = pd.Categorical.from_codes(np.where(np.isnan(code), -1, code).astype(np.int64),
                                          categories=pd.Index(list(self._files), dtype="str"))
         slot_any = cols.pop("slot_any")
         slot_launch = cols.pop("slot_launch")
-        raw = pd.DataFrame(cols, copy=False)
+        raw = pd.DataFrame({c: cols.pop(c) for c in _PARTIAL + ["cut_by_restart"] if c in cols}, copy=False)
         raw["slot"] = np.where(np.isnan(slot_launch), slot_any, slot_launch)
         raw["file"] = file
         return raw
@@ -381,8 +512,11 @@ def _us_to_s(col: pd.Series) -> pd.Series:
     return v.where(v >= 0) / 1e6
 
 
-def _derive(raw: pd.DataFrame, source: str, sessions: pd.DataFrame) -> pd.DataFrame:
+def _derive(raw: pd.DataFrame, source: str, sessions: pd.DataFrame, with_wall: bool | None = None) -> pd.DataFrame:
     """Timeline arithmetic of research/log-formats.md §1.3, column-wise (``raw`` in output order).
+
+    ``with_wall``: whether to add the ``*_at`` columns (None: if any row has a wall clock;
+    a table written in batches decides once for all of them).
 
     ``raw`` is consumed: each column is dropped after its last use, so the partial rows and
     the task table are not both held whole.
@@ -454,7 +588,7 @@ def _derive(raw: pd.DataFrame, source: str, sessions: pd.DataFrame) -> pd.DataFr
         at = offsets.index.get_indexer(pd.MultiIndex.from_arrays([raw["port"].to_numpy(), raw["session"].to_numpy()]))
         off = np.where(at >= 0, offsets.to_numpy(dtype="float64", na_value=np.nan)[at], np.nan)
     off = pd.Series(off, index=t.index)
-    if off.notna().any():
+    if off.notna().any() if with_wall is None else with_wall:
         t["launch_at"] = pd.to_datetime((off + raw["launch_us"].astype("float64")).round().astype("Int64"), unit="us", utc=True)
         t["release_at"] = pd.to_datetime((off + raw["release_us"].astype("float64")).round().astype("Int64"), unit="us", utc=True)
         t["prefill_start_at"] = pd.to_datetime((off + t["prefill_start_s"] * 1e6).round().astype("Int64"), unit="us", utc=True)
