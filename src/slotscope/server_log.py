@@ -254,7 +254,8 @@ def parse_chunk(
         n = len(lines_b)
         wall = np.full(n, -1, dtype=np.int64)
         lines_b, json_walls = prefixes.decode_json_lines(lines_b, wrapper)
-        wall[:] = [(-1 if x is None else int(round(x * 1e6))) for x in json_walls]
+        # A stamp no clock can show (a damaged record, beyond year 287,000) is no stamp.
+        wall[:] = [(int(round(x * 1e6)) if x is not None and abs(x) < 9e12 else -1) for x in json_walls]
         # A message with a line break inside shifts what follows, as in a plain read of it.
         text = _clean(b"\n".join(lines_b)).decode("utf-8").split("\n")
         del text[n:]
