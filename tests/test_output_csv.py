@@ -169,6 +169,13 @@ def test_empty_frames() -> None:
         assert ours(df) == pandas_csv(df)
 
 
+def test_duplicate_names_and_all_missing_columns() -> None:
+    df = pd.DataFrame([[1, 2.5, None, np.nan], [3, np.nan, None, np.nan]], columns=["a", "a", "none", "nan"])
+    df["none"] = df["none"].astype(object)
+    assert ours(df) == pandas_csv(df)
+    assert ours(df[["none"]]) == pandas_csv(df[["none"]])
+
+
 def test_header_comes_with_the_first_batch_even_an_empty_one() -> None:
     df = pd.DataFrame({"a": [1.5, np.nan], 'say "hi"': ["x,y", None]})
     assert ours(df, df.iloc[:0], df.iloc[:1], df.iloc[:0], df.iloc[1:]) == pandas_csv(df)

@@ -145,9 +145,12 @@ def for_text(df: pd.DataFrame) -> pd.DataFrame:
 #   int, Int64 ...    decimal digits; <NA> -> "".
 #   bool, boolean     "True" / "False"; <NA> -> "".
 #   str, category     the text, quoted when the csv module would quote it; missing -> "".
+#   (one column)      a row whose only field is empty is written '""', not as a blank line.
 #
-# Anything else (datetimes not made text by for_text, float32, mixed objects, MultiIndex
-# columns ...) goes to pandas for the whole batch, so the bytes are always pandas' own.
+# The header is pandas' own (to_csv of no rows). Anything else (datetimes not made text by
+# for_text, float32, mixed objects, MultiIndex columns ...) goes to pandas for the whole batch,
+# and a chunk pyarrow cannot take (e.g. lone surrogates) to pandas for that chunk, so the bytes
+# are always pandas' own.
 
 _EOL = os.linesep
 _CHUNK_CELLS = 1 << 18  # cells formatted and joined at a time: the writer needs ~10 MB whatever the batch
@@ -157,7 +160,7 @@ def _csv_dialect() -> tuple[list[int], str]:
     """(the characters that make the csv module quote a field, how it writes a lone empty field).
 
     Asked of the csv module itself with pandas' settings rather than assumed: which control
-    characters force quoting has changed between Python versions.
+    characters force quoting depends on the line terminator (os.linesep) and on the csv module.
     """
     special = []
     for code in range(128):
