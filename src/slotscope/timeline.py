@@ -144,6 +144,9 @@ def concurrency(tv: pd.DataFrame, sessions: pd.DataFrame | None = None) -> pd.Da
     return step[CONCURRENCY_COLUMNS]
 
 
+QUERY_BLOCK = 1 << 18  # overlap queries answered at a time (bounds their temporaries)
+
+
 class _RangeMax:
     """Sparse table: position of the maximum of ``v`` over index ranges, vectorized queries.
 
@@ -261,19 +264,23 @@ def overlap_arrays(
         return covered, max_count, max_value, max_pos
     query_groups = rows_by_group(qcode, ~np.isnan(qs) & ~np.isnan(qe) & (qe > qs))
     for code, grp in rows_by_group(icode, valid_iv).items():
-        qi = query_groups.get(code)
-        if qi is None:
+        q_all = query_groups.get(code)
+        if q_all is None:
             continue
+        # The group's step function: breakpoints b, intervals active on [b[i], b[i+1]).
         s, e = ivs[grp], ive[grp]
         b = np.unique(np.concatenate([s, e]))
         starts = b[:-1]
         count = np.searchsorted(np.sort(s), starts, "right") - np.searchsorted(np.sort(e), starts, "right")
-        a, z = qs[qi], qe[qi]
         if "covered" in need or has_own:
             width = np.diff(b)
             f1 = np.concatenate([[0.0], np.cumsum((count >= 1) * width)])
-        if "max_count" in need:
-            rmc = _RangeMax(count.astype(np.float64))
+            f2 = np.concatenate([[0.0], np.cumsum((count >= 2) * width)]) if has_own else f1
+            del width
+        rmc = _RangeMax(count.astype(np.float64)) if "max_count" in need else None
+        if vals is not None:
+            ev_val, ev_row = _largest_per_step(b, s, e, vals[grp], grp)
+            rmv = _RangeMax(ev_val)
 
         def cover(a: np.ndarray, z: np.ndarray, f: np.ndarray) -> np.ndarray:
             return np.interp(z, b, f) - np.interp(a, b, f)
@@ -285,44 +292,51 @@ def overlap_arrays(
             pos = rmc.argmax(lo, hi)
             return np.where(pos >= 0, count[np.maximum(pos, 0)], 0)
 
-        if has_own:
-            c0, c1 = cs[qi], ce[qi]
-            if "covered" in need:
-                f2 = np.concatenate([[0.0], np.cumsum((count >= 2) * width)])
-                covered[qi] = cover(a, z, f1) - cover(c0, c1, f1) + cover(c0, c1, f2)
-            if "max_count" in need:
-                inside = np.maximum(rng_max(c0, c1) - 1, 0)
-                max_count[qi] = np.maximum.reduce([rng_max(a, c0), inside, rng_max(c1, z)])
-        else:
-            if "covered" in need:
-                covered[qi] = cover(a, z, f1)
-            if "max_count" in need:
-                max_count[qi] = rng_max(a, z)
-        if vals is not None:
-            j0 = np.searchsorted(b, s)
-            j1 = np.searchsorted(b, e)
-            lengths = j1 - j0
-            rep = np.repeat(np.arange(len(s)), lengths)
-            jj = np.repeat(j0, lengths) + (np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths))
-            v = vals[grp][rep]
-            v = np.where(np.isnan(v), -np.inf, v)
-            o = np.lexsort((v, jj))
-            last = np.flatnonzero(np.r_[jj[o][1:] != jj[o][:-1], True])
-            ev_val = np.full(len(starts), -np.inf)
-            ev_row = np.full(len(starts), -1, dtype=np.int64)
-            ev_val[jj[o][last]] = v[o][last]
-            ev_row[jj[o][last]] = grp[rep[o][last]]
-            del rep, jj, v, o, last
-            rmv = _RangeMax(ev_val)
-            lo = np.maximum(np.searchsorted(b, a, "right") - 1, 0)
-            hi = np.minimum(np.searchsorted(b, z, "left") - 1, len(starts) - 1)
-            pos = rmv.argmax(lo, hi)
-            got = (pos >= 0) & (ev_row[np.maximum(pos, 0)] >= 0)
-            sel = qi[got]
-            max_pos[sel] = ev_row[pos[got]]
-            mv = ev_val[pos[got]]
-            max_value[sel] = np.where(np.isinf(mv), np.nan, mv)
+        # Queries in blocks: their temporaries stay bounded however many there are.
+        for at in range(0, len(q_all), QUERY_BLOCK):
+            qi = q_all[at:at + QUERY_BLOCK]
+            a, z = qs[qi], qe[qi]
+            if has_own:
+                c0, c1 = cs[qi], ce[qi]
+                if "covered" in need:
+                    covered[qi] = cover(a, z, f1) - cover(c0, c1, f1) + cover(c0, c1, f2)
+                if "max_count" in need:
+                    inside = np.maximum(rng_max(c0, c1) - 1, 0)
+                    max_count[qi] = np.maximum.reduce([rng_max(a, c0), inside, rng_max(c1, z)])
+            else:
+                if "covered" in need:
+                    covered[qi] = cover(a, z, f1)
+                if "max_count" in need:
+                    max_count[qi] = rng_max(a, z)
+            if vals is not None:
+                lo = np.maximum(np.searchsorted(b, a, "right") - 1, 0)
+                hi = np.minimum(np.searchsorted(b, z, "left") - 1, len(starts) - 1)
+                pos = rmv.argmax(lo, hi)
+                got = (pos >= 0) & (ev_row[np.maximum(pos, 0)] >= 0)
+                sel = qi[got]
+                max_pos[sel] = ev_row[pos[got]]
+                mv = ev_val[pos[got]]
+                max_value[sel] = np.where(np.isinf(mv), np.nan, mv)
     return covered, max_count, max_value, max_pos
+
+
+def _largest_per_step(b: np.ndarray, s: np.ndarray, e: np.ndarray, v: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per step [b[i], b[i+1]) of a group: the largest value among the intervals [s, e) active
+    in it (-inf where none or NaN) and the row (from ``rows``) of the one that has it (-1)."""
+    j0 = np.searchsorted(b, s)
+    j1 = np.searchsorted(b, e)
+    lengths = j1 - j0
+    rep = np.repeat(np.arange(len(s)), lengths)
+    jj = np.repeat(j0, lengths) + (np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths))
+    val = v[rep]
+    val = np.where(np.isnan(val), -np.inf, val)
+    o = np.lexsort((val, jj))
+    last = np.flatnonzero(np.r_[jj[o][1:] != jj[o][:-1], True])
+    ev_val = np.full(len(b) - 1, -np.inf)
+    ev_row = np.full(len(b) - 1, -1, dtype=np.int64)
+    ev_val[jj[o][last]] = val[o][last]
+    ev_row[jj[o][last]] = rows[rep[o][last]]
+    return ev_val, ev_row
 
 
 def count_points(queries: pd.DataFrame, points: pd.DataFrame, *, by: Sequence[str] = GROUP, t: str = "t_s") -> np.ndarray:
@@ -348,8 +362,10 @@ def count_point_arrays(qcode: np.ndarray, qs: np.ndarray, qe: np.ndarray, pcode:
     return out
 
 
-def prefill_activity(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """When each prefill actually ran, and when its passes ended.
+def prefill_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """The work of :func:`prefill_activity` short of listing pass ends: ``(active, steps,
+    info)``, ``steps`` one row per stretch of ``p`` passes (``pid``, ``a``, ``z``, ``p``),
+    ``info`` the prefills (task keys, ``pid`` = row, slot, ``prompt_tokens_new``, line).
 
     The server prints a prefilling slot's progress line once per pass (after its first 3 s),
     so the lines' spacing is the pass length, and a co-running slot that shares the batch gets
@@ -358,10 +374,6 @@ def prefill_activity(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None) -> 
     filled them): only the last typical pass of such a step counts as active. The unlogged head
     (before the first line) and tail (after the last) get ``round(tokens / chunk)`` passes spread
     evenly, ``chunk`` being the slot's usual step (else the session's, else 2048).
-
-    Returns ``(active, passes)``: ``active`` has one row per active stretch (task keys, slot,
-    ``start_s``, ``end_s``, ``prompt_tokens_new``, ``line``), ``passes`` one row per estimated
-    pass end (``t_s``, ``prompt_tokens_new`` of its prefill, task keys).
     """
     keys = GROUP + ["task_id"]
     pre = pd.DataFrame({c: _col(tv, c) for c in keys + ["slot", "prompt_tokens_new", "line", "prefill_start_s", "first_token_s"]})
@@ -409,17 +421,57 @@ def prefill_activity(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None) -> 
     act = steps.groupby(run).agg(pid=("pid", "first"), start_s=("a", "min"), end_s=("z", "max"))
     info = pre[keys + ["pid", "slot", "prompt_tokens_new", "line"]]
     active = act.merge(info, on="pid", how="left")[keys + ["slot", "start_s", "end_s", "prompt_tokens_new", "line"]]
+    return active.reset_index(drop=True), steps, info
 
-    # Pass ends: p per step, evenly spaced over its active part, the last at its end.
+
+def prefill_activity(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """When each prefill actually ran, and when its passes ended.
+
+    The server prints a prefilling slot's progress line once per pass (after its first 3 s),
+    so the lines' spacing is the pass length, and a co-running slot that shares the batch gets
+    one token per pass. A step much longer than the slot's typical pass (``PAUSE_FACTOR``) means
+    the slot was left out of batches for a while (another LoRA setting, or a lower slot's prompt
+    filled them): only the last typical pass of such a step counts as active. The unlogged head
+    (before the first line) and tail (after the last) get ``round(tokens / chunk)`` passes spread
+    evenly, ``chunk`` being the slot's usual step (else the session's, else 2048).
+
+    Returns ``(active, passes)``: ``active`` has one row per active stretch (task keys, slot,
+    ``start_s``, ``end_s``, ``prompt_tokens_new``, ``line``), ``passes`` one row per estimated
+    pass end (``t_s``, ``prompt_tokens_new`` of its prefill, task keys).
+    """
+    active, steps, info = prefill_steps(tv, prefill_samples)
+    pid, t = pass_ends(steps)
+    del steps
+    passes = pd.DataFrame({"pid": pid, "t_s": t}).merge(info, on="pid", how="left")
+    passes = passes[GROUP + ["task_id", "slot", "t_s", "prompt_tokens_new"]].sort_values(GROUP + ["t_s"], kind="stable", ignore_index=True)
+    return active, passes
+
+
+def pass_ends(steps: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Pass ends of :func:`prefill_steps`' steps, as ``(pid, t_s)`` arrays: ``p`` per step,
+    evenly spaced over its active part, the last at its end."""
     p = steps["p"].to_numpy(dtype=np.int64)
     rep = np.repeat(np.arange(len(steps)), p)
     k = np.arange(p.sum()) - np.repeat(np.cumsum(p) - p, p)
     a, z = steps["a"].to_numpy()[rep], steps["z"].to_numpy()[rep]
     pp = p[rep]
+    del p
     t = z - (pp - 1 - k) * (z - a) / pp
-    passes = pd.DataFrame({"pid": steps["pid"].to_numpy()[rep], "t_s": t}).merge(info, on="pid", how="left")
-    passes = passes[keys + ["slot", "t_s", "prompt_tokens_new"]].sort_values(GROUP + ["t_s"], kind="stable", ignore_index=True)
-    return active.reset_index(drop=True), passes
+    return steps["pid"].to_numpy()[rep], t
+
+
+def server_pass_arrays(code: np.ndarray, t: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`server_passes` on arrays (``code``: each pass end's session, see :func:`key_codes`):
+    ``(code, t_s, prompt_tokens_new)`` of each server pass, in session and time order."""
+    order = np.lexsort((t, code))
+    c, tt, nn = code[order], t[order], new[order]
+    del order
+    first = np.ones(len(c), dtype=bool)
+    first[1:] = (c[1:] != c[:-1]) | (np.diff(tt) > SAME_PASS_S)
+    start = np.flatnonzero(first)
+    last = np.r_[start[1:] - 1, len(c) - 1] if len(start) else start
+    big = np.fmax.reduceat(nn, start) if len(start) else np.zeros(0)
+    return c[start], tt[last], big
 
 
 def server_passes(passes: pd.DataFrame) -> pd.DataFrame:
