@@ -81,6 +81,20 @@ def _last_valid(values: np.ndarray, code: np.ndarray, n_codes: int) -> np.ndarra
     return out
 
 
+def _inner_join(left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Row pairs ``(l, r)`` with ``left[l] == right[r]``, in left order (as an inner merge):
+    a sorted search when the right keys are unique (task keys are), else a merge."""
+    order = np.argsort(right, kind="stable")
+    sr = right[order]
+    if len(sr) < 2 or bool((sr[1:] != sr[:-1]).all()):
+        at = np.minimum(np.searchsorted(sr, left), max(len(sr) - 1, 0))
+        hit = np.flatnonzero(sr[at] == left) if len(sr) else np.zeros(0, dtype=np.int64)
+        return hit, order[at[hit]]
+    pairs = pd.DataFrame({"k": left, "l": np.arange(len(left))}).merge(
+        pd.DataFrame({"k": right, "r": np.arange(len(right))}), on="k", how="inner")
+    return pairs["l"].to_numpy(), pairs["r"].to_numpy()
+
+
 def _segments(ds: Dataset, tv: pd.DataFrame) -> _Segments:
     """The work of :func:`generation_segments`, kept as arrays (one row per segment)."""
     n_tasks = len(tv)
@@ -92,11 +106,7 @@ def _segments(ds: Dataset, tv: pd.DataFrame) -> _Segments:
     hb_parts: tuple[np.ndarray, ...] | None = None
     if gs is not None and len(gs):
         gcode, tcode = tl.key_codes([gs, tv], _TASK_KEYS)
-        # Each heartbeat with the row of its task (an inner join on the task keys, heartbeat order).
-        pairs = pd.DataFrame({"k": gcode, "h": np.arange(len(gs))}).merge(
-            pd.DataFrame({"k": tcode, "r": np.arange(n_tasks)}), on="k", how="inner")
-        h, r = pairs["h"].to_numpy(), pairs["r"].to_numpy()
-        del pairs
+        h, r = _inner_join(gcode, tcode)  # each heartbeat with the row of its task
         t_s = _f(gs["t_s"])
         order = np.lexsort((t_s[h], gcode[h]))  # by task, then time
         h, r = h[order], r[order]
@@ -201,18 +211,20 @@ class _Pieces:
             return self.tokens / self.seconds
 
 
+SEGMENT_BLOCK = 1 << 18  # segments split into pieces at a time (bounds the temporaries)
+
+
 def _pieces(ds: Dataset, opts: Options, tv: pd.DataFrame) -> _Pieces:
     """The work of :func:`segment_pieces`, kept as arrays."""
     sg = _segments(ds, tv)
-    active, passes = tl.prefill_activity(tv, ds.server.prefill_samples)
-    sp = tl.server_passes(passes)
-    del passes
+    active, steps, info = tl.prefill_steps(tv, ds.server.prefill_samples)
     thr = opts.long_prefill_tokens
-    acode, tcode, pcode = tl.key_codes([active, tv, sp], tl.GROUP)
+    acode, tcode, icode = tl.key_codes([active, tv, info], tl.GROUP)
     scode = tcode[sg.row]  # a segment's session is its task's
-    new = pd.to_numeric(active["prompt_tokens_new"], errors="coerce").astype("float64").to_numpy(na_value=np.nan)
+    new = _f(active["prompt_tokens_new"])
     a_start, a_end = _f(active["start_s"]), _f(active["end_s"])
     a_task = active["task_id"].to_numpy(dtype=np.int64) if len(active) else np.zeros(0, dtype=np.int64)
+    del active
     is_long = new >= thr
     lg, sh = np.flatnonzero(is_long), np.flatnonzero(~is_long)
     qs, qe = sg.start, sg.end
@@ -223,20 +235,46 @@ def _pieces(ds: Dataset, opts: Options, tv: pd.DataFrame) -> _Pieces:
                                                  need=("covered",))
     cov_any = tl.overlap_arrays(scode, qs, qe, acode, a_start, a_end, need=("covered",))[0]
     pos_short = tl.overlap_arrays(scode, qs, qe, acode[sh], a_start[sh], a_end[sh], vals=new[sh], need=())[3]
+    cause_long = np.where(pos_long >= 0, a_task[lg][np.maximum(pos_long, 0)] if len(lg) else 0, 0)
+    cause_short = np.where(pos_short >= 0, a_task[sh][np.maximum(pos_short, 0)] if len(sh) else 0, 0)
+    del acode, a_start, a_end, a_task, new
     # Another slot generating at any time of the segment (its own task's generation left out).
     ft, rel = _f(tv["first_token_s"]), _f(tv["release_s"])
     gen = np.flatnonzero(~np.isnan(ft) & ~np.isnan(rel) & (rel >= ft))
     others_gen = tl.overlap_arrays(scode, qs, qe, tcode[gen], ft[gen], rel[gen], own_start=ft[sg.row],
                                    own_end=rel[sg.row], need=("max_count",))[1]
-    # A pass ending within SAME_PASS_S of the segment's start made its first token; one at its end made the last.
-    sp_t = _f(sp["t_s"])
-    sp_long = pd.to_numeric(sp["prompt_tokens_new"], errors="coerce").astype("float64").to_numpy(na_value=np.nan) >= thr
-    p_all = tl.count_point_arrays(scode, qs + tl.SAME_PASS_S, qe + tl.SAME_PASS_S, pcode, sp_t)
-    p_long = tl.count_point_arrays(scode, qs + tl.SAME_PASS_S, qe + tl.SAME_PASS_S, pcode[sp_long], sp_t[sp_long])
-    del scode, sp, sp_t, pcode
+    del ft, rel, gen, tcode
+    # Server passes (pass ends of all prefills within SAME_PASS_S merged). A pass ending within
+    # SAME_PASS_S of the segment's start made its first token; one at its end made the last.
+    pid, t = tl.pass_ends(steps)
+    del steps
+    sp_code, sp_t, sp_new = tl.server_pass_arrays(icode[pid], t, _f(info["prompt_tokens_new"])[pid])
+    del pid, t, icode, info
+    p_all = tl.count_point_arrays(scode, qs + tl.SAME_PASS_S, qe + tl.SAME_PASS_S, sp_code, sp_t)
+    sp_long = sp_new >= thr
+    p_long = tl.count_point_arrays(scode, qs + tl.SAME_PASS_S, qe + tl.SAME_PASS_S, sp_code[sp_long], sp_t[sp_long])
+    del scode, sp_code, sp_t, sp_new, sp_long
 
-    dur = qe - qs
-    k = sg.tokens
+    parts: list[tuple[np.ndarray, ...]] = []
+    split = np.zeros(len(qs), dtype=bool)
+    for at in range(0, len(qs), SEGMENT_BLOCK):
+        b = slice(at, at + SEGMENT_BLOCK)
+        parts.append(_split_segments(at, qe[b] - qs[b], sg.tokens[b], cov_long[b], cov_any[b], p_all[b], p_long[b],
+                                     others_gen[b], cause_long[b], pos_long[b] >= 0, cause_short[b], pos_short[b] >= 0,
+                                     split[b]))
+    # Every long_prefill piece, then every other_prefill one, then the rest (segment order in each).
+    col = [np.concatenate([p[c][k] for c in range(3) for p in parts]) if parts else np.zeros(0) for k in range(6)]
+    return _Pieces(segments=sg, seg=col[0].astype(_positions(len(qs))), cls=col[1].astype(np.int8), seconds=col[2],
+                   tokens=col[3], cause=col[4].astype(np.int64), has_cause=col[5].astype(bool), split=split)
+
+
+def _split_segments(
+    offset: int, dur: np.ndarray, k: np.ndarray, cov_long: np.ndarray, cov_any: np.ndarray, p_all: np.ndarray,
+    p_long: np.ndarray, others_gen: np.ndarray, cause_long: np.ndarray, has_long_cause: np.ndarray,
+    cause_short: np.ndarray, has_short_cause: np.ndarray, split: np.ndarray,
+) -> list[list[np.ndarray]]:
+    """Pieces of a block of segments (``offset``: its first segment), per class (long prefill,
+    other prefill, rest): ``[segment, class, seconds, tokens, cause, has_cause]``. Fills ``split``."""
     s_long = np.minimum(cov_long.round(6), dur)
     s_other = np.clip(cov_any.round(6) - s_long, 0, None)
     s_rest = np.clip(dur - s_long - s_other, 0, None)
@@ -253,22 +291,18 @@ def _pieces(ds: Dataset, opts: Options, tv: pd.DataFrame) -> _Pieces:
     rem = k - tok_long
     tok_other = np.where(has[1], np.where(last_other, rem, np.minimum(rem, p_all - p_long)), 0.0)
     tok_rest = np.where(has[2], rem - tok_other, 0.0)
-    split = (has[0].astype(np.int8) + has[1] + has[2]) > 1
+    split[:] = (has[0].astype(np.int8) + has[1] + has[2]) > 1
     rest_cls = np.where(others_gen >= 1, CLASSES.index("generation_only"), CLASSES.index("alone")).astype(np.int8)
-
-    seg = [np.flatnonzero(h).astype(_positions(len(k))) for h in has]
-    cause_long = np.where(pos_long >= 0, a_task[lg][np.maximum(pos_long, 0)] if len(lg) else 0, 0)
-    cause_short = np.where(pos_short >= 0, a_task[sh][np.maximum(pos_short, 0)] if len(sh) else 0, 0)
-    return _Pieces(
-        segments=sg,
-        seg=np.concatenate(seg),
-        cls=np.concatenate([np.full(len(seg[0]), 0, np.int8), np.full(len(seg[1]), 1, np.int8), rest_cls[seg[2]]]),
-        seconds=np.concatenate([s_long[seg[0]], s_other[seg[1]], s_rest[seg[2]]]),
-        tokens=np.concatenate([tok_long[seg[0]], tok_other[seg[1]], tok_rest[seg[2]]]),
-        cause=np.concatenate([cause_long[seg[0]], cause_short[seg[1]], np.zeros(len(seg[2]), np.int64)]),
-        has_cause=np.concatenate([pos_long[seg[0]] >= 0, pos_short[seg[1]] >= 0, np.zeros(len(seg[2]), bool)]),
-        split=split,
-    )
+    out = []
+    for c, (secs, toks, cause, has_cause) in enumerate((
+        (s_long, tok_long, cause_long, has_long_cause),
+        (s_other, tok_other, cause_short, has_short_cause),
+        (s_rest, tok_rest, np.zeros(len(k), np.int64), np.zeros(len(k), bool)),
+    )):
+        i = np.flatnonzero(has[c])
+        cls = rest_cls[i] if c == 2 else np.full(len(i), c, np.int8)
+        out.append([i + offset, cls, secs[i], toks[i], cause[i], has_cause[i]])
+    return out
 
 
 def _shared_pieces(ds: Dataset, opts: Options) -> _Pieces:
