@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ..dataset import Dataset
+from ..dataset import Dataset, own_copy
 from . import Options, register
 from .turns import is_chat_turn, measured_calls, needs_app_log
 
@@ -29,6 +29,13 @@ COLUMNS = ["user", "consecutive_turns", "misses", "miss_share", "misses_on_other
 MISS_COLUMNS = [
     "user", "call_id", "start_at", "purpose", "slot", "task_id", "prev_call_id", "prev_slot", "gap_s",
     "prev_left_tokens", "cached_tokens", "prompt_tokens", "new_tokens", "note",
+]
+
+
+# The columns of the calls table that turn_pairs and the tables built on it read.
+PAIR_COLUMNS = [
+    "call_id", "start_at", "end_at", "purpose", "user", "slot", "task_id", "ok", "prompt_tokens", "completion_tokens",
+    "cached_tokens", "prompt_tokens_cached", "prompt_tokens_new", "app_session",
 ]
 
 
@@ -68,12 +75,24 @@ def turn_pairs(calls: pd.DataFrame, opts: Options) -> pd.DataFrame:
     return pairs.sort_values("start_at", kind="stable").reset_index(drop=True)
 
 
+def slim_calls(calls: pd.DataFrame) -> pd.DataFrame:
+    """The calls table cut to :data:`PAIR_COLUMNS` (what :func:`turn_pairs` copies, several times)."""
+    return calls[[c for c in PAIR_COLUMNS if c in calls.columns]]
+
+
+def _shared_pairs(ds: Dataset, opts: Options) -> pd.DataFrame:
+    """The turn pairs of the matched calls, computed once for the cache tables."""
+    assert ds.matches is not None
+    pairs = ds.memo((__name__, "pairs", opts.cache_window_s), lambda: turn_pairs(slim_calls(ds.matches.calls), opts))
+    return own_copy(pairs)
+
+
 @register("cache")
 def cache(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Consecutive chat turns of each user within the cache window, and how many missed the prompt cache."""
     if ds.matches is None:
         return needs_app_log(COLUMNS)
-    pairs = turn_pairs(ds.matches.calls, opts)
+    pairs = _shared_pairs(ds, opts)
     pairs["other_slot"] = pairs["miss"] & (pairs["slot"] != pairs["prev_slot"]).fillna(False)
     by_user = pairs.groupby("user", sort=True).agg(
         consecutive_turns=("miss", "size"), misses=("miss", "sum"), misses_on_other_slot=("other_slot", "sum"))
@@ -97,7 +116,7 @@ def cache_misses(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Each consecutive chat turn that missed the prompt cache, with the turn before it."""
     if ds.matches is None:
         return needs_app_log(MISS_COLUMNS)
-    pairs = turn_pairs(ds.matches.calls, opts)
+    pairs = _shared_pairs(ds, opts)
     m = pairs.loc[pairs["miss"]].copy()
     m["cached_tokens"] = m["cached"].astype("Int64")
     m["prev_left_tokens"] = m["prev_left_tokens"].astype("Int64")

@@ -24,7 +24,7 @@ import pandas as pd
 
 from ..dataset import Dataset, task_view
 from . import Options, register
-from .cache import SUMMARY, turn_pairs
+from .cache import SUMMARY, slim_calls, turn_pairs
 from .turns import needs_app_log
 
 CAUSES = ["first_of_day", "first_of_session", "summary", "after_summary", "cache_miss", "other"]
@@ -43,7 +43,7 @@ def call_causes(calls: pd.DataFrame, opts: Options) -> pd.Series:
     first_of_session = c["session"].notna() & (c.groupby([c["user"], c["session"]], sort=False, dropna=False).cumcount() == 0)
     prev_purpose = c.groupby("user", sort=False, dropna=False)["purpose"].shift(1).astype("string")
     after_summary = (prev_purpose == SUMMARY).fillna(False)
-    missed = c["call_id"].isin(turn_pairs(calls, opts).query("miss")["call_id"])
+    missed = c["call_id"].isin(turn_pairs(slim_calls(calls), opts).query("miss")["call_id"])
     summary = (c["purpose"].astype("string") == SUMMARY).fillna(False)
     cause = np.select([first_of_day, first_of_session, summary, after_summary, missed], CAUSES[:-1], default=CAUSES[-1])
     return pd.Series(cause, index=c["call_id"].to_numpy(), name="cause")
