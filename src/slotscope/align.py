@@ -168,9 +168,14 @@ def _warn_overlaps(aligned: pd.DataFrame, sessions: pd.DataFrame) -> None:
             aligned.loc[i, "warning"] = (aligned.loc[i, "warning"] + "; " if aligned.loc[i, "warning"].any() else "") + "overlaps the previous session after alignment"
 
 
+def app_clock_offsets(frame: pd.DataFrame, aligned: pd.DataFrame) -> np.ndarray:
+    """Per row of ``frame``: its session's clock offset (µs, app clock; NaN where unaligned)."""
+    return frame[SESSION_KEY].merge(aligned[SESSION_KEY + ["offset_us"]], on=SESSION_KEY, how="left")["offset_us"].to_numpy()
+
+
 def to_app_clock(tasks: pd.DataFrame, aligned: pd.DataFrame) -> pd.DataFrame:
     """Tasks with ``*_us`` columns in the app's clock (epoch µs) for every server-clock time."""
-    off = tasks[SESSION_KEY].merge(aligned[SESSION_KEY + ["offset_us"]], on=SESSION_KEY, how="left")["offset_us"].to_numpy()
+    off = app_clock_offsets(tasks, aligned)
     out = tasks.copy()
     for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"):
         out[c[:-2] + "_us"] = off + out[c].to_numpy(dtype=float) * 1e6
