@@ -39,15 +39,18 @@ def _f(s: pd.Series) -> np.ndarray:
 def ran_alone(tv: pd.DataFrame) -> pd.DataFrame:
     """Per task: whether no other task was prefilling or generating during its whole prefill
     (``alone_prefill``) and its whole generation (``alone_generation``)."""
-    ph = tl.phases(tv)
-    active = ph[ph["phase"].isin(["prefill", "generation"])]
     ps, ft, rel = _f(tv["prefill_start_s"]), _f(tv["first_token_s"]), _f(tv["release_s"])
+    code = tl.key_codes([tv], tl.GROUP)[0]
+    # Every task's prefill and generation (its phases), as intervals of its session.
+    pre = np.flatnonzero(~np.isnan(ps) & ~np.isnan(ft) & (ft >= ps))
+    gen = np.flatnonzero(~np.isnan(ft) & ~np.isnan(rel) & (rel >= ft))
+    icode = np.concatenate([code[pre], code[gen]])
+    ivs, ive = np.concatenate([ps[pre], ft[gen]]), np.concatenate([ft[pre], rel[gen]])
     out = pd.DataFrame(index=tv.index)
     for name, a, z in (("alone_prefill", ps, ft), ("alone_generation", ft, rel)):
-        q = tv[tl.GROUP].assign(start_s=a, end_s=z)
         # The task's own active span [prefill start, release] is among the intervals: leave it out.
-        ov = tl.overlaps(q, active, own_start=ps, own_end=rel)
-        out[name] = (~np.isnan(a) & ~np.isnan(z) & (z > a)) & (ov["max_count"].to_numpy() == 0)
+        others = tl.overlap_arrays(code, a, z, icode, ivs, ive, own_start=ps, own_end=rel, need=("max_count",))[1]
+        out[name] = (~np.isnan(a) & ~np.isnan(z) & (z > a)) & (others == 0)
     return out
 
 
