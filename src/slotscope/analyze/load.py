@@ -65,7 +65,9 @@ def load_table(ds: Dataset, opts: Options) -> pd.DataFrame:
         pa = np.maximum(a[rep], day * _DAY_US)
         pz = np.minimum(z[rep], (day + 1) * _DAY_US)
         pieces = pd.DataFrame({"running": w["running"].to_numpy()[rep], "start_s": pa / 1e6, "end_s": pz / 1e6})
-        label = pd.Series(pd.to_datetime(day * _DAY_US, unit="us", utc=True).strftime("%Y-%m-%d"))
+        days, which = np.unique(day, return_inverse=True)  # a date formatted once per day, not per piece
+        names = np.asarray(pd.to_datetime(days * _DAY_US, unit="us", utc=True).strftime("%Y-%m-%d"), dtype=object)
+        label = pd.Series(names[which])
         rows.append(_share_rows(pieces, label))
     out = pd.concat(rows, ignore_index=True)
     n_slots = pd.to_numeric(ds.server.sessions["n_slots"], errors="coerce").max() if len(ds.server.sessions) else np.nan
