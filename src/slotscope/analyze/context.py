@@ -72,17 +72,26 @@ def context(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Median tg_3s of unstalled heartbeat windows per context-length bin, alone and in any company."""
     hb = ds.server.gen_samples
     tasks = ds.server.tasks
-    prompt = tasks[SESSION + ["task_id", "prompt_tokens"]].drop_duplicates(SESSION + ["task_id"])
-    w = hb.loc[(hb["window_s"] >= WINDOW_MIN_S) & (hb["window_s"] <= WINDOW_MAX_S) & hb["tg_3s_tps"].notna(),
-               SESSION + ["task_id", "window_start_s", "t_s", "n_gen", "tg_3s_tps"]]
-    w = w.merge(prompt, on=SESSION + ["task_id"], how="inner")
-    w = w.assign(context=(w["prompt_tokens"].astype("float64") + w["n_gen"].astype("float64")))
-    w = w.loc[w["context"].notna()]
+    keys = SESSION + ["task_id"]
+    prompt = tasks[keys + ["prompt_tokens"]].drop_duplicates(keys)
+    hcode, pcode = tl.key_codes([hb, prompt], keys)
+    # Unstalled windows of the tasks the log has (an inner join on the task keys; prompt's are unique).
+    rows = np.flatnonzero(((hb["window_s"] >= WINDOW_MIN_S) & (hb["window_s"] <= WINDOW_MAX_S) & hb["tg_3s_tps"].notna()).to_numpy())
+    order = np.argsort(pcode, kind="stable")
+    at = np.minimum(np.searchsorted(pcode[order], hcode[rows]), max(len(order) - 1, 0))
+    hit = pcode[order][at] == hcode[rows] if len(order) else np.zeros(len(rows), dtype=bool)
+    rows, p_row = rows[hit], order[at[hit]]
+    ctx = prompt["prompt_tokens"].astype("float64").to_numpy(na_value=np.nan)[p_row] \
+        + hb["n_gen"].astype("float64").to_numpy(na_value=np.nan)[rows]
+    keep = ~np.isnan(ctx)
+    rows, ctx = rows[keep], ctx[keep]
+    w = hb[SESSION + ["window_start_s", "t_s", "tg_3s_tps"]].iloc[rows].reset_index(drop=True)
     w["alone"] = tasks_during(tasks, w, "window_start_s", "t_s") <= 1
     # The task itself finished its prefill before its first heartbeat window, so any count is another's.
     w["no_prefill"] = tasks_during(tasks, w, "window_start_s", "t_s", "prefill_start_s", "first_token_s") == 0
-    w["bin"] = pd.cut(w["context"], EDGES, right=False, labels=LABELS)
-    w["task"] = tl.key_codes([w], SESSION + ["task_id"])[0]  # one number per task (was its keys as text)
+    w = w[["tg_3s_tps", "alone", "no_prefill"]]
+    w["bin"] = pd.cut(ctx, EDGES, right=False, labels=LABELS)
+    w["task"] = hcode[rows]  # one number per task (was its keys as text)
     stacked = pd.concat([w.loc[w[b]].assign(basis=b) for b in BASES], ignore_index=True)
     g = stacked.groupby(["basis", "bin"], observed=False)
     table = pd.DataFrame({
