@@ -39,8 +39,9 @@ class Matches:
     aligned: pd.DataFrame
 
 
-def _window_pairs(cl: pd.DataFrame, tk: pd.DataFrame, tol_us: float) -> pd.DataFrame:
-    """Every (call, task) with the task launched inside the call's span (± tolerance).
+def _window_pairs(cl: pd.DataFrame, tk: pd.DataFrame, tol_us: float) -> tuple[np.ndarray, np.ndarray]:
+    """Every (call, task) with the task launched inside the call's span (± tolerance) and
+    released by its end (± tolerance), as row positions ``(ci, ti)`` in ``cl`` and ``tk``.
 
     A sorted sweep (``searchsorted``): the pairs grow with calls × concurrency, never with
     calls × tasks. A call without an end is given ten minutes.
@@ -56,15 +57,31 @@ def _window_pairs(cl: pd.DataFrame, tk: pd.DataFrame, tol_us: float) -> pd.DataF
     ci = np.repeat(np.arange(len(cl)), cnt)
     within = np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt)
     ti = order[np.repeat(lo, cnt) + within]
-    p = pd.DataFrame({"_ci": cl["_ci"].to_numpy()[ci], "_ti": tk["_ti"].to_numpy()[ti]})
-    for c in ("start_us", "end_us", "prompt_tokens", "completion_tokens", "timings_prompt_n", "timings_prompt_ms",
-              "timings_predicted_n", "timings_predicted_ms"):
-        if c in cl.columns:
-            p[c] = cl[c].to_numpy()[ci]
-    for c in ("launch_us", "release_us", "prompt_tokens", "prompt_tokens_new", "n_gen", "prompt_eval_ms", "eval_ms", "status"):
-        p[c + "_task" if c in ("prompt_tokens",) else c] = tk[c].to_numpy()[ti]
-    release_ok = np.isnan(p["release_us"].to_numpy(dtype=float)) | (p["release_us"].to_numpy(dtype=float) <= end[ci] + tol_us)
-    return p[release_ok].reset_index(drop=True)
+    del within
+    release = tk["release_us"].to_numpy(dtype=float)[ti]
+    release_ok = np.isnan(release) | (release <= end[ci] + tol_us)
+    return ci[release_ok], ti[release_ok]
+
+
+class _Pairs:
+    """Window pairs with the columns the evidence reads, fetched one at a time (a table of all
+    of them would hold ~20 columns per pair: calls x concurrency rows)."""
+
+    def __init__(self, cl: pd.DataFrame, tk: pd.DataFrame, ci: np.ndarray, ti: np.ndarray) -> None:
+        self.cl, self.tk, self.ci, self.ti = cl, tk, ci, ti
+
+    def call(self, c: str) -> pd.Series:
+        return pd.Series(self.cl[c].array.take(self.ci))
+
+    def task(self, c: str) -> pd.Series:
+        return pd.Series(self.tk[c].array.take(self.ti))
+
+    def frame(self, mask: pd.Series | np.ndarray) -> pd.DataFrame:
+        """The pairs under ``mask`` as ``_assign`` reads them: ``_ci``, ``_ti``, ``start_us``, ``launch_us``."""
+        m = np.asarray(mask, dtype=bool)
+        ci, ti = self.ci[m], self.ti[m]
+        return pd.DataFrame({"_ci": self.cl["_ci"].to_numpy()[ci], "_ti": self.tk["_ti"].to_numpy()[ti],
+                             "start_us": self.cl["start_us"].array.take(ci), "launch_us": self.tk["launch_us"].to_numpy()[ti]})
 
 
 def _eq(a: pd.Series, b: pd.Series) -> pd.Series:
@@ -105,21 +122,23 @@ def match(calls: pd.DataFrame, tasks: pd.DataFrame, aligned: pd.DataFrame, sessi
     taken_t: set = set()
     found: list[tuple[int, int, str, float]] = []
     known = tk[np.isfinite(tk["launch_us"].to_numpy(dtype=float))]
-    p = _window_pairs(cl, known, tol)
+    p = _Pairs(cl, known, *_window_pairs(cl, known, tol))
 
-    if "timings_prompt_ms" in p and p["timings_prompt_ms"].notna().any():
-        exact = (_eq(p["timings_prompt_n"], p["prompt_tokens_new"]) & _eq(p["timings_predicted_n"], p["n_gen"])
-                 & ((p["timings_prompt_ms"] - p["prompt_eval_ms"]).abs() < 0.006)
-                 & ((p["timings_predicted_ms"] - p["eval_ms"]).abs() < 0.006))
-        found += _assign(p[exact], "timings", 1.0, taken_c, taken_t)
+    if "timings_prompt_ms" in cl and p.call("timings_prompt_ms").notna().any():
+        exact = (_eq(p.call("timings_prompt_n"), p.task("prompt_tokens_new")) & _eq(p.call("timings_predicted_n"), p.task("n_gen"))
+                 & ((p.call("timings_prompt_ms") - p.task("prompt_eval_ms")).abs() < 0.006)
+                 & ((p.call("timings_predicted_ms") - p.task("eval_ms")).abs() < 0.006))
+        found += _assign(p.frame(exact), "timings", 1.0, taken_c, taken_t)
 
-    tokens = _eq(p["prompt_tokens"], p["prompt_tokens_task"]) & _eq(p["completion_tokens"], p["n_gen"])
-    found += _assign(p[tokens], "tokens+time", 0.99, taken_c, taken_t)
+    tokens = _eq(p.call("prompt_tokens"), p.task("prompt_tokens")) & _eq(p.call("completion_tokens"), p.task("n_gen"))
+    found += _assign(p.frame(tokens), "tokens+time", 0.99, taken_c, taken_t)
 
     # Time alone, for calls whose counts cannot agree (cut off, failed, or counted differently).
-    agree = p["prompt_tokens"].isna() | p["prompt_tokens_task"].isna() | _eq(p["prompt_tokens"], p["prompt_tokens_task"])
-    near_end = p["release_us"].isna() | ((p["end_us"].astype("float64") - p["release_us"]).abs() < 1e6)
-    found += _assign(p[agree & near_end], "time", 0.5, taken_c, taken_t)
+    agree = p.call("prompt_tokens").isna() | p.task("prompt_tokens").isna() | _eq(p.call("prompt_tokens"), p.task("prompt_tokens"))
+    release = p.task("release_us")
+    near_end = release.isna() | ((p.call("end_us").astype("float64") - release).abs() < 1e6)
+    found += _assign(p.frame(agree & near_end), "time", 0.5, taken_c, taken_t)
+    del p, agree, near_end, tokens, release
 
     pairs = pd.DataFrame(found, columns=["_ci", "_ti", "match_method", "confidence"])
     task_side = tk.drop(columns=["prompt_tokens"])
