@@ -106,40 +106,27 @@ def concurrency(tv: pd.DataFrame, sessions: pd.DataFrame | None = None) -> pd.Da
     included. A task with no release runs to the session's end (see :func:`task_ends`)."""
     launch, ps, ft, rel = (_f(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))
     end = task_ends(tv, sessions)
-    counts = ["running", "prefilling", "generating"]
-    # Events: +1 at each interval's start, -1 at its end, in one of the three counts.
-    rows, times, deltas = [], [], []
-    for i, (a, b) in enumerate(((launch, end), (ps, ft), (ft, rel))):
-        ok = np.flatnonzero(~np.isnan(a) & ~np.isnan(b) & (b >= a))
-        d = np.zeros((len(ok), 3), dtype=np.int64)
-        d[:, i] = 1
-        rows += [ok, ok]
-        times += [a[ok], b[ok]]
-        deltas += [d, -d]
-    row = np.concatenate(rows)
-    if not len(row):
+    spans = [(a, b, ~np.isnan(a) & ~np.isnan(b) & (b >= a)) for a, b in ((launch, end), (ps, ft), (ft, rel))]
+    # Sessions in sorted key order (NA last).
+    code = tv.reset_index(drop=True).groupby(GROUP, dropna=False, sort=True).ngroup().to_numpy()
+    used = spans[0][2] | spans[1][2] | spans[2][2]
+    parts = []
+    for g, rows in sorted(rows_by_group(code, used).items()):
+        ends = [(np.sort(a[rows][ok[rows]]), np.sort(b[rows][ok[rows]])) for a, b, ok in spans]
+        # A step per distinct event time; a count after every event at time u is the intervals
+        # begun by u minus those ended by u (what a running sum of +1/-1 events gives).
+        t = np.unique(np.concatenate([x for pair in ends for x in pair]))
+        level = [np.searchsorted(s0, t[:-1], "right") - np.searchsorted(e0, t[:-1], "right") for s0, e0 in ends]
+        parts.append((np.full(len(t) - 1, rows[0]), t[:-1], t[1:], *level))
+    if not parts:
         return pd.DataFrame({c: pd.Series(dtype="float64") for c in CONCURRENCY_COLUMNS})
-    t = np.concatenate(times)
-    delta = np.concatenate(deltas)
-    del rows, times, deltas
-    # Sessions in sorted key order (NA last), events by time within each.
-    grp = tv.reset_index(drop=True).groupby(GROUP, dropna=False, sort=True).ngroup().to_numpy()[row]
-    order = np.lexsort((t, grp))
-    grp, t, delta, row = grp[order], t[order], delta[order], row[order]
-    first = np.r_[True, (grp[1:] != grp[:-1]) | (t[1:] != t[:-1])]  # one step per (session, time)
-    at = np.flatnonzero(first)
-    # Every interval ends in its own session, so each session's sums return to 0: one running
-    # sum over all sessions is each session's own.
-    level = np.cumsum(np.add.reduceat(delta, at, axis=0), axis=0)
-    g, start = grp[at], t[at]
-    nxt = np.r_[start[1:], np.nan]
-    same = np.r_[g[1:] == g[:-1], False]
-    keep = same & (nxt > start)
-    step = tv[GROUP].iloc[row[at][keep]].reset_index(drop=True)
-    step["start_s"] = start[keep]
-    for j, c in enumerate(counts):
-        step[c] = level[keep, j]
-    step["end_s"] = nxt[keep]
+    rep, start, stop, running, prefilling, generating = (np.concatenate([p[k] for p in parts]) for k in range(6))
+    step = tv[GROUP].iloc[rep].reset_index(drop=True)
+    step["start_s"] = start
+    step["running"] = running.astype(np.int64)
+    step["prefilling"] = prefilling.astype(np.int64)
+    step["generating"] = generating.astype(np.int64)
+    step["end_s"] = stop
     step["waiting"] = step["running"] - step["prefilling"] - step["generating"]
     return step[CONCURRENCY_COLUMNS]
 
@@ -253,12 +240,6 @@ def overlap_arrays(
     if has_own:
         os_ = np.asarray(own_start, dtype="float64")
         oe_ = np.asarray(own_end, dtype="float64")
-        own_ok = ~np.isnan(os_) & ~np.isnan(oe_)
-        # The own interval clipped to the query; empty where it misses it.
-        cs = np.where(own_ok, np.clip(os_, qs, qe), qe)
-        ce = np.where(own_ok, np.clip(oe_, qs, qe), qe)
-        cs = np.where(ce > cs, cs, qe)
-        ce = np.where(ce > cs, ce, qe)
     valid_iv = ~np.isnan(ivs) & ~np.isnan(ive) & (ive > ivs)
     if not (n and valid_iv.any()):
         return covered, max_count, max_value, max_pos
@@ -297,7 +278,7 @@ def overlap_arrays(
             qi = q_all[at:at + QUERY_BLOCK]
             a, z = qs[qi], qe[qi]
             if has_own:
-                c0, c1 = cs[qi], ce[qi]
+                c0, c1 = _clip_own(os_[qi], oe_[qi], a, z)
                 if "covered" in need:
                     covered[qi] = cover(a, z, f1) - cover(c0, c1, f1) + cover(c0, c1, f2)
                 if "max_count" in need:
@@ -318,6 +299,16 @@ def overlap_arrays(
                 mv = ev_val[pos[got]]
                 max_value[sel] = np.where(np.isinf(mv), np.nan, mv)
     return covered, max_count, max_value, max_pos
+
+
+def _clip_own(os_: np.ndarray, oe_: np.ndarray, qs: np.ndarray, qe: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The own interval clipped to the query; empty (at the query's end) where it misses it."""
+    own_ok = ~np.isnan(os_) & ~np.isnan(oe_)
+    cs = np.where(own_ok, np.clip(os_, qs, qe), qe)
+    ce = np.where(own_ok, np.clip(oe_, qs, qe), qe)
+    cs = np.where(ce > cs, cs, qe)
+    ce = np.where(ce > cs, ce, qe)
+    return cs, ce
 
 
 def _largest_per_step(b: np.ndarray, s: np.ndarray, e: np.ndarray, v: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
