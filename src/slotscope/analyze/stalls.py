@@ -361,13 +361,14 @@ def stalls(ds: Dataset, opts: Options) -> pd.DataFrame:
     whether the class rests on exact segment counts, pass-cadence splits, or both.
     """
     pc = _shared_pieces(ds, opts)
-    sg = pc.segments
-    task = tl.key_codes([task_view(ds)], _TASK_KEYS)[0][sg.row[pc.seg]]
-    pieces = pd.DataFrame({
-        "class": pd.Categorical.from_codes(pc.cls, categories=CLASSES), "seconds": pc.seconds, "tokens": pc.tokens,
-        "tok_per_s": pc.tok_per_s, "split": pc.split[pc.seg], "task": task,
+    # Tables of only the columns each statistic reads (the pieces are ~1 per heartbeat).
+    sel = np.flatnonzero(pc.seconds >= MIN_PIECE_S)
+    seg = pc.seg[sel]
+    long_enough = pd.DataFrame({
+        "class": pd.Categorical.from_codes(pc.cls[sel], categories=CLASSES), "tok_per_s": pc.tok_per_s[sel],
+        "split": pc.split[seg], "task": tl.key_codes([task_view(ds)], _TASK_KEYS)[0][pc.segments.row[seg]],
     })
-    long_enough = pieces[pieces["seconds"] >= MIN_PIECE_S]
+    del sel, seg
     g = long_enough.groupby("class", observed=False)
     stats = pd.DataFrame({
         "samples": g.size(),
@@ -376,7 +377,8 @@ def stalls(ds: Dataset, opts: Options) -> pd.DataFrame:
         "split_samples": g["split"].sum(),
         "tasks": long_enough[["class", "task"]].drop_duplicates().groupby("class", observed=False).size(),
     }).reindex(CLASSES)
-    sums = pieces.groupby("class", observed=False)[["tokens", "seconds"]].sum().reindex(CLASSES)
+    sums = pd.DataFrame({"class": pd.Categorical.from_codes(pc.cls, categories=CLASSES), "tokens": pc.tokens,
+                         "seconds": pc.seconds}).groupby("class", observed=False)[["tokens", "seconds"]].sum().reindex(CLASSES)
     out = stats.join(sums).reset_index(names="class")
     out["samples"] = out["samples"].fillna(0).astype("int64")
     out["split_samples"] = out["split_samples"].fillna(0).astype("int64")
