@@ -38,7 +38,8 @@ def call_causes(calls: pd.DataFrame, opts: Options) -> pd.Series:
     c["user"] = c["user"].astype("string")
     c["session"] = calls["app_session"].astype("string") if "app_session" in calls else pd.Series(pd.NA, index=c.index, dtype="string")
     c = c.sort_values(["user", "start_at"], kind="stable")
-    day = c["start_at"].dt.tz_convert("UTC").dt.date if c["start_at"].dt.tz is not None else c["start_at"].dt.date
+    # The calendar day (UTC) as a timestamp: the same groups as dates, without a date object per call.
+    day = (c["start_at"].dt.tz_convert("UTC") if c["start_at"].dt.tz is not None else c["start_at"]).dt.floor("D")
     first_of_day = c.groupby([c["user"], day], sort=False, dropna=False).cumcount() == 0
     first_of_session = c["session"].notna() & (c.groupby([c["user"], c["session"]], sort=False, dropna=False).cumcount() == 0)
     prev_purpose = c.groupby("user", sort=False, dropna=False)["purpose"].shift(1).astype("string")
