@@ -74,8 +74,9 @@ def candidate_pairs(tasks: pd.DataFrame, calls: pd.DataFrame) -> pd.DataFrame:
     """
     t = tasks[tasks["status"] == "complete"]
     c = calls[calls["prompt_tokens"].notna() & calls["completion_tokens"].notna()]
-    cols_t = SESSION_KEY + ["task_id", "launch_s", "release_s", "prompt_tokens", "n_gen", "prompt_eval_ms", "eval_ms"]
-    cols_c = ["call_id", "start_us", "end_us", "prompt_tokens", "completion_tokens", "timings_prompt_ms", "timings_predicted_ms"]
+    # Only what the vote reads: no ids (a string per pair; pairs are ~5 per call with replays).
+    cols_t = SESSION_KEY + ["launch_s", "release_s", "prompt_tokens", "n_gen", "prompt_eval_ms", "eval_ms"]
+    cols_c = ["start_us", "end_us", "prompt_tokens", "completion_tokens", "timings_prompt_ms", "timings_predicted_ms"]
     c = c[cols_c].rename(columns={"completion_tokens": "n_gen"})
     c["n_gen"] = c["n_gen"].astype("int64")
     c["prompt_tokens"] = c["prompt_tokens"].astype("int64")
