@@ -270,3 +270,24 @@ def test_real_task_tables_use_the_fast_path(real_logs) -> None:  # type: ignore[
     """No column of slotscope's own tables falls back to pandas."""
     df = for_text(real_logs.tasks)
     assert all(output._column_formatter(df.iloc[:, k]) is not None for k in range(df.shape[1])), df.dtypes
+
+
+@pytest.mark.parametrize("fmt", ["csv", "json", "parquet"])
+def test_batches_write_what_the_whole_table_writes(tmp_path, fmt: str) -> None:
+    """`slotscope tasks` writes its table in batches: the same file as writing it whole."""
+    from slotscope.server_log import read_server_logs
+
+    paths = [str(REAL / "wallclock" / "logs"), str(REAL / "restart" / "logs")]
+    whole = read_server_logs(paths, keep_samples=False).tasks
+    assert "launch_at" in whole.columns and len(whole) > 50
+    output.write(whole, fmt, str(tmp_path / f"whole.{fmt}"))
+    parts = [whole.iloc[i : i + 17] for i in range(0, len(whole), 17)]
+    output.write_batches(iter(parts), fmt, str(tmp_path / f"parts.{fmt}"))
+    if fmt == "parquet":
+        pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "parts.parquet"), pd.read_parquet(tmp_path / "whole.parquet"))
+    else:
+        assert (tmp_path / f"parts.{fmt}").read_bytes() == (tmp_path / f"whole.{fmt}").read_bytes()
+    output.write_batches(iter([whole.iloc[:0]]), fmt, str(tmp_path / f"empty.{fmt}"))
+    output.write(whole.iloc[:0], fmt, str(tmp_path / f"empty_whole.{fmt}"))
+    if fmt != "parquet":
+        assert (tmp_path / f"empty.{fmt}").read_bytes() == (tmp_path / f"empty_whole.{fmt}").read_bytes()

@@ -19,7 +19,7 @@ from .errors import InputError, SlotscopeError
 from .filters import parse_when, where as where_rows, window
 from .app_log import load_column_file, parse_column_spec
 from .dataset import Dataset, load, read_app
-from .server_log import read_server_logs
+from .server_log import read_server_logs, read_task_batches
 from .sources import collect, file_size
 
 app = typer.Typer(
@@ -146,13 +146,15 @@ def tasks(
 ) -> None:
     """One row per server task: launch, wait before prefill, prefill, generation, release."""
     ps = _paths(paths)
+    lo, hi = parse_when(since), parse_when(until)
     with _progress(ps) as progress:
-        logs = read_server_logs(ps, keep_samples=False, tz=tz, progress=progress)  # type: ignore[arg-type]
-    if not any(f.kind == "server" for f in logs.accounting.files):
-        _no_input(logs.accounting.unusable, "no llama-server log among the inputs")
-    df = where_rows(window(logs.tasks, parse_when(since), parse_when(until), time_col="launch_s"), where)
-    output.write(df, fmt, out, title="tasks", table_columns=TASK_TABLE)
-    _finish(logs.accounting, strict, quiet)
+        # In batches: the table of a log of any size is never held whole.
+        batches, acc = read_task_batches(ps, tz=tz, progress=progress)  # type: ignore[arg-type]
+    if not any(f.kind == "server" for f in acc.files):
+        _no_input(acc.unusable, "no llama-server log among the inputs")
+    rows = (where_rows(window(b, lo, hi, time_col="launch_s"), where) for b in batches)
+    output.write_batches(rows, fmt, out, title="tasks", table_columns=TASK_TABLE)
+    _finish(acc, strict, quiet)
 
 
 @command()

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import math
 import os
 import sys
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO, Iterable, Literal
 
 import numpy as np
 import pandas as pd
@@ -472,6 +473,59 @@ def write(
         else:
             text.to_json(buf, orient="records", force_ascii=False)
             buf.write("\n")
+    finally:
+        if not to_stdout:
+            buf.close()
+    return chosen
+
+
+def write_batches(
+    batches: Iterable[pd.DataFrame],
+    fmt: str | None = None,
+    out: str | None = None,
+    *,
+    title: str | None = None,
+    stdout: IO[str] | None = None,
+    table_columns: list[str] | None = None,
+) -> Format:
+    """Write a table that comes in batches (same columns in each), as :func:`write` would
+    write the batches joined: the same bytes for CSV and JSON, the same rows for Parquet.
+
+    Only one batch is in memory at a time, except for a terminal table (shown whole).
+    """
+    stream = stdout if stdout is not None else sys.stdout
+    to_stdout = out is None or out == "-"
+    chosen = choose_format(fmt, out, to_stdout and is_terminal(stream))
+    it = iter(batches)
+    if chosen == "table":
+        return write(pd.concat(list(it), ignore_index=True), chosen, out, title=title, stdout=stdout,
+                     table_columns=table_columns)
+    first = next(it, None)
+    if first is None:
+        raise ValueError("write_batches needs at least one batch (an empty one gives the header)")
+    if chosen == "parquet":
+        import pyarrow.parquet as pq
+
+        target = sys.stdout.buffer if to_stdout else out
+        schema = pa.Schema.from_pandas(first, preserve_index=False)
+        with pq.ParquetWriter(target, schema) as writer:  # type: ignore[arg-type]
+            for df in itertools.chain([first], it):
+                writer.write_table(pa.Table.from_pandas(df, schema=schema, preserve_index=False))
+        return chosen
+    buf: IO[str] = stream if to_stdout else open(out, "w", newline="")  # type: ignore[arg-type]
+    try:
+        if chosen == "csv":
+            writer = CsvWriter(buf)
+            for df in itertools.chain([first], it):
+                writer.write(for_text(df))
+        else:  # one JSON array: each batch's records, joined
+            buf.write("[")
+            sep = ""
+            for df in itertools.chain([first], it):
+                if len(df):
+                    buf.write(sep + for_text(df).to_json(orient="records", force_ascii=False)[1:-1])
+                    sep = ","
+            buf.write("]\n")
     finally:
         if not to_stdout:
             buf.close()

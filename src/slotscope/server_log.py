@@ -644,7 +644,7 @@ def read_server_logs(
 def read_task_batches(
     paths: Sequence[str | os.PathLike[str]],
     *,
-    rows: int = 1 << 16,
+    rows: int = 1 << 15,
     tz: str = "UTC",
     year: int | None = None,
     progress: Callable[[int], None] | None = None,

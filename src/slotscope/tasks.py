@@ -152,7 +152,6 @@ class FinishedRows:
         self._chunks: list[str | dict[str, np.ndarray]] = []  # spilled directory, or rows in memory
         self._sizes: list[int] = []
         self._tmp: "tempfile.TemporaryDirectory[str] | None" = None
-        self._cache: tuple[int, dict[str, np.ndarray]] | None = None
 
     def __len__(self) -> int:
         return sum(self._sizes) + self._n_pending
@@ -187,35 +186,31 @@ class FinishedRows:
         """No more rows: the last ones join the chunks (in memory)."""
         self._seal(spill=False)
 
-    def _chunk(self, k: int, columns: list[str] | None = None) -> dict[str, np.ndarray]:
+    def _names(self) -> list[str]:
+        chunk = self._chunks[0]
+        return list(chunk) if isinstance(chunk, dict) else [f[:-4] for f in sorted(os.listdir(chunk))]
+
+    def _column_of(self, k: int, c: str) -> np.ndarray:
         chunk = self._chunks[k]
-        if isinstance(chunk, dict):
-            return chunk if columns is None else {c: chunk[c] for c in columns}
-        if columns is None and self._cache is not None and self._cache[0] == k:
-            return self._cache[1]
-        names = columns or [f[:-4] for f in sorted(os.listdir(chunk))]
-        cols = {c: np.load(os.path.join(chunk, c + ".npy"), allow_pickle=False) for c in names}
-        if columns is None:
-            self._cache = (k, cols)
-        return cols
+        return chunk[c] if isinstance(chunk, dict) else np.load(os.path.join(chunk, c + ".npy"), allow_pickle=False)
 
     def column(self, c: str) -> np.ndarray:
         """One column over all rows."""
-        return np.concatenate([self._chunk(k, [c])[c] for k in range(len(self._chunks))]) if self._chunks else np.zeros(0)
+        return np.concatenate([self._column_of(k, c) for k in range(len(self._chunks))]) if self._chunks else np.zeros(0)
 
     def gather(self, idx: np.ndarray) -> dict[str, np.ndarray]:
-        """The rows at these positions, in this order (chunks read once per call)."""
+        """The rows at these positions, in this order, read a column at a time (so only the
+        result and one column of one chunk are in memory)."""
         starts = np.cumsum([0] + self._sizes)
         which = np.searchsorted(starts, idx, side="right") - 1
+        parts = [(int(k), np.flatnonzero(which == k)) for k in np.unique(which)]
         out: dict[str, np.ndarray] = {}
-        for k in np.unique(which):
-            at = np.flatnonzero(which == k)
-            chunk = self._chunk(int(k))
-            local = idx[at] - starts[k]
-            for c, v in chunk.items():
+        for c in self._names():
+            for k, at in parts:
+                v = self._column_of(k, c)
                 if c not in out:
                     out[c] = np.empty(len(idx), dtype=v.dtype)
-                out[c][at] = v[local]
+                out[c][at] = v[idx[at] - starts[k]]
         return out
 
     def take_all(self, order: np.ndarray) -> dict[str, np.ndarray]:
@@ -223,7 +218,7 @@ class FinishedRows:
         built, so the rows are never held twice)."""
         if not self._chunks:
             return {}
-        names = list(self._chunk(0))
+        names = self._names()
         out = {}
         for c in names:
             out[c] = self.column(c)[order]
@@ -234,7 +229,7 @@ class FinishedRows:
         return out
 
     def discard(self) -> None:
-        self._pending, self._chunks, self._sizes, self._cache = [], [], [], None
+        self._pending, self._chunks, self._sizes = [], [], []
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
@@ -438,7 +433,7 @@ class TaskAssembler:
         _give_back_freed_memory()
         return tasks, gen, prefill, sessions
 
-    def finish_in_batches(self, rows: int = 1 << 16) -> tuple[Iterator[pd.DataFrame], pd.DataFrame]:
+    def finish_in_batches(self, rows: int = 1 << 15) -> tuple[Iterator[pd.DataFrame], pd.DataFrame]:
         """Close every task still open; return the task table as batches of ``rows`` rows in
         output order (together: :meth:`finish`'s table, same values and columns), and the
         sessions. Only one batch and the sort keys are in memory at a time (with spilling).
