@@ -306,7 +306,7 @@ def _json_rows(name: str, numbered: Iterable[tuple[int, str]], tally: _Tally) ->
             tally.empty_lines += 1
             continue
         try:
-            rec = json.loads(text)
+            rec = _json(text)
         except json.JSONDecodeError as e:
             tally.drop(name, lineno, f"invalid JSON: {e.msg} (column {e.colno})")
             continue
@@ -314,6 +314,23 @@ def _json_rows(name: str, numbered: Iterable[tuple[int, str]], tally: _Tally) ->
             tally.drop(name, lineno, f"not a JSON object: {text[:40]!r}")
             continue
         yield lineno, rec
+
+
+_raw_decode = json.JSONDecoder().raw_decode
+_JSON_SPACE = " \t\n\r"
+
+
+def _json(text: str) -> Any:
+    """``json.loads(text)``, without its two whitespace regex matches per call when the line is
+    plain JSON (a third of the time of reading a large app log); the same result or error."""
+    s = text.lstrip(_JSON_SPACE)
+    try:
+        obj, end = _raw_decode(s)
+    except json.JSONDecodeError:
+        return json.loads(text)  # the error as json.loads words and places it
+    if end != len(s) and s[end:].strip(_JSON_SPACE):
+        return json.loads(text)
+    return obj
 
 
 def _csv_rows(name: str, numbered: Iterable[tuple[int, str]], tally: _Tally) -> _Rows:
@@ -509,6 +526,7 @@ def _frame(
 
 def _finish(frames: list[pd.DataFrame], tally: _Tally) -> AppLog:
     calls = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=list(CALL_COLUMNS))
+    frames.clear()  # the chunks' tables, now copied into one
     calls = calls.assign(_f=calls["file"].map(tally.files))
     calls = calls.sort_values(["start_us", "_f", "line"], kind="stable").drop(columns="_f").reset_index(drop=True)
     calls["start_at"] = pd.to_datetime(calls["start_us"], unit="us", utc=True)
