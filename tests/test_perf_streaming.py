@@ -189,3 +189,22 @@ def test_task_batches_join_to_the_task_table(big_log: Path, monkeypatch: pytest.
         whole.accounting.tasks_complete, whole.accounting.tasks_cancelled, whole.accounting.tasks_incomplete,
         whole.accounting.sessions)
     assert not any(os.path.exists(d) for d in dirs)  # the temporary chunks are gone
+
+
+@pytest.mark.parametrize("fmt", ["csv", "json"])
+def test_task_batches_made_as_text_by_workers_join_to_the_table(big_log: Path, tmp_path: Path, fmt: str) -> None:
+    """Workers build batches from the spilled rows and turn them into text; joined in order,
+    the text is what writing the whole table gives."""
+    import functools
+
+    from slotscope import output
+    from slotscope.server_log import read_task_batches
+
+    whole = read_server_logs([big_log], keep_samples=False, jobs=1)
+    output.write(whole.tasks, fmt, str(tmp_path / "whole"))
+    then = functools.partial(output.text_piece, fmt=fmt)
+    for jobs in (1, 2):
+        pieces, acc = read_task_batches([big_log], rows=700, chunk_size=256 << 10, jobs=jobs, then=then)
+        output.write_pieces(pieces, fmt, str(tmp_path / f"parts{jobs}"))  # type: ignore[arg-type]
+        assert (tmp_path / f"parts{jobs}").read_bytes() == (tmp_path / "whole").read_bytes()
+        assert acc.tasks_complete == whole.accounting.tasks_complete

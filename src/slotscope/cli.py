@@ -147,14 +147,27 @@ def tasks(
     """One row per server task: launch, wait before prefill, prefill, generation, release."""
     ps = _paths(paths)
     lo, hi = parse_when(since), parse_when(until)
+    chosen = output.choose_format(fmt, out, (out is None or out == "-") and output.is_terminal(sys.stdout))
+    text = chosen in ("csv", "json")
+    # In batches: the table of a log of any size is never held whole. CSV/JSON text is made
+    # by the worker processes too, each batch where it is built.
+    then = functools.partial(_task_rows, since=lo, until=hi, where=where, fmt=chosen if text else None)
     with _progress(ps) as progress:
-        # In batches: the table of a log of any size is never held whole.
-        batches, acc = read_task_batches(ps, tz=tz, progress=progress)  # type: ignore[arg-type]
+        batches, acc = read_task_batches(ps, tz=tz, progress=progress, then=then)  # type: ignore[arg-type]
     if not any(f.kind == "server" for f in acc.files):
         _no_input(acc.unusable, "no llama-server log among the inputs")
-    rows = (where_rows(window(b, lo, hi, time_col="launch_s"), where) for b in batches)
-    output.write_batches(rows, fmt, out, title="tasks", table_columns=TASK_TABLE)
+    if text:
+        output.write_pieces(batches, chosen, out)  # type: ignore[arg-type]
+    else:
+        output.write_batches(batches, chosen, out, title="tasks", table_columns=TASK_TABLE)  # type: ignore[arg-type]
     _finish(acc, strict, quiet)
+
+
+def _task_rows(batch: pd.DataFrame, i: int, *, since: object, until: object, where: str | None,
+               fmt: output.Format | None) -> object:
+    """One batch of ``tasks``: filtered, and as text for CSV/JSON (runs in a worker process)."""
+    rows = where_rows(window(batch, since, until, time_col="launch_s"), where)  # type: ignore[arg-type]
+    return output.text_piece(rows, i, fmt) if fmt is not None else rows
 
 
 @command()

@@ -12,6 +12,9 @@ class SlotscopeError(Exception):
         self.reason = reason
         super().__init__(str(self))
 
+    def __reduce__(self) -> tuple:  # raised in a worker process, re-raised in the main one
+        return (self.__class__, (self.path, self.line, self.reason))
+
     def __str__(self) -> str:
         where = ""
         if self.path is not None:

@@ -532,6 +532,39 @@ def write_batches(
     return chosen
 
 
+def text_piece(df: pd.DataFrame, i: int, fmt: Format) -> str:
+    """Batch ``i`` of a table as CSV or JSON text, to be joined by :func:`write_pieces`
+    (CSV: the header comes with batch 0; JSON: the records without the array's brackets)."""
+    if fmt == "csv":
+        buf = io.StringIO()
+        CsvWriter(buf, header=i == 0).write(for_text(df))
+        return buf.getvalue()
+    if fmt == "json":
+        return for_text(df).to_json(orient="records", force_ascii=False)[1:-1] if len(df) else ""
+    raise ValueError(f"no text pieces for {fmt}")
+
+
+def write_pieces(pieces: Iterable[str], fmt: Format, out: str | None = None, *, stdout: IO[str] | None = None) -> None:
+    """Join :func:`text_piece` texts into what :func:`write` writes for the whole table."""
+    to_stdout = out is None or out == "-"
+    buf: IO[str] = (stdout or sys.stdout) if to_stdout else open(out, "w", newline="")  # type: ignore[arg-type]
+    try:
+        if fmt == "json":
+            buf.write("[")
+            sep = ""
+            for p in pieces:
+                if p:
+                    buf.write(sep + p)
+                    sep = ","
+            buf.write("]\n")
+        else:
+            for p in pieces:
+                buf.write(p)
+    finally:
+        if not to_stdout:
+            buf.close()
+
+
 def render_text(df: pd.DataFrame, fmt: Format) -> str:
     """The table as a string in a text format (used by tests and the report)."""
     buf = io.StringIO()

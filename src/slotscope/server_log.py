@@ -17,6 +17,7 @@ Each event row carries its file line so every figure can be traced back.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import os
 import re
@@ -40,7 +41,7 @@ from .sources import (
 )
 from .workers import Pool
 from .scanner import SRV_EVENT, Reading, Scan, scan
-from .tasks import GEN_COLUMNS, PREFILL_COLUMNS, TASK_COLUMNS, BlockTasks, TaskAssembler, fold_block
+from .tasks import GEN_COLUMNS, PREFILL_COLUMNS, TASK_COLUMNS, BlockTasks, TaskAssembler, TaskBatch, fold_block
 
 _NUM = r"[-+]?(?:\d+(?:\.\d*)?|inf|nan)"
 _HEAD = (
@@ -645,52 +646,79 @@ def read_task_batches(
     paths: Sequence[str | os.PathLike[str]],
     *,
     rows: int = 1 << 15,
+    then: Callable[[pd.DataFrame, int], object] | None = None,
     tz: str = "UTC",
     year: int | None = None,
     progress: Callable[[int], None] | None = None,
     inputs: Inputs | None = None,
     chunk_size: int | None = None,
     jobs: int | None = None,
-) -> tuple[Iterator[pd.DataFrame], Accounting]:
+) -> tuple[Iterator[object], Accounting]:
     """:func:`read_server_logs`' task table as batches of ``rows`` rows, for logs of any size.
 
     All input is read first (finished tasks beyond ``rows`` wait in a temporary directory),
     so the accounting's line counts are final on return; its task counts are final once every
     batch has been taken. The batches, joined, are the ``tasks`` table (the same text as CSV).
+    ``then(batch, i)``: what to hand out instead of the i-th batch (e.g. its CSV text); with
+    worker processes, batches are built and ``then`` runs in them (it must be a module-level
+    function or a ``functools.partial`` of one).
     """
-    assemblers, acc = _read_all(paths, inputs, keep_samples=False, tz=tz, year=year, progress=progress,
-                                chunk_size=chunk_size, jobs=jobs, spill_rows=rows)
-    ends = [asm.finish_in_batches(rows) for asm in assemblers]
+    pool = Pool(jobs)
+    try:
+        assemblers, acc = _read_all(paths, inputs, keep_samples=False, tz=tz, year=year, progress=progress,
+                                    chunk_size=chunk_size, pool=pool, spill_rows=rows)
+        n_rows = sum(asm.n_open_or_done for asm in assemblers)
+        spread = pool.jobs > 1 and n_rows > rows
+        ends = [asm.finish_in_batches(rows, on_disk=spread) for asm in assemblers]
+    except BaseException:
+        pool.close()
+        raise
     acc.sessions = sum(len(s) for _, s in ends)
+    with_wall = any(a.has_wall_rows for a in assemblers if a.n_finished)
+    todo = [b for asm, (parts, _) in zip(assemblers, ends) if asm.n_finished for b in parts]
+    if not todo:
+        todo = [None]
+    work = [(b, i, with_wall, then) for i, b in enumerate(todo)]
 
-    def batches() -> Iterator[pd.DataFrame]:
-        any_rows = False
-        with_wall = any(a.has_wall_rows for a in assemblers if a.n_finished)
-        for asm, (parts, _) in zip(assemblers, ends):
-            for part in (parts if asm.n_finished else ()):
-                if with_wall and "launch_at" not in part.columns:
-                    for c in ("launch_at", "release_at", "prefill_start_at", "first_token_at"):
-                        part[c] = pd.Series(pd.NaT, index=part.index, dtype="datetime64[us, UTC]")
-                _count_status(acc, part, add=True)
-                any_rows = True
-                yield part
-        if not any_rows:
-            yield _concat([], TASK_COLUMNS)
+    def batches() -> Iterator[object]:
+        try:
+            for out, counts in (pool.map(_task_batch, work) if spread else map(_task_batch, work)):
+                acc.tasks_complete += counts[0]
+                acc.tasks_cancelled += counts[1]
+                acc.tasks_incomplete += counts[2]
+                yield out
+        finally:
+            pool.close()
+            for asm in assemblers:
+                asm.discard()
 
     return batches(), acc
 
 
+def _task_batch(job: tuple[TaskBatch | None, int, bool, Callable[[pd.DataFrame, int], object] | None]) -> tuple[object, tuple[int, int, int]]:
+    """One batch of the task table (in a worker process, or here), and its status counts."""
+    batch, i, with_wall, then = job
+    part = batch.table() if batch is not None else _concat([], TASK_COLUMNS)
+    if with_wall and "launch_at" not in part.columns:  # another stream has wall clocks
+        for c in ("launch_at", "release_at", "prefill_start_at", "first_token_at"):
+            part[c] = pd.Series(pd.NaT, index=part.index, dtype="datetime64[us, UTC]")
+    st = part["status"] if len(part) else pd.Series([], dtype=str)
+    counts = (int((st == "complete").sum()), int((st == "cancelled").sum()), int((st == "incomplete").sum()))
+    return (then(part, i) if then is not None else part), counts
+
+
 def _read_all(
-    paths: Sequence[str | os.PathLike[str]], inputs: Inputs | None, *, spill_rows: int | None = None, **kw: object,
+    paths: Sequence[str | os.PathLike[str]], inputs: Inputs | None, *, spill_rows: int | None = None,
+    pool: Pool | None = None, **kw: object,
 ) -> tuple[list[TaskAssembler], Accounting]:
     if inputs is None:
         inputs = collect(paths)
     acc = Accounting(skipped=list(inputs.skipped), unusable=list(inputs.unusable), notes=list(inputs.notes))
     assemblers = []
-    jobs = kw.pop("jobs")
-    with Pool(jobs) as pool:  # type: ignore[arg-type]
+    jobs = kw.pop("jobs", None)
+    with contextlib.nullcontext(pool) if pool is not None else Pool(jobs) as workers:  # type: ignore[arg-type]
         for files in inputs.server:
-            asm, accounts = read_stream(files, inputs, pool=pool, spill_rows=spill_rows, **kw)  # type: ignore[arg-type]
+            asm, accounts = read_stream(files, inputs, pool=workers, spill_rows=spill_rows, **kw)  # type: ignore[arg-type]
             assemblers.append(asm)
             acc.files.extend(accounts)
     return assemblers, acc

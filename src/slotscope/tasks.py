@@ -182,9 +182,13 @@ class FinishedRows:
             np.save(os.path.join(path, c + ".npy"), v, allow_pickle=False)
         self._chunks.append(path)
 
-    def close(self) -> None:
-        """No more rows: the last ones join the chunks (in memory)."""
-        self._seal(spill=False)
+    def close(self, on_disk: bool = False) -> None:
+        """No more rows: the last ones join the chunks (in memory, unless ``on_disk``)."""
+        self._seal(spill=on_disk)
+
+    def __getstate__(self) -> dict:
+        # A copy in another process reads the chunks; the directory stays this one's to remove.
+        return {**self.__dict__, "_tmp": None, "_pending": [], "_n_pending": 0}
 
     def _names(self) -> list[str]:
         chunk = self._chunks[0]
@@ -421,7 +425,7 @@ class TaskAssembler:
     def finish(self) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
         """Close every task still open; return (tasks, gen samples, prefill samples, sessions)."""
         order, _ = self._end()
-        raw = self._raw(self._done.take_all(order))
+        raw = _raw(self._done.take_all(order), list(self._files))
         _give_back_freed_memory()  # the per-block parts just joined: small holes the table cannot reuse
         sessions = self._sessions_table()
         tasks = _derive(raw, self.source, sessions)
@@ -433,26 +437,30 @@ class TaskAssembler:
         _give_back_freed_memory()
         return tasks, gen, prefill, sessions
 
-    def finish_in_batches(self, rows: int = 1 << 15) -> tuple[Iterator[pd.DataFrame], pd.DataFrame]:
+    def finish_in_batches(self, rows: int = 1 << 15, on_disk: bool = False) -> tuple[list["TaskBatch"], pd.DataFrame]:
         """Close every task still open; return the task table as batches of ``rows`` rows in
         output order (together: :meth:`finish`'s table, same values and columns), and the
-        sessions. Only one batch and the sort keys are in memory at a time (with spilling).
+        sessions. A batch is built when asked (:meth:`TaskBatch.table`); only the sort keys
+        are held meanwhile. ``on_disk``: every chunk of finished rows goes to disk, so that a
+        batch pickles small (for worker processes). :meth:`discard` removes them after use.
         """
-        order, with_wall = self._end()
+        order, with_wall = self._end(on_disk)
         sessions = self._sessions_table()
+        files = list(self._files)
+        if not len(order):
+            return [TaskBatch(self._done, order, self.source, files, sessions, None)], sessions
+        return [TaskBatch(self._done, order[i : i + rows], self.source, files, sessions, with_wall)
+                for i in range(0, len(order), rows)], sessions
 
-        def batches() -> Iterator[pd.DataFrame]:
-            try:
-                if not len(order):
-                    yield _derive(self._raw(None), self.source, sessions)
-                for i in range(0, len(order), rows):
-                    yield _derive(self._raw(self._done.gather(order[i : i + rows])), self.source, sessions, with_wall)
-            finally:
-                self._done.discard()
+    def discard(self) -> None:
+        """Drop the finished rows (and their files on disk)."""
+        self._done.discard()
 
-        return batches(), sessions
+    @property
+    def n_open_or_done(self) -> int:
+        return len(self._done) + (len(self._open["task"]) if self._open is not None else 0)
 
-    def _end(self) -> tuple[np.ndarray, bool]:
+    def _end(self, on_disk: bool = False) -> tuple[np.ndarray, bool]:
         """Close the open tasks; the output order of the finished rows, and whether any of them
         is in a session with wall-clock times (then every row has ``*_at`` columns)."""
         if self._open is not None and len(self._open["task"]):
@@ -460,7 +468,7 @@ class TaskAssembler:
             rest["cut_by_restart"] = np.zeros(len(rest["task"]), bool)
             self._done.append(rest)
         self._open = None
-        self._done.close()
+        self._done.close(on_disk)
         port, session = self._done.column("port"), self._done.column("session")
         # Output order: per process, by launch (tasks whose launch was never seen last), then line.
         order = np.lexsort((self._done.column("first_line"), self._done.column("launch_us"), session, port))
@@ -468,22 +476,6 @@ class TaskAssembler:
         with_wall = bool(walled) and bool(pd.MultiIndex.from_arrays([port, session]).isin(walled).any())
         self.n_finished, self.has_wall_rows = len(order), with_wall
         return order, with_wall
-
-    def _raw(self, cols: dict[str, np.ndarray] | None) -> pd.DataFrame:
-        """Finished partial rows (in output order) as a DataFrame."""
-        if cols is None or not len(cols.get("task", ())):
-            return pd.DataFrame(columns=KEY + ["slot", "file"] + [c for c in _PARTIAL if c not in KEY and not c.startswith(
-                ("slot_", "file"))] + ["cut_by_restart"])
-        code = cols.pop("file")
-        # One category per file instead of its path repeated on every row (44 MB at 1 GB of log).
-        file = pd.Categorical.from_codes(np.where(np.isnan(code), -1, code).astype(np.int64),
-                                         categories=pd.Index(list(self._files), dtype="str"))
-        slot_any = cols.pop("slot_any")
-        slot_launch = cols.pop("slot_launch")
-        raw = pd.DataFrame({c: cols.pop(c) for c in _PARTIAL + ["cut_by_restart"] if c in cols}, copy=False)
-        raw["slot"] = np.where(np.isnan(slot_launch), slot_any, slot_launch)
-        raw["file"] = file
-        return raw
 
     def _sessions_table(self) -> pd.DataFrame:
         rows = []
@@ -500,6 +492,42 @@ class TaskAssembler:
         df = pd.DataFrame(rows, columns=cols)
         df["start_at"] = pd.to_datetime(df["wall_offset_us"].astype("Int64"), unit="us", utc=True)
         return df
+
+
+def _raw(cols: dict[str, np.ndarray] | None, files: list[str]) -> pd.DataFrame:
+    """Finished partial rows (in output order) as a DataFrame."""
+    if cols is None or not len(cols.get("task", ())):
+        return pd.DataFrame(columns=KEY + ["slot", "file"] + [c for c in _PARTIAL if c not in KEY and not c.startswith(
+            ("slot_", "file"))] + ["cut_by_restart"])
+    code = cols.pop("file")
+    # One category per file instead of its path repeated on every row (44 MB at 1 GB of log).
+    file = pd.Categorical.from_codes(np.where(np.isnan(code), -1, code).astype(np.int64),
+                                     categories=pd.Index(files, dtype="str"))
+    slot_any = cols.pop("slot_any")
+    slot_launch = cols.pop("slot_launch")
+    raw = pd.DataFrame({c: cols.pop(c) for c in _PARTIAL + ["cut_by_restart"] if c in cols}, copy=False)
+    raw["slot"] = np.where(np.isnan(slot_launch), slot_any, slot_launch)
+    raw["file"] = file
+    return raw
+
+
+@dataclass
+class TaskBatch:
+    """Some finished rows, by position in output order, and what deriving them needs.
+
+    Picklable (a worker process can build the batch) when the rows are on disk.
+    """
+
+    rows: FinishedRows
+    idx: np.ndarray
+    source: str
+    files: list[str]
+    sessions: pd.DataFrame
+    with_wall: bool | None
+
+    def table(self) -> pd.DataFrame:
+        cols = self.rows.gather(self.idx) if len(self.idx) else None
+        return _derive(_raw(cols, self.files), self.source, self.sessions, self.with_wall)
 
 
 def _us_to_s(col: pd.Series) -> pd.Series:
