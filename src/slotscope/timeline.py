@@ -9,7 +9,7 @@ every interval, so a log with 100k tasks and 1M heartbeats stays cheap.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
@@ -212,7 +212,8 @@ def overlaps(
     else:
         qcode, icode = np.zeros(len(queries), dtype=np.int64), np.zeros(len(intervals), dtype=np.int64)
     covered, max_count, max_value, max_pos = overlap_arrays(qcode, qs, qe, icode, ivs, ive, vals=vals,
-                                                            own_start=own_start, own_end=own_end)
+                                                            own_start=own_start, own_end=own_end,
+                                                            need=("covered", "max_count", "max_value"))
     length = qe - qs
     with np.errstate(divide="ignore", invalid="ignore"):
         frac = np.where(length > 0, covered / length, np.nan)
@@ -227,15 +228,16 @@ def overlap_arrays(
     qcode: np.ndarray, qs: np.ndarray, qe: np.ndarray, icode: np.ndarray, ivs: np.ndarray, ive: np.ndarray, *,
     vals: np.ndarray | None = None, own_start: np.ndarray | None = None, own_end: np.ndarray | None = None,
     need: tuple[str, ...] = ("covered", "max_count"),
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[Any, Any, Any, Any]:
     """:func:`overlaps` on arrays, groups given as integer codes (see :func:`key_codes`):
-    ``(covered_s unrounded, max_count, max_value, max_pos)``. ``need`` may leave out
-    ``covered`` or ``max_count`` (returned as zeros) when the caller reads only the other."""
+    ``(covered_s unrounded, max_count, max_value, max_pos)``, each computed only when ``need``
+    names it (``max_pos`` whenever ``vals`` is given), else None: a query set as large as the
+    log's heartbeats makes every unused array one of that size."""
     n = len(qs)
-    covered = np.zeros(n)
-    max_count = np.zeros(n, dtype=np.int64)
-    max_value = np.full(n, np.nan)
-    max_pos = np.full(n, -1, dtype=np.int64)
+    covered = np.zeros(n) if "covered" in need else None
+    max_count = np.zeros(n, dtype=np.int64) if "max_count" in need else None
+    max_value = np.full(n, np.nan) if vals is not None and "max_value" in need else None
+    max_pos = np.full(n, -1, dtype=np.int64) if vals is not None else None
     has_own = own_start is not None and own_end is not None
     if has_own:
         os_ = np.asarray(own_start, dtype="float64")
@@ -296,8 +298,9 @@ def overlap_arrays(
                 got = (pos >= 0) & (ev_row[np.maximum(pos, 0)] >= 0)
                 sel = qi[got]
                 max_pos[sel] = ev_row[pos[got]]
-                mv = ev_val[pos[got]]
-                max_value[sel] = np.where(np.isinf(mv), np.nan, mv)
+                if max_value is not None:
+                    mv = ev_val[pos[got]]
+                    max_value[sel] = np.where(np.isinf(mv), np.nan, mv)
     return covered, max_count, max_value, max_pos
 
 
@@ -372,47 +375,84 @@ def prefill_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None) -> tup
     pre["new"] = _f(pre["prompt_tokens_new"])
     pre = pre[(pre["ft"] > pre["ps"])].drop(columns=["prefill_start_s", "first_token_s"]).reset_index(drop=True)
     pre["pid"] = np.arange(len(pre))
-    lines = pd.DataFrame(columns=keys + ["t_s", "n_tokens", "step_tokens", "step_s"])
-    if prefill_samples is not None and len(prefill_samples):
-        lines = prefill_samples[keys + ["t_s", "n_tokens", "step_tokens", "step_s"]]
-    lines = lines.merge(pre[keys + ["pid", "ps", "ft"]], on=keys, how="inner")
-    lines = lines[(lines["t_s"] >= lines["ps"]) & (lines["t_s"] <= lines["ft"] + SAME_PASS_S)]
-    lines = lines.assign(n_tokens=_f(lines["n_tokens"]), step_tokens=_f(lines["step_tokens"]), step_s=_f(lines["step_s"]))
-    lines = lines.sort_values(["pid", "t_s"], kind="stable").reset_index(drop=True)
+    cols = ["t_s", "n_tokens", "step_tokens", "step_s"]
+    samples = prefill_samples if prefill_samples is not None and len(prefill_samples) else pd.DataFrame(columns=keys + cols)
+    # Each progress line with its prefill (an inner join on the task keys, in line order).
+    lcode, pcode = key_codes([samples, pre], keys)
+    at, pid = _join_unique(lcode, pcode)
+    del lcode, pcode
+    lines = pd.DataFrame({"pid": pid, **{c: _f(samples[c])[at] for c in cols}})
+    del at, pid
+    ps, ft = pre["ps"].to_numpy(), pre["ft"].to_numpy()
+    inside = (lines["t_s"].to_numpy() >= ps[lines["pid"]]) & (lines["t_s"].to_numpy() <= ft[lines["pid"]] + SAME_PASS_S)
+    lines = lines[inside]
+    lines = lines.iloc[np.lexsort((lines["t_s"].to_numpy(), lines["pid"].to_numpy()))].reset_index(drop=True)
     # Typical chunk and pass length: the task's own, else its session's, else defaults.
     own = lines.groupby("pid").agg(chunk=("step_tokens", "median"), pass_s=("step_s", "median"),
                                    first_t=("t_s", "first"), first_n=("n_tokens", "first"),
                                    last_t=("t_s", "last"), last_n=("n_tokens", "last"))
-    sess = lines.groupby(GROUP, dropna=False).agg(s_chunk=("step_tokens", "median"), s_pass=("step_s", "median")).reset_index()
+    sess = pd.concat([pre[GROUP].iloc[lines["pid"].to_numpy()].reset_index(drop=True), lines[["step_tokens", "step_s"]]], axis=1)
+    sess = sess.groupby(GROUP, dropna=False).agg(s_chunk=("step_tokens", "median"), s_pass=("step_s", "median")).reset_index()
     pre = pre.merge(own, left_on="pid", right_index=True, how="left").merge(sess, on=GROUP, how="left")
+    del own, sess
     pre["chunk"] = pre["chunk"].fillna(pre["s_chunk"]).fillna(2048.0).clip(lower=1)
     pre["pass_s"] = pre["pass_s"].fillna(pre["s_pass"])
 
     # Steps: (from, to, passes) — head, one per logged pass, tail; or the whole prefill.
-    logged = pre["first_t"].notna()
-    head = pd.DataFrame({"pid": pre["pid"], "a": pre["ps"], "z": pre["first_t"],
-                         "p": np.maximum(1, np.round(pre["first_n"] / pre["chunk"]))})[logged]
-    tail = pd.DataFrame({"pid": pre["pid"], "a": pre["last_t"], "z": pre["ft"],
-                         "p": np.ceil(np.maximum(0, pre["new"] - pre["last_n"]) / pre["chunk"])})[logged]
-    whole = pd.DataFrame({"pid": pre["pid"], "a": pre["ps"], "z": pre["ft"],
-                          "p": np.maximum(1, np.ceil(pre["new"].fillna(1) / pre["chunk"]))})[~logged]
-    mids = lines[lines["step_s"].notna()]
-    mid = pd.DataFrame({"pid": mids["pid"], "a": mids["t_s"] - mids["step_s"], "z": mids["t_s"], "p": 1.0})
-    steps = pd.concat([head, mid, tail, whole], ignore_index=True)
-    steps = steps[(steps["z"] > steps["a"]) & (steps["p"] > 0)].merge(pre[["pid", "pass_s"]], on="pid", how="left")
-    expected = steps["p"] * steps["pass_s"]
-    paused = expected.notna() & ((steps["z"] - steps["a"]) > PAUSE_FACTOR * expected)
-    steps["a"] = np.where(paused, steps["z"] - expected, steps["a"])
-    steps = steps.sort_values(["pid", "a"], kind="stable")
+    logged = pre["first_t"].notna().to_numpy()
+    prow = pre["pid"].to_numpy()
+    first_t, last_t, new, chunk = (pre[c].to_numpy(dtype=float) for c in ("first_t", "last_t", "new", "chunk"))
+    first_n, last_n = pre["first_n"].to_numpy(dtype=float), pre["last_n"].to_numpy(dtype=float)
+    mid = lines["step_s"].notna().to_numpy()
+    m_pid, m_t, m_step = lines["pid"].to_numpy()[mid], lines["t_s"].to_numpy()[mid], lines["step_s"].to_numpy()[mid]
+    del lines
+    pid = np.concatenate([prow[logged], m_pid, prow[logged], prow[~logged]])
+    a = np.concatenate([ps[logged], m_t - m_step, last_t[logged], ps[~logged]])
+    z = np.concatenate([first_t[logged], m_t, ft[logged], ft[~logged]])
+    p = np.concatenate([
+        np.maximum(1, np.round(first_n / chunk))[logged], np.ones(len(m_pid)),
+        np.ceil(np.maximum(0, new - last_n) / chunk)[logged],
+        np.maximum(1, np.ceil(np.where(np.isnan(new), 1, new) / chunk))[~logged],
+    ])
+    del m_pid, m_t, m_step
+    ok = (z > a) & (p > 0)
+    pid, a, z, p = pid[ok], a[ok], z[ok], p[ok]
+    pass_s = pre["pass_s"].to_numpy(dtype=float)[pid]
+    expected = p * pass_s
+    paused = ~np.isnan(expected) & ((z - a) > PAUSE_FACTOR * expected)
+    a = np.where(paused, z - expected, a)
+    order = np.lexsort((a, pid))
+    steps = pd.DataFrame({"pid": pid[order], "a": a[order], "z": z[order], "p": p[order], "pass_s": pass_s[order]})
+    del pid, a, z, p, pass_s, expected, paused, order
 
     # Active stretches: adjacent active steps merged.
-    prev_z = steps.groupby("pid")["z"].shift(1)
-    new_run = prev_z.isna() | (steps["a"] > prev_z + 1e-6)
-    run = new_run.cumsum()
-    act = steps.groupby(run).agg(pid=("pid", "first"), start_s=("a", "min"), end_s=("z", "max"))
+    sp, sa, sz = steps["pid"].to_numpy(), steps["a"].to_numpy(), steps["z"].to_numpy()
+    new_run = np.ones(len(sp), dtype=bool)
+    new_run[1:] = (sp[1:] != sp[:-1]) | (sa[1:] > sz[:-1] + 1e-6)
+    run = np.flatnonzero(new_run)
     info = pre[keys + ["pid", "slot", "prompt_tokens_new", "line"]]
-    active = act.merge(info, on="pid", how="left")[keys + ["slot", "start_s", "end_s", "prompt_tokens_new", "line"]]
-    return active.reset_index(drop=True), steps, info
+    active = info[keys + ["slot"]].iloc[sp[run]].reset_index(drop=True)
+    active["start_s"] = np.minimum.reduceat(sa, run) if len(run) else np.zeros(0)
+    active["end_s"] = np.maximum.reduceat(sz, run) if len(run) else np.zeros(0)
+    active["prompt_tokens_new"] = info["prompt_tokens_new"].array.take(sp[run])
+    active["line"] = info["line"].array.take(sp[run])
+    return active, steps, info
+
+
+def _join_unique(left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Row pairs ``(l, r)`` with ``left[l] == right[r]``, in left order (an inner merge), by a
+    sorted search when the right keys are unique, else by a merge."""
+    order = np.argsort(right, kind="stable")
+    sr = right[order]
+    if len(sr) == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    if len(sr) < 2 or bool((sr[1:] != sr[:-1]).all()):
+        at = np.minimum(np.searchsorted(sr, left), len(sr) - 1)
+        hit = np.flatnonzero(sr[at] == left)
+        return hit, order[at[hit]]
+    pairs = pd.DataFrame({"k": left, "l": np.arange(len(left))}).merge(
+        pd.DataFrame({"k": right, "r": np.arange(len(right))}), on="k", how="inner")
+    return pairs["l"].to_numpy(), pairs["r"].to_numpy()
 
 
 def prefill_activity(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None) -> tuple[pd.DataFrame, pd.DataFrame]:
