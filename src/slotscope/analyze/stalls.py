@@ -35,7 +35,7 @@ import numpy as np
 import pandas as pd
 
 from .. import timeline as tl
-from ..dataset import Dataset, task_view
+from ..dataset import Dataset, release_memory, task_view
 from . import Options, register
 
 CLASSES = ["long_prefill", "other_prefill", "generation_only", "alone"]
@@ -101,41 +101,55 @@ def _segments(ds: Dataset, tv: pd.DataFrame) -> _Segments:
     first_token = _f(tv["first_token_s"])
     n_gen = pd.to_numeric(tv["n_gen"], errors="coerce").astype("float64").to_numpy(na_value=np.nan)
     gs = ds.server.gen_samples
+    n_hb = len(gs) if gs is not None else 0
+    idx = _positions(max(n_tasks, n_hb) + 1)
     last_t = np.full(n_tasks, np.nan)
     last_n = np.full(n_tasks, np.nan)
-    hb_parts: tuple[np.ndarray, ...] | None = None
-    if gs is not None and len(gs):
+    # Heartbeat windows (each from the previous heartbeat, or the first token, to this one),
+    # then tails (from the last heartbeat, or the first token, to the release): as parts.
+    parts: list[dict[str, np.ndarray]] = []
+    if n_hb:
         gcode, tcode = tl.key_codes([gs, tv], _TASK_KEYS)
         h, r = _inner_join(gcode, tcode)  # each heartbeat with the row of its task
         t_s = _f(gs["t_s"])
         order = np.lexsort((t_s[h], gcode[h]))  # by task, then time
-        h, r = h[order], r[order]
-        k, t, n = gcode[h], t_s[h], pd.to_numeric(gs["n_gen"], errors="coerce").astype("float64").to_numpy(na_value=np.nan)[h]
+        h, r = h[order].astype(idx), r[order].astype(idx)
+        del order
+        k, t = gcode[h], t_s[h]
+        del gcode, t_s
+        n = pd.to_numeric(gs["n_gen"], errors="coerce").astype("float64").to_numpy(na_value=np.nan)[h]
         same = np.zeros(len(h), dtype=bool)
         same[1:] = k[1:] == k[:-1]
-        prev_t = np.r_[np.nan, t[:-1]]
-        prev_n = np.r_[np.nan, n[:-1]]
-        hb_parts = (r, h, np.where(same, prev_t, first_token[r]), t, np.where(same, n - prev_n, n - 1))
+        start = np.where(same, np.r_[np.nan, t[:-1]], first_token[r])
+        tokens = np.where(same, n - np.r_[np.nan, n[:-1]], n - 1)
         # The last heartbeat of each task: where its tail starts.
-        n_codes = int(max(gcode.max(initial=-1), tcode.max(initial=-1))) + 1
+        n_codes = int(max(k.max(initial=-1), tcode.max(initial=-1))) + 1
         last_t = _last_valid(t, k, n_codes)[tcode]
         last_n = _last_valid(n, k, n_codes)[tcode]
-        del gcode, k, t, n, prev_t, prev_n, same
+        del k, n, same, tcode
+        parts.append({"row": r, "hb": h, "start": start, "end": t, "tokens": tokens})
+        del r, h, start, t, tokens
     d = n_gen - last_n
-    tail = (np.arange(n_tasks), np.full(n_tasks, -1), np.where(np.isnan(last_t), first_token, last_t),
-            _f(tv["release_s"]), np.where(np.isnan(d), n_gen - 1, d))
-    parts = [p for p in (hb_parts, tail) if p is not None]
-    row, hb, start, end, tokens = (np.concatenate([p[i] for p in parts]) for i in range(5))
-    del parts, hb_parts, tail
-    ok = np.flatnonzero((end > start) & ~np.isnan(tokens) & (tokens >= 0))
-    row, hb, start, end, tokens = row[ok], hb[ok], start[ok], end[ok], tokens[ok]
+    parts.append({"row": np.arange(n_tasks, dtype=idx), "hb": np.full(n_tasks, -1, dtype=idx),
+                  "start": np.where(np.isnan(last_t), first_token, last_t), "end": _f(tv["release_s"]),
+                  "tokens": np.where(np.isnan(d), n_gen - 1, d)})
+    del d, last_t, last_n
+    # Kept: a positive span and a token count; one column gathered at a time.
+    for p in parts:
+        ok = np.flatnonzero((p["end"] > p["start"]) & ~np.isnan(p["tokens"]) & (p["tokens"] >= 0))
+        for c in p:
+            p[c] = p[c][ok]
+    col = {c: np.concatenate([p.pop(c) for p in parts]) for c in ("row", "hb", "start")}
     # Session, then start, then slot (NA last); ties keep heartbeats before tails.
-    grp = _group_of(ds, tv, row, hb)
-    slot = pd.factorize(tv["slot"], sort=True, use_na_sentinel=False)[0][row]
-    order = np.lexsort((slot, start, grp))
-    idx = _positions(max(len(tv), len(gs) if gs is not None else 0))
-    return _Segments(row=row[order].astype(idx), hb=hb[order].astype(idx), start=start[order], end=end[order],
-                     tokens=tokens[order])
+    grp = _group_of(ds, tv, col["row"], col["hb"])
+    slot = pd.factorize(tv["slot"], sort=True, use_na_sentinel=False)[0][col["row"]]
+    order = np.lexsort((slot, col["start"], grp))
+    del grp, slot
+    out = {c: v[order] for c, v in col.items()}
+    del col
+    for c in ("end", "tokens"):
+        out[c] = np.concatenate([p.pop(c) for p in parts])[order]
+    return _Segments(**out)
 
 
 def _group_of(ds: Dataset, tv: pd.DataFrame, row: np.ndarray, hb: np.ndarray) -> np.ndarray:
@@ -215,12 +229,19 @@ SEGMENT_BLOCK = 1 << 18  # segments split into pieces at a time (bounds the temp
 
 
 def _pieces(ds: Dataset, opts: Options, tv: pd.DataFrame) -> _Pieces:
-    """The work of :func:`segment_pieces`, kept as arrays."""
+    """The work of :func:`segment_pieces`, kept as arrays.
+
+    Each measure of the segments is one array as long as the log's heartbeats: they are kept
+    narrow (positions int32, flags bool) and dropped as soon as read, and memory freed by each
+    step is handed back before the next (on the 1 GB bench they are 3.5M segments).
+    """
     sg = _segments(ds, tv)
+    release_memory()
     active, steps, info = tl.prefill_steps(tv, ds.server.prefill_samples)
+    release_memory()
     thr = opts.long_prefill_tokens
     acode, tcode, icode = tl.key_codes([active, tv, info], tl.GROUP)
-    scode = tcode[sg.row]  # a segment's session is its task's
+    scode = tcode[sg.row].astype(_positions(len(tcode)))  # a segment's session is its task's
     new = _f(active["prompt_tokens_new"])
     a_start, a_end = _f(active["start_s"]), _f(active["end_s"])
     a_task = active["task_id"].to_numpy(dtype=np.int64) if len(active) else np.zeros(0, dtype=np.int64)
@@ -230,19 +251,22 @@ def _pieces(ds: Dataset, opts: Options, tv: pd.DataFrame) -> _Pieces:
     qs, qe = sg.start, sg.end
 
     # Seconds of the segment under long prefills (and the largest one), under any prefill, and
-    # the largest short prefill during it.
-    cov_long, _, _, pos_long = tl.overlap_arrays(scode, qs, qe, acode[lg], a_start[lg], a_end[lg], vals=new[lg],
-                                                 need=("covered",))
+    # the largest short prefill during it (positions in lg / sh; -1: none).
+    cov_long, _, _, pos = tl.overlap_arrays(scode, qs, qe, acode[lg], a_start[lg], a_end[lg], vals=new[lg],
+                                            need=("covered",))
+    pos_long = pos.astype(np.int32)
     cov_any = tl.overlap_arrays(scode, qs, qe, acode, a_start, a_end, need=("covered",))[0]
-    pos_short = tl.overlap_arrays(scode, qs, qe, acode[sh], a_start[sh], a_end[sh], vals=new[sh], need=())[3]
-    cause_long = np.where(pos_long >= 0, a_task[lg][np.maximum(pos_long, 0)] if len(lg) else 0, 0)
-    cause_short = np.where(pos_short >= 0, a_task[sh][np.maximum(pos_short, 0)] if len(sh) else 0, 0)
-    del acode, a_start, a_end, a_task, new
+    pos = tl.overlap_arrays(scode, qs, qe, acode[sh], a_start[sh], a_end[sh], vals=new[sh], need=())[3]
+    pos_short = pos.astype(np.int32)
+    del pos, acode, a_start, a_end, new
+    task_long, task_short = a_task[lg], a_task[sh]
+    del a_task, lg, sh
+    release_memory()
     # Another slot generating at any time of the segment (its own task's generation left out).
     ft, rel = _f(tv["first_token_s"]), _f(tv["release_s"])
     gen = np.flatnonzero(~np.isnan(ft) & ~np.isnan(rel) & (rel >= ft))
     others_gen = tl.overlap_arrays(scode, qs, qe, tcode[gen], ft[gen], rel[gen], own_start=ft[sg.row],
-                                   own_end=rel[sg.row], need=("max_count",))[1]
+                                   own_end=rel[sg.row], need=("max_count",))[1] >= 1
     del ft, rel, gen, tcode
     # Server passes (pass ends of all prefills within SAME_PASS_S merged). A pass ending within
     # SAME_PASS_S of the segment's start made its first token; one at its end made the last.
@@ -250,18 +274,20 @@ def _pieces(ds: Dataset, opts: Options, tv: pd.DataFrame) -> _Pieces:
     del steps
     sp_code, sp_t, sp_new = tl.server_pass_arrays(icode[pid], t, _f(info["prompt_tokens_new"])[pid])
     del pid, t, icode, info
-    p_all = tl.count_point_arrays(scode, qs + tl.SAME_PASS_S, qe + tl.SAME_PASS_S, sp_code, sp_t)
+    a, z = qs + tl.SAME_PASS_S, qe + tl.SAME_PASS_S
+    p_all = tl.count_point_arrays(scode, a, z, sp_code, sp_t).astype(np.int32)
     sp_long = sp_new >= thr
-    p_long = tl.count_point_arrays(scode, qs + tl.SAME_PASS_S, qe + tl.SAME_PASS_S, sp_code[sp_long], sp_t[sp_long])
-    del scode, sp_code, sp_t, sp_new, sp_long
+    p_long = tl.count_point_arrays(scode, a, z, sp_code[sp_long], sp_t[sp_long]).astype(np.int32)
+    del scode, sp_code, sp_t, sp_new, sp_long, a, z
+    release_memory()
 
-    parts: list[tuple[np.ndarray, ...]] = []
+    parts: list[list[list[np.ndarray]]] = []
     split = np.zeros(len(qs), dtype=bool)
     for at in range(0, len(qs), SEGMENT_BLOCK):
         b = slice(at, at + SEGMENT_BLOCK)
         parts.append(_split_segments(at, qe[b] - qs[b], sg.tokens[b], cov_long[b], cov_any[b], p_all[b], p_long[b],
-                                     others_gen[b], cause_long[b], pos_long[b] >= 0, cause_short[b], pos_short[b] >= 0,
-                                     split[b]))
+                                     others_gen[b], pos_long[b], task_long, pos_short[b], task_short, split[b]))
+    del cov_long, cov_any, p_all, p_long, others_gen, pos_long, pos_short
     # Every long_prefill piece, then every other_prefill one, then the rest (segment order in each).
     col = [np.concatenate([p[c][k] for c in range(3) for p in parts]) if parts else np.zeros(0) for k in range(6)]
     return _Pieces(segments=sg, seg=col[0].astype(_positions(len(qs))), cls=col[1].astype(np.int8), seconds=col[2],
@@ -270,11 +296,15 @@ def _pieces(ds: Dataset, opts: Options, tv: pd.DataFrame) -> _Pieces:
 
 def _split_segments(
     offset: int, dur: np.ndarray, k: np.ndarray, cov_long: np.ndarray, cov_any: np.ndarray, p_all: np.ndarray,
-    p_long: np.ndarray, others_gen: np.ndarray, cause_long: np.ndarray, has_long_cause: np.ndarray,
-    cause_short: np.ndarray, has_short_cause: np.ndarray, split: np.ndarray,
+    p_long: np.ndarray, others_gen: np.ndarray, pos_long: np.ndarray, task_long: np.ndarray, pos_short: np.ndarray,
+    task_short: np.ndarray, split: np.ndarray,
 ) -> list[list[np.ndarray]]:
     """Pieces of a block of segments (``offset``: its first segment), per class (long prefill,
-    other prefill, rest): ``[segment, class, seconds, tokens, cause, has_cause]``. Fills ``split``."""
+    other prefill, rest): ``[segment, class, seconds, tokens, cause, has_cause]``. Fills ``split``.
+    The cause of a prefill piece is the task (``task_*``) at the segment's ``pos_*`` (-1: none)."""
+    has_long_cause, has_short_cause = pos_long >= 0, pos_short >= 0
+    cause_long = task_long[np.maximum(pos_long, 0)] if len(task_long) else np.zeros(len(k), np.int64)
+    cause_short = task_short[np.maximum(pos_short, 0)] if len(task_short) else np.zeros(len(k), np.int64)
     s_long = np.minimum(cov_long.round(6), dur)
     s_other = np.clip(cov_any.round(6) - s_long, 0, None)
     s_rest = np.clip(dur - s_long - s_other, 0, None)
@@ -292,7 +322,7 @@ def _split_segments(
     tok_other = np.where(has[1], np.where(last_other, rem, np.minimum(rem, p_all - p_long)), 0.0)
     tok_rest = np.where(has[2], rem - tok_other, 0.0)
     split[:] = (has[0].astype(np.int8) + has[1] + has[2]) > 1
-    rest_cls = np.where(others_gen >= 1, CLASSES.index("generation_only"), CLASSES.index("alone")).astype(np.int8)
+    rest_cls = np.where(others_gen, CLASSES.index("generation_only"), CLASSES.index("alone")).astype(np.int8)
     out = []
     for c, (secs, toks, cause, has_cause) in enumerate((
         (s_long, tok_long, cause_long, has_long_cause),
