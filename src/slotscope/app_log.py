@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import tomllib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, islice
+from itertools import chain, islice, repeat
 from os import PathLike, fspath
 from typing import Any, BinaryIO
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -75,6 +76,7 @@ _Rows = Iterator[tuple[int, dict[str, Any]]]  # (1-based line, record)
 _EXTRA = "\x00extra"  # marks a CSV row with more cells than the header
 _OK_WORDS = {"ok", "success", "succeeded", "completed", "done"}
 _AWARE = r"\d\d:\d\d(?::\d\d(?:[.,]\d+)?)?\s*(?:Z|z|UTC|[+-]\d\d(?::?\d\d)?)$"
+_AWARE_RE = re.compile(_AWARE)
 
 
 @dataclass(frozen=True)
@@ -406,7 +408,7 @@ def _resolve(index: Mapping[str, tuple[str, ...]], override: Mapping[str, str]) 
 
 def _pluck(records: Sequence[Mapping[str, Any]], path: tuple[str, ...]) -> list[Any]:
     if len(path) == 1:
-        return [r.get(path[0]) for r in records]
+        return list(map(dict.get, records, repeat(path[0])))  # a C loop: the records are dicts
     out = []
     for r in records:
         v: Any = r
@@ -416,7 +418,17 @@ def _pluck(records: Sequence[Mapping[str, Any]], path: tuple[str, ...]) -> list[
     return out
 
 
+_PLAIN_NUMBERS = {int, float, type(None)}
+
+
 def _numbers(values: Sequence[Any]) -> tuple[pd.Series, np.ndarray]:
+    """The values as floats (NaN where missing or unusable) and where a value was unusable."""
+    if set(map(type, values)) <= _PLAIN_NUMBERS:  # JSON numbers: no parsing, same floats
+        num = np.array(values, dtype=np.float64)
+        if not (np.abs(num) >= 2.0**53).any():  # ints a float holds exactly (else as below)
+            bad = np.isinf(num)
+            num[bad] = np.nan
+            return pd.Series(num), bad
     raw = pd.Series(values, dtype=object)
     num = pd.to_numeric(raw, errors="coerce").astype("float64")
     num = num.where(np.isfinite(num))
@@ -425,13 +437,22 @@ def _numbers(values: Sequence[Any]) -> tuple[pd.Series, np.ndarray]:
 
 def _times_us(values: Sequence[Any], zone: str) -> tuple[pd.Series, np.ndarray, int]:
     """Epoch µs (float, NaN where unusable), the bad mask, and how many were read in ``zone``."""
-    num, _ = _numbers(values)
+    # Text with a colon is a clock time, never a number: only the rest is tried as one.
+    clock = np.fromiter((isinstance(v, str) and ":" in v for v in values), dtype=bool, count=len(values))
+    if clock.any():
+        num = pd.Series(np.full(len(values), np.nan))
+        rest = np.flatnonzero(~clock)
+        if len(rest):
+            num.iloc[rest] = _numbers([values[i] for i in rest])[0].to_numpy()
+    else:
+        num, _ = _numbers(values)
     mag = num.abs()
     us = num * np.select([mag < 1e11, mag < 1e14, mag < 1e17], [1e6, 1e3, 1.0], 1e-3)  # s, ms, µs, ns
     raw = pd.Series(values, dtype=object)
     text = raw[num.isna() & raw.notna()].astype(str)
     parsed = pd.to_datetime(text, format="ISO8601", utc=True, errors="coerce").dt.as_unit("us")
-    naive = ~text.str.contains(_AWARE, regex=True) & parsed.notna()
+    aware = _AWARE_RE.search
+    naive = pd.Series([aware(t) is None for t in text], index=text.index, dtype=bool) & parsed.notna()
     if naive.any() and zone != "UTC":  # parsed as UTC wall time: re-read that wall time in `zone`
         local = parsed[naive].dt.tz_localize(None).dt.tz_localize(zone, ambiguous="NaT", nonexistent="NaT")
         parsed[naive] = local.dt.tz_convert("UTC")
