@@ -32,7 +32,7 @@ def _wall_offsets(tv: pd.DataFrame) -> pd.DataFrame:
 
 
 def _share_rows(steps: pd.DataFrame, scope: pd.Series | str) -> pd.DataFrame:
-    s = steps.assign(scope=scope, seconds=steps["end_s"] - steps["start_s"])
+    s = pd.DataFrame({"running": steps["running"], "seconds": steps["end_s"] - steps["start_s"]}).assign(scope=scope)
     g = s.groupby(["scope", "running"])["seconds"].sum().reset_index()
     tot = g.groupby("scope")["seconds"].transform("sum")
     g["share"] = g["seconds"] / tot
@@ -53,7 +53,7 @@ def load_table(ds: Dataset, opts: Options) -> pd.DataFrame:
     rows = [_share_rows(steps, "overall")]
     off = _wall_offsets(tv)
     if len(off):
-        w = steps.merge(off, on=tl.GROUP, how="inner")
+        w = steps[tl.GROUP + ["start_s", "end_s", "running"]].merge(off, on=tl.GROUP, how="inner")
         a = w["offset_us"].to_numpy() + w["start_s"].to_numpy() * 1e6
         z = w["offset_us"].to_numpy() + w["end_s"].to_numpy() * 1e6
         # Cut steps at UTC midnights: one piece per day each step touches.
