@@ -165,13 +165,15 @@ class _Cursor:
             room = room - neg
         n1 = _lead((((x & _LO7) + _OVER9) | x) & _HI)
         used = n1
-        value = _value(x, n1).astype(np.float64)
+        whole = _value(x, n1)
         if frac:
             dot = ((x >> (n1 * 8).astype(_U)) & _U(0xFF)) == _U(0x1E)  # "."
             x2 = x >> ((n1 + 1) * 8).astype(_U)
             n2 = np.where(dot, _lead((((x2 & _LO7) + _OVER9) | x2) & _HI), 0)
             used = n1 + dot + n2
-            value = (_value(x, n1) * _POW10[n2] + _value(x2, n2)) / _POW10F[n2]
+            value = (whole * _POW10[n2] + _value(x2, n2)) / _POW10F[n2]
+        else:
+            value = whole.astype(np.float64)
         if sign:
             value = np.where(neg, -1.0, 1.0) * value
         ok = n1 >= 1
@@ -287,6 +289,7 @@ _KEYWORDISH = [_word(t)[0] for t in (b"promp", b"eval ", b"total", b"n_gen", b"n
 _KW_PROMPT, _KW_EVAL, _KW_TOTAL, _KW_GEN, _KW_DECODED, _KW_RELEASE, _KW_LAUNCH = _KEYWORDISH
 _KW_PROGRESS, _KW_PROMPT_EVAL = _word(b"prompt p")[0], _word(b"prompt e")[0]
 _SRV_EVENTS = r"initializing|cancel task, id_task = |cleaning up before exit|task id = "
+_SRV_EVENTS_RE = re.compile(_SRV_EVENTS)
 # The same alternatives for Python's re (ASCII: \d is [0-9] as in RE2; no \s in them), for the
 # few server lines that may be events: cheaper than compiling FAST_PATTERN for each block.
 _SRV_EVENT_RE = re.compile(SRV_EVENT, re.ASCII)
@@ -362,7 +365,11 @@ def scan(lines: pa.StringArray) -> Scan:
     out.known[comp] = True
     srv = np.flatnonzero(colon & (tag == _TAG_SRV))
     if len(srv):  # ignored, unless it may be one of the server events (those few: FAST_PATTERN)
-        maybe = pc.match_substring_regex(lines.take(pa.array(srv)), _SRV_EVENTS).to_numpy(zero_copy_only=False)
+        if len(srv) < 2000:  # a few lines: Python's re beats compiling the pattern in Arrow again
+            texts = lines.take(pa.array(srv)).to_pylist()
+            maybe = np.array([_SRV_EVENTS_RE.search(t) is not None for t in texts], dtype=bool)
+        else:
+            maybe = pc.match_substring_regex(lines.take(pa.array(srv)), _SRV_EVENTS).to_numpy(zero_copy_only=False)
         out.known[srv[~maybe]] = True
         events = srv[maybe]
         if len(events):
