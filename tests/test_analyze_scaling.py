@@ -1,0 +1,123 @@
+"""What the analyzers do to stay linear in time and bounded in memory leaves their results alone.
+
+Blocks (queries, segments) of any size give the same tables; the run-wide sharing of
+intermediates (``Dataset.shared``) hands out private copies and forgets them afterwards; the
+array helpers agree with the pandas operations they replace.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from slotscope import analyze
+from slotscope import timeline as tl
+from slotscope.analyze import Options
+from slotscope.analyze import stalls as st
+from slotscope.app_log import _json, _numbers
+from slotscope.dataset import TASK_VIEW, Dataset, load, task_view
+
+from .conftest import REAL
+
+
+@lru_cache(maxsize=None)
+def _ds(scenario: str) -> Dataset:
+    return load([REAL / scenario / "logs"])
+
+
+@pytest.mark.parametrize("scenario", ["before", "restart"])
+def test_tables_do_not_depend_on_block_sizes(scenario: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    ds = _ds(scenario)
+    names = ["breakdown", "stalls", "stalls-worst", "waits", "waits-worst", "context"]
+    whole = analyze.run(ds, Options(), names, strict=True)
+    pieces = st.segment_pieces(ds, Options())
+    monkeypatch.setattr(tl, "QUERY_BLOCK", 7)
+    monkeypatch.setattr(st, "SEGMENT_BLOCK", 5)
+    blocked = analyze.run(ds, Options(), names, strict=True)
+    for name in names:
+        pd.testing.assert_frame_equal(whole[name], blocked[name])
+    pd.testing.assert_frame_equal(pieces, st.segment_pieces(ds, Options()))
+
+
+def test_shared_task_view_is_private_to_each_caller_and_dropped_after_the_block() -> None:
+    ds = _ds("before")
+    plain = task_view(ds)
+    with ds.shared():
+        a = task_view(ds)
+        a["purpose"] = "changed"
+        a.loc[a.index[0], "launch_s"] = -1.0
+        b = task_view(ds)
+        pd.testing.assert_frame_equal(b, plain)
+        assert TASK_VIEW in ds._memo
+    assert ds._memo is None
+    pd.testing.assert_frame_equal(task_view(ds), plain)
+    assert ds.server.tasks["launch_s"].iloc[0] != -1.0
+
+
+def test_run_gives_the_tables_one_by_one_gives() -> None:
+    ds = _ds("after")
+    together = analyze.run(ds, Options(), strict=True)
+    for name, table in together.items():
+        if name == "findings":
+            continue
+        pd.testing.assert_frame_equal(analyze.TABLES[name](ds, Options()), table)
+
+
+def test_key_codes_follow_the_sort_order_of_the_keys_with_gaps_last() -> None:
+    a = pd.DataFrame({"s": pd.Categorical(["y", "x", None], categories=["y", "x"]), "n": [2, 1, 1]})
+    b = pd.DataFrame({"s": pd.Categorical(["x", "y"], categories=["y", "x"]), "n": [1, 2]})
+    ca, cb = tl.key_codes([a, b], ["s", "n"])
+    both = pd.concat([a, b], ignore_index=True)
+    order = both.sort_values(["s", "n"], kind="stable").index.to_numpy()
+    assert (np.argsort(np.r_[ca, cb], kind="stable") == order).all()
+    assert ca[0] == cb[1] and ca[1] == cb[0]
+
+
+def test_concurrency_steps_match_a_running_sum_of_events() -> None:
+    ds = _ds("restart")
+    tv = task_view(ds)
+    steps = tl.concurrency(tv, ds.server.sessions)
+    ends = tl.task_ends(tv, ds.server.sessions)
+    for row in steps.sample(50, random_state=3).itertuples():
+        same = (tv["session"] == row.session).to_numpy()
+        t = row.start_s
+        running = ((tv["launch_s"].to_numpy() <= t) & (ends > t) & same).sum()
+        assert row.running == running
+
+
+def test_count_points_is_exact_across_sessions() -> None:
+    # Two sessions far apart in time: an offset trick would round (start, end] bounds.
+    pts = pd.DataFrame({"source": "x", "port": -1, "session": [1, 2, 2], "t_s": [0.1, 1e7 + 0.3, 1e7 + 0.30000001]})
+    q = pd.DataFrame({"source": "x", "port": -1, "session": [2, 2, 1], "start_s": [1e7 + 0.3, 1e7, 0.0],
+                      "end_s": [1e7 + 0.30000001, 1e7 + 0.3, 0.1]})
+    assert tl.count_points(q, pts).tolist() == [1, 1, 1]
+
+
+@pytest.mark.parametrize("text", [
+    '{"a": 1}', '  {"a": 1}\t', '{"a": 1} x', "\ufeff{}", '{"a":', "", "  ", "[1, 2]", "\x0c{}", "{}\x0c",
+    '{"a": NaN}', '{"a": 1}{"b": 2}', "\u00a0{}",
+])
+def test_json_lines_decode_like_json_loads(text: str) -> None:
+    def run(f):  # noqa: ANN001, ANN202
+        try:
+            return "ok", f(text)
+        except json.JSONDecodeError as e:
+            return "error", e.msg, e.pos
+    assert repr(run(_json)) == repr(run(json.loads))
+
+
+@pytest.mark.parametrize("values", [
+    [1, 2, None], [1.5, None, float("nan")], [float("inf"), 1], [2**53 + 1, 3], [True, 1], ["12", 3], [None],
+    [], [-0.0, 5], [float("-inf")], [" 7 ", "x"],
+])
+def test_numbers_fast_path_matches_to_numeric(values: list) -> None:
+    raw = pd.Series(values, dtype=object)
+    want = pd.to_numeric(raw, errors="coerce").astype("float64")
+    want = want.where(np.isfinite(want))
+    got, bad = _numbers(values)
+    pd.testing.assert_series_equal(got, want)
+    assert bad.tolist() == (raw.notna() & want.isna()).tolist()
