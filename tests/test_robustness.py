@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pandas as pd
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -70,7 +72,28 @@ def test_random_bytes_never_raise(tmp_path: Path, blob: bytes) -> None:
     assert acc.files or acc.skipped
 
 
-def test_truncated_gzip_is_reported_not_raised(tmp_path: Path) -> None:
+@pytest.fixture(params=["zlib", "isal"])
+def inflater(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both inflaters .gz input may be read with: ISA-L where installed, else zlib."""
+    import zlib
+
+    from slotscope import sources
+
+    if request.param == "isal":
+        isal_zlib = pytest.importorskip("isal.isal_zlib")
+        monkeypatch.setattr(sources, "_zlib", isal_zlib)
+    else:
+        monkeypatch.setattr(sources, "_zlib", zlib)
+    return request.param
+
+
+def test_gzip_reads_the_same_with_either_inflater(inflater: str) -> None:
+    plain = read_server_logs([FORMATS / "plain.log"]).tasks
+    gz = read_server_logs([FORMATS / "plain.log.gz"]).tasks
+    pd.testing.assert_frame_equal(gz.drop(columns=["source", "file"]), plain.drop(columns=["source", "file"]))
+
+
+def test_truncated_gzip_is_reported_not_raised(tmp_path: Path, inflater: str) -> None:
     gz = (FORMATS / "plain.log.gz").read_bytes()
     f = tmp_path / "cut.log.gz"
     f.write_bytes(gz[: len(gz) // 2])
