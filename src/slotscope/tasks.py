@@ -53,6 +53,7 @@ _BY_KIND: dict[int, list[tuple[str, str]]] = {}
 for _c, _kind, _src in _FIRST_OF_KIND:
     _BY_KIND.setdefault(_kind, []).append((_c, _src))
 _SAMPLE = KEY + ["slot", "ts_us", "v1", "v2", "v3", "v4", "line"]
+_SAMPLE_GEN = [c for c in _SAMPLE if c != "v4"]  # heartbeats have three values
 
 
 _CORE = KEY + ["slot_any"] + list(_MAX) + list(_SUM) + ["first_line"]  # what every event row has
@@ -271,10 +272,10 @@ def fold_block(ev: pd.DataFrame | dict[str, np.ndarray], keep_samples: bool = Tr
     kind = cols["kind"]
     samples = {}
     if keep_samples:
-        for code in (HEARTBEAT, PROGRESS):
+        for code, names in ((HEARTBEAT, _SAMPLE_GEN), (PROGRESS, _SAMPLE)):
             sel = np.flatnonzero(kind == code)
             if len(sel):
-                samples[code] = {c: cols[c][sel] for c in _SAMPLE}
+                samples[code] = {c: cols[c][sel] for c in names}
     task = cols["task"].astype(np.float64)
     sel = np.flatnonzero(task >= 0)  # NaN compares False
     k = kind[sel]
@@ -640,11 +641,14 @@ class _Samples:
                 "slot": pd.array(self.cols["slot"], dtype="Int64"), "task_id": self.task, "t_s": self.t_s}
 
 
-def _sorted_samples(parts: list[dict[str, np.ndarray]]) -> _Samples:
-    """Sample rows joined and ordered by task, then time (parts freed as they are joined)."""
-    cols = {c: np.concatenate([p.pop(c) for p in parts]) for c in _SAMPLE}
+def _sorted_samples(parts: list[dict[str, np.ndarray]], columns: list[str]) -> _Samples:
+    """Sample rows joined and ordered by task, then time, a column at a time (parts freed as
+    they are joined, each column's unordered copy as soon as it is ordered)."""
+    cols = {c: np.concatenate([p.pop(c) for p in parts]) for c in columns}
     order = np.lexsort((cols["ts_us"], cols["task"], cols["session"], cols["port"]))
-    cols = {c: v[order] for c, v in cols.items()}
+    for c in columns:
+        cols[c] = cols[c][order]
+    del order
     port, session, task = (cols[c].astype(np.int64) for c in ("port", "session", "task"))
     return _Samples(cols, port, session, task, _same_task_as_previous(port, session, task), _seconds(cols["ts_us"]))
 
@@ -670,16 +674,19 @@ def _seconds(us: np.ndarray) -> np.ndarray:
 def _gen_samples(parts: list[dict[str, np.ndarray]], source: str, tasks: pd.DataFrame) -> pd.DataFrame:
     if not parts:
         return pd.DataFrame({c: pd.Series(dtype="float64") for c in GEN_COLUMNS + ["tokens", "line", "port"]})
-    sp = _sorted_samples(parts)
+    sp = _sorted_samples(parts, _SAMPLE_GEN)
     hb, port, session, task, same, t_s = sp.cols, sp.port, sp.session, sp.task, sp.same, sp.t_s
     n_gen = hb["v1"].astype(np.float64)
     # The first heartbeat's window starts at the task's first token (t_print_last is reset there).
+    # Looked up once per task (rows are grouped by task), not once per heartbeat.
     first_token = np.full(len(t_s), np.nan)
     if len(tasks):
         ft = tasks.set_index(["port", "session", "task_id"])["first_token_s"]
         ft = ft[~ft.index.duplicated()]
-        at = ft.index.get_indexer(pd.MultiIndex.from_arrays([port, session, task]))
-        first_token = np.where(at >= 0, ft.to_numpy(dtype=np.float64)[at], np.nan)
+        starts = np.flatnonzero(~same)
+        at = ft.index.get_indexer(pd.MultiIndex.from_arrays([port[starts], session[starts], task[starts]]))
+        per_task = np.where(at >= 0, ft.to_numpy(dtype=np.float64)[at], np.nan)
+        first_token = per_task[np.cumsum(~same) - 1]
     step = t_s - _previous(t_s, same)
     window = np.round(np.where(np.isnan(step), t_s - first_token, step), 6)
     tokens = n_gen - _previous(n_gen, same)
@@ -689,13 +696,13 @@ def _gen_samples(parts: list[dict[str, np.ndarray]], source: str, tasks: pd.Data
         "n_gen": pd.array(n_gen, dtype="Int64"), "tg_tps": hb["v2"].astype(np.float64),
         "tg_3s_tps": hb["v3"].astype(np.float64), "window_s": window, "tokens": pd.array(tokens, dtype="Int64"),
         "window_start_s": np.round(t_s - window, 6), "line": hb["line"].astype(np.int64), "port": port,
-    })
+    }, copy=False)
 
 
 def _prefill_samples(parts: list[dict[str, np.ndarray]], source: str) -> pd.DataFrame:
     if not parts:
         return pd.DataFrame({c: pd.Series(dtype="float64") for c in PREFILL_COLUMNS + ["step_s", "line", "port"]})
-    sp = _sorted_samples(parts)
+    sp = _sorted_samples(parts, _SAMPLE)
     pp, same, t_s = sp.cols, sp.same, sp.t_s
     n = pp["v1"].astype(np.float64)
     return pd.DataFrame({
@@ -704,4 +711,4 @@ def _prefill_samples(parts: list[dict[str, np.ndarray]], source: str) -> pd.Data
         "elapsed_s": pp["v3"].astype(np.float64), "tps": pp["v4"].astype(np.float64),
         "step_tokens": pd.array(n - _previous(n, same), dtype="Int64"),
         "step_s": np.round(t_s - _previous(t_s, same), 6), "line": pp["line"].astype(np.int64), "port": sp.port,
-    })
+    }, copy=False)
