@@ -7,7 +7,6 @@ the same. Each stage stays importable on its own.
 from __future__ import annotations
 
 import os
-import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -20,6 +19,7 @@ from .align import align, app_clock_offsets
 from .app_log import AppLog, read_app_log_stream
 from .match import Matches, match
 from .server_log import ServerLogs, read_server_logs
+from .tasks import release_memory  # noqa: F401 - used here and by the analyzers
 from .sources import STDIN, Inputs, collect, reopen
 from .timeline import key_codes
 
@@ -72,24 +72,6 @@ class Dataset:
     @property
     def calls(self) -> pd.DataFrame | None:
         return self.matches.calls if self.matches is not None else None
-
-
-def release_memory() -> None:
-    """Hand memory freed by the last stage back to the OS, so the next stage's peak does not
-    stack on it: glibc keeps freed heap pages (``malloc_trim`` returns them) and pyarrow's pool
-    keeps the buffers of dropped string columns. Elsewhere (macOS, musl) nothing to do."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    pa = sys.modules.get("pyarrow")
-    if pa is not None:
-        try:
-            pa.default_memory_pool().release_unused()
-        except Exception:  # noqa: BLE001 - best effort: an old pyarrow may lack it
-            pass
 
 
 def read_app(inputs: Inputs, *, columns: dict[str, str] | None = None, tz: str = "UTC") -> tuple[AppLog | None, list[FileAccount]]:

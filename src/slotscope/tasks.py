@@ -11,9 +11,9 @@ grows only with the output table; the DataFrame is built once, at the end.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import numpy as np
 import pandas as pd
@@ -59,19 +59,22 @@ _SAMPLE_GEN = [c for c in _SAMPLE if c != "v4"]  # heartbeats have three values
 _CORE = KEY + ["slot_any"] + list(_MAX) + list(_SUM) + ["first_line"]  # what every event row has
 
 
-def _give_back_freed_memory() -> None:
-    """Return the heap pages freed by the partial rows to the OS (glibc keeps them otherwise).
-
-    The partial rows (~200 B per task) are freed once the task table is built, but glibc's
-    allocator keeps their pages; whoever writes the table next (a CSV writer copying it)
-    would then add its own peak on top. Not glibc (macOS, musl): nothing to do.
-    """
+def release_memory() -> None:
+    """Hand memory freed by the last stage back to the OS, so the next stage's peak does not
+    stack on it: glibc keeps freed heap pages (``malloc_trim`` returns them) and pyarrow's pool
+    keeps the buffers of dropped string columns. Elsewhere (macOS, musl) nothing to do."""
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+    pa = sys.modules.get("pyarrow")
+    if pa is not None:
+        try:
+            pa.default_memory_pool().release_unused()
+        except Exception:  # noqa: BLE001 - best effort: an old pyarrow may lack it
+            pass
 
 
 def _fold(
@@ -427,7 +430,7 @@ class TaskAssembler:
         """Close every task still open; return (tasks, gen samples, prefill samples, sessions)."""
         order, _ = self._end()
         raw = _raw(self._done.take_all(order), list(self._files))
-        _give_back_freed_memory()  # the per-block parts just joined: small holes the table cannot reuse
+        release_memory()  # the per-block parts just joined: small holes the table cannot reuse
         sessions = self._sessions_table()
         tasks = _derive(raw, self.source, sessions)
         del raw
@@ -435,7 +438,7 @@ class TaskAssembler:
         self._gen = []
         prefill = _prefill_samples(self._prefill, self.source)
         self._prefill = []
-        _give_back_freed_memory()
+        release_memory()
         return tasks, gen, prefill, sessions
 
     def finish_in_batches(self, rows: int = 1 << 15, on_disk: bool = False) -> tuple[list["TaskBatch"], pd.DataFrame]:
