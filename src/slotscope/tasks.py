@@ -546,81 +546,103 @@ def _derive(raw: pd.DataFrame, source: str, sessions: pd.DataFrame, with_wall: b
     a table written in batches decides once for all of them).
 
     ``raw`` is consumed: each column is dropped after its last use, so the partial rows and
-    the task table are not both held whole.
+    the task table are not both held whole. The arithmetic is numpy's (float64, NaN for
+    missing), each column made a pandas one once, at the end.
     """
-    take = raw.pop
-    for c in ("first_line", "total_tokens"):
-        if c in raw.columns:
-            del raw[c]
-    t = pd.DataFrame(index=raw.index)
-    t["source"] = _source_column(source, len(raw))
-    t["session"] = raw["session"].astype("int64")
-    t["slot"] = take("slot").astype("Int64")
-    t["task_id"] = take("task").astype("int64")
-    t["launch_s"] = _us_to_s(raw["launch_us"])
+    def take(c: str) -> np.ndarray:
+        return raw.pop(c).to_numpy(dtype=np.float64, na_value=np.nan)
+
+    def col(c: str) -> np.ndarray:
+        return raw[c].to_numpy(dtype=np.float64, na_value=np.nan)
+
+    def seconds(us: np.ndarray) -> np.ndarray:
+        with np.errstate(invalid="ignore"):
+            return np.where(us >= 0, us, np.nan) / 1e6
+
+    def ints(v: np.ndarray) -> pd.arrays.IntegerArray:
+        return pd.array(v, dtype="Int64")
+
+    def flags(v: np.ndarray) -> pd.arrays.BooleanArray:  # 1 -> True, 0 -> False, else missing
+        return pd.arrays.BooleanArray(v == 1, ~((v == 1) | (v == 0)))
+
+    n = len(raw)
+    out: dict[str, object] = {}
+    out["source"] = _source_column(source, n)
+    session = raw["session"].to_numpy().astype(np.int64)
+    port = raw["port"].to_numpy().astype(np.int64)
+    out["session"] = session
+    out["slot"] = ints(take("slot"))
+    out["task_id"] = raw.pop("task").to_numpy().astype(np.int64)
+    launch_us, release_us = col("launch_us"), col("release_us")
+    launch_s = seconds(launch_us)
     eval_us, total_us = take("eval_us"), take("total_us")
-    anchor = eval_us.where(eval_us >= 0, total_us).astype("float64")
+    with np.errstate(invalid="ignore"):
+        anchor = np.where(eval_us >= 0, eval_us, total_us)
+        anchor = np.where(anchor >= 0, anchor, np.nan)
     del eval_us, total_us
-    total_ms = raw["total_ms"].astype("float64").fillna(raw["prompt_eval_ms"].astype("float64") + raw["eval_ms"].astype("float64"))
-    t["prefill_start_s"] = (anchor.where(anchor >= 0) - total_ms * 1000) / 1e6
-    del anchor, total_ms
-    t["first_token_s"] = t["prefill_start_s"] + raw["prompt_eval_ms"].astype("float64") / 1000
-    t["release_s"] = _us_to_s(raw["release_us"])
-    t["wait_before_prefill_ms"] = (t["prefill_start_s"] - t["launch_s"]) * 1000
-    t["prompt_tokens_new"] = take("prompt_tokens_new").astype("Int64")
-    n_gen = take("n_gen").astype("Int64")
-    t["prompt_tokens_cached"] = raw["n_tokens_released"].astype("Int64") - n_gen + 1 - t["prompt_tokens_new"]
-    t["n_gen"] = n_gen
-    t["prompt_eval_ms"] = take("prompt_eval_ms").astype("float64")
-    t["eval_ms"] = raw["eval_ms"].astype("float64")
+    total_ms, prompt_eval_ms, eval_ms = take("total_ms"), take("prompt_eval_ms"), take("eval_ms")
+    timing_total = np.where(np.isnan(total_ms), prompt_eval_ms + eval_ms, total_ms)
+    prefill_start_s = (anchor - timing_total * 1000) / 1e6
+    del anchor, timing_total
+    first_token_s = prefill_start_s + prompt_eval_ms / 1000
+    release_s = seconds(release_us)
+    wait_ms = (prefill_start_s - launch_s) * 1000
+    new, n_gen, released = take("prompt_tokens_new"), take("n_gen"), take("n_tokens_released")
+    cached = released - n_gen + 1 - new
     with np.errstate(divide="ignore", invalid="ignore"):
-        t["prefill_tps"] = (t["prompt_tokens_new"].astype("float64") / (t["prompt_eval_ms"] / 1000)).replace([np.inf, -np.inf], np.nan)
-        t["gen_tps"] = ((n_gen.astype("float64") - 1) / (t["eval_ms"] / 1000)).replace([np.inf, -np.inf], np.nan)
-    del n_gen
-    t["truncated"] = take("truncated").astype("float64").map({1.0: True, 0.0: False}).astype("boolean")
-    has_release = raw["release_us"].notna()
-    has_timings = raw["total_ms"].notna() | take("eval_ms").notna()
-    flagged = take("cancelled").fillna(0) > 0
+        prefill_tps = new / (prompt_eval_ms / 1000)
+        gen_tps = (n_gen - 1) / (eval_ms / 1000)
+    prefill_tps[np.isinf(prefill_tps)] = np.nan
+    gen_tps[np.isinf(gen_tps)] = np.nan
+    # Log values have µs (times) and 10 µs (ms fields) resolution; do not print float noise.
+    out["launch_s"] = np.round(launch_s, 6)
+    out["prefill_start_s"] = np.round(prefill_start_s, 6)
+    out["first_token_s"] = np.round(first_token_s, 6)
+    out["release_s"] = np.round(release_s, 6)
+    out["wait_before_prefill_ms"] = np.round(wait_ms, 3)
+    out["prompt_tokens_new"] = ints(new)
+    out["prompt_tokens_cached"] = ints(cached)
+    out["n_gen"] = ints(n_gen)
+    out["prompt_eval_ms"] = prompt_eval_ms
+    out["eval_ms"] = eval_ms
+    out["prefill_tps"] = np.round(prefill_tps, 3)
+    out["gen_tps"] = np.round(gen_tps, 3)
+    out["truncated"] = flags(take("truncated"))
+    has_release = ~np.isnan(release_us)
+    has_timings = ~np.isnan(total_ms) | ~np.isnan(eval_ms)
+    flagged = np.nan_to_num(take("cancelled")) > 0
     cancelled = flagged | (has_release & ~has_timings)
     # Complete needs the whole life in the log: a task whose launch came before the log's first
     # line (a log that starts mid-task) stays incomplete, even with its release and timings.
-    launched = raw["line"].notna()
-    t["status"] = np.where(launched & has_release & has_timings & ~flagged, "complete",
-                           np.where(cancelled, "cancelled", "incomplete"))
-    del flagged, cancelled, launched
-    t["line"] = take("line").astype("Int64")
+    line = take("line")
+    launched = ~np.isnan(line)
+    out["status"] = np.where(launched & has_release & has_timings & ~flagged, "complete",
+                             np.where(cancelled, "cancelled", "incomplete"))
+    out["line"] = ints(line)
     # Columns beyond the stable set.
-    t["file"] = take("file")
-    t["port"] = raw["port"].astype("int64")
-    t["release_line"] = take("release_line").astype("Int64")
-    t["total_ms"] = take("total_ms").astype("float64")
-    t["n_tokens_released"] = take("n_tokens_released").astype("Int64")
-    t["prompt_tokens"] = t["prompt_tokens_cached"] + t["prompt_tokens_new"]
-    t["n_heartbeats"] = take("n_heartbeats").fillna(0).astype("int64")
-    t["n_progress"] = take("n_progress").fillna(0).astype("int64")
-    t["has_timings"] = has_timings.to_numpy()
-    t["has_release"] = has_release.to_numpy()
-    del has_timings, has_release
-    t["cut_by_restart"] = take("cut_by_restart").fillna(False).astype(bool).to_numpy()
-    t["is_child"] = take("is_child").astype("float64").map({1.0: True, 0.0: False}).astype("boolean")
-    t["error"] = take("error").fillna(0).astype(bool).to_numpy()
-    # Log values have µs (times) and 10 µs (ms fields) resolution; do not print float noise.
-    for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"):
-        t[c] = t[c].round(6)
-    for c in ("wait_before_prefill_ms", "prefill_tps", "gen_tps"):
-        t[c] = t[c].round(3)
-    off = np.full(len(raw), np.nan)
-    if len(sessions) and len(raw):
+    out["file"] = raw.pop("file").to_numpy() if not isinstance(raw["file"].dtype, pd.CategoricalDtype) else raw.pop("file").array
+    out["port"] = port
+    out["release_line"] = ints(take("release_line"))
+    out["total_ms"] = total_ms
+    out["n_tokens_released"] = ints(released)
+    out["prompt_tokens"] = ints(cached + new)
+    out["n_heartbeats"] = np.nan_to_num(take("n_heartbeats")).astype(np.int64)
+    out["n_progress"] = np.nan_to_num(take("n_progress")).astype(np.int64)
+    out["has_timings"] = has_timings
+    out["has_release"] = has_release
+    out["cut_by_restart"] = np.nan_to_num(take("cut_by_restart")).astype(bool)
+    out["is_child"] = flags(take("is_child"))
+    out["error"] = np.nan_to_num(take("error")).astype(bool)
+    off = np.full(n, np.nan)
+    if len(sessions) and n:
         offsets = sessions.set_index(["port", "session"])["wall_offset_us"]
-        at = offsets.index.get_indexer(pd.MultiIndex.from_arrays([raw["port"].to_numpy(), raw["session"].to_numpy()]))
+        at = offsets.index.get_indexer(pd.MultiIndex.from_arrays([port, session]))
         off = np.where(at >= 0, offsets.to_numpy(dtype="float64", na_value=np.nan)[at], np.nan)
-    off = pd.Series(off, index=t.index)
-    if off.notna().any() if with_wall is None else with_wall:
-        t["launch_at"] = pd.to_datetime((off + raw["launch_us"].astype("float64")).round().astype("Int64"), unit="us", utc=True)
-        t["release_at"] = pd.to_datetime((off + raw["release_us"].astype("float64")).round().astype("Int64"), unit="us", utc=True)
-        t["prefill_start_at"] = pd.to_datetime((off + t["prefill_start_s"] * 1e6).round().astype("Int64"), unit="us", utc=True)
-        t["first_token_at"] = pd.to_datetime((off + t["first_token_s"] * 1e6).round().astype("Int64"), unit="us", utc=True)
-    return t.reset_index(drop=True)
+    if (~np.isnan(off)).any() if with_wall is None else with_wall:
+        for name, us in (("launch_at", off + launch_us), ("release_at", off + release_us),
+                         ("prefill_start_at", off + prefill_start_s * 1e6), ("first_token_at", off + first_token_s * 1e6)):
+            out[name] = pd.to_datetime(pd.array(np.round(us), dtype="Int64"), unit="us", utc=True)
+    return pd.DataFrame(out, copy=False)
 
 
 def _source_column(source: str, n: int) -> pd.Categorical:
