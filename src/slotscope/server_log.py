@@ -511,12 +511,16 @@ def _parse_block(job: tuple[bytes | Span, StreamState, bool]) -> _Parsed:
     return _Parsed(account, len(data), block=fold_block(ev, keep_samples), ports=ports, last_header=state.last_header)
 
 
-def _blocks(stream: BinaryIO, lf: LogFile, size: int, pool: Pool | None) -> Iterator[bytes | Span]:
+def _blocks(stream: BinaryIO, lf: LogFile, size: int, pool: Pool | None) -> tuple[Iterator[bytes | Span], int | None]:
     """The blocks of one file: byte spans that a worker reads itself where the file is plain
-    and there are workers, else the bytes."""
+    and there are workers, else the bytes; and how many may be in flight (None: the pool's
+    default). Shipped bytes wait in pipes: one block per worker, and one more."""
     if pool is not None and pool.jobs > 1 and is_plain(stream):
-        return iter_spans(stream, lf.path, size)
-    return iter_chunks(stream, lf.path, size)
+        return iter_spans(stream, lf.path, size), None
+    if pool is None or pool.jobs < 2:
+        return iter_chunks(stream, lf.path, size), None
+    # Each shipped block is held ~4 times (read ahead, queued, pickled, in the worker): halved.
+    return iter_chunks(stream, lf.path, max(size // 2, 1)), pool.jobs + 1
 
 
 def read_stream(
@@ -548,7 +552,7 @@ def read_stream(
         accounts.append(account)
         state.wrapper_known = state.wrapper_known and lf.order > 0
         stream = reopen(lf, inputs)
-        blocks = _blocks(stream, lf, chunk_size or CHUNK_SIZE, pool)
+        blocks, ahead = _blocks(stream, lf, chunk_size or CHUNK_SIZE, pool)
         try:
             if not state.wrapper_known:  # the first block, here: it decides how lines are framed
                 first = next(blocks, None)
@@ -558,7 +562,7 @@ def read_stream(
                     if progress is not None:
                         progress(len(chunk))
             jobs = ((b, _given(state), keep_samples) for b in blocks)
-            for got in (pool.map(_parse_block, jobs) if pool is not None else map(_parse_block, jobs)):
+            for got in (pool.map(_parse_block, jobs, ahead) if pool is not None else map(_parse_block, jobs)):
                 offset = account.lines
                 part = got.account
                 for i, text in part.examples:
