@@ -258,3 +258,20 @@ def test_looks_like_app_log(tmp_path: Path) -> None:
                            "__REALTIME_TIMESTAMP": "1778572899331095"}).encode()
     assert not looks_like_app_log(journald)
     assert not looks_like_app_log(b"")
+
+
+def test_an_integer_beyond_any_float_is_named_not_raised(tmp_path: Path) -> None:
+    """A token count of 400 digits (a corrupted record) is an unusable value on its line."""
+    lines = (REAL / "before" / "logs" / "app.jsonl").read_text().splitlines()
+    rec = json.loads(lines[1])
+    rec["prompt_tokens"] = int("9" * 400)
+    lines[1] = json.dumps(rec)
+    path = tmp_path / "app.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    log = read_app_logs([path])
+    assert len(log.calls) == len(lines)
+    at = log.calls["line"] == 2
+    assert log.calls.loc[at, "prompt_tokens"].isna().all() and log.calls.loc[~at, "prompt_tokens"].notna().all()
+    acc = log.accounting
+    assert acc.rows_with_problems == 1 and acc.rows_dropped == 0
+    assert [(p.line, "prompt_tokens" in p.reason) for p in acc.problems] == [(2, True)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import re
 import tomllib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -424,15 +425,30 @@ _PLAIN_NUMBERS = {int, float, type(None)}
 def _numbers(values: Sequence[Any]) -> tuple[pd.Series, np.ndarray]:
     """The values as floats (NaN where missing or unusable) and where a value was unusable."""
     if set(map(type, values)) <= _PLAIN_NUMBERS:  # JSON numbers: no parsing, same floats
-        num = np.array(values, dtype=np.float64)
+        try:
+            num = np.array(values, dtype=np.float64)
+        except OverflowError:  # an integer beyond any float (hundreds of digits): as below
+            num = np.array([np.inf])
         if not (np.abs(num) >= 2.0**53).any():  # ints a float holds exactly (else as below)
             bad = np.isinf(num)
             num[bad] = np.nan
             return pd.Series(num), bad
     raw = pd.Series(values, dtype=object)
-    num = pd.to_numeric(raw, errors="coerce").astype("float64")
+    try:
+        num = pd.to_numeric(raw, errors="coerce").astype("float64")
+    except OverflowError:  # pandas gives up on the whole column for one such integer
+        num = pd.Series([_float_or_nan(v) for v in values], dtype="float64")
     num = num.where(np.isfinite(num))
     return num, (raw.notna() & num.isna()).to_numpy()
+
+
+def _float_or_nan(v: Any) -> float:
+    if v is None:
+        return math.nan
+    try:
+        return float(v)
+    except (TypeError, ValueError, OverflowError):
+        return math.nan
 
 
 def _times_us(values: Sequence[Any], zone: str) -> tuple[pd.Series, np.ndarray, int]:
