@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -61,8 +62,11 @@ def test_no_cache_miss_prefills_with_one_lora_setting(datasets: dict) -> None:
 
 def test_causes_of_calls(datasets: dict) -> None:
     calls = datasets["before"].matches.calls
-    cause = call_causes(calls, Options())
-    assert len(cause) == len(calls)
+    by_key = call_causes(calls, Options())
+    assert len(by_key) == len(calls) and by_key.index.is_unique
+    ids = pd.Series(calls["call_id"].to_numpy(),
+                    index=pd.MultiIndex.from_arrays([calls["call_file"].astype("string"), calls["call_line"].astype("Int64")]))
+    cause = pd.Series(by_key.to_numpy(), index=ids.loc[by_key.index].to_numpy())
     first = calls.sort_values("start_at").groupby("user", observed=True)["call_id"].first()
     assert set(cause[cause == "first_of_day"].index) == set(first)
     # After each summary, that user's next call.
@@ -88,3 +92,23 @@ def test_without_app_log_only_the_note() -> None:
     table = prefills(load([REAL / "before" / "logs" / "llama-server.log"]), Options())
     assert table["note"].tolist() == [NEEDS_APP_LOG]
     assert isinstance(table, pd.DataFrame) and len(table) == 1
+
+
+def test_call_ids_repeated_across_app_logs(tmp_path: Path) -> None:
+    """Two app logs whose ids repeat (an app restarted its counter): calls are told apart by
+    file and line, and the table is the one the unique ids give."""
+    logs = REAL / "before" / "logs"
+    lines = (logs / "app.jsonl").read_text().splitlines()
+    half = len(lines) // 2
+    first = lines[:half]
+    second = []
+    for i, line in enumerate(lines[half:]):
+        rec = json.loads(line)
+        rec["id"] = json.loads(first[i % half])["id"]
+        second.append(json.dumps(rec))
+    (tmp_path / "llama-server.log").write_bytes((logs / "llama-server.log").read_bytes())
+    (tmp_path / "app-1.jsonl").write_text("\n".join(first) + "\n")
+    (tmp_path / "app-2.jsonl").write_text("\n".join(second) + "\n")
+    got = prefills(load([tmp_path]), Options())
+    want = prefills(load([logs]), Options())
+    pd.testing.assert_frame_equal(got, want)

@@ -127,7 +127,8 @@ def load(
     return Dataset(server=server, app=app, matches=matches, accounting=acc)
 
 
-TASK_VIEW_EXTRA = ["call_id", "purpose", "user", "lora", "call_start_at", "queue_ms", "ttft_ms", "call_total_ms", "match_method"]
+TASK_VIEW_EXTRA = ["call_id", "purpose", "user", "lora", "call_start_at", "queue_ms", "ttft_ms", "call_total_ms", "match_method",
+                   "call_file", "call_line"]  # a call is (file, line): ids may repeat across app logs
 
 
 TASK_VIEW = "task_view"  # its memo key

@@ -35,7 +35,7 @@ MISS_COLUMNS = [
 # The columns of the calls table that turn_pairs and the tables built on it read.
 PAIR_COLUMNS = [
     "call_id", "start_at", "end_at", "purpose", "user", "slot", "task_id", "ok", "prompt_tokens", "completion_tokens",
-    "cached_tokens", "prompt_tokens_cached", "prompt_tokens_new", "app_session",
+    "cached_tokens", "prompt_tokens_cached", "prompt_tokens_new", "app_session", "call_file", "call_line",
 ]
 
 

@@ -32,9 +32,15 @@ UNLOGGED = "(unlogged)"
 COLUMNS = ["by", "value", "count", "new_tokens_total", "seconds_total", "few_samples", "note"]
 
 
+def _call_key(df: pd.DataFrame) -> pd.Index:
+    """Which app call a row is: its file and line (ids may repeat across app logs)."""
+    return pd.MultiIndex.from_arrays([df["call_file"].astype("string"), df["call_line"].astype("Int64")])
+
+
 def call_causes(calls: pd.DataFrame, opts: Options) -> pd.Series:
-    """The cause of each app call's prompt (one of :data:`CAUSES`), indexed by ``call_id``."""
-    c = calls[["call_id", "user", "start_at", "purpose"]].copy()
+    """The cause of each app call's prompt (one of :data:`CAUSES`), indexed by the call's
+    (file, line)."""
+    c = calls[["call_id", "call_file", "call_line", "user", "start_at", "purpose"]].copy()
     c["user"] = c["user"].astype("string")
     c["session"] = calls["app_session"].astype("string") if "app_session" in calls else pd.Series(pd.NA, index=c.index, dtype="string")
     c = c.sort_values(["user", "start_at"], kind="stable")
@@ -44,10 +50,10 @@ def call_causes(calls: pd.DataFrame, opts: Options) -> pd.Series:
     first_of_session = c["session"].notna() & (c.groupby([c["user"], c["session"]], sort=False, dropna=False).cumcount() == 0)
     prev_purpose = c.groupby("user", sort=False, dropna=False)["purpose"].shift(1).astype("string")
     after_summary = (prev_purpose == SUMMARY).fillna(False)
-    missed = c["call_id"].isin(turn_pairs(slim_calls(calls), opts).query("miss")["call_id"])
+    missed = _call_key(c).isin(_call_key(turn_pairs(slim_calls(calls), opts).query("miss")))
     summary = (c["purpose"].astype("string") == SUMMARY).fillna(False)
     cause = np.select([first_of_day, first_of_session, summary, after_summary, missed], CAUSES[:-1], default=CAUSES[-1])
-    return pd.Series(cause, index=c["call_id"].to_numpy(), name="cause")
+    return pd.Series(cause, index=_call_key(c), name="cause")
 
 
 @register("prefills")
@@ -58,7 +64,8 @@ def prefills(ds: Dataset, opts: Options) -> pd.DataFrame:
     tv = task_view(ds)
     big = tv.loc[(tv["prompt_tokens_new"] >= opts.big_prefill_tokens).fillna(False).to_numpy()].copy()
     causes = call_causes(ds.matches.calls, opts)
-    big["cause"] = big["call_id"].map(causes).astype("string").fillna(UNLOGGED)
+    at = causes.index.get_indexer(_call_key(big))
+    big["cause"] = pd.array(np.where(at >= 0, causes.to_numpy()[np.maximum(at, 0)], None), dtype="string").fillna(UNLOGGED)
     big["purpose"] = big["purpose"].astype("string").fillna(UNLOGGED)
     label = f">= {opts.big_prefill_tokens:,} new tokens"
     big["all"] = label
