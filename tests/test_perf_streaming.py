@@ -208,3 +208,17 @@ def test_task_batches_made_as_text_by_workers_join_to_the_table(big_log: Path, t
         output.write_pieces(pieces, fmt, str(tmp_path / f"parts{jobs}"))  # type: ignore[arg-type]
         assert (tmp_path / f"parts{jobs}").read_bytes() == (tmp_path / "whole").read_bytes()
         assert acc.tasks_complete == whole.accounting.tasks_complete
+
+
+def test_a_full_temporary_directory_is_a_message_not_a_traceback(big_log: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from slotscope.errors import SlotscopeError
+    from slotscope.server_log import read_task_batches
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tasks_mod.np, "save", full)
+    with pytest.raises(SlotscopeError, match="No space left on device.*TMPDIR"):
+        read_task_batches([big_log], rows=500, jobs=1)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from .errors import SlotscopeError
 from .events import (
     CANCEL, CONFIG, ERROR, EVAL, HEARTBEAT, LAUNCH, PROGRESS, PROMPT_EVAL, RELEASE, TOTAL,
 )
@@ -178,12 +179,17 @@ class FinishedRows:
         if not spill:
             self._chunks.append(rows)
             return
-        if self._tmp is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="slotscope-")
-        path = os.path.join(self._tmp.name, str(len(self._chunks)))
-        os.mkdir(path)
-        for c, v in rows.items():
-            np.save(os.path.join(path, c + ".npy"), v, allow_pickle=False)
+        try:
+            if self._tmp is None:
+                self._tmp = tempfile.TemporaryDirectory(prefix="slotscope-")
+            path = os.path.join(self._tmp.name, str(len(self._chunks)))
+            os.mkdir(path)
+            for c, v in rows.items():
+                np.save(os.path.join(path, c + ".npy"), v, allow_pickle=False)
+        except OSError as e:  # a full or read-only temporary directory
+            raise SlotscopeError(getattr(e, "filename", None) or tempfile.gettempdir(), None,
+                                 f"cannot write finished tasks to the temporary directory ({e.strerror or e}); "
+                                 "set TMPDIR to a directory with room (~300 bytes per task)") from None
         self._chunks.append(path)
 
     def close(self, on_disk: bool = False) -> None:
