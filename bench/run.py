@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_log  # noqa: E402
@@ -74,9 +75,8 @@ def rss_method() -> str:
 PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
 
 
-def _group_rss_kb(pgid: int) -> int:
-    """Current RSS of every process in a process group (from /proc/*/stat)."""
-    total = 0
+def _group_stats(pgid: int) -> Iterator[tuple[str, bytes]]:
+    """(pid, the part of /proc/PID/stat after the command name) of each process in a group."""
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
@@ -85,10 +85,14 @@ def _group_rss_kb(pgid: int) -> int:
                 st = f.read()
             fields = st[st.rindex(b")") + 2:].split()  # fields[0] = stat field 3 (state)
             if int(fields[2]) == pgid:  # field 5: pgrp
-                total += int(fields[21]) * PAGE_KB  # field 24: rss in pages
+                yield d, fields
         except (OSError, ValueError, IndexError):
             continue
-    return total
+
+
+def _group_rss_kb(pgid: int) -> int:
+    """Current RSS of every process in a process group (from /proc/*/stat)."""
+    return sum(int(fields[21]) * PAGE_KB for _, fields in _group_stats(pgid))  # field 24: rss in pages
 
 
 def _group_pss_kb(pgid: int) -> int | None:
@@ -96,15 +100,9 @@ def _group_pss_kb(pgid: int) -> int | None:
     their sharers): what the group takes from the machine, workers included. None where
     /proc/PID/smaps_rollup is missing (kernels before 4.14, non-Linux)."""
     total, seen = 0, False
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
+    for pid, _ in _group_stats(pgid):
         try:
-            with open(f"/proc/{d}/stat", "rb") as f:
-                st = f.read()
-            if int(st[st.rindex(b")") + 2:].split()[2]) != pgid:
-                continue
-            with open(f"/proc/{d}/smaps_rollup", "rb") as f:
+            with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
                 for line in f:
                     if line.startswith(b"Pss:"):
                         total += int(line.split()[1])
