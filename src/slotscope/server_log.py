@@ -641,7 +641,7 @@ def read_server_logs(
         sessions=_concat(sessions, ["source", "port", "session"]),
         accounting=acc,
     )
-    _count_status(acc, out.tasks)
+    acc.tasks_complete, acc.tasks_cancelled, acc.tasks_incomplete = _status_counts(out.tasks)
     acc.sessions = len(out.sessions)
     return out
 
@@ -706,9 +706,7 @@ def _task_batch(job: tuple[TaskBatch | None, int, bool, Callable[[pd.DataFrame, 
     if with_wall and "launch_at" not in part.columns:  # another stream has wall clocks
         for c in ("launch_at", "release_at", "prefill_start_at", "first_token_at"):
             part[c] = pd.Series(pd.NaT, index=part.index, dtype="datetime64[us, UTC]")
-    st = part["status"] if len(part) else pd.Series([], dtype=str)
-    counts = (int((st == "complete").sum()), int((st == "cancelled").sum()), int((st == "incomplete").sum()))
-    return (then(part, i) if then is not None else part), counts
+    return (then(part, i) if then is not None else part), _status_counts(part)
 
 
 def _read_all(
@@ -728,12 +726,10 @@ def _read_all(
     return assemblers, acc
 
 
-def _count_status(acc: Accounting, tasks: pd.DataFrame, add: bool = False) -> None:
+def _status_counts(tasks: pd.DataFrame) -> tuple[int, int, int]:
+    """How many tasks are complete, cancelled and incomplete."""
     st = tasks["status"] if len(tasks) else pd.Series([], dtype=str)
-    counts = [int((st == x).sum()) for x in ("complete", "cancelled", "incomplete")]
-    if add:
-        counts = [a + b for a, b in zip(counts, (acc.tasks_complete, acc.tasks_cancelled, acc.tasks_incomplete))]
-    acc.tasks_complete, acc.tasks_cancelled, acc.tasks_incomplete = counts
+    return int((st == "complete").sum()), int((st == "cancelled").sum()), int((st == "incomplete").sum())
 
 
 def _concat(frames: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:
