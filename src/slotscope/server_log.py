@@ -41,7 +41,9 @@ from .sources import (
 )
 from .workers import Pool
 from .scanner import SRV_EVENT, Reading, Scan, scan
-from .tasks import GEN_COLUMNS, PREFILL_COLUMNS, TASK_COLUMNS, BlockTasks, TaskAssembler, TaskBatch, fold_block
+from .tasks import (
+    GEN_COLUMNS, PREFILL_COLUMNS, TASK_COLUMNS, BlockTasks, TaskAssembler, TaskBatch, fold_block, shifted_sessions,
+)
 
 _NUM = r"[-+]?(?:\d+(?:\.\d*)?|inf|nan)"
 _HEAD = (
@@ -344,7 +346,7 @@ def assign_sessions(ev: pd.DataFrame, state: StreamState) -> pd.DataFrame:
         return ev
     _fill_times(ev, state)
     local, ports = local_sessions(ev)
-    ev["session"] = local + _shift_array(ev["port"].to_numpy(), resolve_sessions(ports, state))
+    ev["session"] = shifted_sessions(ev["port"].to_numpy(), local, resolve_sessions(ports, state))
     return ev
 
 
@@ -461,15 +463,6 @@ def resolve_sessions(ports: list[PortSessions], state: StreamState) -> dict[int,
     return shift
 
 
-def _shift_array(port: np.ndarray, shift: dict[int, int]) -> np.ndarray:
-    if len(shift) == 1:
-        return np.full(len(port), next(iter(shift.values())), dtype=np.int64)
-    out = np.zeros(len(port), dtype=np.int64)
-    for p, d in shift.items():
-        out[port == p] = d
-    return out
-
-
 @dataclass
 class ServerLogs:
     """Everything read from llama-server logs: the tables and the line accounting."""
@@ -497,10 +490,8 @@ class _Parsed:
 
 def _parse_block(job: tuple[bytes | Span, StreamState, bool]) -> _Parsed:
     """Parse and fold one block with nothing from the blocks before it (in a worker process)."""
-    block, given, keep_samples = job
+    block, state, keep_samples = job  # the state: a fresh one per block (_given), this block's to change
     data = read_span(block) if isinstance(block, Span) else block
-    state = StreamState(source="", wrapper=given.wrapper, wrapper_known=True, year=given.year, tz=given.tz,
-                        wall_origin=given.wall_origin)
     account = FileAccount("")
     ev = parse_chunk(data, 1, state, account)
     if not len(ev) or _needs_earlier_lines(ev, state):
@@ -595,7 +586,8 @@ def read_stream(
 
 
 def _given(state: StreamState) -> StreamState:
-    """What a worker needs of the stream's state (small: no per-port tables)."""
+    """What a worker needs of the stream's state (small: no per-port tables), as a new object
+    for each block: parsing it may change it."""
     return StreamState(source="", wrapper=state.wrapper, wrapper_known=True, year=state.year, tz=state.tz,
                        wall_origin=state.wall_origin)
 

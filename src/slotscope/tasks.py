@@ -333,7 +333,9 @@ def _session_info(ev: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {c: np.array(v, dtype=np.float64 if c in ("n_slots", "n_ctx_slot") else np.int64) for c, v in out.items()}
 
 
-def _shifted(port: np.ndarray, session: np.ndarray, shift: dict[int, int]) -> np.ndarray:
+def shifted_sessions(port: np.ndarray, session: np.ndarray, shift: dict[int, int]) -> np.ndarray:
+    """Session numbers counted within a block, moved by each row's port's shift (every port
+    of the block has one)."""
     out = session.astype(np.int64)
     if len(shift) == 1:
         return out + next(iter(shift.values()))
@@ -376,7 +378,7 @@ class TaskAssembler:
         samples = block.samples if self.keep_samples else {}
         if shift:
             for part in (rows, info, *samples.values()):
-                part["session"] = _shifted(part["port"], part["session"], shift)
+                part["session"] = shifted_sessions(part["port"], part["session"], shift)
         self._track_sessions(info, file)
         for code, store in ((HEARTBEAT, self._gen), (PROGRESS, self._prefill)):
             if code in samples:
