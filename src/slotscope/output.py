@@ -512,23 +512,9 @@ def write_batches(
             for df in itertools.chain([first], it):
                 writer.write_table(pa.Table.from_pandas(df, schema=schema, preserve_index=False))
         return chosen
-    buf: IO[str] = stream if to_stdout else open(out, "w", newline="")  # type: ignore[arg-type]
-    try:
-        if chosen == "csv":
-            writer = CsvWriter(buf)
-            for df in itertools.chain([first], it):
-                writer.write(for_text(df))
-        else:  # one JSON array: each batch's records, joined
-            buf.write("[")
-            sep = ""
-            for df in itertools.chain([first], it):
-                if len(df):
-                    buf.write(sep + for_text(df).to_json(orient="records", force_ascii=False)[1:-1])
-                    sep = ","
-            buf.write("]\n")
-    finally:
-        if not to_stdout:
-            buf.close()
+    # CSV, JSON: the batches' text pieces, joined as write_pieces joins them.
+    pieces = (text_piece(df, i, chosen) for i, df in enumerate(itertools.chain([first], it)))
+    write_pieces(pieces, chosen, out, stdout=stdout)
     return chosen
 
 
