@@ -360,14 +360,7 @@ def prefill_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None) -> tup
     """The work of :func:`prefill_activity` short of listing pass ends: ``(active, steps,
     info)``, ``steps`` one row per stretch of ``p`` passes (``pid``, ``a``, ``z``, ``p``),
     ``info`` the prefills (task keys, ``pid`` = row, slot, ``prompt_tokens_new``, line).
-
-    The server prints a prefilling slot's progress line once per pass (after its first 3 s),
-    so the lines' spacing is the pass length, and a co-running slot that shares the batch gets
-    one token per pass. A step much longer than the slot's typical pass (``PAUSE_FACTOR``) means
-    the slot was left out of batches for a while (another LoRA setting, or a lower slot's prompt
-    filled them): only the last typical pass of such a step counts as active. The unlogged head
-    (before the first line) and tail (after the last) get ``round(tokens / chunk)`` passes spread
-    evenly, ``chunk`` being the slot's usual step (else the session's, else 2048).
+    How passes, pauses and the unlogged head and tail are read: :func:`prefill_activity`.
     """
     keys = GROUP + ["task_id"]
     pre = pd.DataFrame({c: _col(tv, c) for c in keys + ["slot", "prompt_tokens_new", "line", "prefill_start_s", "first_token_s"]})
