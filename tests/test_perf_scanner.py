@@ -93,3 +93,19 @@ def test_bent_real_lines_read_the_same(parts, cut_last: bool, monkeypatch: pytes
 def test_real_lines_with_any_bytes_read_the_same(blob: bytes, line: bytes, at: int, monkeypatch: pytest.MonkeyPatch) -> None:
     k = at % len(line)
     _assert_same(line[:k] + blob + line[k:] + line, monkeypatch)
+
+
+@pytest.mark.parametrize("number", [b"-1", b"-9999999", b"-99999991", b"-123456789012", b"-999999999999999", b"-0"])
+def test_long_negative_numbers_read_the_same(number: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A minus sign before 8 or more digits (slot and task fields) once lost a digit in the numpy
+    scanner: the byte shifted in behind the sign read as a 0."""
+    beats = [ln for ln in REAL_LINES if b"| n_gen =" in ln and b"| task " in ln]
+    assert beats
+    line = beats[0]
+    head, rest = line.split(b"| task ", 1)
+    task_line = head + b"| task " + number + b" |" + rest.split(b" |", 1)[1]
+    slot_line = head.split(b": id", 1)[0] + b": id " + number + b" | task 7 |" + rest.split(b" |", 1)[1]
+    for data in (task_line, slot_line):
+        _assert_same(data, monkeypatch)
+        ev, _ = _parse(data, False, monkeypatch)
+        assert len(ev) == 1 and float(number) in (ev["task"][0], ev["slot"][0])

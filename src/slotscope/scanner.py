@@ -161,7 +161,7 @@ class _Cursor:
         neg = np.zeros(len(w), bool)
         if sign:
             neg = (x & _U(0xFF)) == _U(0x1D)  # "-"
-            x = np.where(neg, x >> _U(8), x)
+            x = np.where(neg, (x >> _U(8)) | _U(0x30 << 56), x)  # the byte shifted in: no digit
             room = room - neg
         n1 = _lead((((x & _LO7) + _OVER9) | x) & _HI)
         used = n1
