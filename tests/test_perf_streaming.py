@@ -222,3 +222,60 @@ def test_a_full_temporary_directory_is_a_message_not_a_traceback(big_log: Path, 
     monkeypatch.setattr(tasks_mod.np, "save", full)
     with pytest.raises(SlotscopeError, match="No space left on device.*TMPDIR"):
         read_task_batches([big_log], rows=500, jobs=1)
+
+
+def _compiled_here(batch: pd.DataFrame, i: int) -> tuple[bool, int]:
+    from slotscope import scanner
+
+    return scanner._compiled is not None, len(batch)
+
+
+def test_workers_read_with_the_compiled_scanner_and_get_the_same_tables(
+        big_log: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chosen for a large input, the compiled scanner is loaded by the workers only (numba's
+    memory stays out of the main process), and the tables equal the numpy scanner's."""
+    from slotscope import scanner
+    from slotscope.server_log import read_task_batches
+
+    if not scanner.use_compiled(True):
+        pytest.skip("numba is not installed")
+    scanner.use_compiled(False)
+    monkeypatch.setattr(scanner, "_chosen", False)  # restored afterwards, for the tests that follow
+    monkeypatch.setenv("SLOTSCOPE_SCANNER", "numpy")
+    ref = read_server_logs([big_log], chunk_size=256 << 10, jobs=1)
+    assert scanner._compiled is None
+    monkeypatch.delenv("SLOTSCOPE_SCANNER")
+    monkeypatch.setattr(scanner, "COMPILED_FROM_BYTES", big_log.stat().st_size)  # "large" from this size on
+    try:
+        got = read_server_logs([big_log], chunk_size=256 << 10, jobs=2)
+        assert scanner._compiled is None  # not loaded here: the workers parsed
+        for name in ("tasks", "gen_samples", "prefill_samples", "sessions"):
+            pd.testing.assert_frame_equal(getattr(got, name), getattr(ref, name), check_exact=True, obj=name)
+        pieces, _ = read_task_batches([big_log], rows=500, chunk_size=256 << 10, jobs=2, then=_compiled_here)
+        seen = list(pieces)
+        assert len(seen) > 2 and all(used for used, _ in seen)  # every batch was built in a worker with it
+        assert sum(n for _, n in seen) == len(ref.tasks)
+        got1 = read_server_logs([big_log], chunk_size=256 << 10, jobs=1)  # one process: loaded here
+        assert scanner._compiled is not None
+        pd.testing.assert_frame_equal(got1.tasks, ref.tasks, check_exact=True)
+    finally:
+        scanner.use_compiled(False)
+
+
+def test_the_scanner_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    from slotscope import scanner
+
+    monkeypatch.delenv("SLOTSCOPE_SCANNER", raising=False)
+    monkeypatch.setattr(scanner, "_chosen", False)  # restored afterwards
+    scanner.use_compiled(False)
+    try:
+        assert scanner.choose_for(scanner.COMPILED_FROM_BYTES - 1, load=False) is False
+        assert scanner.choose_for(scanner.COMPILED_FROM_BYTES, load=False) is True
+        assert scanner.choose_for(None, load=False) is True  # stdin: size unknown
+        assert scanner._compiled is None  # load=False: chosen for the workers only
+        monkeypatch.setenv("SLOTSCOPE_SCANNER", "numpy")
+        assert scanner.choose_for(None, load=True) is False and scanner._compiled is None
+        monkeypatch.setenv("SLOTSCOPE_SCANNER", "compiled")
+        assert scanner.choose_for(1, load=False) is True
+    finally:
+        scanner.use_compiled(False)
