@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from slotscope import scanner, server_log
+from slotscope import server_log
 from slotscope.accounting import FileAccount
 from slotscope.server_log import StreamState, parse_chunk
 
@@ -27,61 +26,19 @@ FIXTURES = sorted(p for p in FORMATS.glob("*.log")) + sorted(REAL.glob("*/logs/l
 REAL_LINES = sorted({ln for p in FIXTURES for ln in p.read_bytes().splitlines(keepends=True)})
 
 
-COMPILED = scanner.use_compiled(True)
-scanner.use_compiled(False)
-WITHOUT_NUMBA = "numba is not installed: the compiled scanner is not used"
-
-
-def _parse(data: bytes, how: str, monkeypatch: pytest.MonkeyPatch) -> tuple[pd.DataFrame, tuple]:
-    """parse_chunk with FAST_PATTERN alone ("pattern") or the "numpy" or "compiled" scanner."""
-    monkeypatch.setattr(server_log, "_USE_SCANNER", how != "pattern")
-    scanner.use_compiled(how == "compiled")
-    try:
-        state = StreamState(source="t")
-        acc = FileAccount("t")
-        ev = parse_chunk(data, 1, state, acc)
-    finally:
-        scanner.use_compiled(False)
+def _parse(data: bytes, scanner: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[pd.DataFrame, tuple]:
+    monkeypatch.setattr(server_log, "_USE_SCANNER", scanner)
+    state = StreamState(source="t")
+    acc = FileAccount("t")
+    ev = parse_chunk(data, 1, state, acc)
     return ev, (acc.lines, acc.used, acc.ignored, acc.unrecognized, acc.examples, acc.wrapper)
 
 
 def _assert_same(data: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
-    slow, acc_slow = _parse(data, "pattern", monkeypatch)
-    for how in ("numpy", "compiled") if COMPILED else ("numpy",):
-        fast, acc_fast = _parse(data, how, monkeypatch)
-        assert acc_fast == acc_slow, how
-        pd.testing.assert_frame_equal(fast, slow, check_exact=True, obj=how)
-
-
-def test_the_compiled_scanner_is_tested() -> None:
-    """CI installs numba (a dependency where it has wheels): the compiled scanner is compared."""
-    try:
-        import numba  # noqa: F401
-    except ImportError:
-        pytest.skip(WITHOUT_NUMBA)
-    assert COMPILED
-
-
-def test_compiled_scanner_reads_every_field_like_numpy() -> None:
-    """Beyond the events: known lines get the same kind, port, time, slot, task and values."""
-    if not COMPILED:
-        pytest.skip(WITHOUT_NUMBA)
-    data = b"".join(REAL_LINES) + b"".join(_bend(ln, op, 7 * i, i) for i, ln in enumerate(REAL_LINES) for op in range(8))
-    lines = server_log._split(data, True)
-    a = scanner.scan_numpy(lines)
-    scanner.use_compiled(True)
-    try:
-        b = scanner.scan(lines)
-    finally:
-        scanner.use_compiled(False)
-    np.testing.assert_array_equal(a.known, b.known)
-    k = a.known
-    assert k.sum() > len(REAL_LINES) // 2  # the comparison covers many lines
-    for name in ("kind", "port", "ts", "slot", "task"):
-        np.testing.assert_array_equal(getattr(a, name)[k], getattr(b, name)[k], err_msg=name)
-    for j in range(4):
-        np.testing.assert_array_equal(a.v[j][k], b.v[j][k], err_msg=f"v{j + 1}")
-        assert (np.signbit(a.v[j][k]) == np.signbit(b.v[j][k])).all()
+    fast, acc_fast = _parse(data, True, monkeypatch)
+    slow, acc_slow = _parse(data, False, monkeypatch)
+    assert acc_fast == acc_slow
+    pd.testing.assert_frame_equal(fast, slow, check_exact=True)
 
 
 @pytest.mark.parametrize("path", FIXTURES, ids=lambda p: f"{p.parent.name}/{p.name}")
@@ -150,5 +107,5 @@ def test_long_negative_numbers_read_the_same(number: bytes, monkeypatch: pytest.
     slot_line = head.split(b": id", 1)[0] + b": id " + number + b" | task 7 |" + rest.split(b" |", 1)[1]
     for data in (task_line, slot_line):
         _assert_same(data, monkeypatch)
-        ev, _ = _parse(data, "pattern", monkeypatch)
+        ev, _ = _parse(data, False, monkeypatch)
         assert len(ev) == 1 and float(number) in (ev["task"][0], ev["slot"][0])

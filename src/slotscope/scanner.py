@@ -9,10 +9,8 @@ pattern. ``tests/test_perf_scanner.py`` holds the two readings equal.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
-from types import ModuleType
 
 import numpy as np
 import pyarrow as pa
@@ -40,56 +38,6 @@ SRV_EVENT = (
 # fails leaves the line "not known", and such lines go through the full RE2 pattern below
 # (FAST_PATTERN), which stays the definition of what each line means: the scanner only takes
 # lines whose FAST_PATTERN reading it can prove, and reproduces that reading exactly.
-
-# The compiled scanner (scanner_compiled, with numba) once use_compiled() loaded it.
-_compiled: ModuleType | None = None
-# Inputs from this size on are read with the compiled scanner: numba's start-up (~0.4 s of
-# CPU in each process that loads it; ~5 s the first time, when it compiles) costs about what
-# the numpy scanner spends on 64 MiB with two workers.
-COMPILED_FROM_BYTES = 64 << 20
-_chosen = False  # by choose_for, for the worker processes forked after it
-
-
-def use_compiled(on: bool = True) -> bool:
-    """Read blocks with the compiled scanner from now on (``on``), or with numpy; whether the
-    compiled one is in use. It is loaded (compiled on first use, then from numba's cache) here,
-    so that worker processes forked afterwards have it. Without numba: numpy, quietly."""
-    global _compiled
-    if not on:
-        _compiled = None
-        return False
-    if _compiled is None:
-        try:
-            from . import scanner_compiled
-            scanner_compiled.warm_up()
-        except Exception:  # no numba, or none that works here: the numpy scanner reads the same
-            return False
-        _compiled = scanner_compiled
-    return True
-
-
-def choose_for(input_bytes: int | None, *, load: bool = True) -> bool:
-    """Pick the scanner for this much input (None: unknown, e.g. stdin); ``SLOTSCOPE_SCANNER``
-    = ``numpy`` or ``compiled`` overrides. ``load``: load the compiled one here now; else only
-    worker processes forked afterwards load it (:func:`load_if_chosen`), which keeps numba's
-    ~100 MB out of this process. Whether the compiled scanner was chosen."""
-    global _chosen
-    want = os.environ.get("SLOTSCOPE_SCANNER", "").strip().lower()
-    if want == "numpy":
-        _chosen = False
-        use_compiled(False)
-        return False
-    _chosen = want == "compiled" or input_bytes is None or input_bytes >= COMPILED_FROM_BYTES
-    if _chosen and load:
-        _chosen = use_compiled(True)
-    return _chosen
-
-
-def load_if_chosen() -> bool:
-    """In a worker process: load the compiled scanner if :func:`choose_for` chose it (whether
-    it loaded it)."""
-    return _chosen and use_compiled(True)
-
 
 _U = np.uint64
 _HI = _U(0x8080808080808080)
@@ -348,19 +296,7 @@ _SRV_EVENT_RE = re.compile(SRV_EVENT, re.ASCII)
 
 
 def scan(lines: pa.StringArray) -> Scan:
-    """Read each line of a block (elements ending in a newline) with the scanner's grammar
-    (compiled, if :func:`use_compiled` turned that on)."""
-    if _compiled is not None:
-        out = Scan.empty(len(lines))
-        srv_at = _compiled.scan_into(out, lines)
-        srv = np.flatnonzero(srv_at >= 0)
-        _server_lines(out, lines, srv, srv_at[srv])
-        return out
-    return scan_numpy(lines)
-
-
-def scan_numpy(lines: pa.StringArray) -> Scan:
-    """:func:`scan` column-wise with numpy (no compiler needed; ~0.7 µs a line)."""
+    """Read each line of a block (elements ending in a newline) with the scanner's grammar."""
     n = len(lines)
     off = np.frombuffer(lines.buffers()[1], np.int32, count=n + 1, offset=4 * lines.offset).astype(np.int64)
     data = lines.buffers()[2]
@@ -428,7 +364,16 @@ def scan_numpy(lines: pa.StringArray) -> Scan:
     comp = colon & ((tag == _TAG_COMP[0]) | (tag == _TAG_COMP[1]) | (tag == _TAG_COMP[2]) | (tag == _TAG_COMP[3]))
     out.known[comp] = True
     srv = np.flatnonzero(colon & (tag == _TAG_SRV))
-    _server_lines(out, lines, srv, c.pos[srv] + 19 - s[srv])
+    if len(srv):  # ignored, unless it may be one of the server events (those few: FAST_PATTERN)
+        if len(srv) < 2000:  # a few lines: Python's re beats compiling the pattern in Arrow again
+            texts = lines.take(pa.array(srv)).to_pylist()
+            maybe = np.array([_SRV_EVENTS_RE.search(t) is not None for t in texts], dtype=bool)
+        else:
+            maybe = pc.match_substring_regex(lines.take(pa.array(srv)), _SRV_EVENTS).to_numpy(zero_copy_only=False)
+        out.known[srv[~maybe]] = True
+        events = srv[maybe]
+        if len(events):
+            _srv_events(out, events, c.pos[events] + 19 - s[events], lines.take(pa.array(events)).to_pylist())
 
     rows = np.flatnonzero(is_slot)
     if not len(rows):
@@ -476,22 +421,6 @@ def scan_numpy(lines: pa.StringArray) -> Scan:
         for j, val in enumerate(vals):
             out.v[j][good] = val[cur.ok]
     return out
-
-
-def _server_lines(out: Scan, lines: pa.StringArray, srv: np.ndarray, rest_at: np.ndarray) -> None:
-    """Server lines (``srv`` rows; ``rest_at``: where each one's message starts): ignored,
-    unless they may be one of the server events (those few are read like FAST_PATTERN)."""
-    if not len(srv):
-        return
-    if len(srv) < 2000:  # a few lines: Python's re beats compiling the pattern in Arrow again
-        texts = lines.take(pa.array(srv)).to_pylist()
-        maybe = np.array([_SRV_EVENTS_RE.search(t) is not None for t in texts], dtype=bool)
-    else:
-        maybe = pc.match_substring_regex(lines.take(pa.array(srv)), _SRV_EVENTS).to_numpy(zero_copy_only=False)
-    out.known[srv[~maybe]] = True
-    events = srv[maybe]
-    if len(events):
-        _srv_events(out, events, rest_at[maybe], lines.take(pa.array(events)).to_pylist())
 
 
 def _srv_events(out: Scan, rows: np.ndarray, rest_at: np.ndarray, texts: list[str]) -> None:

@@ -3,9 +3,8 @@
 The hot path works on blocks of ~8 MiB, with no Python code per line: colour codes and
 carriage returns are removed with one bytes-level substitution, the lines become one Arrow
 array over the block's own bytes (offsets from the newline positions), a wrapper prefix (if
-any) is stripped with one vectorised regex, and a scanner reads the lines of the current
-llama.cpp grammar (``scan``: column-wise with numpy, or compiled with numba for large inputs,
-see :mod:`slotscope.scanner_compiled`). The scanner only takes lines whose reading
+any) is stripped with one vectorised regex, and a numpy scanner reads the lines of the
+current llama.cpp grammar column-wise (``scan``). The scanner only takes lines whose reading
 by the single RE2 pattern ``FAST_PATTERN`` it can prove, and gives the same reading; the rest
 (older multi-line timings, damaged lines) go through ``FAST_PATTERN`` itself, and lines it does
 not know either go to :mod:`slotscope.legacy` one by one (older formats, which are rare).
@@ -41,10 +40,9 @@ from .sources import (
     CHUNK_SIZE, STDIN, Inputs, LogFile, Span, collect, is_plain, iter_chunks, iter_spans, read_span, reopen,
 )
 from .workers import Pool
-from .scanner import SRV_EVENT, Reading, Scan, choose_for, scan
+from .scanner import SRV_EVENT, Reading, Scan, scan
 from .tasks import (
-    GEN_COLUMNS, PREFILL_COLUMNS, TASK_COLUMNS, BlockTasks, TaskAssembler, TaskBatch, fold_block, release_memory,
-    shifted_sessions,
+    GEN_COLUMNS, PREFILL_COLUMNS, TASK_COLUMNS, BlockTasks, TaskAssembler, TaskBatch, fold_block, shifted_sessions,
 )
 
 _NUM = r"[-+]?(?:\d+(?:\.\d*)?|inf|nan)"
@@ -643,7 +641,7 @@ def read_server_logs(
 def read_task_batches(
     paths: Sequence[str | os.PathLike[str]],
     *,
-    rows: int = 1 << 14,
+    rows: int = 1 << 15,
     then: Callable[[pd.DataFrame, int], object] | None = None,
     tz: str = "UTC",
     year: int | None = None,
@@ -696,7 +694,6 @@ def read_task_batches(
 def _task_batch(job: tuple[TaskBatch | None, int, bool, Callable[[pd.DataFrame, int], object] | None]) -> tuple[object, tuple[int, int, int]]:
     """One batch of the task table (in a worker process, or here), and its status counts."""
     batch, i, with_wall, then = job
-    release_memory()  # a worker's heap still holds the parse's freed block arrays
     part = batch.table() if batch is not None else _concat([], TASK_COLUMNS)
     if with_wall and "launch_at" not in part.columns:  # another stream has wall clocks
         for c in ("launch_at", "release_at", "prefill_start_at", "first_token_at"):
@@ -714,24 +711,11 @@ def _read_all(
     assemblers = []
     jobs = kw.pop("jobs", None)
     with contextlib.nullcontext(pool) if pool is not None else Pool(jobs) as workers:  # type: ignore[arg-type]
-        # Before the workers fork; with workers, only they load the compiled scanner.
-        choose_for(_server_bytes(inputs), load=workers.jobs < 2)
         for files in inputs.server:
             asm, accounts = read_stream(files, inputs, pool=workers, spill_rows=spill_rows, **kw)  # type: ignore[arg-type]
             assemblers.append(asm)
             acc.files.extend(accounts)
     return assemblers, acc
-
-
-def _server_bytes(inputs: Inputs) -> int | None:
-    """How many bytes the server logs take on disk (None: unknown, e.g. stdin)."""
-    files = [lf for stream in inputs.server for lf in stream]
-    if any(lf.path == STDIN for lf in files):
-        return None
-    try:
-        return sum(os.path.getsize(lf.path) for lf in files)
-    except OSError:
-        return None
 
 
 def _status_counts(tasks: pd.DataFrame) -> tuple[int, int, int]:

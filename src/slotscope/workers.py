@@ -20,9 +20,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Callable, Iterable, Iterator, TypeVar
 
-from . import scanner
 from .errors import SlotscopeError
-from .tasks import release_memory
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -46,13 +44,9 @@ def default_jobs() -> int:
 
 
 def _worker_start() -> None:
-    """Load the line scanner the parent chose (:func:`slotscope.scanner.choose_for`).
-
-    Keep freed block-sized arrays in the worker's heap (glibc): each block allocates and
+    """Keep freed block-sized arrays in the worker's heap (glibc): each block allocates and
     frees the same ~100 MB of arrays, and handing them back to the kernel every time cost
     ~15% of the parse in page faults (sys time 0.15 -> 0.06 s per 100 MB). Elsewhere: nothing."""
-    if scanner.load_if_chosen():
-        release_memory()  # what numba's loading left freed in the heap
     try:
         import ctypes
 
