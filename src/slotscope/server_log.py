@@ -42,7 +42,8 @@ from .sources import (
 from .workers import Pool
 from .scanner import SRV_EVENT, Reading, Scan, scan
 from .tasks import (
-    GEN_COLUMNS, PREFILL_COLUMNS, TASK_COLUMNS, BlockTasks, TaskAssembler, TaskBatch, fold_block, shifted_sessions,
+    GEN_COLUMNS, PREFILL_COLUMNS, TASK_COLUMNS, BlockTasks, TaskAssembler, TaskBatch, fold_block, release_memory,
+    shifted_sessions,
 )
 
 _NUM = r"[-+]?(?:\d+(?:\.\d*)?|inf|nan)"
@@ -666,6 +667,7 @@ def read_task_batches(
         n_rows = sum(asm.n_open_or_done for asm in assemblers)
         spread = pool.jobs > 1 and n_rows > rows
         ends = [asm.finish_in_batches(rows, on_disk=spread) for asm in assemblers]
+        release_memory()  # the parse's freed blocks (and a .gz's inflate buffers), before the batches
     except BaseException:
         pool.close()
         raise
