@@ -275,3 +275,42 @@ def test_an_integer_beyond_any_float_is_named_not_raised(tmp_path: Path) -> None
     acc = log.accounting
     assert acc.rows_with_problems == 1 and acc.rows_dropped == 0
     assert [(p.line, "prompt_tokens" in p.reason) for p in acc.problems] == [(2, True)]
+
+
+def _reshaped(records: list[dict]) -> list[dict]:
+    """Real records, every other one written the way another client would: tokens under
+    ``usage``, purpose as ``kind``, user as ``session``, duration in seconds."""
+    out = []
+    for i, r in enumerate(records):
+        r = dict(r)
+        if i % 2:
+            r["usage"] = {"prompt_tokens": r.pop("prompt_tokens"), "completion_tokens": r.pop("completion_tokens")}
+            r["kind"] = r.pop("purpose")
+            r["session"] = r.pop("user")
+        if i % 3 == 1:
+            r["duration"] = r.pop("duration_ms") / 1000
+            r.pop("end")
+        out.append(r)
+    return out
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 2, 7, 10_000])
+def test_records_of_several_shapes_each_read_their_own_fields(tmp_path: Path, chunk_rows: int,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record's fields are read from its own keys, whatever shapes the records around it have:
+    once, a record in a chunk whose other records named a field differently lost that field
+    (NA, with no problem reported), so results also depended on where chunks fell."""
+    from slotscope import app_log
+
+    records = _jsonl(REAL / "before" / "logs" / "app.jsonl")
+    assert {"prompt_tokens", "purpose", "user", "duration_ms", "end"} <= set(records[0])
+    plain = read_app_logs([_write_jsonl(tmp_path / "plain.jsonl", records)]).calls.set_index("line")
+    monkeypatch.setattr(app_log, "CHUNK_ROWS", chunk_rows)
+    log = read_app_logs([_write_jsonl(tmp_path / "mixed.jsonl", _reshaped(records))])
+    mixed = log.calls.set_index("line")
+    assert log.accounting.rows_with_problems == 0 and len(mixed) == len(records)
+    for col in ("prompt_tokens", "completion_tokens", "purpose", "user", "call_id", "start_us", "lora"):
+        pd.testing.assert_series_equal(mixed[col], plain[col], check_names=False)
+    assert mixed["purpose"].notna().all() and mixed["prompt_tokens"].notna().all()
+    # duration from seconds where the end is missing: the same call length within rounding
+    assert (mixed["duration_ms"] - plain["duration_ms"]).abs().max() < 1.0

@@ -362,11 +362,16 @@ def _csv_rows(name: str, numbered: Iterable[tuple[int, str]], tally: _Tally) -> 
         yield start, rec
 
 
-def _path_index(records: Iterable[Mapping[str, Any]], override: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
-    """Lower-cased dotted path -> the path as written, for every key a field could name."""
+def _nested(override: Mapping[str, str]) -> set[str]:
+    """Lower-cased dotted paths of the objects a field could be inside."""
     names = [n.lower() for ns in CANDIDATES.values() for n in ns] + [n.lower() for n in override.values()]
     names += [f"{override.get('timings', 'timings').lower()}.{k}" for k in TIMINGS]
-    nested = {n.rsplit(".", i)[0] for n in names for i in range(1, n.count(".") + 1)}  # objects to look into
+    return {n.rsplit(".", i)[0] for n in names for i in range(1, n.count(".") + 1)}
+
+
+def _path_index(records: Iterable[Mapping[str, Any]], override: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
+    """Lower-cased dotted path -> the path as written, for every key a field could name."""
+    nested = _nested(override)
     index: dict[str, tuple[str, ...]] = {}
     seen: dict[tuple[tuple[str, ...], tuple[str, ...]], list[tuple[str, tuple[str, ...]]]] = {}
 
@@ -405,6 +410,56 @@ def _resolve(index: Mapping[str, tuple[str, ...]], override: Mapping[str, str]) 
         if hit is not None:
             fields[f"timings_{sub}"] = hit
     return fields
+
+
+def _shapes(records: Sequence[Mapping[str, Any]], override: Mapping[str, str]) -> tuple[np.ndarray, list[int]]:
+    """Each record's shape (its keys, and those of the objects a field could be inside) as a
+    number, and one record of each shape."""
+    nested = _nested(override)
+    deeper: dict[tuple[tuple[str, ...], tuple[str, ...]], list[str]] = {}  # per (prefix, keys): keys to look into
+
+    def signature(obj: Mapping[str, Any], prefix: tuple[str, ...]) -> Any:
+        keys = tuple(obj)
+        into = deeper.get((prefix, keys))
+        if into is None:
+            into = deeper[(prefix, keys)] = [k for k in keys if ".".join((*prefix, k)).lower() in nested]
+        if not into:
+            return keys
+        inner = tuple((k, signature(obj[k], (*prefix, k))) for k in into if isinstance(obj[k], dict))
+        return (keys, inner) if inner else keys
+
+    number: dict[Any, int] = {}
+    shape = np.empty(len(records), dtype=np.int64)
+    first: list[int] = []
+    for i, rec in enumerate(records):
+        sig = signature(rec, ())
+        k = number.get(sig)
+        if k is None:
+            k = number[sig] = len(first)
+            first.append(i)
+        shape[i] = k
+    return shape, first
+
+
+def _field_values(records: Sequence[Mapping[str, Any]], override: Mapping[str, str]) -> dict[str, list[Any]]:
+    """Each field's value in each record, read where that record has it: the first of the
+    field's names (:data:`CANDIDATES`) present in the record itself. Records of other shapes in
+    the same log (another name for a field, or a field nested differently) never hide it."""
+    shape, first = _shapes(records, override)
+    paths = [_resolve(_path_index([records[i]], override), override) for i in first]
+    values: dict[str, list[Any]] = {}
+    for key in dict.fromkeys(k for fields in paths for k in fields):
+        ways = {fields[key] for fields in paths if key in fields}
+        if len(ways) == 1:  # a record without the field has none of its names: read as None
+            values[key] = _pluck(records, next(iter(ways)))
+            continue
+        out: list[Any] = [None] * len(records)
+        for way in ways:
+            at = np.flatnonzero(np.isin(shape, [s for s, fields in enumerate(paths) if fields.get(key) == way]))
+            for i, v in zip(at.tolist(), _pluck([records[i] for i in at], way)):
+                out[i] = v
+        values[key] = out
+    return values
 
 
 def _pluck(records: Sequence[Mapping[str, Any]], path: tuple[str, ...]) -> list[Any]:
@@ -497,16 +552,15 @@ def _frame(
 ) -> pd.DataFrame:
     lines = np.fromiter((ln for ln, _ in chunk), dtype=np.int64, count=len(chunk))
     records = [rec for _, rec in chunk]
-    fields = _resolve(_path_index(records, override), override)
-    if "start" not in fields:
+    get = _field_values(records, override)
+    if "start" not in get:
         looked = override.get("start") or ", ".join(CANDIDATES["start"])
         found = ", ".join([k for k in records[0] if k != _EXTRA][:10])
         raise AppLogError(name, tally.header_line or int(lines[0]), f"no start-time column found (looked for "
                           f"{looked}; found {found}); pass --app-columns start=NAME")
     for key, col in override.items():
-        if key not in fields and key != "timings":
+        if key not in get and key != "timings":
             tally.notes[f"{name}: column {col!r} for {key} not found"] = None
-    get = {k: _pluck(records, p) for k, p in fields.items()}
     bad = np.zeros(len(chunk), dtype=bool)
 
     def check(key: str, mask: np.ndarray, reason: str) -> None:
