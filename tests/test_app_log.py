@@ -314,3 +314,69 @@ def test_records_of_several_shapes_each_read_their_own_fields(tmp_path: Path, ch
     assert mixed["purpose"].notna().all() and mixed["prompt_tokens"].notna().all()
     # duration from seconds where the end is missing: the same call length within rounding
     assert (mixed["duration_ms"] - plain["duration_ms"]).abs().max() < 1.0
+
+
+def _read_with_workers(path: Path, jobs: int, **kw: object) -> object:
+    from slotscope.app_log import read_app_log_stream
+    from slotscope.workers import Pool
+
+    with Pool(jobs) as pool, open(path, "rb") as f:
+        return read_app_log_stream(str(path), f, pool=pool, **kw)  # type: ignore[arg-type]
+
+
+def test_worker_processes_read_a_jsonl_file_in_parts_with_the_same_result(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parts of ~1 KB (a few records each) read by two workers: the same calls, lines, problems
+    and notes as one process reading it, including a leading byte-order mark (and misplaced
+    ones), blank lines, broken records and naive timestamps in every part."""
+    from slotscope import app_log
+
+    lines = [json.dumps(r) for r in _reshaped(_jsonl(REAL / "before" / "logs" / "app.jsonl"))]
+    empty = set(range(5, len(lines), 11))
+    cut = sorted(set(range(3, len(lines), 7)) - empty)
+    for i in cut:
+        lines[i] = lines[i][: len(lines[i]) // 2]  # cut: invalid JSON
+    for i in empty:
+        lines[i] = ""
+    boms = [i for i in range(1, len(lines), 3) if i not in empty and i not in cut]
+    for i in boms:
+        lines[i] = "\ufeff" + lines[i]  # only the file's first line may start with one: the rest are invalid
+    for i in range(2, len(lines), 9):
+        lines[i] = lines[i].replace("+00:00", "")  # no zone: read in --tz
+    path = tmp_path / "app.jsonl"
+    path.write_text("\ufeff" + "\n".join(lines) + "\n")
+    ref = read_app_logs([path], tz="Europe/Berlin")
+    monkeypatch.setattr(app_log, "SPAN_BYTES", 1000)
+    got = _read_with_workers(path, 2, tz="Europe/Berlin")
+    assert path.stat().st_size > 10 * 1000
+    pd.testing.assert_frame_equal(got.calls, ref.calls)  # type: ignore[attr-defined]
+    assert got.accounting == ref.accounting  # type: ignore[attr-defined]
+    assert ref.accounting.rows_dropped == len(cut) + len(boms) and ref.accounting.empty_lines == len(empty)
+    assert ref.accounting.notes  # the naive timestamps
+    assert [p.line for p in ref.accounting.problems] == sorted(i + 1 for i in cut + boms)[: len(ref.accounting.problems)]
+
+
+def test_a_file_without_start_times_is_an_error_with_workers_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from slotscope import app_log
+
+    records = [{k: v for k, v in r.items() if k != "start"} for r in _jsonl(REAL / "before" / "logs" / "app.jsonl")]
+    path = _write_jsonl(tmp_path / "app.jsonl", records)
+    monkeypatch.setattr(app_log, "SPAN_BYTES", 2000)
+    with pytest.raises(AppLogError, match="no start-time column") as serial:
+        read_app_logs([path])
+    with pytest.raises(AppLogError, match="no start-time column") as parallel:
+        _read_with_workers(path, 2)
+    assert (serial.value.line, str(serial.value)) == (parallel.value.line, str(parallel.value)) == (1, str(serial.value))
+
+
+def test_a_stretch_without_start_times_drops_its_rows_not_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Records without any start field in one chunk are dropped and counted; the rest load."""
+    from slotscope import app_log
+
+    records = _jsonl(REAL / "before" / "logs" / "app.jsonl")
+    for r in records[:10]:
+        del r["start"]
+    monkeypatch.setattr(app_log, "CHUNK_ROWS", 10)
+    log = read_app_logs([_write_jsonl(tmp_path / "app.jsonl", records)])
+    assert len(log.calls) == len(records) - 10
+    assert log.accounting.rows_dropped == 10 and log.accounting.problems[0].line == 1

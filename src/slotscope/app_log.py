@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import re
 import tomllib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -24,7 +25,8 @@ import numpy as np
 import pandas as pd
 
 from .errors import AppLogError
-from .sources import iter_chunks, open_binary
+from .sources import CHUNK_SIZE, Span, is_plain, iter_chunks, iter_spans, open_binary, read_span
+from .workers import Pool
 
 # Specific names before generic ones: a record with both `start` and `ts` usually means
 # `ts` is when the line was written, i.e. the end of the call.
@@ -70,6 +72,7 @@ _DTYPES: dict[str, str] = {
 }
 CHUNK_ROWS = 10_000  # records parsed at a time: their dicts are ~3 KB each, the peak of reading
 MAX_EXAMPLES = 5
+SPAN_BYTES = CHUNK_SIZE  # a plain JSONL file is read in parts of this size by worker processes
 # fields that, beside a start time, make a record a call rather than any timestamped line
 _STRONG = ("end", "duration_ms", "duration_s", "purpose", "lora", "prompt_tokens", "completion_tokens",
            "cached_tokens")
@@ -126,6 +129,9 @@ class _Tally:
     header_line: int | None = None
     files: dict[str, int] = field(default_factory=dict)  # file -> order read
     naive: dict[str, tuple[int, str]] = field(default_factory=dict)  # file -> (count, zone)
+    # file -> (line, message) of the first chunk without any start-time column: an error only if
+    # no row of the file has a start time (a file with no such column at all, or a wrong mapping)
+    no_start: dict[str, tuple[int, str]] = field(default_factory=dict)
 
     def flag(self, name: str, lines: np.ndarray, mask: np.ndarray, values: Sequence[Any], reason: str) -> None:
         for i in np.flatnonzero(mask)[:MAX_EXAMPLES]:
@@ -135,6 +141,25 @@ class _Tally:
         self.examples.append(Problem(name, line, reason))
         self.problem_rows += 1
         self.dropped += 1
+
+    def absorb(self, part: "_Tally", offset: int) -> None:
+        """Add what reading a later part of the same file found (its lines counted from 1)."""
+        self.lines_read += part.lines_read
+        self.empty_lines += part.empty_lines
+        self.problem_rows += part.problem_rows
+        self.dropped += part.dropped
+        self.examples += [Problem(p.file, p.line + offset, p.reason) for p in part.examples]
+        self.notes.update(part.notes)
+        for name, (n, zone) in part.naive.items():
+            self.naive[name] = (self.naive.get(name, (0, zone))[0] + n, zone)
+        for name, (line, message) in part.no_start.items():
+            self.no_start.setdefault(name, (line + offset, message))
+
+    def check_start_found(self, name: str, frames: Sequence[pd.DataFrame]) -> None:
+        """Raise the missing start column as an error if no row of file ``name`` has a start."""
+        if name in self.no_start and not any(len(f) for f in frames):
+            line, message = self.no_start[name]
+            raise AppLogError(name, line, message)
 
 
 def parse_column_spec(spec: str) -> dict[str, str]:
@@ -247,9 +272,17 @@ def read_app_logs(
 
 
 def read_app_log_stream(
-    name: str, stream: BinaryIO, *, columns: Mapping[str, str] | None = None, tz: str | None = None
+    name: str, stream: BinaryIO, *, columns: Mapping[str, str] | None = None, tz: str | None = None,
+    pool: Pool | None = None,
 ) -> AppLog:
-    """Read one already-opened (and decompressed) stream, e.g. stdin, named ``name`` in messages."""
+    """Read one already-opened (and decompressed) stream, e.g. stdin, named ``name`` in messages.
+
+    ``pool``: worker processes that read parts of a plain JSONL file at the same time (JSON
+    decoding is most of the time); the result is the same.
+    """
+    if pool is not None and pool.jobs > 1 and is_plain(stream) and _size(stream) > SPAN_BYTES and _starts_with_json(stream):
+        tally = _Tally()
+        return _finish(_parse_spans(name, stream, columns, tz, tally, pool), tally)
     return read_app_log_lines(name, _split_lines(stream, name), columns=columns, tz=tz)
 
 
@@ -263,25 +296,81 @@ def read_app_log_lines(
 
 def _split_lines(stream: BinaryIO, name: str) -> Iterator[bytes]:
     for block in iter_chunks(stream, name):
-        parts = block.split(b"\n")
-        yield from parts[:-1] if block.endswith(b"\n") else parts
+        yield from _block_lines(block)
 
 
-def _parse(
-    name: str, lines: Iterable[bytes], columns: Mapping[str, str] | None, tz: str | None, tally: _Tally
-) -> list[pd.DataFrame]:
+def _block_lines(block: bytes) -> list[bytes]:
+    parts = block.split(b"\n")
+    return parts[:-1] if block.endswith(b"\n") else parts
+
+
+def _zone(tz: str | None) -> str:
     zone = tz or "UTC"
     try:
         ZoneInfo(zone)
     except (ZoneInfoNotFoundError, ValueError):
         raise ValueError(f"unknown time zone {zone!r} (use an IANA name like Europe/Berlin)") from None
+    return zone
+
+
+def _parse(
+    name: str, lines: Iterable[bytes], columns: Mapping[str, str] | None, tz: str | None, tally: _Tally
+) -> list[pd.DataFrame]:
+    zone = _zone(tz)
     override = _checked(columns or {})
     tally.files.setdefault(name, len(tally.files))
     tally.header_line = None
-    rows, frames = _rows(name, lines, tally), []
+    frames = _frames(name, _rows(name, lines, tally), override, zone, tally)
+    tally.check_start_found(name, frames)
+    return frames
+
+
+def _frames(name: str, rows: _Rows, override: Mapping[str, str], zone: str, tally: _Tally) -> list[pd.DataFrame]:
+    frames = []
     while chunk := list(islice(rows, CHUNK_ROWS)):
         frames.append(_frame(name, chunk, override, zone, tally))
     return frames
+
+
+def _size(stream: BinaryIO) -> int:
+    return os.fstat(stream.fileno()).st_size
+
+
+def _starts_with_json(stream: BinaryIO) -> bool:
+    """Whether a plain file's first non-blank line starts a JSON object (read from its first
+    64 KiB; the stream is left at its start)."""
+    head = stream.read(1 << 16)
+    stream.seek(0)
+    text = head.decode("utf-8", "replace").lstrip("\ufeff").lstrip()
+    return text.startswith("{")
+
+
+def _parse_spans(
+    name: str, stream: BinaryIO, columns: Mapping[str, str] | None, tz: str | None, tally: _Tally, pool: Pool
+) -> list[pd.DataFrame]:
+    """A plain JSONL file read in byte spans by the pool's workers, joined in order."""
+    zone = _zone(tz)
+    override = _checked(columns or {})
+    tally.files.setdefault(name, len(tally.files))
+    tally.header_line = None
+    jobs = ((span, name, override, zone, i == 0) for i, span in enumerate(iter_spans(stream, name, SPAN_BYTES)))
+    frames: list[pd.DataFrame] = []
+    for part_frames, part in pool.map(_span_frames, jobs):
+        offset = tally.lines_read
+        for f in part_frames:
+            f["line"] += offset
+        frames += part_frames
+        tally.absorb(part, offset)
+    tally.check_start_found(name, frames)
+    return frames
+
+
+def _span_frames(job: tuple[Span, str, Mapping[str, str], str, bool]) -> tuple[list[pd.DataFrame], _Tally]:
+    """One span of a JSONL file (in a worker): its frames and tally, lines counted from 1."""
+    span, name, override, zone, first = job
+    tally = _Tally(files={name: 0})
+    numbered = enumerate(_decoded(_block_lines(read_span(span)), tally, bom=first), start=1)
+    return _frames(name, _json_rows(name, numbered, tally), override, zone, tally), tally
 
 
 def _rows(name: str, lines: Iterable[bytes], tally: _Tally) -> _Rows:
@@ -296,11 +385,12 @@ def _rows(name: str, lines: Iterable[bytes], tally: _Tally) -> _Rows:
     yield from (_json_rows if text.lstrip().startswith("{") else _csv_rows)(name, rest, tally)
 
 
-def _decoded(lines: Iterable[bytes], tally: _Tally) -> Iterator[str]:
+def _decoded(lines: Iterable[bytes], tally: _Tally, bom: bool = True) -> Iterator[str]:
+    """Lines as text (``bom``: these are a file's first lines, a byte-order mark may lead)."""
     for i, raw in enumerate(lines):
         tally.lines_read += 1
         text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
-        yield (text.lstrip("\ufeff") if i == 0 else text).rstrip("\r\n")
+        yield (text.lstrip("\ufeff") if i == 0 and bom else text).rstrip("\r\n")
 
 
 def _json_rows(name: str, numbered: Iterable[tuple[int, str]], tally: _Tally) -> _Rows:
@@ -553,11 +643,12 @@ def _frame(
     lines = np.fromiter((ln for ln, _ in chunk), dtype=np.int64, count=len(chunk))
     records = [rec for _, rec in chunk]
     get = _field_values(records, override)
-    if "start" not in get:
+    if "start" not in get:  # none of these rows has a start time; no row of the file: an error
         looked = override.get("start") or ", ".join(CANDIDATES["start"])
         found = ", ".join([k for k in records[0] if k != _EXTRA][:10])
-        raise AppLogError(name, tally.header_line or int(lines[0]), f"no start-time column found (looked for "
-                          f"{looked}; found {found}); pass --app-columns start=NAME")
+        tally.no_start.setdefault(name, (tally.header_line or int(lines[0]), f"no start-time column found (looked "
+                                         f"for {looked}; found {found}); pass --app-columns start=NAME"))
+        get["start"] = [None] * len(records)
     for key, col in override.items():
         if key not in get and key != "timings":
             tally.notes[f"{name}: column {col!r} for {key} not found"] = None

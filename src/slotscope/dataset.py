@@ -22,6 +22,7 @@ from .server_log import ServerLogs, read_server_logs
 from .tasks import release_memory  # noqa: F401 - used here and by the analyzers
 from .sources import STDIN, Inputs, collect, reopen
 from .timeline import key_codes
+from .workers import Pool
 
 
 @dataclass
@@ -80,21 +81,23 @@ def read_app(inputs: Inputs, *, columns: dict[str, str] | None = None, tz: str =
         return None, []
     logs = []
     accounts = []
-    for lf in inputs.app:
-        stream = reopen(lf, inputs)
-        try:
-            log = read_app_log_stream(lf.path if lf.path != STDIN else "<stdin>", stream, columns=columns, tz=tz)
-        finally:
-            if lf.path != STDIN:
-                stream.close()
-        a = log.accounting
-        # Rows loaded are used (a bad field becomes NA and is reported); dropped rows are the
-        # unrecognized ones; empty lines and a CSV header are known and ignored.
-        acc = FileAccount(path=lf.path, kind="app", lines=a.lines_read, used=a.rows_loaded,
-                          ignored=a.lines_read - a.rows_loaded - a.rows_dropped, unrecognized=a.rows_dropped)
-        acc.examples = [(p.line, p.reason) for p in a.problems][:5]
-        accounts.append(acc)
-        logs.append(log)
+    with Pool() as pool:  # plain JSONL files are read in parts by worker processes
+        for lf in inputs.app:
+            stream = reopen(lf, inputs)
+            try:
+                log = read_app_log_stream(lf.path if lf.path != STDIN else "<stdin>", stream, columns=columns, tz=tz,
+                                          pool=pool)
+            finally:
+                if lf.path != STDIN:
+                    stream.close()
+            logs.append(log)
+            a = log.accounting
+            # Rows loaded are used (a bad field becomes NA and is reported); dropped rows are the
+            # unrecognized ones; empty lines and a CSV header are known and ignored.
+            acc = FileAccount(path=lf.path, kind="app", lines=a.lines_read, used=a.rows_loaded,
+                              ignored=a.lines_read - a.rows_loaded - a.rows_dropped, unrecognized=a.rows_dropped)
+            acc.examples = [(p.line, p.reason) for p in a.problems][:5]
+            accounts.append(acc)
     if len(logs) == 1:
         return logs[0], accounts
     calls = pd.concat([lg.calls for lg in logs], ignore_index=True).sort_values("start_us", kind="stable")
