@@ -241,3 +241,24 @@ def test_stall_threshold_matches_what_is_drawn_red() -> None:
     d = _data("after")
     assert len(d.stalls) and (d.stalls["v"] < pic.STALL_FRAC * d.speed_top).all()
     assert np.isfinite(d.speed_top) and d.speed_top > 10
+
+
+def test_two_servers_with_the_same_task_ids_keep_their_own_stalls_and_waits(tmp_path: Path) -> None:
+    """Two servers whose sessions and task ids coincide (here: one log under two names): each
+    marked stall and wait is its own server's, with the one server's tokens and seconds. Once,
+    stalls were joined to the tasks in view by session and task id only, and each took the
+    other server's pieces too (twice the tokens and seconds)."""
+    log = (REAL / "before" / "logs" / "llama-server.log").read_bytes()
+    for name in ("a-server.log", "b-server.log"):
+        (tmp_path / name).write_bytes(log)
+    one = pic.timeline_data(load([REAL / "before" / "logs" / "llama-server.log"]))
+    two = pic.timeline_data(load([tmp_path]))
+    for kind in ("stalls", "waits"):
+        single, double = getattr(one, kind), getattr(two, kind)
+        assert len(single) and len(double) >= len(single)
+        cols = ["task", "tokens", "sec"] if kind == "stalls" else ["task"]
+        for src in ("a-server.log", "b-server.log"):
+            mine = double[double["where"].str.startswith(src)]
+            got = mine[cols].reset_index(drop=True)
+            want = single[cols].head(len(mine)).reset_index(drop=True)
+            pd.testing.assert_frame_equal(got, want, check_dtype=False)

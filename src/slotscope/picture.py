@@ -322,7 +322,7 @@ def _stall_table(ds: Dataset, tv: pd.DataFrame, keep: pd.DataFrame, lanes: pd.Da
     from .analyze.stalls import worst_stalls
 
     w = worst_stalls(ds, dataclasses.replace(opts, worst=10**9))
-    w = w[w["cause_task_id"].notna()].merge(keep, on=["session", "task_id"], how="inner")
+    w = w[w["cause_task_id"].notna()].merge(keep, on=KEYS, how="inner")
     by = tl.GROUP + ["task_id", "cause_task_id"]
     g = w.groupby(by, sort=False, dropna=False)
     first = g.first().reset_index()
@@ -366,7 +366,7 @@ def _wait_table(ds: Dataset, tv: pd.DataFrame, keep: pd.DataFrame, lanes: pd.Dat
 
     # worst_waits pairs each listed wait with its session's tasks: ask for a bounded number.
     w = worst_waits(ds, dataclasses.replace(opts, worst=marked * (20 if windowed else 1)))
-    w = w.merge(keep, on=["session", "task_id"], how="inner").head(marked).reset_index(drop=True)
+    w = w.merge(keep, on=KEYS, how="inner").head(marked).reset_index(drop=True)
     start = _f(w["launch_s"])
     end = start + _f(w["wait_s"])
     held = w[tl.GROUP].assign(task_id=w["holder_task_id"]).merge(

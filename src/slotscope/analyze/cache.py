@@ -29,6 +29,8 @@ COLUMNS = ["user", "consecutive_turns", "misses", "miss_share", "misses_on_other
 MISS_COLUMNS = [
     "user", "call_id", "start_at", "purpose", "slot", "task_id", "prev_call_id", "prev_slot", "gap_s",
     "prev_left_tokens", "cached_tokens", "prompt_tokens", "new_tokens", "note",
+    # where to find each turn: its app-log line, the previous turn's, and its task's server-log line
+    "call_file", "call_line", "prev_call_file", "prev_call_line", "source", "port", "task_file", "task_line",
 ]
 
 
@@ -36,6 +38,7 @@ MISS_COLUMNS = [
 PAIR_COLUMNS = [
     "call_id", "start_at", "end_at", "purpose", "user", "slot", "task_id", "ok", "prompt_tokens", "completion_tokens",
     "cached_tokens", "prompt_tokens_cached", "prompt_tokens_new", "app_session", "call_file", "call_line",
+    "source", "port", "task_file", "task_line",
 ]
 
 
@@ -52,6 +55,8 @@ def turn_pairs(calls: pd.DataFrame, opts: Options) -> pd.DataFrame:
     chat["prev_start_at"] = g["start_at"].shift(1)
     chat["prev_end_at"] = end.groupby(chat["user"], sort=False).shift(1)
     chat["prev_slot"] = g["slot"].shift(1)
+    chat["prev_call_file"] = g["call_file"].shift(1)
+    chat["prev_call_line"] = g["call_line"].shift(1)
     chat["prev_left_tokens"] = left.groupby(chat["user"], sort=False).shift(1)
     chat["session"] = chat["app_session"].astype("string") if "app_session" in chat else pd.Series(pd.NA, index=chat.index, dtype="string")
     chat["prev_session"] = g["session"].shift(1)
@@ -122,5 +127,7 @@ def cache_misses(ds: Dataset, opts: Options) -> pd.DataFrame:
     m["prev_left_tokens"] = m["prev_left_tokens"].astype("Int64")
     m["new_tokens"] = m["prompt_tokens_new"].astype("Int64")
     m["prev_slot"] = m["prev_slot"].astype("Int64")
+    for c in ("prev_call_line", "task_line", "port"):
+        m[c] = m[c].astype("Int64")
     m["note"] = (m["slot"] != m["prev_slot"]).fillna(False).map({True: "other slot than the previous turn", False: ""})
     return m[MISS_COLUMNS].reset_index(drop=True)

@@ -436,9 +436,9 @@ def worst_stalls(ds: Dataset, opts: Options) -> pd.DataFrame:
     cand = np.flatnonzero(pc.seconds >= WORST_MIN_S)
     cand = cand[np.lexsort((-pc.seconds[cand], pc.tok_per_s[cand]))][: opts.worst]
     p = _pieces_frame(ds, tv, pc, cand)
-    who = ["slot", "purpose", "user", "lora", "line"]
+    who = ["slot", "purpose", "user", "lora", "line", "file"]
     stalled = p[_TASK_KEYS].merge(tv[_TASK_KEYS + who], on=_TASK_KEYS, how="left").drop(columns="slot")
-    cause_cols = ["slot", "purpose", "user", "lora", "prompt_tokens_new", "line"]
+    cause_cols = ["slot", "purpose", "user", "lora", "prompt_tokens_new", "line", "file"]
     ckeys = p[tl.GROUP + ["cause_task_id"]].rename(columns={"cause_task_id": "task_id"})
     cinfo = tv[_TASK_KEYS + cause_cols].astype({"task_id": "Int64"})
     cause = ckeys.merge(cinfo, on=_TASK_KEYS, how="left")
@@ -464,4 +464,9 @@ def worst_stalls(ds: Dataset, opts: Options) -> pd.DataFrame:
         out["cause_" + c] = cause[c].to_numpy()
     for c in ("cause_task_id", "cause_slot", "cause_prompt_tokens_new", "cause_line"):
         out[c] = pd.array(pd.to_numeric(out[c], errors="coerce"), dtype="Int64")
+    # where to find the lines: the server log (source, port) and the files of line and cause_line
+    out["source"] = p["source"].to_numpy()
+    out["port"] = p["port"].to_numpy()
+    out["file"] = stalled["file"].to_numpy()
+    out["cause_file"] = out.pop("cause_file")
     return out.reset_index(drop=True)

@@ -37,7 +37,7 @@ def _running(tv: pd.DataFrame, sessions: pd.DataFrame | None) -> pd.DataFrame:
     ps = _f(tv["prefill_start_s"])
     start = np.where(np.isnan(ps), _f(tv["launch_s"]), ps)
     lora = tv["lora"].astype("object") if "lora" in tv.columns else pd.Series(pd.NA, index=tv.index, dtype="object")
-    r = tv[_KEYS + ["slot", "purpose", "user", "prompt_tokens_new", "line", "first_token_s"]].assign(start_s=start, end_s=end, lora=lora.to_numpy())
+    r = tv[_KEYS + ["slot", "purpose", "user", "prompt_tokens_new", "line", "file", "first_token_s"]].assign(start_s=start, end_s=end, lora=lora.to_numpy())
     return r[r["end_s"] > r["start_s"]].reset_index(drop=True)
 
 
@@ -195,5 +195,7 @@ def worst_waits(ds: Dataset, opts: Options) -> pd.DataFrame:
         "holder_prompt_tokens_new": pd.array(pd.to_numeric(h["h_prompt_tokens_new"], errors="coerce"), dtype="Int64"),
         "holder_line": pd.array(pd.to_numeric(h["h_line"], errors="coerce"), dtype="Int64"),
         "holder_overlap_s": h["overlap_s"].round(3),
+        # where to find the lines: the server log (source, port) and the files of line and holder_line
+        "source": w["source"], "port": w["port"], "file": w["file"], "holder_file": h["h_file"],
     })
     return out
