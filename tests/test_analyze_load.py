@@ -52,3 +52,23 @@ def test_works_without_app_log_and_without_wall_clock() -> None:
     df = load_table(load([REAL / "before" / "logs" / "llama-server.log"]), Options())
     _check(df, 4)
     assert set(df["scope"]) == {"overall"}
+
+
+def test_days_are_calendar_days_of_the_given_zone() -> None:
+    """The run placed (with --server-start) across midnight in Berlin on the night the clocks
+    go back: two Berlin days, cut at Berlin's midnight, summing to the whole; in UTC the same
+    run falls on one day (Berlin's midnight is 23:00 UTC)."""
+    base = load([REAL / "before" / "logs"])
+    mid_s = (base.tasks["launch_s"].min() + base.tasks["release_s"].max()) / 2
+    midnight = pd.Timestamp("2026-10-26 00:00", tz="Europe/Berlin")
+    ds = load([REAL / "before" / "logs"], server_start=(midnight - pd.Timedelta(seconds=mid_s)).tz_convert("UTC"))
+    utc = load_table(ds, Options())
+    berlin = load_table(ds, Options(tz="Europe/Berlin"))
+    _check(berlin, 4)
+    assert set(utc["scope"]) == {"overall", "2026-10-25"}
+    assert set(berlin["scope"]) == {"overall", "2026-10-25", "2026-10-26"}
+    secs = berlin.groupby("scope")["seconds"].sum()
+    assert secs["2026-10-25"] + secs["2026-10-26"] == pytest.approx(secs["overall"], abs=1e-3)
+    # the cut is Berlin's midnight: the first day holds the run's first half
+    first = ds.tasks["launch_s"].min()
+    assert secs["2026-10-25"] == pytest.approx(mid_s - first, abs=1e-3)

@@ -37,7 +37,7 @@ OutOpt = Annotated[Optional[str], typer.Option("--output", "-o", help="Write to 
 SinceOpt = Annotated[Optional[str], typer.Option("--since", help="Keep tasks launched at or after this: server-clock seconds (e.g. 120) or an ISO time (needs a wall clock).")]
 UntilOpt = Annotated[Optional[str], typer.Option("--until", help="Keep tasks launched before this (same forms as --since).")]
 StrictOpt = Annotated[bool, typer.Option("--strict", help="Exit 1 when any input line is unrecognized.")]
-TzOpt = Annotated[str, typer.Option("--tz", help="Time zone for stamps without one (journald short, naive ISO).")]
+TzOpt = Annotated[str, typer.Option("--tz", help="Time zone for stamps without one (journald short, naive ISO), and of the calendar days of per-day tables.")]
 LongPrefillOpt = Annotated[int, typer.Option("--long-prefill", help="New tokens that make a prefill 'long' (stalls, indicators).")]
 BigPrefillOpt = Annotated[int, typer.Option("--big-prefill", help="New tokens that make a prefill 'big' (prefills, same-conditions, prefill speed).")]
 WaitThresholdOpt = Annotated[float, typer.Option("--wait-threshold", help="Seconds of wait before prefill worth counting.")]
@@ -299,7 +299,7 @@ def analyze(
         raise output.UsageError(None, None, f"unknown table {table!r}; tables: {', '.join(names)}")
     opts = analysis.Options(long_prefill_tokens=long_prefill, big_prefill_tokens=big_prefill,
                             wait_threshold_s=wait_threshold, solo_gen_tps=solo_gen_tps, solo_prefill_tps=solo_prefill_tps,
-                            cache_rate=cache_rate, uncached_tokens=uncached_tokens, cache_window_s=cache_window)
+                            cache_rate=cache_rate, uncached_tokens=uncached_tokens, cache_window_s=cache_window, tz=tz)
     ds = _load(paths, tz, app_columns, server_start)
     if not len(ds.server.accounting.files) or not any(f.kind == "server" for f in ds.accounting.files):
         _no_input(ds.accounting.unusable, "no llama-server log among the inputs")
@@ -362,7 +362,7 @@ def compare_cmd(
     exporting = table is not None or fmt in ("csv", "json", "parquet") or bool(out and not out.endswith(".txt"))
     if exporting and table is None:
         raise output.UsageError(None, None, f"exporting needs one table: --table NAME ({', '.join(cmp.TABLE_NAMES)})")
-    opts = Options(long_prefill_tokens=long_prefill, big_prefill_tokens=big_prefill, wait_threshold_s=wait_threshold)
+    opts = Options(long_prefill_tokens=long_prefill, big_prefill_tokens=big_prefill, wait_threshold_s=wait_threshold, tz=tz)
     if sides.windows:
         ds = _load(_paths(paths), tz, app_columns, server_start)
         b_ds, a_ds = cmp.split(ds, sides.before_window, sides.after_window)  # type: ignore[arg-type]

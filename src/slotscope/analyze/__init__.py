@@ -29,6 +29,7 @@ class Options:
     cache_window_s: float = 300.0  # cache: consecutive turns of one user within this
     min_samples: int = 10  # below this a class is marked, never stated as a finding
     worst: int = 10  # rows in "worst" listings
+    tz: str = "UTC"  # load: the zone whose calendar days are the per-day scopes
 
 
 Analyzer = Callable[[Dataset, Options], pd.DataFrame]

@@ -2,7 +2,8 @@
 
 The observed span of a session is its first launch to its last release (idle time included);
 a task runs from its launch to its release (:func:`slotscope.timeline.concurrency`). Rows are
-``overall`` and, where wall times exist, one scope per UTC day.
+``overall`` and, where wall times exist, one scope per calendar day in ``opts.tz`` (``--tz``;
+UTC by default; a day with a daylight-saving change is 23 or 25 hours long).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from ..dataset import Dataset, task_view
 from . import Options, register
 
 LOAD_COLUMNS = ["scope", "running", "seconds", "share", "scope_seconds", "max_running", "n_slots"]
-_DAY_US = 86_400 * 1_000_000
 
 
 def _wall_offsets(tv: pd.DataFrame) -> pd.DataFrame:
@@ -41,10 +41,23 @@ def _share_rows(steps: pd.DataFrame, scope: pd.Series | str) -> pd.DataFrame:
     return g
 
 
+def _midnights(first_us: float, last_us: float, tz: str) -> tuple[np.ndarray, np.ndarray]:
+    """Epoch µs of each midnight in ``tz`` from the day of ``first_us`` to the one after the day
+    of ``last_us`` (a midnight a clock change skips: the first instant after it; one it repeats:
+    the first), and each day's date as text (one fewer)."""
+    def local_date(us: float) -> pd.Timestamp:
+        return pd.Timestamp(int(us), unit="us", tz="UTC").tz_convert(tz).tz_localize(None).normalize()
+
+    dates = pd.date_range(local_date(first_us), local_date(np.nextafter(last_us, -np.inf)) + pd.Timedelta(days=1), freq="D")
+    at = dates.tz_localize(tz, ambiguous=True, nonexistent="shift_forward").tz_convert("UTC")
+    starts = at.as_unit("us").asi8.astype(np.int64)
+    return starts, np.asarray(dates[:-1].strftime("%Y-%m-%d"), dtype=object)
+
+
 @register("load")
 def load_table(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Seconds and share of the observed span with each number of tasks running, overall and
-    per UTC day; ``max_running`` is the scope's highest concurrency, ``n_slots`` the most slots
+    per calendar day (in ``opts.tz``); ``max_running`` is the scope's highest concurrency, ``n_slots`` the most slots
     any session had."""
     tv = task_view(ds)
     steps = tl.concurrency(tv, ds.server.sessions)
@@ -56,18 +69,17 @@ def load_table(ds: Dataset, opts: Options) -> pd.DataFrame:
         w = steps[tl.GROUP + ["start_s", "end_s", "running"]].merge(off, on=tl.GROUP, how="inner")
         a = w["offset_us"].to_numpy() + w["start_s"].to_numpy() * 1e6
         z = w["offset_us"].to_numpy() + w["end_s"].to_numpy() * 1e6
-        # Cut steps at UTC midnights: one piece per day each step touches.
-        d0 = np.floor(a / _DAY_US).astype(np.int64)
-        d1 = np.floor(np.nextafter(z, -np.inf) / _DAY_US).astype(np.int64)
+        # Cut steps at midnights: one piece per day each step touches.
+        starts, names = _midnights(a.min(), z.max(), opts.tz)
+        d0 = np.searchsorted(starts, a, side="right") - 1
+        d1 = np.searchsorted(starts, np.nextafter(z, -np.inf), side="right") - 1
         n = np.maximum(d1 - d0 + 1, 1)
         rep = np.repeat(np.arange(len(w)), n)
         day = d0[rep] + (np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n))
-        pa = np.maximum(a[rep], day * _DAY_US)
-        pz = np.minimum(z[rep], (day + 1) * _DAY_US)
+        pa = np.maximum(a[rep], starts[day])
+        pz = np.minimum(z[rep], starts[day + 1])
         pieces = pd.DataFrame({"running": w["running"].to_numpy()[rep], "start_s": pa / 1e6, "end_s": pz / 1e6})
-        days, which = np.unique(day, return_inverse=True)  # a date formatted once per day, not per piece
-        names = np.asarray(pd.to_datetime(days * _DAY_US, unit="us", utc=True).strftime("%Y-%m-%d"), dtype=object)
-        label = pd.Series(names[which])
+        label = pd.Series(names[day])
         rows.append(_share_rows(pieces, label))
     out = pd.concat(rows, ignore_index=True)
     n_slots = pd.to_numeric(ds.server.sessions["n_slots"], errors="coerce").max() if len(ds.server.sessions) else np.nan
