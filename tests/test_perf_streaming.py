@@ -222,3 +222,35 @@ def test_a_full_temporary_directory_is_a_message_not_a_traceback(big_log: Path, 
     monkeypatch.setattr(tasks_mod.np, "save", full)
     with pytest.raises(SlotscopeError, match="No space left on device.*TMPDIR"):
         read_task_batches([big_log], rows=500, jobs=1)
+
+
+@pytest.mark.parametrize("kind", ["gen", "prefill"])
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_sample_batches_join_to_the_samples_table(big_log: Path, monkeypatch: pytest.MonkeyPatch, kind: str,
+                                                  jobs: int) -> None:
+    """Samples spill to disk in chunks as the log is read and come back sorted, batch by batch
+    (each with the sample before it, for the first window and step): joined, the batches are
+    the samples table, with the same line and task counts; the chunks are removed after."""
+    import os
+
+    from slotscope.server_log import read_sample_batches
+
+    whole = read_server_logs([big_log])
+    want = whole.gen_samples if kind == "gen" else whole.prefill_samples
+    monkeypatch.setattr(tasks_mod, "SAMPLE_SPILL_ROWS", 2000)
+    dirs: set[str] = set()
+    real_append = tasks_mod.FinishedRows.append
+
+    def append(self: tasks_mod.FinishedRows, rows: dict) -> None:
+        real_append(self, rows)
+        dirs.update(c for c in self._chunks if isinstance(c, str))
+
+    monkeypatch.setattr(tasks_mod.FinishedRows, "append", append)
+    batches, acc = read_sample_batches([big_log], kind=kind, rows=777, chunk_size=256 << 10, jobs=jobs)
+    parts = list(batches)
+    assert len(parts) == -(-len(want) // 777) and len(dirs) >= len(want) // 4000  # spilled as it went
+    pd.testing.assert_frame_equal(pd.concat(parts, ignore_index=True), want, check_exact=True)
+    assert (acc.lines, acc.tasks_complete, acc.tasks_cancelled, acc.tasks_incomplete, acc.sessions) == (
+        whole.accounting.lines, whole.accounting.tasks_complete, whole.accounting.tasks_cancelled,
+        whole.accounting.tasks_incomplete, whole.accounting.sessions)
+    assert not any(os.path.exists(d) for d in dirs)

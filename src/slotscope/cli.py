@@ -19,7 +19,7 @@ from .errors import InputError, SlotscopeError
 from .filters import parse_when, where as where_rows, window
 from .app_log import load_column_file, parse_column_spec
 from .dataset import Dataset, load, read_app
-from .server_log import read_server_logs, read_task_batches
+from .server_log import read_sample_batches, read_task_batches
 from .sources import collect, file_size
 
 app = typer.Typer(
@@ -151,7 +151,7 @@ def tasks(
     text = chosen in ("csv", "json")
     # In batches: the table of a log of any size is never held whole. CSV/JSON text is made
     # by the worker processes too, each batch where it is built.
-    then = functools.partial(_task_rows, since=lo, until=hi, where=where, fmt=chosen if text else None)
+    then = functools.partial(_rows_in, since=lo, until=hi, where=where, fmt=chosen if text else None, time_col="launch_s")
     with _progress(ps) as progress:
         batches, acc = read_task_batches(ps, tz=tz, progress=progress, then=then)  # type: ignore[arg-type]
     if not any(f.kind == "server" for f in acc.files):
@@ -163,10 +163,11 @@ def tasks(
     _finish(acc, strict, quiet)
 
 
-def _task_rows(batch: pd.DataFrame, i: int, *, since: object, until: object, where: str | None,
-               fmt: output.Format | None) -> object:
-    """One batch of ``tasks``: filtered, and as text for CSV/JSON (runs in a worker process)."""
-    rows = where_rows(window(batch, since, until, time_col="launch_s"), where)  # type: ignore[arg-type]
+def _rows_in(batch: pd.DataFrame, i: int, *, since: object, until: object, where: str | None,
+             fmt: output.Format | None, time_col: str) -> object:
+    """One batch of ``tasks`` or ``samples``: filtered, and as text for CSV/JSON (runs in a
+    worker process)."""
+    rows = where_rows(window(batch, since, until, time_col=time_col), where)  # type: ignore[arg-type]
     return output.text_piece(rows, i, fmt) if fmt is not None else rows
 
 
@@ -181,14 +182,21 @@ def samples(
     if kind not in ("gen", "prefill"):
         raise output.UsageError(None, None, f"--kind must be gen or prefill, not {kind!r}")
     ps = _paths(paths)
+    lo, hi = parse_when(since), parse_when(until)
+    chosen = output.choose_format(fmt, out, (out is None or out == "-") and output.is_terminal(sys.stdout))
+    text = chosen in ("csv", "json")
+    # In batches, as tasks: the samples of a log of any size are never held whole.
+    then = functools.partial(_rows_in, since=lo, until=hi, where=where, fmt=chosen if text else None, time_col="t_s")
     with _progress(ps) as progress:
-        logs = read_server_logs(ps, keep_samples=True, tz=tz, progress=progress)  # type: ignore[arg-type]
-    if not any(f.kind == "server" for f in logs.accounting.files):
-        _no_input(logs.accounting.unusable, "no llama-server log among the inputs")
-    df = logs.gen_samples if kind == "gen" else logs.prefill_samples
-    df = where_rows(window(df, parse_when(since), parse_when(until), time_col="t_s"), where)
-    output.write(df, fmt, out, title=f"samples ({kind})", table_columns=GEN_TABLE if kind == "gen" else PREFILL_TABLE)
-    _finish(logs.accounting, strict, quiet)
+        batches, acc = read_sample_batches(ps, kind=kind, tz=tz, progress=progress, then=then)  # type: ignore[arg-type]
+    if not any(f.kind == "server" for f in acc.files):
+        _no_input(acc.unusable, "no llama-server log among the inputs")
+    if text:
+        output.write_pieces(batches, chosen, out)  # type: ignore[arg-type]
+    else:
+        output.write_batches(batches, chosen, out, title=f"samples ({kind})",  # type: ignore[arg-type]
+                             table_columns=GEN_TABLE if kind == "gen" else PREFILL_TABLE)
+    _finish(acc, strict, quiet)
 
 
 AppColumnsOpt = Annotated[Optional[str], typer.Option("--app-columns", help="Map app-log fields explicitly: start=ts,purpose=kind,... or a TOML file with a [columns] table.")]

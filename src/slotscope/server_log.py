@@ -42,8 +42,8 @@ from .sources import (
 from .workers import Pool
 from .scanner import SRV_EVENT, Reading, Scan, scan
 from .tasks import (
-    GEN_COLUMNS, PREFILL_COLUMNS, TASK_COLUMNS, BlockTasks, TaskAssembler, TaskBatch, fold_block, release_memory,
-    shifted_sessions,
+    GEN_COLUMNS, PREFILL_COLUMNS, TASK_COLUMNS, BlockTasks, SampleBatch, TaskAssembler, TaskBatch,
+    FirstTokens, fold_block, release_memory, shifted_sessions,
 )
 
 _NUM = r"[-+]?(?:\d+(?:\.\d*)?|inf|nan)"
@@ -519,7 +519,7 @@ def read_stream(
     files: list[LogFile],
     inputs: Inputs,
     *,
-    keep_samples: bool = True,
+    keep_samples: bool | int = True,
     tz: str = "UTC",
     year: int | None = None,
     progress: Callable[[int], None] | None = None,
@@ -601,7 +601,7 @@ def _add(asm: TaskAssembler, state: StreamState, account: FileAccount, ev: pd.Da
 def read_server_logs(
     paths: Sequence[str | os.PathLike[str]],
     *,
-    keep_samples: bool = True,
+    keep_samples: bool | int = True,
     tz: str = "UTC",
     year: int | None = None,
     progress: Callable[[int], None] | None = None,
@@ -691,6 +691,81 @@ def read_task_batches(
                 asm.discard()
 
     return batches(), acc
+
+
+def read_sample_batches(
+    paths: Sequence[str | os.PathLike[str]],
+    *,
+    kind: str = "gen",
+    rows: int = 1 << 16,
+    then: Callable[[pd.DataFrame, int], object] | None = None,
+    tz: str = "UTC",
+    year: int | None = None,
+    progress: Callable[[int], None] | None = None,
+    inputs: Inputs | None = None,
+    chunk_size: int | None = None,
+    jobs: int | None = None,
+) -> tuple[Iterator[object], Accounting]:
+    """:func:`read_server_logs`' ``gen_samples`` (``kind`` "gen") or ``prefill_samples``
+    ("prefill") as batches of ``rows`` rows, for logs of any size, like :func:`read_task_batches`.
+
+    Sample rows beyond a chunk wait in a temporary directory; memory holds their sort keys
+    (~40 bytes a row while sorting, ~16 after) and each task's first-token time. The
+    accounting (lines and tasks) is final on return. ``then(batch, i)``: as in
+    :func:`read_task_batches`.
+    """
+    code = {"gen": HEARTBEAT, "prefill": PROGRESS}[kind]
+    pool = Pool(jobs)
+    assemblers: list[TaskAssembler] = []
+    try:
+        task_rows = 1 << 15
+        assemblers, acc = _read_all(paths, inputs, keep_samples=code, tz=tz, year=year, progress=progress,
+                                    chunk_size=chunk_size, pool=pool, spill_rows=task_rows)
+        spread = pool.jobs > 1
+        todo = []
+        for asm in assemblers:
+            tasks, _ = asm.finish_in_batches(task_rows, on_disk=spread and asm.n_open_or_done > task_rows)
+            work = [(b, i, False, _first_tokens) for i, b in enumerate(tasks if asm.n_finished else [])]
+            found = list(pool.map(_task_batch, work) if spread and len(work) > 1 else map(_task_batch, work))
+            for _, counts in found:
+                acc.tasks_complete += counts[0]
+                acc.tasks_cancelled += counts[1]
+                acc.tasks_incomplete += counts[2]
+            asm.discard()
+            firsts = FirstTokens.of(pd.concat([f for f, _ in found])) if found else None
+            todo += asm.finish_samples_in_batches(code, rows, firsts, on_disk=spread)
+            acc.sessions += len(asm.sessions)
+        release_memory()  # the parse's freed blocks, before the batches
+    except BaseException:
+        pool.close()
+        for asm in assemblers:
+            asm.discard_samples()
+        raise
+    work_s = [(b, i, then, kind) for i, b in enumerate(todo or [None])]
+
+    def batches() -> Iterator[object]:
+        try:
+            yield from (pool.map(_sample_batch, work_s) if spread and len(work_s) > 1 else map(_sample_batch, work_s))
+        finally:
+            pool.close()
+            for asm in assemblers:
+                asm.discard_samples()
+
+    return batches(), acc
+
+
+def _first_tokens(tasks: pd.DataFrame, i: int) -> pd.DataFrame:
+    """What the gen samples need of a batch of tasks (in a worker process)."""
+    return tasks[["port", "session", "task_id", "first_token_s"]] if len(tasks) else \
+        pd.DataFrame({c: pd.Series(dtype="float64") for c in ("port", "session", "task_id", "first_token_s")})
+
+
+def _sample_batch(job: tuple[SampleBatch | None, int, Callable[[pd.DataFrame, int], object] | None, str]) -> object:
+    """One batch of a samples table (in a worker process, or here); None: the empty table."""
+    batch, i, then, kind = job
+    release_memory()  # a worker's heap still holds the parse's freed block arrays
+    part = batch.table() if batch is not None else _concat([], GEN_COLUMNS if kind == "gen" else PREFILL_COLUMNS)
+    return then(part, i) if then is not None else part
 
 
 def _task_batch(job: tuple[TaskBatch | None, int, bool, Callable[[pd.DataFrame, int], object] | None]) -> tuple[object, tuple[int, int, int]]:

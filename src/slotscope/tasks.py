@@ -55,6 +55,7 @@ for _c, _kind, _src in _FIRST_OF_KIND:
     _BY_KIND.setdefault(_kind, []).append((_c, _src))
 _SAMPLE = KEY + ["slot", "ts_us", "v1", "v2", "v3", "v4", "line"]
 _SAMPLE_GEN = [c for c in _SAMPLE if c != "v4"]  # heartbeats have three values
+SAMPLE_SPILL_ROWS = 1 << 18  # sample rows per chunk on disk, when finished rows spill
 
 
 _CORE = KEY + ["slot_any"] + list(_MAX) + list(_SUM) + ["first_line"]  # what every event row has
@@ -271,7 +272,13 @@ _SESSION_INFO = ["port", "session", "first_line", "first_us", "last_us", "now_us
                  "n_slots", "n_ctx_slot"]
 
 
-def fold_block(ev: pd.DataFrame | dict[str, np.ndarray], keep_samples: bool = True) -> BlockTasks:
+def keeps(keep_samples: bool | int, code: int) -> bool:
+    """Whether samples of kind ``code`` are kept: ``keep_samples`` True (all kinds), False
+    (none), or the one kind kept (HEARTBEAT or PROGRESS)."""
+    return keep_samples is True or (keep_samples is not False and keep_samples == code)
+
+
+def fold_block(ev: pd.DataFrame | dict[str, np.ndarray], keep_samples: bool | int = True) -> BlockTasks:
     """Fold one block of events (``session`` assigned, or numbered within the block).
 
     Pure: it needs nothing from earlier blocks, so worker processes can run it.
@@ -280,11 +287,10 @@ def fold_block(ev: pd.DataFrame | dict[str, np.ndarray], keep_samples: bool = Tr
                                            "v3", "v4", "session")}
     kind = cols["kind"]
     samples = {}
-    if keep_samples:
-        for code, names in ((HEARTBEAT, _SAMPLE_GEN), (PROGRESS, _SAMPLE)):
-            sel = np.flatnonzero(kind == code)
-            if len(sel):
-                samples[code] = {c: cols[c][sel] for c in names}
+    for code, names in ((HEARTBEAT, _SAMPLE_GEN), (PROGRESS, _SAMPLE)):
+        sel = np.flatnonzero(kind == code) if keeps(keep_samples, code) else ()
+        if len(sel):
+            samples[code] = {c: cols[c][sel] for c in names}
     task = cols["task"].astype(np.float64)
     sel = np.flatnonzero(task >= 0)  # NaN compares False
     k = kind[sel]
@@ -352,17 +358,20 @@ class TaskAssembler:
     """
 
     source: str
-    keep_samples: bool = True
+    keep_samples: bool | int = True  # True, False, or the one kind kept (HEARTBEAT or PROGRESS)
     _open: dict[str, np.ndarray] | None = None
     spill_rows: int | None = None  # hold at most this many finished rows in memory (None: all)
     _done: FinishedRows = field(init=False)
-    _gen: list[dict[str, np.ndarray]] = field(default_factory=list)
-    _prefill: list[dict[str, np.ndarray]] = field(default_factory=list)
+    _gen: FinishedRows = field(init=False)  # heartbeat rows, in the order their blocks came
+    _prefill: FinishedRows = field(init=False)  # progress rows
     _files: dict[str, int] = field(default_factory=dict)  # file name -> index (the ``file`` column)
     sessions: dict[tuple[int, int], dict] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._done = FinishedRows(self.spill_rows)
+        # Samples are ~5x as many as tasks: with spilling on, they go to disk in larger chunks.
+        samples_spill = None if self.spill_rows is None else SAMPLE_SPILL_ROWS
+        self._gen, self._prefill = FinishedRows(samples_spill), FinishedRows(samples_spill)
         self.n_finished = 0  # set when the input ends
         self.has_wall_rows = False
 
@@ -443,11 +452,36 @@ class TaskAssembler:
         tasks = _derive(raw, self.source, sessions)
         del raw
         gen = _gen_samples(self._gen, self.source, tasks)
-        self._gen = []
         prefill = _prefill_samples(self._prefill, self.source)
-        self._prefill = []
         release_memory()
         return tasks, gen, prefill, sessions
+
+    def finish_samples_in_batches(self, kind: int, rows: int, first_tokens: "FirstTokens | None",
+                                  on_disk: bool = False) -> list["SampleBatch"]:
+        """The gen (``kind`` HEARTBEAT) or prefill samples table as batches of ``rows`` rows in
+        output order (together: :meth:`finish`'s table). ``first_tokens``: each task's
+        ``first_token_s``, for the gen windows. Only the sort keys
+        are held meanwhile; ``on_disk``: every chunk goes to disk (batches pickle small)."""
+        store = self._gen if kind == HEARTBEAT else self._prefill
+        store.close(on_disk)
+        if not len(store):
+            return []
+        port, session, task = (store.column(c).astype(np.int64) for c in ("port", "session", "task"))
+        order = _sample_order(store, port, session, task)
+        batches = []
+        for a in range(0, len(order), rows):
+            lo = max(a - 1, 0)  # one row of context: the previous sample of the same task
+            idx = order[lo : a + rows]
+            ft = None
+            if kind == HEARTBEAT:
+                p, s, t = port[idx], session[idx], task[idx]
+                ft = _first_token_per_row(first_tokens, p, s, t, _same_task_as_previous(p, s, t))
+            batches.append(SampleBatch(kind, store, idx, a - lo, ft, self.source))
+        return batches
+
+    def discard_samples(self) -> None:
+        self._gen.discard()
+        self._prefill.discard()
 
     def finish_in_batches(self, rows: int = 1 << 15, on_disk: bool = False) -> tuple[list["TaskBatch"], pd.DataFrame]:
         """Close every task still open; return the task table as batches of ``rows`` rows in
@@ -659,31 +693,78 @@ def _source_column(source: str, n: int) -> pd.Categorical:
 
 
 @dataclass
-class _Samples:
-    """Sample rows of one kind joined and ordered by task, then time, with their key columns."""
+class SampleBatch:
+    """Some sample rows, by position in output order (the first ``skip`` only as context: the
+    sample before the batch), and each row's task's first-token time (gen samples).
 
-    cols: dict[str, np.ndarray]
-    port: np.ndarray
-    session: np.ndarray
-    task: np.ndarray
-    same: np.ndarray  # row belongs to the same task as the row before
-    t_s: np.ndarray
+    Picklable (a worker process can build the batch) when the rows are on disk.
+    """
 
-    def key_columns(self, source: str) -> dict[str, object]:
-        return {"source": _source_column(source, len(self.t_s)), "session": self.session,
-                "slot": pd.array(self.cols["slot"], dtype="Int64"), "task_id": self.task, "t_s": self.t_s}
+    kind: int
+    rows: FinishedRows
+    idx: np.ndarray
+    skip: int
+    first_token: np.ndarray | None
+    source: str
+
+    def table(self) -> pd.DataFrame:
+        return _sample_table(self.kind, self.rows.gather(self.idx), self.source, self.first_token, self.skip)
 
 
-def _sorted_samples(parts: list[dict[str, np.ndarray]], columns: list[str]) -> _Samples:
-    """Sample rows joined and ordered by task, then time, a column at a time (parts freed as
-    they are joined, each column's unordered copy as soon as it is ordered)."""
-    cols = {c: np.concatenate([p.pop(c) for p in parts]) for c in columns}
-    order = np.lexsort((cols["ts_us"], cols["task"], cols["session"], cols["port"]))
-    for c in columns:
-        cols[c] = cols[c][order]
-    del order
-    port, session, task = (cols[c].astype(np.int64) for c in ("port", "session", "task"))
-    return _Samples(cols, port, session, task, _same_task_as_previous(port, session, task), _seconds(cols["ts_us"]))
+def _sample_order(store: FinishedRows, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
+    """Output order of sample rows: by task, then time (ties: as read)."""
+    return np.lexsort((store.column("ts_us"), task, session, port))
+
+
+def _sorted_samples(store: FinishedRows) -> dict[str, np.ndarray]:
+    """Every sample row in output order, a column at a time (each column's chunks freed as it
+    is ordered)."""
+    store.close()
+    port, session, task = (store.column(c).astype(np.int64) for c in ("port", "session", "task"))
+    order = _sample_order(store, port, session, task)
+    del port, session, task
+    return store.take_all(order)
+
+
+@dataclass
+class FirstTokens:
+    """Each task's ``first_token_s`` by (port, session, task_id), looked up with one sorted
+    int64 key per task (~16 bytes a task; a pandas MultiIndex took ~100)."""
+
+    sessions: dict[tuple[int, int], int]  # (port, session) -> its number in the keys
+    keys: np.ndarray  # sorted: session number * 2**33 + task id + 1
+    values: np.ndarray
+
+    @classmethod
+    def of(cls, tasks: pd.DataFrame) -> "FirstTokens":
+        port, session = tasks["port"].to_numpy(dtype=np.int64), tasks["session"].to_numpy(dtype=np.int64)
+        pairs = sorted(set(zip(port.tolist(), session.tolist())))
+        sessions = {pair: k for k, pair in enumerate(pairs)}
+        keys = cls._keys(sessions, port, session, tasks["task_id"].to_numpy(dtype=np.int64))
+        order = np.argsort(keys, kind="stable")
+        keys, first = np.unique(keys[order], return_index=True)  # a task twice: its first row
+        return cls(sessions, keys, tasks["first_token_s"].to_numpy(dtype=np.float64, na_value=np.nan)[order][first])
+
+    @staticmethod
+    def _keys(sessions: dict[tuple[int, int], int], port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
+        code = np.array([sessions.get(pair, -1) for pair in zip(port.tolist(), session.tolist())], dtype=np.int64)
+        return np.where(code >= 0, code * (1 << 33) + task + 1, -1)
+
+    def at(self, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
+        """The first-token time of each (port, session, task) (NaN: no such task)."""
+        keys = self._keys(self.sessions, port, session, task)
+        at = np.minimum(np.searchsorted(self.keys, keys), max(len(self.keys) - 1, 0))
+        hit = (keys >= 0) & (self.keys[at] == keys) if len(self.keys) else np.zeros(len(keys), bool)
+        return np.where(hit, self.values[at] if len(self.keys) else np.nan, np.nan)
+
+
+def _first_token_per_row(first_tokens: FirstTokens | None, port: np.ndarray, session: np.ndarray, task: np.ndarray,
+                         same: np.ndarray) -> np.ndarray:
+    """Each sample row's task's first-token time (rows grouped by task: looked up once per task)."""
+    if first_tokens is None or not len(port):
+        return np.full(len(port), np.nan)
+    starts = np.flatnonzero(~same)
+    return first_tokens.at(port[starts], session[starts], task[starts])[np.cumsum(~same) - 1]
 
 
 def _same_task_as_previous(port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
@@ -704,44 +785,59 @@ def _seconds(us: np.ndarray) -> np.ndarray:
     return np.where(v >= 0, v, np.nan) / 1e6
 
 
-def _gen_samples(parts: list[dict[str, np.ndarray]], source: str, tasks: pd.DataFrame) -> pd.DataFrame:
-    if not parts:
-        return pd.DataFrame({c: pd.Series(dtype="float64") for c in GEN_COLUMNS + ["tokens", "line", "port"]})
-    sp = _sorted_samples(parts, _SAMPLE_GEN)
-    hb, port, session, task, same, t_s = sp.cols, sp.port, sp.session, sp.task, sp.same, sp.t_s
-    n_gen = hb["v1"].astype(np.float64)
-    # The first heartbeat's window starts at the task's first token (t_print_last is reset there).
-    # Looked up once per task (rows are grouped by task), not once per heartbeat.
-    first_token = np.full(len(t_s), np.nan)
-    if len(tasks):
-        ft = tasks.set_index(["port", "session", "task_id"])["first_token_s"]
-        ft = ft[~ft.index.duplicated()]
-        starts = np.flatnonzero(~same)
-        at = ft.index.get_indexer(pd.MultiIndex.from_arrays([port[starts], session[starts], task[starts]]))
-        per_task = np.where(at >= 0, ft.to_numpy(dtype=np.float64)[at], np.nan)
-        first_token = per_task[np.cumsum(~same) - 1]
-    step = t_s - _previous(t_s, same)
-    window = np.round(np.where(np.isnan(step), t_s - first_token, step), 6)
-    tokens = n_gen - _previous(n_gen, same)
-    tokens = np.where(np.isnan(tokens), n_gen, tokens)
-    return pd.DataFrame({
-        **sp.key_columns(source),
-        "n_gen": pd.array(n_gen, dtype="Int64"), "tg_tps": hb["v2"].astype(np.float64),
-        "tg_3s_tps": hb["v3"].astype(np.float64), "window_s": window, "tokens": pd.array(tokens, dtype="Int64"),
-        "window_start_s": np.round(t_s - window, 6), "line": hb["line"].astype(np.int64), "port": port,
-    }, copy=False)
+def _gen_samples(store: FinishedRows, source: str, tasks: pd.DataFrame) -> pd.DataFrame:
+    if not len(store):
+        return _empty_samples(HEARTBEAT)
+    cols = _sorted_samples(store)
+    port, session, task = (cols[c].astype(np.int64) for c in ("port", "session", "task"))
+    same = _same_task_as_previous(port, session, task)
+    first_token = _first_token_per_row(FirstTokens.of(tasks) if len(tasks) else None, port, session, task, same)
+    del port, session, task, same
+    return _sample_table(HEARTBEAT, cols, source, first_token)
 
 
-def _prefill_samples(parts: list[dict[str, np.ndarray]], source: str) -> pd.DataFrame:
-    if not parts:
-        return pd.DataFrame({c: pd.Series(dtype="float64") for c in PREFILL_COLUMNS + ["step_s", "line", "port"]})
-    sp = _sorted_samples(parts, _SAMPLE)
-    pp, same, t_s = sp.cols, sp.same, sp.t_s
-    n = pp["v1"].astype(np.float64)
-    return pd.DataFrame({
-        **sp.key_columns(source),
-        "n_tokens": pd.array(n, dtype="Int64"), "progress": pp["v2"].astype(np.float64),
-        "elapsed_s": pp["v3"].astype(np.float64), "tps": pp["v4"].astype(np.float64),
-        "step_tokens": pd.array(n - _previous(n, same), dtype="Int64"),
-        "step_s": np.round(t_s - _previous(t_s, same), 6), "line": pp["line"].astype(np.int64), "port": sp.port,
-    }, copy=False)
+def _prefill_samples(store: FinishedRows, source: str) -> pd.DataFrame:
+    if not len(store):
+        return _empty_samples(PROGRESS)
+    return _sample_table(PROGRESS, _sorted_samples(store), source, None)
+
+
+def _empty_samples(kind: int) -> pd.DataFrame:
+    extra = ["tokens", "line", "port"] if kind == HEARTBEAT else ["step_s", "line", "port"]
+    return pd.DataFrame({c: pd.Series(dtype="float64") for c in (GEN_COLUMNS if kind == HEARTBEAT else PREFILL_COLUMNS) + extra})
+
+
+def _sample_table(kind: int, cols: dict[str, np.ndarray], source: str, first_token: np.ndarray | None,
+                  skip: int = 0) -> pd.DataFrame:
+    """Sample rows of one kind (``cols``, in output order) as the gen (``first_token``: each
+    row's task's first-token time) or prefill samples table, without its first ``skip`` rows
+    (context: the sample before a batch)."""
+    port, session, task = (cols[c].astype(np.int64) for c in ("port", "session", "task"))
+    same = _same_task_as_previous(port, session, task)
+    t_s = _seconds(cols["ts_us"])
+    n = cols["v1"].astype(np.float64)
+    out: dict[str, object] = {"source": None, "session": session, "slot": pd.array(cols["slot"], dtype="Int64"),
+                              "task_id": task, "t_s": t_s}
+    if kind == HEARTBEAT:
+        assert first_token is not None
+        # The first heartbeat's window starts at the task's first token (t_print_last is reset there).
+        step = t_s - _previous(t_s, same)
+        window = np.round(np.where(np.isnan(step), t_s - first_token, step), 6)
+        tokens = n - _previous(n, same)
+        out.update({
+            "n_gen": pd.array(n, dtype="Int64"), "tg_tps": cols["v2"].astype(np.float64),
+            "tg_3s_tps": cols["v3"].astype(np.float64), "window_s": window,
+            "tokens": pd.array(np.where(np.isnan(tokens), n, tokens), dtype="Int64"),
+            "window_start_s": np.round(t_s - window, 6)})
+    else:
+        out.update({
+            "n_tokens": pd.array(n, dtype="Int64"), "progress": cols["v2"].astype(np.float64),
+            "elapsed_s": cols["v3"].astype(np.float64), "tps": cols["v4"].astype(np.float64),
+            "step_tokens": pd.array(n - _previous(n, same), dtype="Int64"),
+            "step_s": np.round(t_s - _previous(t_s, same), 6)})
+    out["line"] = cols["line"].astype(np.int64)
+    out["port"] = port
+    if skip:
+        out = {c: (v[skip:] if v is not None else None) for c, v in out.items()}  # type: ignore[index]
+    out["source"] = _source_column(source, len(t_s) - skip)
+    return pd.DataFrame(out, copy=False)
