@@ -33,6 +33,12 @@ class Accounting:
     tasks_cancelled: int = 0
     sessions: int = 0
 
+    def count_tasks(self, counts: tuple[int, int, int]) -> None:
+        """Add (complete, cancelled, incomplete) task counts, e.g. of one batch of tasks."""
+        self.tasks_complete += counts[0]
+        self.tasks_cancelled += counts[1]
+        self.tasks_incomplete += counts[2]
+
     def _sum(self, attr: str, kind: str | None = None) -> int:
         return sum(getattr(f, attr) for f in self.files if kind is None or f.kind == kind)
 

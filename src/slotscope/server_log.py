@@ -681,9 +681,7 @@ def read_task_batches(
     def batches() -> Iterator[object]:
         try:
             for out, counts in (pool.map(_task_batch, work) if spread else map(_task_batch, work)):
-                acc.tasks_complete += counts[0]
-                acc.tasks_cancelled += counts[1]
-                acc.tasks_incomplete += counts[2]
+                acc.count_tasks(counts)
                 yield out
         finally:
             pool.close()
@@ -728,9 +726,7 @@ def read_sample_batches(
             work = [(b, i, False, _first_tokens) for i, b in enumerate(tasks if asm.n_finished else [])]
             found = list(pool.map(_task_batch, work) if spread and len(work) > 1 else map(_task_batch, work))
             for _, counts in found:
-                acc.tasks_complete += counts[0]
-                acc.tasks_cancelled += counts[1]
-                acc.tasks_incomplete += counts[2]
+                acc.count_tasks(counts)
             asm.discard()
             firsts = FirstTokens.of(pd.concat([f for f, _ in found])) if found else None
             todo += asm.finish_samples_in_batches(code, rows, firsts, on_disk=spread)
