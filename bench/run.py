@@ -300,7 +300,7 @@ def main(argv=None) -> int:
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     info = machine()
     exe = find_slotscope()
-    missing = {sub: probe(exe, sub) for sub in ("tasks", "analyze")}
+    missing = {sub: probe(exe, sub) for sub in ("tasks", "samples", "analyze")}
     print(f"slotscope: {exe or 'NOT FOUND'}; " + "; ".join(
         f"{k}: {'ok' if v is None else 'not available (' + v + ')'}" for k, v in missing.items()),
         file=sys.stderr)
@@ -325,6 +325,9 @@ def main(argv=None) -> int:
              missing["tasks"], None),
             (key, "tasks .gz", [exe, "tasks", gz, "--format", "csv"] if exe else None,
              missing["tasks"], None),
+            # no target of its own: shows that the heartbeat table streams too (memory)
+            (key, "samples", [exe, "samples", log, "--kind", "gen", "--format", "csv"] if exe else None,
+             missing["samples"], None),
             (key, "analyze", [exe, "analyze", adir] if exe else None, missing["analyze"], None),
         ]
     for key in ("big", "small"):
