@@ -101,3 +101,20 @@ def test_library_run_by_name_in_a_fresh_process() -> None:
             "t = a.run(ds, names=['stalls', 'waits']); print(sorted(t), list(t['stalls'].columns[:2]))") % str(REAL / "before" / "logs")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "['stalls', 'waits'] ['class', 'samples']" in out
+
+
+def test_long_runs_can_say_what_runs_next() -> None:
+    """The hooks behind the status line on long runs: each stage of loading, then each table
+    in report order with its place among them, findings last."""
+    from slotscope.dataset import load
+
+    stages: list[str] = []
+    ds = load([REAL / "before" / "logs"], stage=stages.append)
+    assert stages == ["reading server logs", "reading app logs", "aligning clocks and matching calls to tasks"]
+    said: list[tuple[str, int, int]] = []
+    tables = analysis.run(ds, on_table=lambda name, i, n: said.append((name, i, n)))
+    assert [name for name, _, _ in said] == list(tables) == analysis.table_names()
+    assert [i for _, i, _ in said] == list(range(1, len(tables) + 1)) and {n for _, _, n in said} == {len(tables)}
+    said.clear()
+    analysis.run(ds, names=["stalls", "load"], on_table=lambda name, i, n: said.append((name, i, n)))
+    assert said == [("stalls", 1, 2), ("load", 2, 2)]

@@ -97,19 +97,54 @@ def example_dir() -> str:
     return str(resources.files("slotscope") / "examples" / "before")
 
 
+def _long_run(paths: list[str]) -> int | None:
+    """The server logs' size if the run is long enough for progress on stderr (a terminal:
+    64 MiB of logs or more), else None."""
+    if not err.is_terminal or "-" in paths:  # stdin: its size is unknown, and it is read once
+        return None
+    try:
+        inputs = collect(paths)
+    except SlotscopeError:
+        return None  # the command itself will say what is wrong
+    server = sum(file_size(lf.path) or 0 for files in inputs.server for lf in files)
+    app = sum(file_size(lf.path) or 0 for lf in inputs.app)
+    return server if server + app >= 64 * 2**20 else None
+
+
+class _Bar:
+    """A byte progress bar: called with the bytes just read; ``stage(text)`` names what runs next."""
+
+    def __init__(self, bar: object, task: object) -> None:
+        self._bar, self._task = bar, task
+
+    def __call__(self, n: int) -> None:
+        self._bar.advance(self._task, n)  # type: ignore[attr-defined]
+
+    def stage(self, text: str) -> None:
+        self._bar.update(self._task, description=text)  # type: ignore[attr-defined]
+
+
 @contextmanager
-def _progress(paths: list[str]) -> Iterator[object]:
+def _progress(paths: list[str]) -> Iterator[_Bar | None]:
     """A byte progress bar on stderr for large inputs, only when stderr is a terminal."""
-    sizes = [file_size(p) for p in paths if os.path.isfile(p)]
-    total = sum(s or 0 for s in sizes)
-    if not err.is_terminal or total < 64 * 2**20:
+    total = _long_run(paths)
+    if total is None:
         yield None
         return
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(), console=err, transient=True) as bar:
-        task = bar.add_task("reading", total=total)
-        yield lambda n: bar.advance(task, n)
+        yield _Bar(bar, bar.add_task("reading", total=total))
+
+
+@contextmanager
+def _status(paths: list[str]) -> Iterator[Callable[[str], None]]:
+    """A status line on stderr saying what a long run computes (a terminal only; else silent)."""
+    if _long_run(paths) is None:
+        yield lambda text: None
+        return
+    with err.status("") as status:
+        yield lambda text: status.update(text)
 
 
 def _finish(acc: Accounting, strict: bool, quiet: bool) -> None:
@@ -217,7 +252,7 @@ def _load(paths: list[str], tz: str, app_columns: Optional[str], server_start: O
         raise output.UsageError(None, None, "--server-start needs a wall time (ISO-8601)")
     with _progress(paths) as progress:
         return load(paths, app_columns=_app_columns(app_columns), tz=tz, server_start=start,
-                    keep_samples=keep_samples, progress=progress)  # type: ignore[arg-type]
+                    keep_samples=keep_samples, progress=progress, stage=progress.stage if progress else None)
 
 
 def _print_alignment(ds: Dataset, quiet: bool) -> None:
@@ -317,7 +352,8 @@ def analyze(
         tables = analysis.run(ds, opts, [table], strict=debug)
         output.write(tables[table], fmt, out, title=table)
     else:
-        tables = analysis.run(ds, opts, strict=debug)
+        with _status(paths) as say:
+            tables = analysis.run(ds, opts, strict=debug, on_table=lambda name, i, n: say(f"computing {name} ({i}/{n})"))
         if html_out:
             from .picture import report_html
 

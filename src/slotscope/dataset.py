@@ -114,16 +114,26 @@ def load(
     server_start: pd.Timestamp | None = None,
     keep_samples: bool = True,
     progress: Callable[[int], None] | None = None,
+    stage: Callable[[str], None] | None = None,
 ) -> Dataset:
-    """Read every log under ``paths``, align each server session's clock and join calls to tasks."""
+    """Read every log under ``paths``, align each server session's clock and join calls to tasks.
+
+    ``progress(n)``: n more server-log bytes read; ``stage(text)``: what runs next (for a
+    status line on long runs).
+    """
+    say = stage or (lambda text: None)
     inputs = collect(paths)
+    say("reading server logs")
     server = read_server_logs(paths, keep_samples=keep_samples, tz=tz, progress=progress, inputs=inputs)
+    if inputs.app:
+        say("reading app logs")
     app, app_accounts = read_app(inputs, columns=app_columns, tz=tz)
     release_memory()  # the records parsed from JSON
     acc = server.accounting
     acc.files.extend(app_accounts)
     matches = None
     if app is not None:
+        say("aligning clocks and matching calls to tasks")
         aligned = align(server.tasks, server.sessions, app.calls, server_start=server_start)
         matches = match(app.calls, server.tasks, aligned, server.sessions)
         release_memory()  # the candidate pairs

@@ -73,12 +73,14 @@ def _shared_with(module: str) -> Callable[[object], bool]:
     return lambda key: key == TASK_VIEW or (isinstance(key, tuple) and key[:1] == (module,))
 
 
-def run(ds: Dataset, opts: Options | None = None, names: list[str] | None = None, *, strict: bool = False) -> dict[str, pd.DataFrame]:
+def run(ds: Dataset, opts: Options | None = None, names: list[str] | None = None, *, strict: bool = False,
+        on_table: Callable[[str, int, int], None] | None = None) -> dict[str, pd.DataFrame]:
     """Compute the report's tables (all, or ``names``) in report order.
 
     ``findings`` is computed from the other tables, so asking for it computes them too. A table
     that fails on unusual input becomes a one-row note instead of ending the report, unless
-    ``strict`` (tests and ``--debug``) asks for the error.
+    ``strict`` (tests and ``--debug``) asks for the error. ``on_table(name, i, n)``: the i-th
+    of n tables is computed next (for a status line on long runs).
     """
     opts = opts or Options()
     _import_all()
@@ -91,10 +93,13 @@ def run(ds: Dataset, opts: Options | None = None, names: list[str] | None = None
     # Tables share intermediates through ``ds.memo``: the task view serves every table, the rest
     # are keyed ``(module, ...)`` by the module that defines them (stalls' pieces, waits'
     # classes) and dropped, to free their memory, once the tables of another module run.
+    todo = [n for n in needed if n != "findings"] + (["findings"] if "findings" in wanted else [])
+    step = on_table or (lambda name, i, n: None)
     with ds.shared():
         for name in needed:
             if name == "findings":
                 continue
+            step(name, todo.index(name) + 1, len(todo))
             ds.forget(keep=_shared_with(TABLES[name].__module__))
             release_memory()  # what the previous table dropped: its peak is not the next one's base
             try:
@@ -106,5 +111,6 @@ def run(ds: Dataset, opts: Options | None = None, names: list[str] | None = None
     if "findings" in wanted:
         from .findings import findings
 
+        step("findings", len(todo), len(todo))
         out["findings"] = findings(ds, opts, out)
     return {n: out[n] for n in wanted if n in out}
