@@ -220,8 +220,13 @@ def test_a_full_temporary_directory_is_a_message_not_a_traceback(big_log: Path, 
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(tasks_mod.np, "save", full)
-    with pytest.raises(SlotscopeError, match="No space left on device.*TMPDIR"):
+    with pytest.raises(SlotscopeError, match="finished tasks .*No space left on device.*TMPDIR"):
         read_task_batches([big_log], rows=500, jobs=1)
+    from slotscope.server_log import read_sample_batches
+
+    monkeypatch.setattr(tasks_mod, "SAMPLE_SPILL_ROWS", 500)
+    with pytest.raises(SlotscopeError, match="heartbeat samples .*No space left on device.*TMPDIR"):
+        read_sample_batches([big_log], kind="gen", jobs=1)
 
 
 @pytest.mark.parametrize("kind", ["gen", "prefill"])

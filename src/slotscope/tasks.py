@@ -151,8 +151,9 @@ class FinishedRows:
     are read back a few chunks at a time, in output order (:meth:`gather`).
     """
 
-    def __init__(self, spill_rows: int | None = None) -> None:
+    def __init__(self, spill_rows: int | None = None, what: str = "finished tasks", row_bytes: int = 300) -> None:
         self.spill_rows = spill_rows
+        self.what, self.row_bytes = what, row_bytes  # for the message when the disk is full
         self._pending: list[dict[str, np.ndarray]] = []
         self._n_pending = 0
         self._chunks: list[str | dict[str, np.ndarray]] = []  # spilled directory, or rows in memory
@@ -189,8 +190,8 @@ class FinishedRows:
                 np.save(os.path.join(path, c + ".npy"), v, allow_pickle=False)
         except OSError as e:  # a full or read-only temporary directory
             raise SlotscopeError(getattr(e, "filename", None) or tempfile.gettempdir(), None,
-                                 f"cannot write finished tasks to the temporary directory ({e.strerror or e}); "
-                                 "set TMPDIR to a directory with room (~300 bytes per task)") from None
+                                 f"cannot write {self.what} to the temporary directory ({e.strerror or e}); "
+                                 f"set TMPDIR to a directory with room (~{self.row_bytes} bytes per row)") from None
         self._chunks.append(path)
 
     def close(self, on_disk: bool = False) -> None:
@@ -371,7 +372,8 @@ class TaskAssembler:
         self._done = FinishedRows(self.spill_rows)
         # Samples are ~5x as many as tasks: with spilling on, they go to disk in larger chunks.
         samples_spill = None if self.spill_rows is None else SAMPLE_SPILL_ROWS
-        self._gen, self._prefill = FinishedRows(samples_spill), FinishedRows(samples_spill)
+        self._gen = FinishedRows(samples_spill, "heartbeat samples", 80)
+        self._prefill = FinishedRows(samples_spill, "prefill samples", 80)
         self.n_finished = 0  # set when the input ends
         self.has_wall_rows = False
 
