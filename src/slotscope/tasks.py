@@ -175,7 +175,8 @@ class FinishedRows:
     def _seal(self, spill: bool) -> None:
         if not self._pending:
             return
-        rows = {c: np.concatenate([p[c] for p in self._pending]) for c in self._pending[0]}
+        # A column at a time, each part's column dropped once joined: never all rows twice.
+        rows = {c: np.concatenate([p.pop(c) for p in self._pending]) for c in list(self._pending[0])}
         self._pending, self._n_pending = [], 0
         self._sizes.append(len(rows["task"]))
         if not spill:
@@ -462,8 +463,8 @@ class TaskAssembler:
                                   on_disk: bool = False) -> list["SampleBatch"]:
         """The gen (``kind`` HEARTBEAT) or prefill samples table as batches of ``rows`` rows in
         output order (together: :meth:`finish`'s table). ``first_tokens``: each task's
-        ``first_token_s``, for the gen windows. Only the sort keys
-        are held meanwhile; ``on_disk``: every chunk goes to disk (batches pickle small)."""
+        ``first_token_s``, for the gen windows. Only the sort keys are held meanwhile;
+        ``on_disk``: every chunk goes to disk (batches pickle small)."""
         store = self._gen if kind == HEARTBEAT else self._prefill
         store.close(on_disk)
         if not len(store):
