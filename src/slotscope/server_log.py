@@ -22,7 +22,7 @@ import datetime as _dt
 import os
 import re
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable, Iterator, Sequence
+from typing import BinaryIO, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 import pandas as pd
@@ -45,6 +45,9 @@ from .tasks import (
     GEN_COLUMNS, PREFILL_COLUMNS, TASK_COLUMNS, BlockTasks, SampleBatch, TaskAssembler, TaskBatch,
     FirstTokens, fold_block, release_memory, shifted_sessions,
 )
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 _NUM = r"[-+]?(?:\d+(?:\.\d*)?|inf|nan)"
 _HEAD = (
@@ -679,16 +682,22 @@ def read_task_batches(
     work = [(b, i, with_wall, then) for i, b in enumerate(todo)]
 
     def batches() -> Iterator[object]:
-        try:
-            for out, counts in (pool.map(_task_batch, work) if spread else map(_task_batch, work)):
-                acc.count_tasks(counts)
-                yield out
-        finally:
-            pool.close()
-            for asm in assemblers:
-                asm.discard()
+        for out, counts in _in_order(pool, _task_batch, work, spread, [asm.discard for asm in assemblers]):
+            acc.count_tasks(counts)
+            yield out
 
     return batches(), acc
+
+
+def _in_order(pool: Pool, fn: Callable[[T], R], work: list[T], spread: bool, then: list[Callable[[], None]]) -> Iterator[R]:
+    """``fn`` of each item in order (by the pool's workers if ``spread``); when done, or given
+    up, the pool is closed and each of ``then`` runs (removing the spilled rows)."""
+    try:
+        yield from (pool.map(fn, work) if spread else map(fn, work))
+    finally:
+        pool.close()
+        for cleanup in then:
+            cleanup()
 
 
 def read_sample_batches(
@@ -738,16 +747,7 @@ def read_sample_batches(
             asm.discard_samples()
         raise
     work_s = [(b, i, then, kind) for i, b in enumerate(todo or [None])]
-
-    def batches() -> Iterator[object]:
-        try:
-            yield from (pool.map(_sample_batch, work_s) if spread and len(work_s) > 1 else map(_sample_batch, work_s))
-        finally:
-            pool.close()
-            for asm in assemblers:
-                asm.discard_samples()
-
-    return batches(), acc
+    return _in_order(pool, _sample_batch, work_s, spread and len(work_s) > 1, [a.discard_samples for a in assemblers]), acc
 
 
 def _first_tokens(tasks: pd.DataFrame, i: int) -> pd.DataFrame:
