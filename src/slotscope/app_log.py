@@ -313,13 +313,18 @@ def _zone(tz: str | None) -> str:
     return zone
 
 
+def _start_file(name: str, columns: Mapping[str, str] | None, tz: str | None, tally: _Tally) -> tuple[str, dict[str, str]]:
+    """Begin reading file ``name``: its zone and column mapping, checked."""
+    zone, override = _zone(tz), _checked(columns or {})
+    tally.files.setdefault(name, len(tally.files))
+    tally.header_line = None
+    return zone, override
+
+
 def _parse(
     name: str, lines: Iterable[bytes], columns: Mapping[str, str] | None, tz: str | None, tally: _Tally
 ) -> list[pd.DataFrame]:
-    zone = _zone(tz)
-    override = _checked(columns or {})
-    tally.files.setdefault(name, len(tally.files))
-    tally.header_line = None
+    zone, override = _start_file(name, columns, tz, tally)
     frames = _frames(name, _rows(name, lines, tally), override, zone, tally)
     tally.check_start_found(name, frames)
     return frames
@@ -349,10 +354,7 @@ def _parse_spans(
     name: str, stream: BinaryIO, columns: Mapping[str, str] | None, tz: str | None, tally: _Tally, pool: Pool
 ) -> list[pd.DataFrame]:
     """A plain JSONL file read in byte spans by the pool's workers, joined in order."""
-    zone = _zone(tz)
-    override = _checked(columns or {})
-    tally.files.setdefault(name, len(tally.files))
-    tally.header_line = None
+    zone, override = _start_file(name, columns, tz, tally)
     jobs = ((span, name, override, zone, i == 0) for i, span in enumerate(iter_spans(stream, name, SPAN_BYTES)))
     frames: list[pd.DataFrame] = []
     for part_frames, part in pool.map(_span_frames, jobs):
