@@ -259,3 +259,20 @@ def test_sample_batches_join_to_the_samples_table(big_log: Path, monkeypatch: py
         whole.accounting.lines, whole.accounting.tasks_complete, whole.accounting.tasks_cancelled,
         whole.accounting.tasks_incomplete, whole.accounting.sessions)
     assert not any(os.path.exists(d) for d in dirs)
+
+
+def test_first_tokens_are_found_by_port_session_and_task() -> None:
+    """The first-token lookup of the gen windows, against a dict: tasks of two ports and
+    sessions with the same ids, a task listed twice (its first row counts), ids far apart."""
+    ids = [0, 1, 7, 10**12]
+    rows = [(p, s, t, float(100 * p + 10 * s + t % 97)) for p in (-1, 8081) for s in (0, 1, 3) for t in ids]
+    rows.append((8081, 1, 7, -5.0))  # the same task again: the first row wins
+    tasks = pd.DataFrame(rows, columns=["port", "session", "task_id", "first_token_s"])
+    want = {}
+    for p, s, t, v in rows:
+        want.setdefault((p, s, t), v)
+    ft = tasks_mod.FirstTokens.of(tasks)
+    ask = list(want) + [(-1, 2, 0), (8081, 0, 2), (8080, 0, 0), (-1, 0, -1), (-1, 0, 10**12 + 1)]
+    got = ft.at(*(np.array(c, dtype=np.int64) for c in zip(*ask)))
+    assert list(got[: len(want)]) == list(want.values())
+    assert np.isnan(got[len(want):]).all()

@@ -732,33 +732,48 @@ def _sorted_samples(store: FinishedRows) -> dict[str, np.ndarray]:
 @dataclass
 class FirstTokens:
     """Each task's ``first_token_s`` by (port, session, task_id), looked up with one sorted
-    int64 key per task (~16 bytes a task; a pandas MultiIndex took ~100)."""
+    int64 key per task (~16 bytes a task; a pandas MultiIndex took ~100): the session's place
+    among the sessions, times the number of task ids, plus the task id's place among them."""
 
-    sessions: dict[tuple[int, int], int]  # (port, session) -> its number in the keys
-    keys: np.ndarray  # sorted: session number * 2**33 + task id + 1
+    sessions: np.ndarray  # sorted, distinct (port + 1) * 2**32 + session
+    ids: np.ndarray  # sorted, distinct task ids
+    keys: np.ndarray  # sorted
     values: np.ndarray
 
     @classmethod
     def of(cls, tasks: pd.DataFrame) -> "FirstTokens":
         port, session = tasks["port"].to_numpy(dtype=np.int64), tasks["session"].to_numpy(dtype=np.int64)
-        pairs = sorted(set(zip(port.tolist(), session.tolist())))
-        sessions = {pair: k for k, pair in enumerate(pairs)}
-        keys = cls._keys(sessions, port, session, tasks["task_id"].to_numpy(dtype=np.int64))
+        task = tasks["task_id"].to_numpy(dtype=np.int64)
+        ft = cls(np.unique(cls._pair(port, session)), np.unique(task), np.zeros(0, np.int64), np.zeros(0))
+        keys = ft._keys(port, session, task)
         order = np.argsort(keys, kind="stable")
-        keys, first = np.unique(keys[order], return_index=True)  # a task twice: its first row
-        return cls(sessions, keys, tasks["first_token_s"].to_numpy(dtype=np.float64, na_value=np.nan)[order][first])
+        ft.keys, first = np.unique(keys[order], return_index=True)  # a task twice: its first row
+        ft.values = tasks["first_token_s"].to_numpy(dtype=np.float64, na_value=np.nan)[order][first]
+        return ft
 
     @staticmethod
-    def _keys(sessions: dict[tuple[int, int], int], port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
-        code = np.array([sessions.get(pair, -1) for pair in zip(port.tolist(), session.tolist())], dtype=np.int64)
-        return np.where(code >= 0, code * (1 << 33) + task + 1, -1)
+    def _pair(port: np.ndarray, session: np.ndarray) -> np.ndarray:
+        return (port + 1) * (1 << 32) + session  # ports are -1 (none) to 65535
+
+    @staticmethod
+    def _place(sorted_values: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each value's place in ``sorted_values``, and whether it is there at all."""
+        if not len(sorted_values):
+            return np.zeros(len(v), np.int64), np.zeros(len(v), bool)
+        at = np.minimum(np.searchsorted(sorted_values, v), len(sorted_values) - 1)
+        return at, sorted_values[at] == v
+
+    def _keys(self, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
+        """Each (port, session, task)'s key; -1 where no task of the table can have it."""
+        s, s_ok = self._place(self.sessions, self._pair(port, session))
+        t, t_ok = self._place(self.ids, task)
+        return np.where(s_ok & t_ok, s * len(self.ids) + t, -1)
 
     def at(self, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
         """The first-token time of each (port, session, task) (NaN: no such task)."""
-        keys = self._keys(self.sessions, port, session, task)
-        at = np.minimum(np.searchsorted(self.keys, keys), max(len(self.keys) - 1, 0))
-        hit = (keys >= 0) & (self.keys[at] == keys) if len(self.keys) else np.zeros(len(keys), bool)
-        return np.where(hit, self.values[at] if len(self.keys) else np.nan, np.nan)
+        keys = self._keys(port, session, task)
+        at, hit = self._place(self.keys, keys)
+        return np.where(hit & (keys >= 0), self.values[at] if len(self.keys) else np.nan, np.nan)
 
 
 def _first_token_per_row(first_tokens: FirstTokens | None, port: np.ndarray, session: np.ndarray, task: np.ndarray,
