@@ -759,7 +759,6 @@ def _first_tokens(tasks: pd.DataFrame, i: int) -> pd.DataFrame:
 def _sample_batch(job: tuple[SampleBatch | None, int, Callable[[pd.DataFrame, int], object] | None, str]) -> object:
     """One batch of a samples table (in a worker process, or here); None: the empty table."""
     batch, i, then, kind = job
-    release_memory()  # a worker's heap still holds the parse's freed block arrays
     part = batch.table() if batch is not None else _concat([], GEN_COLUMNS if kind == "gen" else PREFILL_COLUMNS)
     return then(part, i) if then is not None else part
 
