@@ -109,3 +109,28 @@ def test_long_negative_numbers_read_the_same(number: bytes, monkeypatch: pytest.
         _assert_same(data, monkeypatch)
         ev, _ = _parse(data, False, monkeypatch)
         assert len(ev) == 1 and float(number) in (ev["task"][0], ev["slot"][0])
+
+
+@pytest.mark.parametrize("digits", [8, 9, 12, 15, 17])
+@pytest.mark.parametrize("share", ["all", "every other line"])
+def test_long_task_ids_read_the_same(digits: int, share: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Task ids of 8 or more digits (a long-running server; the bench's renumbered replays) are
+    read from two words: for the whole block when most lines have them, else line by line."""
+    import re
+
+    path = REAL / "before" / "logs" / "llama-server.log"
+    lines = path.read_bytes().splitlines(keepends=True)[:3000]
+    bump = 10 ** (digits - 1)
+
+    def longer(m: re.Match[bytes]) -> bytes:
+        n = int(m.group(1))
+        return b"| task %d |" % (n + bump if n >= 0 else n - bump)
+
+    out = [re.sub(rb"\| task (-?\d+) \|", longer, ln) if share == "all" or i % 2 else ln for i, ln in enumerate(lines)]
+    data = b"".join(out)
+    _assert_same(data, monkeypatch)
+    ev, _ = _parse(data, True, monkeypatch)
+    if digits <= 15:  # FAST_PATTERN's float64 holds these exactly: the ids are the written ones
+        written = [int(m) for m in re.findall(rb"\| task (-?\d+) \|", data)]
+        read = set(ev["task"].dropna().astype("int64"))
+        assert read <= set(written) and any(abs(t) >= bump for t in read)

@@ -182,8 +182,15 @@ class _Cursor:
         pos = self.pos + k + neg + used
         unsure = used >= room  # the field may go on past this word
         if not frac:  # digits up to the word's end: the next word holds the rest (task ids)
-            more = np.flatnonzero(unsure & (n1 >= 1) & (k < 8))
-            if len(more):
+            long = unsure & (n1 >= 1) & (k < 8)
+            more = np.flatnonzero(long)
+            if len(more) > len(w) // 4:  # most rows (8+ digit task ids): whole arrays, no gathers by subset
+                x2, n2 = _digits(self.w.at(pos))
+                n2 = np.where(long, n2, 0)
+                value = np.where(long, value * _POW10[n2] + np.where(neg, -1.0, 1.0) * _value(x2, n2), value)
+                pos = pos + n2
+                unsure &= ~long | (n2 == 8)
+            elif len(more):
                 x2, n2 = _digits(self.w.at(pos[more]))
                 value[more] = value[more] * _POW10[n2] + np.where(neg[more], -1.0, 1.0) * _value(x2, n2)
                 pos[more] += n2
