@@ -134,3 +134,57 @@ def test_long_task_ids_read_the_same(digits: int, share: str, monkeypatch: pytes
         written = [int(m) for m in re.findall(rb"\| task (-?\d+) \|", data)]
         read = set(ev["task"].dropna().astype("int64"))
         assert read <= set(written) and any(abs(t) >= bump for t in read)
+
+
+_BENDS = b" !-+.09:eA/|,[\n\x00\x10\x7f\xc3"  # \n: the line ends there, the rest is the next line
+
+
+@pytest.mark.parametrize("marker", [
+    b"| n_gen =", b"| processing task", b"| prompt processing", b"| prompt eval time", b"|        eval time",
+    b"|       total time", b"| stop processing", b"selected slot by", b"graphs reused", b"srv  llama_server: init",
+    b"cmn  ",
+])
+def test_lines_bent_at_every_byte_read_the_same(marker: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lines with llama-server's own layout are read at fixed places (the head up to the task
+    id, the heartbeat's numbers). Every byte of a real line of each kind, replaced by a byte
+    one step off (a blank, a digit, a sign, a dot, a letter, a bar, a newline, a control or
+    non-ASCII byte), removed, or doubled, and every two bytes replaced by one two-byte
+    character, still reads as FAST_PATTERN reads it."""
+    found = [ln for ln in (REAL / "before" / "logs" / "llama-server.log").read_bytes().splitlines(keepends=True)
+             if marker in ln]
+    assert found
+    line = found[len(found) // 2]
+    lines = [line]
+    for i in range(len(line) - 1):
+        for b in _BENDS:
+            lines.append(line[:i] + bytes([b]) + line[i + 1 :])
+        lines.append(line[:i] + line[i + 1 :])
+        lines.append(line[:i] + line[i : i + 1] + line[i:])
+        lines.append(line[:i] + "é".encode() + line[i + 2 :])  # as many bytes, one character less
+    data = b"".join(lines)
+    _assert_same(data, monkeypatch)
+    ev, (n, used, ignored, unrecognized, _, _) = _parse(data, True, monkeypatch)
+    assert used + ignored > n // 4  # many bent lines still read (not all left to the pattern)
+
+
+def test_lines_with_the_servers_layout_are_read_at_fixed_places() -> None:
+    """The fixed-place reading takes every slot line of the real logs that has llama-server's
+    layout (else it would only cost time, and the tests above would not see it)."""
+    import re
+
+    import numpy as np
+
+    from slotscope import scanner
+
+    layout = re.compile(rb"^\d{1,7}\.\d\d\.\d{3}\.\d{3} [IWED] slot [ -~]{12}: id [ \d]\d \| task -?\d{1,8} \|")
+    for path in sorted(REAL.glob("*/logs/llama-server.log")):
+        data = path.read_bytes()
+        lines = server_log._split(data, data.endswith(b"\n"))
+        off = np.frombuffer(lines.buffers()[1], np.int32, count=len(lines) + 1).astype(np.int64)
+        ends = off[1:] - np.frombuffer(data, np.uint8)[off[1:] - 1].__eq__(10)
+        taken, rows, _ = scanner._laid_out_heads(scanner._Words(np.frombuffer(data, np.uint8)), off[:-1], ends,
+                                                 scanner.Scan.empty(len(lines)))
+        want = np.array([bool(layout.match(ln)) for ln in data.splitlines()])
+        if path.parent.parent.name != "wallclock":
+            assert want.sum() > 500
+        assert np.array_equal(taken, want), path

@@ -317,6 +317,94 @@ def scan(lines: pa.StringArray) -> Scan:
     out = Scan.empty(n)
     if n == 0:
         return out
+    # Lines with llama-server's own layout are read at fixed places; the rest step by step.
+    laid, rows, m = _laid_out_heads(words, s, e, out)
+    rest = np.flatnonzero(~laid)
+    if len(rest):
+        more, m_more = _heads(words, s[rest], e[rest], lines, out, rest)
+        if len(more):
+            rows, m = np.concatenate([rows, more]), np.concatenate([m, m_more])
+    if len(rows):
+        _messages(words, rows, m, e[rows], out)
+    return out
+
+
+# A slot line as llama-server writes it ("M.SS.mmm.uuu L slot <func>: id %2d | task %d | ..."):
+# after the minutes, every byte up to the task id has a fixed place. Offsets from the byte
+# after the minutes: 0 ".SS.mmm." (word A), 8 "uuu L sl" (B), 16 "ot " and the function's
+# first 5 bytes (C), 24 its last 7 and ":" (D), 32 " id " + slot + " |" (E), 40 " task " (F),
+# 46 the task id, then " |".
+_LAID_B, _LAID_B_MASK = _word(b"\0\0\0 \0 sl")[0], _U(0xFFFFFF00FF000000)
+_LAID_C, _LAID_C_MASK = _word(b"ot ")
+_LAID_E, _LAID_E_MASK = _word(b" id \0\0 |")[0], _U(0xFFFF0000FFFFFFFF)
+_LAID_F, _LAID_F_MASK = _word(b" task ")
+_BAR = _word(b" |")[0]
+
+
+def _laid_out_heads(words: _Words, s: np.ndarray, e: np.ndarray, out: Scan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The slot lines (of lines starting at ``s``, ending at ``e``) whose heads have
+    llama-server's layout, read as :func:`_heads` reads them: (which lines, those rows,
+    where their messages start)."""
+    x0 = words.at(s) ^ _ASCII0
+    nd = _lead((((x0 & _LO7) + _OVER9) | x0) & _HI)  # the minutes' digits (8: may go on)
+    rows = np.flatnonzero((nd >= 1) & (nd <= 7))
+    nd = nd[rows]
+    q = s[rows] + nd
+    a = words.at(q) ^ _ASCII0
+    b = words.at(q + 8)
+    c = words.at(q + 16)
+    d = words.at(q + 24)
+    w_e = words.at(q + 32)
+    ok = ((a & _TS_DOTS_MASK) == _TS_DOTS) & (((((a & _LO7) + _OVER9) | a) & _TS_DIGITS1) == 0)
+    xb = b ^ _ASCII0
+    ok &= ((((xb & _LO7) + _OVER9) | xb) & _TS_DIGITS2) == 0
+    ok &= (b & _LAID_B_MASK) == _LAID_B
+    lv = (b >> _U(32)) & _U(0xFF)
+    ok &= (lv == _LEVELS[0]) | (lv == _LEVELS[1]) | (lv == _LEVELS[2]) | (lv == _LEVELS[3])
+    ok &= ((c & _LAID_C_MASK) == _LAID_C) & ((c & _HI) == 0)  # the function's bytes: ASCII
+    ok &= ((d & _HI) == 0) & ((d >> _U(56)) == _U(0x3A))
+    ok &= (w_e & _LAID_E_MASK) == _LAID_E
+    good, slot = _right_aligned(w_e ^ _ASCII0, 4, 2)
+    ok &= good
+    ok &= (words.at(q + 40) & _LAID_F_MASK) == _LAID_F
+    # the task id: "-"? digits, then " |" (read across two words when it is 7 or 8 bytes long)
+    x = words.at(q + 46) ^ _ASCII0
+    neg = (x & _U(0xFF)) == _U(0x1D)
+    x = np.where(neg, (x >> _U(8)) | _U(0x30 << 56), x)  # the byte shifted in: no digit
+    nt = _lead((((x & _LO7) + _OVER9) | x) & _HI)
+    task = np.where(neg, -1.0, 1.0) * _value(x, nt).astype(np.float64)
+    size = neg + nt
+    ok &= nt >= 1
+    g = words.at(q + 46)
+    bar = (g >> (np.minimum(size, 6) * 8).astype(_U)) & _U(0xFFFF)
+    long = np.flatnonzero(size >= 7)
+    if len(long):
+        h = words.at(q[long] + 54)
+        bar[long] = np.where(size[long] == 7, (g[long] >> _U(56)) | ((h & _U(0xFF)) << _U(8)), h & _U(0xFFFF))
+    ok &= bar == _BAR
+    m = q + 48 + size
+    ok &= m <= e[rows]
+    minutes = _value(x0[rows], nd)
+    sec = ((a >> _U(8)) & _U(0xFF)).astype(np.int64) * 10 + ((a >> _U(16)) & _U(0xFF)).astype(np.int64)
+    ms = ((((a >> _U(32)) & _U(0xFF)) * _U(100) + ((a >> _U(40)) & _U(0xFF)) * _U(10) + ((a >> _U(48)) & _U(0xFF)))
+          .astype(np.int64))
+    us = ((xb & _U(0xFF)) * _U(100) + ((xb >> _U(8)) & _U(0xFF)) * _U(10) + ((xb >> _U(16)) & _U(0xFF))).astype(np.int64)
+    # The same float64 arithmetic as FAST_PATTERN's reading (it rounds past 2**53 µs).
+    ts = ((minutes.astype(np.float64) * 60 + sec) * 1000 + ms) * 1000 + us
+    taken = np.zeros(len(s), bool)
+    rows, m = rows[ok], m[ok]
+    taken[rows] = True
+    out.ts[rows] = ts[ok].astype(np.int64)
+    out.slot[rows] = slot[ok].astype(np.float64)
+    out.task[rows] = task[ok]
+    return taken, rows, m
+
+
+def _heads(words: _Words, s: np.ndarray, e: np.ndarray, lines: pa.StringArray, out: Scan,
+           idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Read the heads of lines ``idx`` (starts ``s``, ends ``e``) step by step: ports, times,
+    levels, tags; server and component lines are done here. Returns the slot lines (block
+    rows) and where their messages start (after ``task N |``)."""
     c = _Cursor(words, s.copy())
     w0 = words.at(c.pos)
 
@@ -327,7 +415,7 @@ def scan(lines: pa.StringArray) -> Scan:
         b.blanks()
         p = b.uint()
         b.lit(b"] ")
-        out.port[bracket] = np.where(b.ok, p, -1).astype(np.int64)
+        out.port[idx[bracket]] = np.where(b.ok, p, -1).astype(np.int64)
         c.pos[bracket] = b.pos
         c.ok[bracket] &= b.ok
 
@@ -350,7 +438,7 @@ def scan(lines: pa.StringArray) -> Scan:
         us = d(x2, 0) * 100 + d(x2, 1) * 10 + d(x2, 2)
         # The same float64 arithmetic as FAST_PATTERN's reading (it rounds past 2**53 µs).
         ts = ((minutes[stamped].astype(np.float64) * 60 + sec) * 1000 + ms) * 1000 + us
-        out.ts[stamped] = np.where(good, ts, -1).astype(np.int64)
+        out.ts[idx[stamped]] = np.where(good, ts, -1).astype(np.int64)
         c.pos[stamped] = q + 12
         c.ok[stamped] &= good  # digits that are no timestamp: not for the scanner
 
@@ -369,32 +457,33 @@ def scan(lines: pa.StringArray) -> Scan:
     is_slot = field & (tag == _TAG_SLOT) & (after == _ID)
     colon = field & ((after & _MASK2) == _COLON)
     comp = colon & ((tag == _TAG_COMP[0]) | (tag == _TAG_COMP[1]) | (tag == _TAG_COMP[2]) | (tag == _TAG_COMP[3]))
-    out.known[comp] = True
+    out.known[idx[comp]] = True
     srv = np.flatnonzero(colon & (tag == _TAG_SRV))
     if len(srv):  # ignored, unless it may be one of the server events (those few: FAST_PATTERN)
         if len(srv) < 2000:  # a few lines: Python's re beats compiling the pattern in Arrow again
-            texts = lines.take(pa.array(srv)).to_pylist()
+            texts = lines.take(pa.array(idx[srv])).to_pylist()
             maybe = np.array([_SRV_EVENTS_RE.search(t) is not None for t in texts], dtype=bool)
         else:
-            maybe = pc.match_substring_regex(lines.take(pa.array(srv)), _SRV_EVENTS).to_numpy(zero_copy_only=False)
-        out.known[srv[~maybe]] = True
+            maybe = pc.match_substring_regex(lines.take(pa.array(idx[srv])), _SRV_EVENTS).to_numpy(zero_copy_only=False)
+        out.known[idx[srv[~maybe]]] = True
         events = srv[maybe]
         if len(events):
-            _srv_events(out, events, c.pos[events] + 19 - s[events], lines.take(pa.array(events)).to_pylist())
+            _srv_events(out, idx[events], c.pos[events] + 19 - s[events], lines.take(pa.array(idx[events])).to_pylist())
 
     rows = np.flatnonzero(is_slot)
-    if not len(rows):
-        return out
     h = _Cursor(words, c.pos[rows] + 21)
     slot = h.field(blanks=1, sign=True)
     h.lit(b" | task ")
     task = h.field(sign=True)
     h.lit(b" |")
-    rows, m, slot, task = rows[h.ok], h.pos[h.ok], slot[h.ok], task[h.ok]
+    rows, m, slot, task = idx[rows[h.ok]], h.pos[h.ok], slot[h.ok], task[h.ok]
     out.slot[rows] = slot
     out.task[rows] = task
-    end = e[rows]
+    return rows, m
 
+
+def _messages(words: _Words, rows: np.ndarray, m: np.ndarray, end: np.ndarray, out: Scan) -> None:
+    """Read the messages of slot lines (block ``rows``; each starts at ``m``, ends at ``end``)."""
     k = _blank_run(words, m)
     header = (end == m) | ((end == m + 1) & (k == 1))
     kw = words.at(m + k)
@@ -408,10 +497,20 @@ def scan(lines: pa.StringArray) -> Scan:
 
     one = (k == 1) & ~header
     some = (k >= 1) & (k < 16) & ~header
+    beat = one & ((kw5 == _KW_GEN) | (kw5 == _KW_DECODED))
+    i = np.flatnonzero(one & (kw == _KW_HEARTBEAT))
+    if len(i):  # most heartbeats have the printf layout: read at fixed places, the rest below
+        fits, vals = _heartbeat_laid_out(words, m[i] + 1)
+        good = rows[i[fits]]
+        out.known[good] = True
+        out.kind[good] = HEARTBEAT
+        for j, val in enumerate(vals):
+            out.v[j][good] = val[fits]
+        beat[i[fits]] = False
     for code, sel, parse in (
         (LAUNCH, one & (kw5 == _KW_LAUNCH), _launch),
         (PROGRESS, one & (kw == _KW_PROGRESS), _progress),
-        (HEARTBEAT, one & ((kw5 == _KW_GEN) | (kw5 == _KW_DECODED)), _heartbeat),
+        (HEARTBEAT, beat, _heartbeat),
         (PROMPT_EVAL, one & (kw == _KW_PROMPT_EVAL), _prompt_eval),
         (EVAL, some & (kw5 == _KW_EVAL), _eval),
         (TOTAL, some & (kw5 == _KW_TOTAL), _total),
@@ -427,7 +526,6 @@ def scan(lines: pa.StringArray) -> Scan:
         out.kind[good] = code
         for j, val in enumerate(vals):
             out.v[j][good] = val[cur.ok]
-    return out
 
 
 def _srv_events(out: Scan, rows: np.ndarray, rest_at: np.ndarray, texts: list[str]) -> None:
@@ -490,6 +588,64 @@ def _heartbeat(c: _Cursor) -> list[np.ndarray]:
     t.lit(b" t/s")
     c.ok &= ~tail | t.ok  # a tail FAST_PATTERN might read otherwise (inf, nan, signs): not ours
     return [n, tg, np.where(tail, tg3, np.nan)]
+
+
+# llama-server prints heartbeats as "n_gen = %6d, tg = %6.2f t/s, tg_3s = %6.2f t/s": while
+# the numbers fit their widths, every byte has a fixed place. Read as 7 words from the
+# message's start (W0..W6), each as XOR "0" bytes (digits 0..9, a blank 0x10).
+_HB_LITS = [  # (word, byte mask, the bytes there): the message's fixed text
+    (0, *_word(b"n_gen = ")), (1, _word(b"\0\0\0\0\0\0, ")[0], _U(0xFFFF << 48)),
+    (2, *_word(b"tg = ")), (3, _word(b".\0\0 t/s,")[0], _U(0xFFFFFFFFFF0000FF)),
+    (4, *_word(b" tg_3s =")), (5, _word(b" \0\0\0.\0\0 ")[0], _U(0xFF0000FF000000FF)),
+    (6, *_word(b"t/s")),
+]
+_KW_HEARTBEAT = _word(b"n_gen = ")[0]
+
+
+def _right_aligned(x: np.ndarray, at: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """A number printed ``%<width>d`` at byte ``at`` of each word (XOR "0" bytes): blanks, then
+    at least one digit, to the field's end. (whether it is one, its value)."""
+    f = (x >> _U(8 * at)) & _U((1 << (8 * width)) - 1)
+    fill = _U((1 << 64) - (1 << (8 * width)))  # bytes past the field: read as "0" digits
+    digit = ~((((f & _LO7) + _OVER9) | f) | fill) & _HI  # high bit of each digit byte
+    y = f ^ _U(0x1010101010101010)  # blanks as 0 bytes
+    blank = ~(((y & _LO7) + _LO7) | y) & _HI & ~fill  # exact: no borrow from byte to byte
+    # Every byte a digit or a blank, and the blanks all before the first digit (so there is one).
+    ok = ((digit | blank) == (_HI & ~fill)) & (blank < (digit & (~digit + _U(1))))
+    v = (f & ~(blank >> _U(3))) << _U(8 * (8 - width))  # blanks as 0 digits, then to the word's top
+    v = v * _U(10) + (v >> _U(8))
+    v = (((v & _PAIR_MASK) * _PAIR_MUL1) + (((v >> _U(16)) & _PAIR_MASK) * _PAIR_MUL2)) >> _U(32)
+    return ok, v.astype(np.int64)
+
+
+def _two_digits(x: np.ndarray, at: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two digits at byte ``at`` (XOR "0" bytes): (whether both are digits, their value)."""
+    d0, d1 = (x >> _U(8 * at)) & _U(0xFF), (x >> _U(8 * at + 8)) & _U(0xFF)
+    return (d0 < 10) & (d1 < 10), (d0 * _U(10) + d1).astype(np.int64)
+
+
+def _heartbeat_laid_out(words: _Words, p: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Heartbeats whose message (at ``p``) has the printf layout: (which, [n, tg, tg_3s]).
+    Their numbers are what :func:`_heartbeat` reads from the same bytes (a fraction as
+    whole * 100 + hundredths over 100, one IEEE division)."""
+    w = [words.at(p + 8 * j) for j in range(7)]
+    ok = np.ones(len(p), bool)
+    for j, val, mask in _HB_LITS:
+        ok &= (w[j] & mask) == val
+    x1, x2, x3, x5 = (w[j] ^ _ASCII0 for j in (1, 2, 3, 5))
+    good, n = _right_aligned(x1, 0, 6)
+    ok &= good
+    good, whole = _right_aligned(x2, 5, 3)
+    ok &= good
+    good, cents = _two_digits(x3, 1)
+    ok &= good
+    tg = (whole * 100 + cents) / 100.0
+    good, whole = _right_aligned(x5, 1, 3)
+    ok &= good
+    good, cents = _two_digits(x5, 5)
+    ok &= good
+    tg3 = (whole * 100 + cents) / 100.0
+    return ok, [n.astype(np.float64), tg, tg3]
 
 
 def _prompt_eval(c: _Cursor) -> list[np.ndarray]:
