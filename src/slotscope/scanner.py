@@ -364,7 +364,7 @@ def _laid_out_heads(words: _Words, s: np.ndarray, e: np.ndarray, out: Scan) -> t
     ok &= ((c & _LAID_C_MASK) == _LAID_C) & ((c & _HI) == 0)  # the function's bytes: ASCII
     ok &= ((d & _HI) == 0) & ((d >> _U(56)) == _U(0x3A))
     ok &= (w_e & _LAID_E_MASK) == _LAID_E
-    good, slot = _right_aligned(w_e ^ _ASCII0, 4, 2)
+    good, slot = _right_aligned((w_e ^ _ASCII0) >> _U(32), 2)
     ok &= good
     ok &= (words.at(q + 40) & _LAID_F_MASK) == _LAID_F
     # the task id: "-"? digits, then " |" (read across two words when it is 7 or 8 bytes long)
@@ -497,35 +497,43 @@ def _messages(words: _Words, rows: np.ndarray, m: np.ndarray, end: np.ndarray, o
 
     one = (k == 1) & ~header
     some = (k >= 1) & (k < 16) & ~header
-    beat = one & ((kw5 == _KW_GEN) | (kw5 == _KW_DECODED))
-    i = np.flatnonzero(one & (kw == _KW_HEARTBEAT))
-    if len(i):  # most heartbeats have the printf layout: read at fixed places, the rest below
-        fits, vals = _heartbeat_laid_out(words, m[i] + 1)
-        good = rows[i[fits]]
-        out.known[good] = True
-        out.kind[good] = HEARTBEAT
-        for j, val in enumerate(vals):
-            out.v[j][good] = val[fits]
-        beat[i[fits]] = False
-    for code, sel, parse in (
-        (LAUNCH, one & (kw5 == _KW_LAUNCH), _launch),
-        (PROGRESS, one & (kw == _KW_PROGRESS), _progress),
-        (HEARTBEAT, beat, _heartbeat),
-        (PROMPT_EVAL, one & (kw == _KW_PROMPT_EVAL), _prompt_eval),
-        (EVAL, some & (kw5 == _KW_EVAL), _eval),
-        (TOTAL, some & (kw5 == _KW_TOTAL), _total),
-        (RELEASE, one & (kw5 == _KW_RELEASE), _release),
+    for code, sel, layout, parse in (
+        (LAUNCH, one & (kw5 == _KW_LAUNCH), None, _launch),
+        (PROGRESS, one & (kw == _KW_PROGRESS), _PROGRESS, _progress),
+        (HEARTBEAT, one & ((kw5 == _KW_GEN) | (kw5 == _KW_DECODED)), _HEARTBEAT, _heartbeat),
+        (PROMPT_EVAL, one & (kw == _KW_PROMPT_EVAL), _PROMPT_EVAL, _prompt_eval),
+        (EVAL, some & (kw5 == _KW_EVAL), _EVAL, _eval),
+        (TOTAL, some & (kw5 == _KW_TOTAL), _TOTAL, _total),
+        (RELEASE, one & (kw5 == _KW_RELEASE), None, _release),
     ):
         i = np.flatnonzero(sel)
         if not len(i):
             continue
-        cur = _Cursor(words, m[i] + k[i])
+        p = m[i] + k[i]
+        if layout is not None:  # most messages have the printf layout: read at fixed places
+            fits, vals = layout.read(words, p)
+            if code == PROGRESS:  # its last number has no width: read step by step
+                at = np.flatnonzero(fits)
+                tail = _Cursor(words, p[at] + layout.size)
+                tps = np.full(len(p), np.nan)
+                tps[at] = tail.field(blanks=0, frac=True)
+                tail.lit(b" tokens per second")
+                fits[at] = tail.ok
+                vals.append(tps)
+            _put(out, rows[i[fits]], code, [v[fits] for v in vals])
+            i, p = i[~fits], p[~fits]
+            if not len(i):
+                continue
+        cur = _Cursor(words, p)
         vals = parse(cur)
-        good = rows[i[cur.ok]]
-        out.known[good] = True
-        out.kind[good] = code
-        for j, val in enumerate(vals):
-            out.v[j][good] = val[cur.ok]
+        _put(out, rows[i[cur.ok]], code, [v[cur.ok] for v in vals])
+
+
+def _put(out: Scan, rows: np.ndarray, code: int, values: list[np.ndarray]) -> None:
+    out.known[rows] = True
+    out.kind[rows] = code
+    for j, v in enumerate(values):
+        out.v[j][rows] = v
 
 
 def _srv_events(out: Scan, rows: np.ndarray, rest_at: np.ndarray, texts: list[str]) -> None:
@@ -590,22 +598,10 @@ def _heartbeat(c: _Cursor) -> list[np.ndarray]:
     return [n, tg, np.where(tail, tg3, np.nan)]
 
 
-# llama-server prints heartbeats as "n_gen = %6d, tg = %6.2f t/s, tg_3s = %6.2f t/s": while
-# the numbers fit their widths, every byte has a fixed place. Read as 7 words from the
-# message's start (W0..W6), each as XOR "0" bytes (digits 0..9, a blank 0x10).
-_HB_LITS = [  # (word, byte mask, the bytes there): the message's fixed text
-    (0, *_word(b"n_gen = ")), (1, _word(b"\0\0\0\0\0\0, ")[0], _U(0xFFFF << 48)),
-    (2, *_word(b"tg = ")), (3, _word(b".\0\0 t/s,")[0], _U(0xFFFFFFFFFF0000FF)),
-    (4, *_word(b" tg_3s =")), (5, _word(b" \0\0\0.\0\0 ")[0], _U(0xFF0000FF000000FF)),
-    (6, *_word(b"t/s")),
-]
-_KW_HEARTBEAT = _word(b"n_gen = ")[0]
-
-
-def _right_aligned(x: np.ndarray, at: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """A number printed ``%<width>d`` at byte ``at`` of each word (XOR "0" bytes): blanks, then
-    at least one digit, to the field's end. (whether it is one, its value)."""
-    f = (x >> _U(8 * at)) & _U((1 << (8 * width)) - 1)
+def _right_aligned(x: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """A number printed ``%<width>d`` in the low ``width`` bytes of each word (XOR "0" bytes):
+    blanks, then at least one digit, to the field's end. (whether it is one, its value)."""
+    f = x & _U((1 << (8 * width)) - 1)
     fill = _U((1 << 64) - (1 << (8 * width)))  # bytes past the field: read as "0" digits
     digit = ~((((f & _LO7) + _OVER9) | f) | fill) & _HI  # high bit of each digit byte
     y = f ^ _U(0x1010101010101010)  # blanks as 0 bytes
@@ -618,34 +614,65 @@ def _right_aligned(x: np.ndarray, at: int, width: int) -> tuple[np.ndarray, np.n
     return ok, v.astype(np.int64)
 
 
-def _two_digits(x: np.ndarray, at: int) -> tuple[np.ndarray, np.ndarray]:
-    """Two digits at byte ``at`` (XOR "0" bytes): (whether both are digits, their value)."""
-    d0, d1 = (x >> _U(8 * at)) & _U(0xFF), (x >> _U(8 * at + 8)) & _U(0xFF)
-    return (d0 < 10) & (d1 < 10), (d0 * _U(10) + d1).astype(np.int64)
+class _Layout:
+    """A message as llama-server's printf writes it, while its numbers fit their widths: then
+    every byte has a fixed place, and the message is read with one word gather per 8 bytes and
+    masked compares. ``%Nd`` and ``%N.2f`` (N <= 8 and 11) are the fields; the rest is text.
+
+    It reads what the step-by-step reading (:func:`_heartbeat` and the others) reads from the
+    same bytes: ``%N.2f`` as whole * 100 + hundredths over 100, one IEEE division.
+    """
+
+    def __init__(self, template: bytes) -> None:
+        self.text: list[tuple[int, bytes]] = []
+        self.fields: list[tuple[int, int, bool]] = []  # (start, width of the whole part, hundredths)
+        at = 0
+        for piece in re.split(rb"(%\d+d|%\d+\.2f)", template):
+            if not piece.startswith(b"%"):
+                self.text += [(at + k, piece[k : k + 8]) for k in range(0, len(piece), 8)]
+                at += len(piece)
+            elif piece.endswith(b"d"):
+                self.fields.append((at, int(piece[1:-1]), False))
+                at += int(piece[1:-1])
+            else:
+                width = int(piece[1:-3])
+                self.fields.append((at, width - 3, True))
+                self.text.append((at + width - 3, b"."))
+                at += width
+        assert all(w <= 8 for _, w, _ in self.fields)
+        self.size = at
+        self._text = [(k, *_word(t)) for k, t in self.text]
+
+    def read(self, words: _Words, p: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+        """(which messages at ``p`` have the layout, their numbers as float64)."""
+        w = [words.at(p + 8 * j) for j in range((self.size + 7) // 8 + 1)]
+
+        def bytes_at(k: int) -> np.ndarray:  # the 8 bytes from byte k of the message
+            j, r = divmod(k, 8)
+            return w[j] if r == 0 else (w[j] >> _U(8 * r)) | (w[j + 1] << _U(64 - 8 * r))
+
+        ok = np.ones(len(p), bool)
+        for k, val, mask in self._text:
+            ok &= (bytes_at(k) & mask) == val
+        values = []
+        for k, width, cents in self.fields:
+            good, v = _right_aligned(bytes_at(k) ^ _ASCII0, width)
+            ok &= good
+            if cents:
+                x = bytes_at(k + width + 1) ^ _ASCII0
+                d0, d1 = x & _U(0xFF), (x >> _U(8)) & _U(0xFF)
+                ok &= (d0 < 10) & (d1 < 10)
+                values.append((v * 100 + (d0 * _U(10) + d1).astype(np.int64)) / 100.0)
+            else:
+                values.append(v.astype(np.float64))
+        return ok, values
 
 
-def _heartbeat_laid_out(words: _Words, p: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Heartbeats whose message (at ``p``) has the printf layout: (which, [n, tg, tg_3s]).
-    Their numbers are what :func:`_heartbeat` reads from the same bytes (a fraction as
-    whole * 100 + hundredths over 100, one IEEE division)."""
-    w = [words.at(p + 8 * j) for j in range(7)]
-    ok = np.ones(len(p), bool)
-    for j, val, mask in _HB_LITS:
-        ok &= (w[j] & mask) == val
-    x1, x2, x3, x5 = (w[j] ^ _ASCII0 for j in (1, 2, 3, 5))
-    good, n = _right_aligned(x1, 0, 6)
-    ok &= good
-    good, whole = _right_aligned(x2, 5, 3)
-    ok &= good
-    good, cents = _two_digits(x3, 1)
-    ok &= good
-    tg = (whole * 100 + cents) / 100.0
-    good, whole = _right_aligned(x5, 1, 3)
-    ok &= good
-    good, cents = _two_digits(x5, 5)
-    ok &= good
-    tg3 = (whole * 100 + cents) / 100.0
-    return ok, [n.astype(np.float64), tg, tg3]
+_HEARTBEAT = _Layout(b"n_gen = %6d, tg = %6.2f t/s, tg_3s = %6.2f t/s")
+_PROGRESS = _Layout(b"prompt processing, n_tokens = %6d, progress = %4.2f, t = %6.2f s /")  # then "%.2f tokens per second"
+_PROMPT_EVAL = _Layout(b"prompt eval time = %10.2f ms / %5d tokens")
+_EVAL = _Layout(b"eval time = %10.2f ms / %5d tokens")
+_TOTAL = _Layout(b"total time = %10.2f ms / %5d tokens")
 
 
 def _prompt_eval(c: _Cursor) -> list[np.ndarray]:
