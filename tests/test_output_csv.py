@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,8 @@ near_power_of_ten = st.builds(
     lambda e, up, neg: (-1 if neg else 1) * float(np.nextafter(10.0**e, np.inf if up else 0.0)),
     st.integers(-12, 22), st.booleans(), st.booleans())
 decimal_floats = st.builds(lambda k, d: k / 10**d, st.integers(-(10**17), 10**17), st.integers(0, 12))
+# At most six decimals (every time, ms field and rate of the task table): laid out from their digits.
+six_decimals = st.builds(lambda k, d: k / 10**d, st.integers(-(10**15), 10**15), st.integers(0, 6))
 near_2_53 = st.integers(-60, 60).map(lambda i: float(2**53 + i)) | st.integers(-60, 60).map(lambda i: -float(2**53 + 2 * i))
 floats = st.one_of(
     st.floats(), st.floats(width=32), st.sampled_from(SPECIAL_FLOATS), near_power_of_ten, decimal_floats, near_2_53,
@@ -161,6 +164,56 @@ def test_float_formatting_matches_numpy_on_many_values() -> None:
     want = np.where(np.isnan(x), "", x.astype(str)).tolist()
     bad = [(v, g, w) for v, g, w in zip(x.tolist(), got, want) if g != w]
     assert not bad[:10]
+
+
+SIX_DECIMALS = [
+    0.0, -0.0, 1.0, -7.0, 0.5, -0.5, 12.01, 12.1, 12.0001, 0.000123, 1e-4, -1e-4, 3.14159, 123.456, 10000.0,
+    100000000.0, 999999999.0, 999999999.999999, -999999999.999999, 456718.986273, 0.083, 2991.62, 4.743761,
+    1234.5, 100.05, 10.000001, 99999.99999,
+]
+NOT_SIX_DECIMALS = [  # written by _any_float_text: too small or big, too many decimals, not finite
+    9.999999999999999e-05, 5e-05, 1e-06, 1e-7, 1e9, 1e9 + 0.5, 1234567890.0, 1e16, 1.5e16, 1e22, 0.1 + 0.2,
+    1 / 3, 1.0000001, 12.3456789, 5e-324, float("inf"), float("-inf"),
+]
+
+
+def _no_general_path(x: np.ndarray) -> None:
+    raise AssertionError(f"values with at most six decimals went to _any_float_text: {x[:5]}")
+
+
+@pytest.mark.parametrize("values", [
+    SIX_DECIMALS,  # a chunk with nothing else
+    SIX_DECIMALS + [np.nan] * 3,  # ... and missing values
+    [np.nan] * 4,  # all missing
+    [-v for v in SIX_DECIMALS],  # negative (and -0.0 -> 0.0)
+    list(np.round(np.random.default_rng(3).random(5000) * 2e5, 6)) + [np.nan],  # like launch_s
+    list(np.round(np.random.default_rng(4).standard_normal(5000) * 1e3, 3)),  # like wait_before_prefill_ms
+], ids=["short", "short-nan", "all-nan", "negative", "seconds", "ms"])
+def test_six_decimal_floats_skip_the_float_cast(values: list[float], monkeypatch: pytest.MonkeyPatch) -> None:
+    x = np.array(values, dtype=np.float64)
+    want = pandas_csv(pd.DataFrame({"x": x, "y": x[::-1]}))
+    monkeypatch.setattr(output, "_any_float_text", _no_general_path)
+    assert output._float_text(x, None).to_pylist() == np.where(np.isnan(x), "", x.astype(str)).tolist()
+    assert ours(pd.DataFrame({"x": x, "y": x[::-1]})) == want
+
+
+@pytest.mark.parametrize("order", ["mixed", "sorted"])
+def test_six_decimal_and_other_floats_in_one_chunk(order: str) -> None:
+    x = np.array(SIX_DECIMALS + NOT_SIX_DECIMALS + [np.nan] + [-v for v in NOT_SIX_DECIMALS], dtype=np.float64)
+    if order == "mixed":
+        x = np.random.default_rng(5).permutation(x)
+    assert output._float_text(x, None).to_pylist() == np.where(np.isnan(x), "", x.astype(str)).tolist()
+    df = pd.DataFrame({"x": x, "masked": pd.array(x, dtype="Float64"), "s": "a"})
+    df.loc[::3, "masked"] = pd.NA
+    assert ours(df) == pandas_csv(df)
+
+
+def test_masked_floats_with_six_decimals() -> None:
+    # A missing Float64 value's slot holds 0.0: it is "", not "0.0".
+    col = pd.array([1.5, None, 0.0, None, -2.25, 1e-5], dtype="Float64")
+    df = pd.DataFrame({"f": col, "i": [1, 2, 3, 4, 5, 6]})
+    assert ours(df) == pandas_csv(df)
+    assert ours(df) == "f,i\n1.5,1\n,2\n0.0,3\n,4\n-2.25,5\n1e-05,6\n".replace("\n", os.linesep)
 
 
 def test_empty_frames() -> None:
