@@ -426,7 +426,8 @@ def local_sessions(ev: pd.DataFrame) -> tuple[np.ndarray, list[PortSessions]]:
     kinds = ev["kind"].to_numpy()
     local = np.zeros(len(ev), dtype=np.int64)
     info = []
-    uniq = np.unique(ports)
+    # One port (no router): no sort of the whole block to find it.
+    uniq = ports[:1] if len(ports) and ports.min() == ports.max() else np.unique(ports)
     for port in uniq:
         m = slice(None) if len(uniq) == 1 else ports == port
         p_ts = ts[m]
