@@ -157,6 +157,9 @@ class FinishedRows:
         self._pending: list[dict[str, np.ndarray]] = []
         self._n_pending = 0
         self._chunks: list[str | dict[str, np.ndarray]] = []  # spilled directory, or rows in memory
+        # spilled directory -> per column, its dtype and where its values start in the file:
+        # read without parsing the .npy header again (that took longer than the read)
+        self._spilled: dict[str, dict[str, tuple[np.dtype, int]]] = {}
         self._sizes: list[int] = []
         self._tmp: "tempfile.TemporaryDirectory[str] | None" = None
 
@@ -187,13 +190,17 @@ class FinishedRows:
                 self._tmp = tempfile.TemporaryDirectory(prefix="slotscope-")
             path = os.path.join(self._tmp.name, str(len(self._chunks)))
             os.mkdir(path)
+            where = {}
             for c, v in rows.items():
-                np.save(os.path.join(path, c + ".npy"), v, allow_pickle=False)
+                with open(os.path.join(path, c + ".npy"), "wb") as f:
+                    np.save(f, v, allow_pickle=False)
+                    where[c] = (v.dtype, f.tell() - v.nbytes)
         except OSError as e:  # a full or read-only temporary directory
             raise SlotscopeError(getattr(e, "filename", None) or tempfile.gettempdir(), None,
                                  f"cannot write {self.what} to the temporary directory ({e.strerror or e}); "
                                  f"set TMPDIR to a directory with room (~{self.row_bytes} bytes per row)") from None
         self._chunks.append(path)
+        self._spilled[path] = where
 
     def close(self, on_disk: bool = False) -> None:
         """No more rows: the last ones join the chunks (in memory, unless ``on_disk``)."""
@@ -205,11 +212,14 @@ class FinishedRows:
 
     def _names(self) -> list[str]:
         chunk = self._chunks[0]
-        return list(chunk) if isinstance(chunk, dict) else [f[:-4] for f in sorted(os.listdir(chunk))]
+        return list(chunk if isinstance(chunk, dict) else self._spilled[chunk])
 
     def _column_of(self, k: int, c: str) -> np.ndarray:
         chunk = self._chunks[k]
-        return chunk[c] if isinstance(chunk, dict) else np.load(os.path.join(chunk, c + ".npy"), allow_pickle=False)
+        if isinstance(chunk, dict):
+            return chunk[c]
+        dtype, offset = self._spilled[chunk][c]
+        return np.fromfile(os.path.join(chunk, c + ".npy"), dtype=dtype, offset=offset)
 
     def column(self, c: str) -> np.ndarray:
         """One column over all rows."""
@@ -220,14 +230,20 @@ class FinishedRows:
         result and one column of one chunk are in memory)."""
         starts = np.cumsum([0] + self._sizes)
         which = np.searchsorted(starts, idx, side="right") - 1
-        parts = [(int(k), np.flatnonzero(which == k)) for k in np.unique(which)]
+        parts = []  # per chunk: where its rows go in the result, and where they are in the chunk
+        for k in np.unique(which):
+            at = np.flatnonzero(which == k)
+            parts.append((int(k), at, idx[at] - starts[k]))
         out: dict[str, np.ndarray] = {}
         for c in self._names():
-            for k, at in parts:
+            for k, at, src in parts:
                 v = self._column_of(k, c)
-                if c not in out:
-                    out[c] = np.empty(len(idx), dtype=v.dtype)
-                out[c][at] = v[idx[at] - starts[k]]
+                if len(parts) == 1:  # every row from one chunk
+                    out[c] = v[src]
+                else:
+                    if c not in out:
+                        out[c] = np.empty(len(idx), dtype=v.dtype)
+                    out[c][at] = v[src]
         return out
 
     def take_all(self, order: np.ndarray) -> dict[str, np.ndarray]:
@@ -246,7 +262,7 @@ class FinishedRows:
         return out
 
     def discard(self) -> None:
-        self._pending, self._chunks, self._sizes = [], [], []
+        self._pending, self._chunks, self._sizes, self._spilled = [], [], [], {}
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
@@ -543,18 +559,25 @@ class TaskAssembler:
         return df
 
 
-def _raw(cols: dict[str, np.ndarray] | None, files: list[str]) -> pd.DataFrame:
-    """Finished partial rows (in output order) as a DataFrame."""
+_RAW_COLUMNS = KEY + ["slot", "file"] + [c for c in _PARTIAL if c not in KEY and not c.startswith(("slot_", "file"))] + [
+    "cut_by_restart"]
+
+
+def _raw(cols: dict[str, np.ndarray] | None, files: list[str]) -> dict[str, np.ndarray | pd.Categorical]:
+    """Finished partial rows (in output order) as columns: ``slot`` the launch's, else any
+    event's, and ``file`` one category per file. Arrays, not a DataFrame: :func:`_derive` takes
+    them one at a time, and deleting a DataFrame's columns is slow (its blocks are rebuilt)."""
     if cols is None or not len(cols.get("task", ())):
-        return pd.DataFrame(columns=KEY + ["slot", "file"] + [c for c in _PARTIAL if c not in KEY and not c.startswith(
-            ("slot_", "file"))] + ["cut_by_restart"])
+        raw: dict[str, np.ndarray | pd.Categorical] = {c: np.zeros(0) for c in _RAW_COLUMNS}
+        raw["file"] = np.zeros(0, dtype=object)
+        return raw
     code = cols.pop("file")
     # One category per file instead of its path repeated on every row (44 MB at 1 GB of log).
     file = pd.Categorical.from_codes(np.where(np.isnan(code), -1, code).astype(np.int64),
                                      categories=pd.Index(files, dtype="str"))
     slot_any = cols.pop("slot_any")
     slot_launch = cols.pop("slot_launch")
-    raw = pd.DataFrame({c: cols.pop(c) for c in _PARTIAL + ["cut_by_restart"] if c in cols}, copy=False)
+    raw = {c: cols.pop(c) for c in _PARTIAL + ["cut_by_restart"] if c in cols}
     raw["slot"] = np.where(np.isnan(slot_launch), slot_any, slot_launch)
     raw["file"] = file
     return raw
@@ -584,21 +607,22 @@ def _us_to_s(col: pd.Series) -> pd.Series:
     return v.where(v >= 0) / 1e6
 
 
-def _derive(raw: pd.DataFrame, source: str, sessions: pd.DataFrame, with_wall: bool | None = None) -> pd.DataFrame:
+def _derive(raw: dict[str, np.ndarray | pd.Categorical], source: str, sessions: pd.DataFrame,
+            with_wall: bool | None = None) -> pd.DataFrame:
     """Timeline arithmetic of research/log-formats.md §1.3, column-wise (``raw`` in output order).
 
     ``with_wall``: whether to add the ``*_at`` columns (None: if any row has a wall clock;
     a table written in batches decides once for all of them).
 
-    ``raw`` is consumed: each column is dropped after its last use, so the partial rows and
-    the task table are not both held whole. The arithmetic is numpy's (float64, NaN for
-    missing), each column made a pandas one once, at the end.
+    ``raw`` (:func:`_raw`'s columns) is consumed: each column is dropped after its last use, so
+    the partial rows and the task table are not both held whole. The arithmetic is numpy's
+    (float64, NaN for missing), each column made a pandas one once, at the end.
     """
     def take(c: str) -> np.ndarray:
-        return raw.pop(c).to_numpy(dtype=np.float64, na_value=np.nan)
+        return np.asarray(raw.pop(c), dtype=np.float64)
 
     def col(c: str) -> np.ndarray:
-        return raw[c].to_numpy(dtype=np.float64, na_value=np.nan)
+        return np.asarray(raw[c], dtype=np.float64)
 
     def seconds(us: np.ndarray) -> np.ndarray:
         with np.errstate(invalid="ignore"):
@@ -610,14 +634,14 @@ def _derive(raw: pd.DataFrame, source: str, sessions: pd.DataFrame, with_wall: b
     def flags(v: np.ndarray) -> pd.arrays.BooleanArray:  # 1 -> True, 0 -> False, else missing
         return pd.arrays.BooleanArray(v == 1, ~((v == 1) | (v == 0)))
 
-    n = len(raw)
+    n = len(raw["task"])
     out: dict[str, object] = {}
     out["source"] = _source_column(source, n)
-    session = raw["session"].to_numpy().astype(np.int64)
-    port = raw["port"].to_numpy().astype(np.int64)
+    session = np.asarray(raw.pop("session")).astype(np.int64)
+    port = np.asarray(raw.pop("port")).astype(np.int64)
     out["session"] = session
     out["slot"] = ints(take("slot"))
-    out["task_id"] = raw.pop("task").to_numpy().astype(np.int64)
+    out["task_id"] = np.asarray(raw.pop("task")).astype(np.int64)
     launch_us, release_us = col("launch_us"), col("release_us")
     launch_s = seconds(launch_us)
     eval_us, total_us = take("eval_us"), take("total_us")
@@ -661,11 +685,12 @@ def _derive(raw: pd.DataFrame, source: str, sessions: pd.DataFrame, with_wall: b
     # line (a log that starts mid-task) stays incomplete, even with its release and timings.
     line = take("line")
     launched = ~np.isnan(line)
-    out["status"] = np.where(launched & has_release & has_timings & ~flagged, "complete",
-                             np.where(cancelled, "cancelled", "incomplete"))
+    # Taken from the three texts as pandas holds text (10x faster than a numpy array of str).
+    out["status"] = _STATUS_TEXT.take(np.where(launched & has_release & has_timings & ~flagged, 0,
+                                               np.where(cancelled, 1, 2)))
     out["line"] = ints(line)
     # Columns beyond the stable set.
-    out["file"] = raw.pop("file").to_numpy() if not isinstance(raw["file"].dtype, pd.CategoricalDtype) else raw.pop("file").array
+    out["file"] = raw.pop("file")
     out["port"] = port
     out["release_line"] = ints(take("release_line"))
     out["total_ms"] = total_ms
@@ -688,6 +713,9 @@ def _derive(raw: pd.DataFrame, source: str, sessions: pd.DataFrame, with_wall: b
                          ("prefill_start_at", off + prefill_start_s * 1e6), ("first_token_at", off + first_token_s * 1e6)):
             out[name] = pd.to_datetime(pd.array(np.round(us), dtype="Int64"), unit="us", utc=True)
     return pd.DataFrame(out, copy=False)
+
+
+_STATUS_TEXT = pd.Index(["complete", "cancelled", "incomplete"]).array  # the dtype pandas gives text
 
 
 def _source_column(source: str, n: int) -> pd.Categorical:
