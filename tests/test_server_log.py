@@ -110,3 +110,23 @@ def test_prefill_steps_show_the_batch_size() -> None:
     assert before["step_tokens"].max() == 2048
     assert after["step_tokens"].max() == 512
     assert (after["step_tokens"].dropna() <= 512).all()
+
+
+def test_wall_offsets_follow_each_rows_session() -> None:
+    """Each task row takes its own (port, session)'s wall offset: the lookup agrees with a
+    MultiIndex over sessions in any order, some without an offset, rows of unknown sessions."""
+    import numpy as np
+
+    from slotscope.tasks import _wall_offsets
+
+    rng = np.random.default_rng(7)
+    for _ in range(100):
+        pairs = list({(int(rng.integers(-1, 3)), int(rng.integers(0, 5))) for _ in range(int(rng.integers(1, 9)))})
+        sessions = pd.DataFrame({"port": [p for p, _ in pairs], "session": [s for _, s in pairs],
+                                 "wall_offset_us": [None if rng.random() < 0.3 else int(rng.integers(0, 10**15)) for _ in pairs]})
+        n = int(rng.integers(0, 40))
+        port, session = rng.integers(-1, 4, n), rng.integers(0, 6, n)
+        offsets = sessions.set_index(["port", "session"])["wall_offset_us"].to_numpy(dtype="float64", na_value=np.nan)
+        at = sessions.set_index(["port", "session"]).index.get_indexer(pd.MultiIndex.from_arrays([port, session]))
+        want = np.where(at >= 0, offsets[at] if n else np.nan, np.nan)
+        assert np.array_equal(_wall_offsets(sessions, port, session), want, equal_nan=True)
