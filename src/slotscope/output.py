@@ -125,8 +125,9 @@ def for_text(df: pd.DataFrame) -> pd.DataFrame:
     Only the datetime columns are replaced; the table itself is not copied (a million-row
     task table would be).
     """
-    dt = {c: iso(df[c]) for c in df.columns
-          if isinstance(df[c].dtype, pd.DatetimeTZDtype) or pd.api.types.is_datetime64_any_dtype(df[c])}
+    # By the dtypes: a column of a DataFrame is a Series made each time it is asked for.
+    dt = {c: iso(df[c]) for c, dtype in df.dtypes.items()
+          if isinstance(dtype, pd.DatetimeTZDtype) or pd.api.types.is_datetime64_any_dtype(dtype)}
     return df.assign(**dt) if dt else df
 
 
@@ -443,7 +444,7 @@ class CsvWriter:
         ncols = len(df.columns)
         formatters = None
         if ncols and not isinstance(df.columns, pd.MultiIndex):
-            formatters = [_column_formatter(df.iloc[:, k]) for k in range(ncols)]
+            formatters = [_column_formatter(col) for _, col in df.items()]  # by position: names may repeat
         if formatters is None or any(f is None for f in formatters):
             df.to_csv(self.stream, index=False, header=header)
             return
