@@ -368,14 +368,14 @@ def _laid_out_heads(words: _Words, s: np.ndarray, e: np.ndarray, out: Scan) -> t
     ok &= good
     ok &= (words.at(q + 40) & _LAID_F_MASK) == _LAID_F
     # the task id: "-"? digits, then " |" (read across two words when it is 7 or 8 bytes long)
-    x = words.at(q + 46) ^ _ASCII0
+    g = words.at(q + 46)
+    x = g ^ _ASCII0
     neg = (x & _U(0xFF)) == _U(0x1D)
     x = np.where(neg, (x >> _U(8)) | _U(0x30 << 56), x)  # the byte shifted in: no digit
     nt = _lead((((x & _LO7) + _OVER9) | x) & _HI)
     task = np.where(neg, -1.0, 1.0) * _value(x, nt).astype(np.float64)
     size = neg + nt
     ok &= nt >= 1
-    g = words.at(q + 46)
     bar = (g >> (np.minimum(size, 6) * 8).astype(_U)) & _U(0xFFFF)
     long = np.flatnonzero(size >= 7)
     if len(long):

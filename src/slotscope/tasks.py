@@ -93,7 +93,11 @@ def _fold(
     """
     n_open = len(open_rows["task"]) if open_rows is not None else 0
     rows = _concat([open_rows, events], _CORE) if n_open else events
-    order = np.lexsort((rows["task"], rows["session"], rows["port"]))  # stable: order kept per task
+    port, session = rows["port"], rows["session"]
+    if len(port) and port.min() == port.max() and session.min() == session.max():  # one port, one session
+        order = np.argsort(rows["task"], kind="stable")
+    else:
+        order = np.lexsort((rows["task"], session, port))  # stable: order kept per task
     key = {k: rows[k][order] for k in KEY}
     new = np.ones(len(order), bool)
     new[1:] = (key["port"][1:] != key["port"][:-1]) | (key["session"][1:] != key["session"][:-1]) | (
@@ -105,20 +109,32 @@ def _fold(
     group[order] = group_sorted  # the group of each row, rows in their own order
     out = {k: v[starts] for k, v in key.items()}
 
-    def first(rows_at: np.ndarray, values: np.ndarray) -> np.ndarray:
-        have = ~np.isnan(values)
-        g, at = np.unique(group[rows_at[have]], return_index=True)  # index of each group's first
-        res = np.full(n_groups, np.nan)
-        res[g] = values[have][at]
-        return res
+    def leads(g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each group's first row among ``g`` (the rows' groups, in row order): (groups, rows)."""
+        o = np.argsort(g, kind="stable")
+        gs = g[o]
+        lead = np.ones(len(gs), bool)
+        lead[1:] = gs[1:] != gs[:-1]
+        return gs[lead], o[lead]
 
     opened = np.arange(n_open)
     for at, values in kinds:
+        rows_at = np.concatenate([opened, at + n_open]) if n_open else at
+        every: tuple[np.ndarray, np.ndarray] | None = None  # the leads when no value is missing
         for c, v in values.items():
             if n_open:
-                out[c] = first(np.concatenate([opened, at + n_open]), np.concatenate([open_rows[c], v]))  # type: ignore[index]
+                v = np.concatenate([open_rows[c], v])  # type: ignore[index]
+            have = ~np.isnan(v)
+            if have.all():
+                if every is None:
+                    every = leads(group[rows_at])
+                g, i = every
             else:
-                out[c] = first(at, v)
+                g, i = leads(group[rows_at[have]])
+                v = v[have]
+            res = np.full(n_groups, np.nan)
+            res[g] = v[i]
+            out[c] = res
     # slot_any over every row: first non-missing per group, walking the rows in key order
     v = rows["slot_any"][order]
     have = np.flatnonzero(~np.isnan(v))
