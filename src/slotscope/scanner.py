@@ -38,6 +38,12 @@ SRV_EVENT = (
 # fails leaves the line "not known", and such lines go through the full RE2 pattern below
 # (FAST_PATTERN), which stays the definition of what each line means: the scanner only takes
 # lines whose FAST_PATTERN reading it can prove, and reproduces that reading exactly.
+#
+# Most lines come straight from llama-server's printf formats, where every byte up to the
+# task id, and every byte of a heartbeat or timing message while its numbers fit their
+# widths, has a fixed place: those are read at fixed offsets first (_laid_out_heads,
+# _Layout), which needs a few gathers per line instead of one per step. Lines that do not
+# fit go the step-by-step way; both ways give the same reading.
 
 _U = np.uint64
 _HI = _U(0x8080808080808080)
