@@ -618,11 +618,6 @@ class TaskBatch:
         return _derive(_raw(cols, self.files), self.source, self.sessions, self.with_wall)
 
 
-def _us_to_s(col: pd.Series) -> pd.Series:
-    v = col.astype("float64")
-    return v.where(v >= 0) / 1e6
-
-
 def _derive(raw: dict[str, np.ndarray | pd.Categorical], source: str, sessions: pd.DataFrame,
             with_wall: bool | None = None) -> pd.DataFrame:
     """Timeline arithmetic of research/log-formats.md §1.3, column-wise (``raw`` in output order).
