@@ -216,10 +216,14 @@ def test_a_full_temporary_directory_is_a_message_not_a_traceback(big_log: Path, 
     from slotscope.errors import SlotscopeError
     from slotscope.server_log import read_task_batches
 
-    def full(*args: object, **kwargs: object) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
+    import builtins
 
-    monkeypatch.setattr(tasks_mod.np, "save", full)
+    def full(path: str, mode: str = "r", *args: object, **kwargs: object) -> object:
+        if "w" in mode:  # the spill's writes fail as on a full disk; reads work
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return builtins.open(path, mode, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(tasks_mod, "open", full, raising=False)
     with pytest.raises(SlotscopeError, match="finished tasks .*No space left on device.*TMPDIR"):
         read_task_batches([big_log], rows=500, jobs=1)
     from slotscope.server_log import read_sample_batches
