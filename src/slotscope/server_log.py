@@ -242,11 +242,13 @@ def _parse_exact(lines: pa.Array) -> _Exact:
 # --------------------------------------------------------------------------- a block -> events
 
 def parse_chunk(
-    chunk: bytes, first_line: int, state: StreamState, account: FileAccount
+    chunk: bytes, first_line: int, state: StreamState, account: FileAccount, *, arrays: bool = False
 ) -> pd.DataFrame:
     """Turn one block of whole lines into events; count every line in ``account``.
 
-    ``first_line`` is the 1-based file line of the block's first line.
+    ``first_line`` is the 1-based file line of the block's first line. ``arrays``: the events
+    as a dict of numpy columns, not a DataFrame (for the worker processes: no table built and
+    taken apart again per block).
     """
     ends = chunk.endswith(b"\n")
     wrapper = state.wrapper
@@ -321,11 +323,14 @@ def parse_chunk(
     account.used += int(used.sum()) + sum(1 for r in legacy_rows if r.get("kind", 0) != 0)
 
     idx = np.flatnonzero(used)
-    ev = pd.DataFrame({
+    cols = {
         "line": (first_line + idx).astype(np.int64), "kind": kind[idx], "port": port[idx],
         "ts_us": ts[idx], "wall_us": wall[idx], "slot": slot[idx], "task": task[idx],
         "v1": v[0][idx], "v2": v[1][idx], "v3": v[2][idx], "v4": v[3][idx], "cont": cont[idx],
-    })
+    }
+    if arrays and not legacy_rows:
+        return cols  # type: ignore[return-value]
+    ev = pd.DataFrame(cols)
     if legacy_rows:
         lg = pd.DataFrame(legacy_rows)
         lg = lg[lg["kind"] != 0]
@@ -336,7 +341,8 @@ def parse_chunk(
             ev["ts_us"] = ev["ts_us"].fillna(-1).astype(np.int64)
             ev["wall_us"] = ev["wall_us"].fillna(-1).astype(np.int64)
             ev["kind"] = ev["kind"].astype(np.int8)
-    return ev.reset_index(drop=True)
+    ev = ev.reset_index(drop=True)
+    return {c: ev[c].to_numpy() for c in ev.columns} if arrays else ev  # type: ignore[return-value]
 
 
 def assign_sessions(ev: pd.DataFrame, state: StreamState) -> pd.DataFrame:
@@ -354,24 +360,26 @@ def assign_sessions(ev: pd.DataFrame, state: StreamState) -> pd.DataFrame:
     return ev
 
 
-def _fill_times(ev: pd.DataFrame, state: StreamState) -> None:
+def _fill_times(ev: pd.DataFrame | dict[str, np.ndarray], state: StreamState) -> None:
     """Times that depend on earlier lines: a relative clock from wall-clock stamps (logs
-    without llama's own), and the header's slot/task/time on older multi-line timing blocks."""
-    ts = ev["ts_us"].to_numpy().copy()
-    wall = ev["wall_us"].to_numpy()
+    without llama's own), and the header's slot/task/time on older multi-line timing blocks.
+    ``ev``: a table or a dict of columns (changed columns are replaced, in either)."""
+    ts = np.asarray(ev["ts_us"]).copy()
+    wall = np.asarray(ev["wall_us"])
     if (ts < 0).all() and (wall >= 0).any():
         if state.wall_origin is None:
             state.wall_origin = int(wall[wall >= 0][0])
         ts = np.where(wall >= 0, wall - state.wall_origin, -1)
         ev["ts_us"] = ts
     # Older multi-line blocks: continuation rows take slot/task/time from their header.
-    cont = ev["cont"].to_numpy()
-    hdr = ev["kind"].to_numpy() == TIMING_HEADER
+    cont = np.asarray(ev["cont"])
+    hdr = np.asarray(ev["kind"]) == TIMING_HEADER
     if cont.any() or hdr.any():  # a header's lines may follow in the next block
+        port, slot, task = (np.asarray(ev[c]) for c in ("port", "slot", "task"))
         if cont.any():
-            h_port = pd.Series(np.where(hdr, ev["port"], np.nan))
-            h_slot = pd.Series(np.where(hdr, ev["slot"], np.nan))
-            h_task = pd.Series(np.where(hdr, ev["task"], np.nan))
+            h_port = pd.Series(np.where(hdr, port, np.nan))
+            h_slot = pd.Series(np.where(hdr, slot, np.nan))
+            h_task = pd.Series(np.where(hdr, task, np.nan))
             h_ts = pd.Series(np.where(hdr, ts, np.nan))
             if state.last_header is not None:
                 p, s, t, tt = state.last_header
@@ -380,24 +388,24 @@ def _fill_times(ev: pd.DataFrame, state: StreamState) -> None:
                         ser.iloc[0] = val
             h_port, h_slot, h_task, h_ts = (x.ffill().to_numpy() for x in (h_port, h_slot, h_task, h_ts))
             ok = cont & ~np.isnan(h_task)
-            ev.loc[ok, "port"] = h_port[ok].astype(np.int64)
-            ev.loc[ok, "slot"] = h_slot[ok]
-            ev.loc[ok, "task"] = h_task[ok]
+            port = np.where(ok, h_port, port).astype(np.int64)
+            slot = np.where(ok, h_slot, slot)
+            task = np.where(ok, h_task, task)
             ts = np.where(ok, h_ts, ts).astype(np.int64)
-            ev["ts_us"] = ts
+            ev["port"], ev["slot"], ev["task"], ev["ts_us"] = port, slot, task, ts
         if hdr.any():
             last = np.flatnonzero(hdr)[-1]
-            state.last_header = (int(ev["port"].iat[last]), int(ev["slot"].iat[last]), int(ev["task"].iat[last]), int(ts[last]))
+            state.last_header = (int(port[last]), int(slot[last]), int(task[last]), int(ts[last]))
 
 
-def _needs_earlier_lines(ev: pd.DataFrame, state: StreamState) -> bool:
+def _needs_earlier_lines(ev: pd.DataFrame | dict[str, np.ndarray], state: StreamState) -> bool:
     """Whether :func:`_fill_times` would need what earlier blocks left in ``state``."""
-    ts, wall = ev["ts_us"].to_numpy(), ev["wall_us"].to_numpy()
+    ts, wall = np.asarray(ev["ts_us"]), np.asarray(ev["wall_us"])
     if len(ts) and (ts < 0).all() and (wall >= 0).any() and state.wall_origin is None:
         return True
-    cont = ev["cont"].to_numpy()
+    cont = np.asarray(ev["cont"])
     if cont.any():
-        hdr = np.flatnonzero(ev["kind"].to_numpy() == TIMING_HEADER)
+        hdr = np.flatnonzero(np.asarray(ev["kind"]) == TIMING_HEADER)
         return not len(hdr) or np.flatnonzero(cont)[0] < hdr[0]
     return False
 
@@ -413,7 +421,7 @@ class PortSessions:
     starts: int  # sessions started inside the block after its first row
 
 
-def local_sessions(ev: pd.DataFrame) -> tuple[np.ndarray, list[PortSessions]]:
+def local_sessions(ev: pd.DataFrame | dict[str, np.ndarray]) -> tuple[np.ndarray, list[PortSessions]]:
     """Sessions numbered from 0 within the block, per port, and what fixes them up.
 
     A new session starts where the clock goes back by more than a second from the last known
@@ -421,10 +429,10 @@ def local_sessions(ev: pd.DataFrame) -> tuple[np.ndarray, list[PortSessions]]:
     at a start-up banner. Whether the port's first row starts one depends on earlier blocks:
     :func:`resolve_sessions` decides that.
     """
-    ts = ev["ts_us"].to_numpy()
-    ports = ev["port"].to_numpy()
-    kinds = ev["kind"].to_numpy()
-    local = np.zeros(len(ev), dtype=np.int64)
+    ts = np.asarray(ev["ts_us"])
+    ports = np.asarray(ev["port"])
+    kinds = np.asarray(ev["kind"])
+    local = np.zeros(len(ts), dtype=np.int64)
     info = []
     # One port (no router): no sort of the whole block to find it.
     uniq = ports[:1] if len(ports) and ports.min() == ports.max() else np.unique(ports)
@@ -498,9 +506,9 @@ def _parse_block(job: tuple[bytes | Span, StreamState, bool]) -> _Parsed:
     block, state, keep_samples = job  # the state: a fresh one per block (_given), this block's to change
     data = read_span(block) if isinstance(block, Span) else block
     account = FileAccount("")
-    ev = parse_chunk(data, 1, state, account)
-    if not len(ev) or _needs_earlier_lines(ev, state):
-        return _Parsed(account, len(data), events={c: ev[c].to_numpy() for c in ev.columns})
+    ev = parse_chunk(data, 1, state, account, arrays=True)
+    if not len(ev["line"]) or _needs_earlier_lines(ev, state):
+        return _Parsed(account, len(data), events=ev)
     _fill_times(ev, state)
     local, ports = local_sessions(ev)
     ev["session"] = local
