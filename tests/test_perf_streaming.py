@@ -7,6 +7,7 @@ the benchmark in bench/ measures speed and RSS; these tests pin the behaviour th
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -70,8 +71,9 @@ def test_tables_do_not_depend_on_block_size(big_log: Path) -> None:
 
 @pytest.mark.parametrize("compressed", [False, True])
 def test_tables_do_not_depend_on_worker_processes(big_log: Path, tmp_path: Path, compressed: bool) -> None:
-    """Blocks parsed by worker processes (byte spans of a plain file; shipped bytes of a .gz)
-    give the same tables and line accounts as parsing them in this process."""
+    """Blocks parsed by worker processes (byte spans of a plain file; of temporary copies of a
+    .gz's blocks) give the same tables and line accounts as parsing them in this process, and
+    no temporary copy is left behind."""
     path = big_log
     if compressed:
         import gzip
@@ -79,7 +81,9 @@ def test_tables_do_not_depend_on_worker_processes(big_log: Path, tmp_path: Path,
         path = tmp_path / "llama-server.log.gz"
         path.write_bytes(gzip.compress(big_log.read_bytes(), 1))
     ref = read_server_logs([path], chunk_size=64 << 10, jobs=1)
+    before = set(Path(tempfile.gettempdir()).glob("slotscope-blocks-*"))
     got = read_server_logs([path], chunk_size=64 << 10, jobs=2)
+    assert set(Path(tempfile.gettempdir()).glob("slotscope-blocks-*")) == before
     for name in ("tasks", "gen_samples", "prefill_samples", "sessions"):
         pd.testing.assert_frame_equal(getattr(got, name), getattr(ref, name), check_exact=True, obj=name)
     (a,), (b,) = ref.accounting.files, got.accounting.files
@@ -158,6 +162,57 @@ def test_spans_cover_the_file_and_end_at_newlines(tmp_path: Path, tail: bytes) -
         assert b"".join(pieces) == data
         assert all(p.endswith(b"\n") for p in pieces[:-1])
         assert all(p for p in pieces)
+
+
+def test_staged_blocks_come_back_as_they_went_and_leave_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of a stream that cannot be cut into spans go to the workers through temporary
+    files: each reads back as the block, is removed once read, and what is not read is removed
+    when the reader closes it (not when the last block is given out: workers may still be
+    reading); the source iterator is closed (its read-ahead thread stopped)."""
+    from slotscope.sources import Span, read_span, staged
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    real = (REAL / "after" / "logs" / "llama-server.log").read_bytes()
+    blocks = [real[i : i + 5000] for i in range(0, 40_000, 5000)]
+    closed = []
+
+    def source():
+        try:
+            yield from blocks
+        finally:
+            closed.append(True)
+
+    out = staged(source())
+    spans = [next(out) for _ in range(3)]
+    assert all(isinstance(s, Span) and s.staged for s in spans)
+    assert [read_span(s) for s in spans] == blocks[:3]
+    assert not any(Path(s.path).exists() for s in spans)  # removed by their reader
+    more = next(out)
+    assert Path(more.path).exists()
+    out.close()  # the reader stops early
+    assert closed == [True] and not Path(more.path).exists() and not list(tmp_path.iterdir())
+    every = staged(iter(blocks))
+    spans = list(every)
+    assert all(Path(s.path).exists() for s in spans)  # the last block given out: not removed yet
+    assert [read_span(s) for s in spans] == blocks
+    every.close()
+    assert not list(tmp_path.iterdir())
+
+
+def test_staged_blocks_go_as_bytes_where_no_file_can_be_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+    import errno
+
+    from slotscope import sources
+
+    def full(path: str, mode: str = "r", *args: object, **kwargs: object) -> object:
+        if "w" in mode:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return builtins.open(path, mode, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(sources, "open", full, raising=False)
+    blocks = [b"a\n", b"b\n"]
+    assert list(sources.staged(iter(blocks))) == blocks
 
 
 def test_task_batches_join_to_the_task_table(big_log: Path, monkeypatch: pytest.MonkeyPatch) -> None:

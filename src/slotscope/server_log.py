@@ -37,7 +37,7 @@ from .events import (
 from .accounting import Accounting, FileAccount
 from .errors import InputError
 from .sources import (
-    CHUNK_SIZE, STDIN, Inputs, LogFile, Span, collect, is_plain, iter_chunks, iter_spans, read_span, reopen,
+    CHUNK_SIZE, STDIN, Inputs, LogFile, Span, collect, is_plain, iter_chunks, iter_spans, read_span, reopen, staged,
 )
 from .workers import Pool
 from .scanner import SRV_EVENT, Reading, Scan, scan
@@ -516,15 +516,15 @@ def _parse_block(job: tuple[bytes | Span, StreamState, bool]) -> _Parsed:
 
 
 def _blocks(stream: BinaryIO, lf: LogFile, size: int, pool: Pool | None) -> tuple[Iterator[bytes | Span], int | None]:
-    """The blocks of one file: byte spans that a worker reads itself where the file is plain
-    and there are workers, else the bytes; and how many may be in flight (None: the pool's
-    default). Shipped bytes wait in pipes: one block per worker, and one more."""
+    """The blocks of one file, and how many may be in flight (None: the pool's default). With
+    workers, spans they read themselves: of the file where it is plain, else of a temporary
+    copy of each block (compressed or piped input); without, the bytes."""
     if pool is not None and pool.jobs > 1 and is_plain(stream):
         return iter_spans(stream, lf.path, size), None
     if pool is None or pool.jobs < 2:
         return iter_chunks(stream, lf.path, size), None
-    # Each shipped block is held ~4 times (read ahead, queued, pickled, in the worker): halved.
-    return iter_chunks(stream, lf.path, max(size // 2, 1)), pool.jobs + 1
+    # Compressed or piped: each block goes to the workers through a temporary file.
+    return staged(iter_chunks(stream, lf.path, max(size // 2, 1))), None
 
 
 def read_stream(

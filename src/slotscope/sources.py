@@ -447,11 +447,15 @@ def file_size(path: str) -> int | None:
 
 @dataclass(frozen=True)
 class Span:
-    """A byte range of a plain (uncompressed, seekable) file that holds whole lines only."""
+    """A byte range of a plain (uncompressed, seekable) file that holds whole lines only.
+
+    ``staged``: the file is a temporary copy of one block (see :func:`staged`), removed by
+    whoever reads it."""
 
     path: str
     start: int
     length: int
+    staged: bool = False
 
 
 def iter_spans(stream: BinaryIO, path: str, size: int = CHUNK_SIZE) -> Iterator[Span]:
@@ -492,11 +496,56 @@ def read_span(span: Span) -> bytes:
         with open(span.path, "rb") as f:
             f.seek(span.start)
             data = f.read(span.length)
+        if span.staged:
+            os.unlink(span.path)
     except OSError as e:
         raise InputError(span.path, None, f"cannot read: {e.strerror or e}") from None
     if len(data) != span.length:
         raise InputError(span.path, None, "the file shrank while it was read (truncated or rotated meanwhile?)")
     return data
+
+
+class staged:
+    """The same blocks, each written to a temporary file and handed on as a :class:`Span` of
+    it, for a worker process to read (and remove).
+
+    For a stream that cannot be cut into spans (compressed, stdin): a block sent through a pipe
+    is copied four times (pickled, written, read, unpickled) in processes that are parsing too;
+    a file is written once and read once, and waits in the page cache, not in memory. Where
+    the temporary directory cannot take a block (full, read-only), the block itself is handed
+    on. :meth:`close` (not the last block: workers may still be reading) closes the source
+    (stopping its read-ahead thread) and removes the files no one read.
+    """
+
+    def __init__(self, blocks: Iterator[bytes]) -> None:
+        import tempfile
+
+        self._blocks = blocks
+        self._tmp = tempfile.TemporaryDirectory(prefix="slotscope-blocks-")
+        self._n = 0
+
+    def __iter__(self) -> "staged":
+        return self
+
+    def __next__(self) -> bytes | Span:
+        block = next(self._blocks)
+        path = os.path.join(self._tmp.name, str(self._n))
+        self._n += 1
+        try:
+            with open(path, "wb") as f:
+                f.write(block)
+        except OSError:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            return block
+        return Span(path, 0, len(block), staged=True)
+
+    def close(self) -> None:
+        if hasattr(self._blocks, "close"):
+            self._blocks.close()  # stops a read-ahead thread before its stream is closed
+        self._tmp.cleanup()
 
 
 def is_plain(stream: BinaryIO) -> bool:
