@@ -199,18 +199,20 @@ def test_staged_blocks_come_back_as_they_went_and_leave_no_file(tmp_path: Path, 
     assert not list(tmp_path.iterdir())
 
 
-def test_staged_blocks_go_as_bytes_where_no_file_can_be_written(monkeypatch: pytest.MonkeyPatch) -> None:
+def _full_disk_open(path: str, mode: str = "r", *args: object, **kwargs: object) -> object:
+    """``open`` as on a full disk: writing fails, reading works."""
     import builtins
     import errno
 
+    if "w" in mode:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return builtins.open(path, mode, *args, **kwargs)  # type: ignore[call-overload]
+
+
+def test_staged_blocks_go_as_bytes_where_no_file_can_be_written(monkeypatch: pytest.MonkeyPatch) -> None:
     from slotscope import sources
 
-    def full(path: str, mode: str = "r", *args: object, **kwargs: object) -> object:
-        if "w" in mode:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return builtins.open(path, mode, *args, **kwargs)  # type: ignore[call-overload]
-
-    monkeypatch.setattr(sources, "open", full, raising=False)
+    monkeypatch.setattr(sources, "open", _full_disk_open, raising=False)
     blocks = [b"a\n", b"b\n"]
     assert list(sources.staged(iter(blocks))) == blocks
 
@@ -266,19 +268,10 @@ def test_task_batches_made_as_text_by_workers_join_to_the_table(big_log: Path, t
 
 
 def test_a_full_temporary_directory_is_a_message_not_a_traceback(big_log: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import errno
-
     from slotscope.errors import SlotscopeError
     from slotscope.server_log import read_task_batches
 
-    import builtins
-
-    def full(path: str, mode: str = "r", *args: object, **kwargs: object) -> object:
-        if "w" in mode:  # the spill's writes fail as on a full disk; reads work
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return builtins.open(path, mode, *args, **kwargs)  # type: ignore[call-overload]
-
-    monkeypatch.setattr(tasks_mod, "open", full, raising=False)
+    monkeypatch.setattr(tasks_mod, "open", _full_disk_open, raising=False)  # the spill's writes fail
     with pytest.raises(SlotscopeError, match="finished tasks .*No space left on device.*TMPDIR"):
         read_task_batches([big_log], rows=500, jobs=1)
     from slotscope.server_log import read_sample_batches
