@@ -109,12 +109,15 @@ def _blank_run(words: _Words, pos: np.ndarray) -> np.ndarray:
     return n
 
 
+def _eight_digits(v: np.ndarray) -> np.ndarray:
+    """The number written by a word's 8 bytes as digits 0..9 (the first byte the highest)."""
+    v = v * _U(10) + (v >> _U(8))
+    return ((((v & _PAIR_MASK) * _PAIR_MUL1) + (((v >> _U(16)) & _PAIR_MASK) * _PAIR_MUL2)) >> _U(32)).astype(np.int64)
+
+
 def _value(x: np.ndarray, n: np.ndarray) -> np.ndarray:
     """The number written by the first ``n`` (1..8) digits of ``x`` (digits as 0..9)."""
-    v = x << (np.minimum(8 - n, 7) * 8).astype(_U)
-    v = v * _U(10) + (v >> _U(8))
-    v = (((v & _PAIR_MASK) * _PAIR_MUL1) + (((v >> _U(16)) & _PAIR_MASK) * _PAIR_MUL2)) >> _U(32)
-    return np.where(n > 0, v.astype(np.int64), 0)
+    return np.where(n > 0, _eight_digits(x << (np.minimum(8 - n, 7) * 8).astype(_U)), 0)
 
 
 class _Cursor:
@@ -294,6 +297,22 @@ _TS_DOTS, _TS_DOTS_MASK = _U(0x1E00000000000000 | 0x1E000000 | 0x1E), _U(0xFF000
 _TS_END, _TS_END_MASK = _U(0x10000000), _U(0xFF000000)
 _TS_DIGITS1 = _U(0x0080808000808000)  # high bits of bytes 1, 2, 4, 5, 6
 _TS_DIGITS2 = _U(0x0000000000808080)  # bytes 0, 1, 2
+
+
+def _stamp(minutes: np.ndarray, x1: np.ndarray, x2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The µs of "M.SS.mmm.uuu ": ``x1`` the word ".SS.mmm." after the minutes, ``x2`` the next
+    ("uuu " ...), both XOR "0" bytes. (whether their dots and digits are there, the time)."""
+    ok = ((x1 & _TS_DOTS_MASK) == _TS_DOTS) & (((((x1 & _LO7) + _OVER9) | x1) & _TS_DIGITS1) == 0)
+    ok &= ((((x2 & _LO7) + _OVER9) | x2) & _TS_DIGITS2) == 0
+
+    def d(x: np.ndarray, k: int) -> np.ndarray:
+        return ((x >> _U(8 * k)) & _U(0xFF)).astype(np.int64)
+
+    sec = d(x1, 1) * 10 + d(x1, 2)
+    ms = d(x1, 4) * 100 + d(x1, 5) * 10 + d(x1, 6)
+    us = d(x2, 0) * 100 + d(x2, 1) * 10 + d(x2, 2)
+    # The same float64 arithmetic as FAST_PATTERN's reading (it rounds past 2**53 µs).
+    return ok, ((minutes.astype(np.float64) * 60 + sec) * 1000 + ms) * 1000 + us
 _COLON = _word(b": ")[0]
 _LEVELS = [_U(ord(c)) for c in "IWED"]
 # A slot message that starts (after its blanks) with one of these may be a record or a
@@ -356,14 +375,11 @@ def _laid_out_heads(words: _Words, s: np.ndarray, e: np.ndarray, out: Scan) -> t
     rows = np.flatnonzero((nd >= 1) & (nd <= 7))
     nd = nd[rows]
     q = s[rows] + nd
-    a = words.at(q) ^ _ASCII0
     b = words.at(q + 8)
     c = words.at(q + 16)
     d = words.at(q + 24)
     w_e = words.at(q + 32)
-    ok = ((a & _TS_DOTS_MASK) == _TS_DOTS) & (((((a & _LO7) + _OVER9) | a) & _TS_DIGITS1) == 0)
-    xb = b ^ _ASCII0
-    ok &= ((((xb & _LO7) + _OVER9) | xb) & _TS_DIGITS2) == 0
+    ok, ts = _stamp(_value(x0[rows], nd), words.at(q) ^ _ASCII0, b ^ _ASCII0)
     ok &= (b & _LAID_B_MASK) == _LAID_B
     lv = (b >> _U(32)) & _U(0xFF)
     ok &= (lv == _LEVELS[0]) | (lv == _LEVELS[1]) | (lv == _LEVELS[2]) | (lv == _LEVELS[3])
@@ -390,13 +406,6 @@ def _laid_out_heads(words: _Words, s: np.ndarray, e: np.ndarray, out: Scan) -> t
     ok &= bar == _BAR
     m = q + 48 + size
     ok &= m <= e[rows]
-    minutes = _value(x0[rows], nd)
-    sec = ((a >> _U(8)) & _U(0xFF)).astype(np.int64) * 10 + ((a >> _U(16)) & _U(0xFF)).astype(np.int64)
-    ms = ((((a >> _U(32)) & _U(0xFF)) * _U(100) + ((a >> _U(40)) & _U(0xFF)) * _U(10) + ((a >> _U(48)) & _U(0xFF)))
-          .astype(np.int64))
-    us = ((xb & _U(0xFF)) * _U(100) + ((xb >> _U(8)) & _U(0xFF)) * _U(10) + ((xb >> _U(16)) & _U(0xFF))).astype(np.int64)
-    # The same float64 arithmetic as FAST_PATTERN's reading (it rounds past 2**53 µs).
-    ts = ((minutes.astype(np.float64) * 60 + sec) * 1000 + ms) * 1000 + us
     taken = np.zeros(len(s), bool)
     rows, m = rows[ok], m[ok]
     taken[rows] = True
@@ -430,20 +439,9 @@ def _heads(words: _Words, s: np.ndarray, e: np.ndarray, lines: pa.StringArray, o
     stamped = np.flatnonzero(c.ok & (nd >= 1))
     if len(stamped):
         q = c.pos[stamped] + nd[stamped]
-        x1 = words.at(q) ^ _ASCII0  # ".SS.mmm."
         x2 = words.at(q + 8) ^ _ASCII0  # "uuu "
-        good = (nd[stamped] <= 10) & ((x1 & _TS_DOTS_MASK) == _TS_DOTS) & ((x2 & _TS_END_MASK) == _TS_END)
-        good &= ((((x1 & _LO7) + _OVER9) | x1) & _TS_DIGITS1) == 0
-        good &= ((((x2 & _LO7) + _OVER9) | x2) & _TS_DIGITS2) == 0
-
-        def d(x: np.ndarray, k: int) -> np.ndarray:
-            return ((x >> _U(8 * k)) & _U(0xFF)).astype(np.int64)
-
-        sec = d(x1, 1) * 10 + d(x1, 2)
-        ms = d(x1, 4) * 100 + d(x1, 5) * 10 + d(x1, 6)
-        us = d(x2, 0) * 100 + d(x2, 1) * 10 + d(x2, 2)
-        # The same float64 arithmetic as FAST_PATTERN's reading (it rounds past 2**53 µs).
-        ts = ((minutes[stamped].astype(np.float64) * 60 + sec) * 1000 + ms) * 1000 + us
+        good, ts = _stamp(minutes[stamped], words.at(q) ^ _ASCII0, x2)
+        good &= (nd[stamped] <= 10) & ((x2 & _TS_END_MASK) == _TS_END)
         out.ts[idx[stamped]] = np.where(good, ts, -1).astype(np.int64)
         c.pos[stamped] = q + 12
         c.ok[stamped] &= good  # digits that are no timestamp: not for the scanner
@@ -614,10 +612,8 @@ def _right_aligned(x: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     blank = ~(((y & _LO7) + _LO7) | y) & _HI & ~fill  # exact: no borrow from byte to byte
     # Every byte a digit or a blank, and the blanks all before the first digit (so there is one).
     ok = ((digit | blank) == (_HI & ~fill)) & (blank < (digit & (~digit + _U(1))))
-    v = (f & ~(blank >> _U(3))) << _U(8 * (8 - width))  # blanks as 0 digits, then to the word's top
-    v = v * _U(10) + (v >> _U(8))
-    v = (((v & _PAIR_MASK) * _PAIR_MUL1) + (((v >> _U(16)) & _PAIR_MASK) * _PAIR_MUL2)) >> _U(32)
-    return ok, v.astype(np.int64)
+    # blanks as 0 digits, the field moved to the word's top (leading 0 digits below it)
+    return ok, _eight_digits((f & ~(blank >> _U(3))) << _U(8 * (8 - width)))
 
 
 class _Layout:
