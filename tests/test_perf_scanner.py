@@ -180,10 +180,8 @@ def test_lines_with_the_servers_layout_are_read_at_fixed_places() -> None:
     for path in sorted(REAL.glob("*/logs/llama-server.log")):
         data = path.read_bytes()
         lines = server_log._split(data, data.endswith(b"\n"))
-        off = np.frombuffer(lines.buffers()[1], np.int32, count=len(lines) + 1).astype(np.int64)
-        ends = off[1:] - np.frombuffer(data, np.uint8)[off[1:] - 1].__eq__(10)
-        taken, rows, _ = scanner._laid_out_heads(scanner._Words(np.frombuffer(data, np.uint8)), off[:-1], ends,
-                                                 scanner.Scan.empty(len(lines)))
+        raw, starts, ends = scanner.line_bounds(lines)
+        taken, _, _ = scanner._laid_out_heads(scanner._Words(raw), starts, ends, scanner.Scan.empty(len(lines)))
         want = np.array([bool(layout.match(ln)) for ln in data.splitlines()])
         if path.parent.parent.name != "wallclock":
             assert want.sum() > 500

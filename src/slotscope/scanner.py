@@ -327,18 +327,24 @@ _SRV_EVENTS_RE = re.compile(_SRV_EVENTS)
 _SRV_EVENT_RE = re.compile(SRV_EVENT, re.ASCII)
 
 
-def scan(lines: pa.StringArray) -> Scan:
-    """Read each line of a block (elements ending in a newline) with the scanner's grammar."""
+def line_bounds(lines: pa.StringArray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A block's bytes, and where each line starts and ends (before its newline)."""
     n = len(lines)
     off = np.frombuffer(lines.buffers()[1], np.int32, count=n + 1, offset=4 * lines.offset).astype(np.int64)
     data = lines.buffers()[2]
     raw = np.frombuffer(data, np.uint8, count=int(off[-1])) if data is not None else np.zeros(0, np.uint8)
-    words = _Words(raw)
     s, e = off[:-1], off[1:]
     ends_nl = np.zeros(n, bool)
     has = e > s
     ends_nl[has] = raw[e[has] - 1] == 10
-    e = e - ends_nl
+    return raw, s, e - ends_nl
+
+
+def scan(lines: pa.StringArray) -> Scan:
+    """Read each line of a block (elements ending in a newline) with the scanner's grammar."""
+    n = len(lines)
+    raw, s, e = line_bounds(lines)
+    words = _Words(raw)
     out = Scan.empty(n)
     if n == 0:
         return out
