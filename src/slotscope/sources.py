@@ -13,6 +13,7 @@ import os
 import queue
 import re
 import sys
+import tempfile
 import threading
 import zlib
 from dataclasses import dataclass, field
@@ -518,8 +519,6 @@ class staged:
     """
 
     def __init__(self, blocks: Iterator[bytes]) -> None:
-        import tempfile
-
         self._blocks = blocks
         self._tmp = tempfile.TemporaryDirectory(prefix="slotscope-blocks-")
         self._n = 0
