@@ -380,3 +380,18 @@ def test_a_stretch_without_start_times_drops_its_rows_not_the_file(tmp_path: Pat
     log = read_app_logs([_write_jsonl(tmp_path / "app.jsonl", records)])
     assert len(log.calls) == len(records) - 10
     assert log.accounting.rows_dropped == 10 and log.accounting.problems[0].line == 1
+
+
+def test_a_lone_surrogate_escape_is_replaced_not_raised(tmp_path: Path) -> None:
+    """JSON may escape half a UTF-16 pair ("\\ud800"); json.loads gives a text no table can
+    hold, and reading such a log once ended in a UnicodeEncodeError traceback. It now reads
+    like an invalid UTF-8 byte does: replaced by U+FFFD, the call kept."""
+    records = _jsonl(REAL / "before" / "logs" / "app.jsonl")[:6]
+    records[2]["user"] = "u\ud800x"
+    records[4]["purpose"] = {"a\udc00": "b\ud83d"}  # in keys and nested values too
+    path = _write_jsonl(tmp_path / "app.jsonl", records)
+    assert b"\\ud800" in path.read_bytes()
+    calls = read_app_logs([path]).calls.set_index("line")
+    assert calls.loc[3, "user"] == "u\ufffdx"
+    assert calls.loc[5, "purpose"] == '{"a\\ufffd": "b\\ufffd"}'
+    assert len(calls) == 6 and calls["user"].notna().all()

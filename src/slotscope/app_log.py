@@ -408,7 +408,24 @@ def _json_rows(name: str, numbered: Iterable[tuple[int, str]], tally: _Tally) ->
         if not isinstance(rec, dict):
             tally.drop(name, lineno, f"not a JSON object: {text[:40]!r}")
             continue
+        if "\\ud" in text or "\\uD" in text:  # maybe a lone surrogate escape: not text anything can write
+            rec = _no_surrogates(rec)
         yield lineno, rec
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _no_surrogates(value: Any) -> Any:
+    """``value`` with each lone surrogate (which JSON's ``\\ud800`` escapes allow) in its texts
+    replaced by U+FFFD, as invalid UTF-8 bytes are: no table or text output can hold one."""
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {_no_surrogates(k): _no_surrogates(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_no_surrogates(v) for v in value]
+    return value
 
 
 _raw_decode = json.JSONDecoder().raw_decode
