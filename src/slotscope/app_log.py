@@ -997,8 +997,11 @@ def _table(
 def _finish(frames: list[pd.DataFrame], tally: _Tally) -> AppLog:
     calls = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=list(CALL_COLUMNS))
     frames.clear()  # the chunks' tables, now copied into one
-    calls = calls.assign(_f=calls["file"].map(tally.files))
-    calls = calls.sort_values(["start_us", "_f", "line"], kind="stable").drop(columns="_f").reset_index(drop=True)
+    # By start, then file (in reading order), then line: file order from each distinct name.
+    codes, names = pd.factorize(calls["file"])
+    file_order = np.array([tally.files[n] for n in names], dtype=np.int64)[codes]
+    order = np.lexsort((calls["line"].to_numpy(), file_order, calls["start_us"].to_numpy()))
+    calls = calls.take(order).reset_index(drop=True)
     calls["start_at"] = pd.to_datetime(calls["start_us"], unit="us", utc=True)
     calls["end_at"] = pd.to_datetime(calls["end_us"], unit="us", utc=True)
     extra = [c for c in ("session", "turn") if c in calls]
