@@ -50,15 +50,14 @@ def best_interval(lo: np.ndarray, hi: np.ndarray) -> Vote | None:
     lo, hi = lo[ok], hi[ok]
     if not len(lo):
         return None
-    # Events: +1 at lo, -1 just after hi; starts sort before ends at the same point.
-    pts = np.concatenate([lo, hi])
-    delta = np.concatenate([np.ones(len(lo), dtype=np.int64), -np.ones(len(hi), dtype=np.int64)])
-    order = np.lexsort((-delta, pts))
-    pts, delta = pts[order], delta[order]
-    cover = np.cumsum(delta)
-    best = int(cover.max())
+    # Coverage peaks at a start: at a point p, the intervals begun by p and not ended before it.
+    # The range runs from the first such p to the first end from p on (a start before that end
+    # would cover more than the peak).
+    los, his = np.sort(lo), np.sort(hi)
+    cover = np.searchsorted(los, los, "right") - np.searchsorted(his, los, "left")
     i = int(np.argmax(cover))
-    return Vote(low=float(pts[i]), high=float(pts[i + 1]) if i + 1 < len(pts) else float(pts[i]), support=best)
+    p = los[i]
+    return Vote(low=float(p), high=float(his[np.searchsorted(his, p, "left")]), support=int(cover[i]))
 
 
 SMALL_KEY = 256  # calls x tasks sharing one token key, beyond which pairs are taken by rank
