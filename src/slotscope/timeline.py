@@ -91,12 +91,43 @@ def key_codes(frames: Sequence[pd.DataFrame], by: Sequence[str]) -> list[np.ndar
     sorting by the code sorts by the key columns. Linear (hashing), one column at a time."""
     sizes = [len(f) for f in frames]
     code = np.zeros(sum(sizes), dtype=np.int64)
+    combined = False
     for c in by:
+        if _one_value([f[c] for f in frames]):  # (one server, one session: the usual case) no code to add
+            continue
         col = pd.concat([f[c] for f in frames], ignore_index=True) if len(frames) > 1 else frames[0][c]
         k, uniq = pd.factorize(col, sort=True, use_na_sentinel=False)
-        code = code * len(uniq) + k
-        code = pd.factorize(code, sort=True)[0]  # back to 0..n-1 so the next column cannot overflow
+        if combined:
+            code = pd.factorize(code * len(uniq) + k, sort=True)[0]  # back to 0..n-1: the next column cannot overflow
+        else:
+            code, combined = k.astype(np.int64, copy=False), True
     return np.split(code, np.cumsum(sizes)[:-1])
+
+
+def _one_value(cols: Sequence[pd.Series]) -> bool:
+    """Whether these columns hold one value in all their rows, told cheaply for numbers and
+    categories (NA counts as a value of its own); False when not sure."""
+    first = None
+    for col in cols:
+        if not len(col):
+            continue
+        if isinstance(col.dtype, pd.CategoricalDtype):
+            codes = col.cat.codes.to_numpy()
+            if codes[0] < 0 or not (codes == codes[0]).all():
+                return False
+            value = col.cat.categories[codes[0]]
+        elif isinstance(col.dtype, np.dtype) and col.dtype.kind in "iu":
+            v = col.to_numpy()
+            if not (v == v[0]).all():
+                return False
+            value = v[0].item()
+        else:
+            return False
+        if first is None:
+            first = value
+        elif not (type(value) is type(first) and value == first):
+            return False
+    return True
 
 
 def concurrency(tv: pd.DataFrame, sessions: pd.DataFrame | None = None) -> pd.DataFrame:
