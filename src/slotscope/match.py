@@ -88,26 +88,54 @@ def _eq(a: pd.Series, b: pd.Series) -> pd.Series:
     return (pd.to_numeric(a, errors="coerce") == pd.to_numeric(b, errors="coerce")).fillna(False).astype(bool)
 
 
-def _assign(p: pd.DataFrame, method: str, confidence: float, taken_c: set, taken_t: set) -> list[tuple[int, int, str, float]]:
-    """Unique-both-ways pairs are confident; the rest are resolved by time and flagged."""
-    p = p[~p["_ci"].isin(taken_c) & ~p["_ti"].isin(taken_t)]
+def _assign(p: pd.DataFrame, method: str, confidence: float, taken_c: np.ndarray, taken_t: np.ndarray) -> list[_Found]:
+    """Unique-both-ways pairs are confident; the rest are resolved by time and flagged.
+
+    ``taken_c``/``taken_t``: which calls and tasks (by ``_ci``/``_ti``) are matched already;
+    updated. Returns the new pairs (``_ci``, ``_ti``, ``match_method``, ``confidence``)."""
+    p = p[~taken_c[p["_ci"].to_numpy()] & ~taken_t[p["_ti"].to_numpy()]]
     if p.empty:
         return []
     n_c = p.groupby("_ci")["_ti"].transform("size")
     n_t = p.groupby("_ti")["_ci"].transform("size")
-    unique = (n_c == 1) & (n_t == 1)
-    out = [(int(c), int(t), method, confidence) for c, t in zip(p.loc[unique, "_ci"], p.loc[unique, "_ti"])]
-    taken_c.update(p.loc[unique, "_ci"].tolist())
-    taken_t.update(p.loc[unique, "_ti"].tolist())
+    unique = ((n_c == 1) & (n_t == 1)).to_numpy()
+    ci, ti = p["_ci"].to_numpy()[unique], p["_ti"].to_numpy()[unique]
+    taken_c[ci] = True
+    taken_t[ti] = True
+    out = [_pairs(ci, ti, method, confidence)]
     rest = p[~unique].assign(_lag=lambda d: (d["launch_us"] - d["start_us"]).abs())
     # Ties by time: the pair with the shortest send->launch gap first. Few rows; sequential by nature.
+    ambiguous = []
     for c, t in rest.sort_values("_lag")[["_ci", "_ti"]].itertuples(index=False, name=None):
-        if c in taken_c or t in taken_t:
+        if taken_c[c] or taken_t[t]:
             continue
-        out.append((int(c), int(t), method + ":ambiguous", round(confidence * 0.6, 2)))
-        taken_c.add(c)
-        taken_t.add(t)
+        ambiguous.append((c, t))
+        taken_c[c] = True
+        taken_t[t] = True
+    if ambiguous:
+        ci, ti = np.array(ambiguous, dtype=np.int64).T
+        out.append(_pairs(ci, ti, method + ":ambiguous", round(confidence * 0.6, 2)))
     return out
+
+
+_Found = tuple[np.ndarray, np.ndarray, str, float]  # calls, their tasks, method, confidence
+
+
+def _pairs(ci: np.ndarray, ti: np.ndarray, method: str, confidence: float) -> _Found:
+    return ci.astype(np.int64), ti.astype(np.int64), method, confidence
+
+
+def _pairs_table(found: list[_Found]) -> pd.DataFrame:
+    """The matched pairs as one table, typed as a table of (call, task, method, confidence) rows is."""
+    columns = ["_ci", "_ti", "match_method", "confidence"]
+    sizes = [len(f[0]) for f in found]
+    if not sum(sizes):
+        return pd.DataFrame([], columns=columns)
+    return pd.DataFrame({
+        "_ci": np.concatenate([f[0] for f in found]), "_ti": np.concatenate([f[1] for f in found]),
+        "match_method": [f[2] for f, n in zip(found, sizes) for _ in range(n)],
+        "confidence": np.repeat([float(f[3]) for f in found], sizes),
+    })
 
 
 def match(calls: pd.DataFrame, tasks: pd.DataFrame, aligned: pd.DataFrame, sessions: pd.DataFrame,
@@ -118,9 +146,9 @@ def match(calls: pd.DataFrame, tasks: pd.DataFrame, aligned: pd.DataFrame, sessi
     tk["_ti"] = np.arange(len(tk))
     cl = calls.reset_index(drop=True).copy()
     cl["_ci"] = np.arange(len(cl))
-    taken_c: set = set()
-    taken_t: set = set()
-    found: list[tuple[int, int, str, float]] = []
+    taken_c = np.zeros(len(cl), dtype=bool)
+    taken_t = np.zeros(len(tk), dtype=bool)
+    found: list[_Found] = []
     known = tk[np.isfinite(tk["launch_us"].to_numpy(dtype=float))]
     p = _Pairs(cl, known, *_window_pairs(cl, known, tol))
 
@@ -140,18 +168,18 @@ def match(calls: pd.DataFrame, tasks: pd.DataFrame, aligned: pd.DataFrame, sessi
     found += _assign(p.frame(agree & near_end), "time", 0.5, taken_c, taken_t)
     del p, agree, near_end, tokens, release
 
-    pairs = pd.DataFrame(found, columns=["_ci", "_ti", "match_method", "confidence"])
+    pairs = _pairs_table(found)
     task_side = tk.drop(columns=["prompt_tokens"])
     task_side = task_side.rename(columns={c: f"{c}_task" for c in task_side.columns if c in cl.columns and c != "_ti"})
     joined = cl.merge(pairs, on="_ci", how="left").merge(task_side, on="_ti", how="left")
     joined["match_method"] = joined["match_method"].fillna(_unmatched_reason(cl, tk, taken_t, aligned, sessions, tol))
     out = _derive(joined)
-    unlogged = tk[~tk["_ti"].isin(taken_t)].drop(columns=["_ti"]).copy()
+    unlogged = tk[~taken_t[tk["_ti"].to_numpy()]].drop(columns=["_ti"]).copy()
     unlogged["busy_s"] = (unlogged["release_s"] - unlogged["launch_s"]).round(6)
     return Matches(calls=out, unlogged=unlogged.reset_index(drop=True), aligned=aligned)
 
 
-def _unmatched_reason(cl: pd.DataFrame, tk: pd.DataFrame, taken_t: set, aligned: pd.DataFrame,
+def _unmatched_reason(cl: pd.DataFrame, tk: pd.DataFrame, taken_t: np.ndarray, aligned: pd.DataFrame,
                       sessions: pd.DataFrame, tol: float) -> pd.Series:
     """Why each call found no task (only read for unmatched calls)."""
     span = sessions[SESSION_KEY + ["first_s", "last_s"]].merge(aligned[SESSION_KEY + ["offset_us"]], on=SESSION_KEY)
@@ -159,7 +187,7 @@ def _unmatched_reason(cl: pd.DataFrame, tk: pd.DataFrame, taken_t: set, aligned:
     b = (span["offset_us"] + span["last_s"] * 1e6).to_numpy(dtype=float)
     start = cl["start_us"].to_numpy(dtype=float)
     covered = ((start[:, None] >= a[None, :] - tol) & (start[:, None] <= b[None, :] + tol)).any(axis=1) if len(a) else np.zeros(len(cl), bool)
-    free = tk[~tk["_ti"].isin(taken_t)]
+    free = tk[~taken_t[tk["_ti"].to_numpy()]]
     launches = np.sort(free["launch_us"].to_numpy(dtype=float))
     end = cl["end_us"].astype("float64").fillna(cl["start_us"].astype("float64")).to_numpy()
     i0 = np.searchsorted(launches, start - tol)
