@@ -299,10 +299,16 @@ def overlap_arrays(
         def cover(a: np.ndarray, z: np.ndarray, f: np.ndarray) -> np.ndarray:
             return np.interp(z, b, f) - np.interp(a, b, f)
 
-        def rng_max(a: np.ndarray, z: np.ndarray) -> np.ndarray:
-            lo = np.maximum(np.searchsorted(b, a, "right") - 1, 0)
-            hi = np.minimum(np.searchsorted(b, z, "left") - 1, len(starts) - 1)
-            hi = np.where(z > a, hi, -1)
+        def places(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            """``searchsorted(b, x)`` with side "right" and "left", from one search (b is unique)."""
+            right = np.searchsorted(b, x, "right")
+            return right, right - (b[np.maximum(right - 1, 0)] == x)
+
+        def rng_max(a: tuple[np.ndarray, np.ndarray, np.ndarray], z: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
+            """Most intervals active at once in (a, z), each given as (times, right, left places)."""
+            lo = np.maximum(a[1] - 1, 0)
+            hi = np.minimum(z[2] - 1, len(starts) - 1)
+            hi = np.where(z[0] > a[0], hi, -1)
             pos = rmc.argmax(lo, hi)
             return np.where(pos >= 0, count[np.maximum(pos, 0)], 0)
 
@@ -310,21 +316,25 @@ def overlap_arrays(
         for at in range(0, len(q_all), QUERY_BLOCK):
             qi = q_all[at:at + QUERY_BLOCK]
             a, z = qs[qi], qe[qi]
+            pa_ = pz = None
+            if "max_count" in need or vals is not None:
+                pa_, pz = (a, *places(a)), (z, *places(z))
             if has_own:
                 c0, c1 = _clip_own(os_[qi], oe_[qi], a, z)
                 if "covered" in need:
                     covered[qi] = cover(a, z, f1) - cover(c0, c1, f1) + cover(c0, c1, f2)
                 if "max_count" in need:
-                    inside = np.maximum(rng_max(c0, c1) - 1, 0)
-                    max_count[qi] = np.maximum.reduce([rng_max(a, c0), inside, rng_max(c1, z)])
+                    p0, p1 = (c0, *places(c0)), (c1, *places(c1))
+                    inside = np.maximum(rng_max(p0, p1) - 1, 0)
+                    max_count[qi] = np.maximum.reduce([rng_max(pa_, p0), inside, rng_max(p1, pz)])
             else:
                 if "covered" in need:
                     covered[qi] = cover(a, z, f1)
                 if "max_count" in need:
-                    max_count[qi] = rng_max(a, z)
+                    max_count[qi] = rng_max(pa_, pz)
             if vals is not None:
-                lo = np.maximum(np.searchsorted(b, a, "right") - 1, 0)
-                hi = np.minimum(np.searchsorted(b, z, "left") - 1, len(starts) - 1)
+                lo = np.maximum(pa_[1] - 1, 0)
+                hi = np.minimum(pz[2] - 1, len(starts) - 1)
                 pos = rmv.argmax(lo, hi)
                 got = (pos >= 0) & (ev_row[np.maximum(pos, 0)] >= 0)
                 sel = qi[got]
