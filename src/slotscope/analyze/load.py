@@ -31,13 +31,16 @@ def _wall_offsets(tv: pd.DataFrame) -> pd.DataFrame:
     return d.groupby(tl.GROUP, dropna=False)["offset_us"].median().reset_index()
 
 
-def _share_rows(steps: pd.DataFrame, scope: pd.Series | str) -> pd.DataFrame:
-    s = pd.DataFrame({"running": steps["running"], "seconds": steps["end_s"] - steps["start_s"]}).assign(scope=scope)
+def _share_rows(running: np.ndarray, seconds: np.ndarray, scope: np.ndarray, names: np.ndarray) -> pd.DataFrame:
+    """Seconds per (scope, running), scopes given as codes into ``names`` (in their sort order):
+    grouped by integers, not by a text per step (a 1 GB log has a million steps)."""
+    s = pd.DataFrame({"scope": scope, "running": running, "seconds": seconds})
     g = s.groupby(["scope", "running"])["seconds"].sum().reset_index()
     tot = g.groupby("scope")["seconds"].transform("sum")
     g["share"] = g["seconds"] / tot
     g["scope_seconds"] = tot
     g["max_running"] = g.groupby("scope")["running"].transform("max")
+    g["scope"] = names[g["scope"].to_numpy()]
     return g
 
 
@@ -63,7 +66,9 @@ def load_table(ds: Dataset, opts: Options) -> pd.DataFrame:
     steps = tl.concurrency(tv, ds.server.sessions)
     if steps.empty:
         return pd.DataFrame({c: pd.Series(dtype="float64") for c in LOAD_COLUMNS})
-    rows = [_share_rows(steps, "overall")]
+    running = steps["running"].to_numpy()
+    rows = [_share_rows(running, (steps["end_s"] - steps["start_s"]).to_numpy(), np.zeros(len(steps), dtype=np.int64),
+                        np.array(["overall"], dtype=object))]
     off = _wall_offsets(tv)
     if len(off):
         w = steps[tl.GROUP + ["start_s", "end_s", "running"]].merge(off, on=tl.GROUP, how="inner")
@@ -78,9 +83,7 @@ def load_table(ds: Dataset, opts: Options) -> pd.DataFrame:
         day = d0[rep] + (np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n))
         pa = np.maximum(a[rep], starts[day])
         pz = np.minimum(z[rep], starts[day + 1])
-        pieces = pd.DataFrame({"running": w["running"].to_numpy()[rep], "start_s": pa / 1e6, "end_s": pz / 1e6})
-        label = pd.Series(names[day])
-        rows.append(_share_rows(pieces, label))
+        rows.append(_share_rows(w["running"].to_numpy()[rep], pz / 1e6 - pa / 1e6, day, names))
     out = pd.concat(rows, ignore_index=True)
     n_slots = pd.to_numeric(ds.server.sessions["n_slots"], errors="coerce").max() if len(ds.server.sessions) else np.nan
     out["n_slots"] = pd.array([n_slots] * len(out), dtype="Int64") if pd.notna(n_slots) else pd.array([pd.NA] * len(out), dtype="Int64")
