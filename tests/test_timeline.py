@@ -135,3 +135,24 @@ def test_prefill_activity_drops_pauses_and_puts_one_pass_per_progress_line() -> 
     # Every pass end lies inside its prefill.
     j = passes.merge(tv[tl.GROUP + ["task_id", "prefill_start_s", "first_token_s"]], on=tl.GROUP + ["task_id"])
     assert ((j["t_s"] > j["prefill_start_s"]) & (j["t_s"] <= j["first_token_s"] + tl.SAME_PASS_S)).all()
+
+
+def test_right_of_is_searchsorted_right() -> None:
+    """The interp-started search gives numpy's positions: at, just below and just above every
+    breakpoint, outside the range, at infinities, at log-sized times (µs at 10^7 s) and, with a
+    NaN, by falling back to numpy itself."""
+    import numpy as np
+
+    from slotscope.timeline import _right_of
+
+    rng = np.random.default_rng(11)
+    for _ in range(500):
+        b = np.unique(rng.integers(0, 60, int(rng.integers(1, 40))) + rng.choice([0.0, 0.5, 1e-9], 1))
+        x = np.concatenate([rng.uniform(-5, 65, 30), b, np.nextafter(b, -np.inf), np.nextafter(b, np.inf), [-np.inf, np.inf]])
+        for q in (x, np.sort(x)):
+            assert (_right_of(b, np.arange(len(b), dtype=float), q) == np.searchsorted(b, q, "right")).all()
+    b = np.unique(np.round(rng.uniform(0, 1e7, 200_000), 6))
+    x = np.sort(np.concatenate([rng.uniform(0, 1e7, 50_000), b[::3], np.nextafter(b[::4], -np.inf), np.nextafter(b[::4], np.inf)]))
+    assert (_right_of(b, np.arange(len(b), dtype=float), x) == np.searchsorted(b, x, "right")).all()
+    x[5] = np.nan
+    assert (_right_of(b, np.arange(len(b), dtype=float), x) == np.searchsorted(b, x, "right")).all()
