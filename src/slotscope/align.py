@@ -81,17 +81,17 @@ def candidate_pairs(tasks: pd.DataFrame, calls: pd.DataFrame) -> pd.DataFrame:
     c["prompt_tokens"] = c["prompt_tokens"].astype("int64")
     t = t[cols_t].astype({"prompt_tokens": "int64", "n_gen": "int64"})
     key = ["prompt_tokens", "n_gen"]
-    m = c.groupby(key).size().rename("_m")
-    n = t.groupby(SESSION_KEY + key).size().rename("_n").reset_index()
+    m = c.groupby(key, observed=True).size().rename("_m")
+    n = t.groupby(SESSION_KEY + key, observed=True).size().rename("_n").reset_index()
     n = n.merge(m.reset_index(), on=key)
     big = n[n["_m"] * n["_n"] > SMALL_KEY]
     small_t = t.merge(n[n["_m"] * n["_n"] <= SMALL_KEY][SESSION_KEY + key], on=SESSION_KEY + key)
     parts = [c.merge(small_t, on=key)]
     if len(big):
         bt = t.merge(big[SESSION_KEY + key], on=SESSION_KEY + key).sort_values("launch_s", kind="stable")
-        bt["_rank"] = bt.groupby(SESSION_KEY + key).cumcount()
+        bt["_rank"] = bt.groupby(SESSION_KEY + key, observed=True).cumcount()
         bc = c.merge(big[key].drop_duplicates(), on=key).sort_values("start_us", kind="stable")
-        bc["_rank"] = bc.groupby(key).cumcount()
+        bc["_rank"] = bc.groupby(key, observed=True).cumcount()
         for d in (-2, -1, 0, 1, 2):
             parts.append(bc.assign(_rank=bc["_rank"] + d).merge(bt, on=key + ["_rank"]).drop(columns=["_rank"]))
     pairs = pd.concat(parts, ignore_index=True)
@@ -113,7 +113,7 @@ def align(
     """One row per server session: its clock offset (µs since the epoch, app clock) and how it was found."""
     rows = []
     pairs = candidate_pairs(tasks, calls) if calls is not None and len(calls) and len(tasks) else None
-    by_session = dict(iter(pairs.groupby(SESSION_KEY, sort=False))) if pairs is not None and len(pairs) else {}
+    by_session = dict(iter(pairs.groupby(SESSION_KEY, sort=False, observed=True))) if pairs is not None and len(pairs) else {}
     for _, s in sessions.iterrows():  # a handful of sessions, not a hot path
         key = (s["source"], s["port"], s["session"])
         wrapper = s.get("wall_offset_us")
@@ -160,7 +160,7 @@ def _warn_overlaps(aligned: pd.DataFrame, sessions: pd.DataFrame) -> None:
     span = aligned.merge(sessions[SESSION_KEY + ["first_s", "last_s"]], on=SESSION_KEY)
     span["a"] = span["offset_us"] + span["first_s"] * 1e6
     span["b"] = span["offset_us"] + span["last_s"] * 1e6
-    for (src, port), g in span.sort_values("a").groupby(["source", "port"]):
+    for (src, port), g in span.sort_values("a").groupby(["source", "port"], observed=True):
         prev_b = g["b"].shift(1)
         bad = g["a"] < prev_b - 1e6
         for idx in g.index[bad.to_numpy()]:

@@ -190,7 +190,7 @@ def cut(ds: Dataset, start: pd.Timestamp | None, end: pd.Timestamp | None, *, tv
         calls = matches.calls
         start_us = calls["start_at"].astype("datetime64[us, UTC]").astype("int64").to_numpy(dtype="float64")
         by_task = calls[tl.GROUP + ["task_id"]].merge(keys.assign(_k=True), on=tl.GROUP + ["task_id"], how="left")["_k"]
-        keep = by_task.fillna(False).to_numpy(dtype=bool) | (calls["task_id"].isna().to_numpy() & (start_us >= ctx_lo) & (start_us < ctx_hi))
+        keep = by_task.notna().to_numpy() | (calls["task_id"].isna().to_numpy() & (start_us >= ctx_lo) & (start_us < ctx_hi))
         matches = dataclasses.replace(matches, calls=calls[keep].reset_index(drop=True),
                                       unlogged=_semi(matches.unlogged, keys))
         if app is not None:
@@ -266,7 +266,7 @@ def side(ds: Dataset, opts: Options, short_tokens: int = SHORT_TOKENS) -> Side:
     new = f(tv["prompt_tokens_new"])
     tasks = pd.DataFrame({
         "wait_s": wait_s,
-        "different_lora": diff_lora.fillna(False).to_numpy(dtype=bool),
+        "different_lora": diff_lora.notna().to_numpy(),
         "prompt_tokens_new": new,
         "prefill_tps": f(tv["prefill_tps"]),
         "gen_tps": np.where(f(tv["n_gen"]) >= 2, f(tv["gen_tps"]), np.nan),
@@ -279,7 +279,7 @@ def side(ds: Dataset, opts: Options, short_tokens: int = SHORT_TOKENS) -> Side:
     pieces = segment_pieces(ds, opts, tv)
     pieces = pieces[(pieces["class"] == "long_prefill") & (pieces["seconds"] >= MIN_PIECE_S)]
     pieces = pieces.merge(tv.loc[subj, keys], on=keys, how="inner")
-    cluster = pieces.groupby(tl.GROUP + ["cause_task_id"], dropna=False, sort=False).ngroup()
+    cluster = pieces.groupby(tl.GROUP + ["cause_task_id"], dropna=False, sort=False, observed=True).ngroup()
     pieces = pd.DataFrame({"tok_per_s": pieces["tok_per_s"].to_numpy(dtype="float64"),
                            "cluster": cluster.to_numpy(dtype=np.int64)})
 
@@ -319,7 +319,7 @@ def _turns(ds: Dataset, tv: pd.DataFrame, subj: np.ndarray, opts: Options, short
     if np.isfinite(lo) or np.isfinite(hi):
         # A matched call belongs where its task does (a task outside the window may be context).
         sub_keys = tv.loc[subj, keys].assign(_s=True)
-        in_task = calls[keys].merge(sub_keys, on=keys, how="left")["_s"].fillna(False).to_numpy(dtype=bool)
+        in_task = calls[keys].merge(sub_keys, on=keys, how="left")["_s"].notna().to_numpy()
         keep = np.where(matched, in_task, (at_us >= lo) & (at_us < hi))
         calls = calls[keep]
     measured = (calls["ok"].fillna(False).astype(bool) & calls["task_id"].notna() & calls["ttft_ms"].notna()).to_numpy()

@@ -96,8 +96,8 @@ def _assign(p: pd.DataFrame, method: str, confidence: float, taken_c: np.ndarray
     p = p[~taken_c[p["_ci"].to_numpy()] & ~taken_t[p["_ti"].to_numpy()]]
     if p.empty:
         return []
-    n_c = p.groupby("_ci")["_ti"].transform("size")
-    n_t = p.groupby("_ti")["_ci"].transform("size")
+    n_c = p.groupby("_ci", observed=True)["_ti"].transform("size")
+    n_t = p.groupby("_ti", observed=True)["_ci"].transform("size")
     unique = ((n_c == 1) & (n_t == 1)).to_numpy()
     ci, ti = p["_ci"].to_numpy()[unique], p["_ti"].to_numpy()[unique]
     taken_c[ci] = True

@@ -141,7 +141,7 @@ def _offsets(tv: pd.DataFrame) -> pd.DataFrame:
     ok = tv["launch_at"].notna() & tv["launch_s"].notna()
     at_us = (tv.loc[ok, "launch_at"] - _EPOCH) / pd.Timedelta(microseconds=1)
     off = (at_us - (tv.loc[ok, "launch_s"] * 1e6).round()).rename("offset_us")
-    return pd.concat([tv.loc[ok, tl.GROUP], off], axis=1).groupby(tl.GROUP, dropna=False)["offset_us"].median().reset_index()
+    return pd.concat([tv.loc[ok, tl.GROUP], off], axis=1).groupby(tl.GROUP, dropna=False, observed=True)["offset_us"].median().reset_index()
 
 
 class _Clock:
@@ -272,7 +272,7 @@ def _bin_speed(sp: pd.DataFrame, lo: float, width: float, pooled: bool = False) 
         return sp
     k = np.floor((_f(sp["a"]) - lo) / width).astype(np.int64)
     t = sp.assign(bin=k).sort_values(["lane", "bin", "v"], kind="stable")
-    g = t.groupby(["lane", "bin"], sort=False)
+    g = t.groupby(["lane", "bin"], sort=False, observed=True)
     agg = g.agg(task=("task", "first"), a=("a", "min"), b=("b", "max"), sec=("sec", "sum"), n=("n", "sum"),
                 v=("v", "first"), tg3=("tg3", "min"), where=("where", "first"), windows=("v", "size")).reset_index()
     if pooled:
@@ -324,7 +324,7 @@ def _stall_table(ds: Dataset, tv: pd.DataFrame, keep: pd.DataFrame, lanes: pd.Da
     w = worst_stalls(ds, dataclasses.replace(opts, worst=10**9))
     w = w[w["cause_task_id"].notna()].merge(keep, on=KEYS, how="inner")
     by = tl.GROUP + ["task_id", "cause_task_id"]
-    g = w.groupby(by, sort=False, dropna=False)
+    g = w.groupby(by, sort=False, dropna=False, observed=True)
     first = g.first().reset_index()
     agg = g.agg(tokens=("tokens", "sum"), seconds=("seconds", "sum"), a=("seg_start_s", "min"), b=("seg_end_s", "max")).reset_index()
     w = first.drop(columns=["tokens", "seconds"]).merge(agg, on=by)

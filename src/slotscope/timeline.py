@@ -51,7 +51,7 @@ def task_ends(tv: pd.DataFrame, sessions: pd.DataFrame | None = None) -> np.ndar
     else:
         code = key_codes([tv], GROUP)[0]
     t = np.fmax.reduce([_f(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s")])
-    latest = pd.Series(t).groupby(code).transform("max").to_numpy(dtype="float64", na_value=np.nan)
+    latest = pd.Series(t).groupby(code, observed=True).transform("max").to_numpy(dtype="float64", na_value=np.nan)
     fallback = np.where(np.isnan(fallback), latest, fallback)
     return np.where(np.isnan(end), fallback, end)
 
@@ -95,7 +95,8 @@ def key_codes(frames: Sequence[pd.DataFrame], by: Sequence[str]) -> list[np.ndar
     for c in by:
         if _one_value([f[c] for f in frames]):  # (one server, one session: the usual case) no code to add
             continue
-        col = pd.concat([f[c] for f in frames], ignore_index=True) if len(frames) > 1 else frames[0][c]
+        cols = [f[c] for f in frames if len(f)] or [frames[0][c]]  # (empty ones add no rows)
+        col = pd.concat(cols, ignore_index=True) if len(cols) > 1 else cols[0]
         k, uniq = pd.factorize(col, sort=True, use_na_sentinel=False)
         if combined:
             code = pd.factorize(code * len(uniq) + k, sort=True)[0]  # back to 0..n-1: the next column cannot overflow
@@ -139,7 +140,7 @@ def concurrency(tv: pd.DataFrame, sessions: pd.DataFrame | None = None) -> pd.Da
     end = task_ends(tv, sessions)
     spans = [(a, b, ~np.isnan(a) & ~np.isnan(b) & (b >= a)) for a, b in ((launch, end), (ps, ft), (ft, rel))]
     # Sessions in sorted key order (NA last).
-    code = tv.reset_index(drop=True).groupby(GROUP, dropna=False, sort=True).ngroup().to_numpy()
+    code = tv.reset_index(drop=True).groupby(GROUP, dropna=False, sort=True, observed=True).ngroup().to_numpy()
     used = spans[0][2] | spans[1][2] | spans[2][2]
     parts = []
     for g, rows in sorted(rows_by_group(code, used).items()):
@@ -436,11 +437,11 @@ def prefill_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None) -> tup
     lines = lines[inside]
     lines = lines.iloc[np.lexsort((lines["t_s"].to_numpy(), lines["pid"].to_numpy()))].reset_index(drop=True)
     # Typical chunk and pass length: the task's own, else its session's, else defaults.
-    own = lines.groupby("pid").agg(chunk=("step_tokens", "median"), pass_s=("step_s", "median"),
+    own = lines.groupby("pid", observed=True).agg(chunk=("step_tokens", "median"), pass_s=("step_s", "median"),
                                    first_t=("t_s", "first"), first_n=("n_tokens", "first"),
                                    last_t=("t_s", "last"), last_n=("n_tokens", "last"))
     sess = pd.concat([pre[GROUP].iloc[lines["pid"].to_numpy()].reset_index(drop=True), lines[["step_tokens", "step_s"]]], axis=1)
-    sess = sess.groupby(GROUP, dropna=False).agg(s_chunk=("step_tokens", "median"), s_pass=("step_s", "median")).reset_index()
+    sess = sess.groupby(GROUP, dropna=False, observed=True).agg(s_chunk=("step_tokens", "median"), s_pass=("step_s", "median")).reset_index()
     pre = pre.merge(own, left_on="pid", right_index=True, how="left").merge(sess, on=GROUP, how="left")
     del own, sess
     pre["chunk"] = pre["chunk"].fillna(pre["s_chunk"]).fillna(2048.0).clip(lower=1)
@@ -559,10 +560,10 @@ def server_passes(passes: pd.DataFrame) -> pd.DataFrame:
     if len(passes) == 0:
         return pd.DataFrame({c: pd.Series(dtype="float64") for c in GROUP + ["t_s", "prompt_tokens_new"]})
     p = passes.sort_values(GROUP + ["t_s"], kind="stable", ignore_index=True)
-    grp = p.groupby(GROUP, dropna=False, sort=False).ngroup()
+    grp = p.groupby(GROUP, dropna=False, sort=False, observed=True).ngroup()
     gap = p["t_s"].diff()
     new = (grp != grp.shift(1)) | (gap > SAME_PASS_S)
     cluster = new.cumsum()
-    out = p.assign(_new=_f(p["prompt_tokens_new"])).groupby(cluster).agg(
+    out = p.assign(_new=_f(p["prompt_tokens_new"])).groupby(cluster, observed=True).agg(
         **{c: (c, "first") for c in GROUP}, t_s=("t_s", "last"), prompt_tokens_new=("_new", "max"))
     return out.reset_index(drop=True)

@@ -118,19 +118,19 @@ def breakdown(ds: Dataset, opts: Options) -> pd.DataFrame:
     purpose = tv["purpose"].astype("object").where(tv["purpose"].notna(), fallback) if "purpose" in tv.columns else pd.Series(fallback, index=tv.index)
     comp["purpose"] = purpose.to_numpy()
     comp = comp[has]
-    per = comp.groupby("purpose", sort=True)[COMPONENTS].sum()
+    per = comp.groupby("purpose", sort=True, observed=True)[COMPONENTS].sum()
     per.loc["all"] = comp[COMPONENTS].sum()
-    tasks = comp.groupby("purpose").size()
+    tasks = comp.groupby("purpose", observed=True).size()
     tasks.loc["all"] = len(comp)
     long = per.reset_index(names="purpose").melt(id_vars="purpose", var_name="component", value_name="seconds")
-    present = long.groupby("component")["seconds"].transform("sum") > 0
+    present = long.groupby("component", observed=True)["seconds"].transform("sum") > 0
     always = long["component"].isin(["own_generation", "own_prefill", "contention", "wait"])
     if "queue_ms" in tv.columns and tv["queue_ms"].notna().any():
         always |= long["component"] == "queue"
     long = long[always | present].copy()
-    total = long.groupby("purpose")["seconds"].transform("sum")
+    total = long.groupby("purpose", observed=True)["seconds"].transform("sum")
     long["share"] = np.where(total > 0, long["seconds"] / total, np.nan)
-    tot_rows = long.groupby("purpose", as_index=False)["seconds"].sum().assign(component="total", share=1.0)
+    tot_rows = long.groupby("purpose", as_index=False, observed=True)["seconds"].sum().assign(component="total", share=1.0)
     long = pd.concat([long, tot_rows], ignore_index=True)
     order = ["all"] + sorted(p for p in long["purpose"].unique() if p != "all")
     long["purpose"] = pd.Categorical(long["purpose"], categories=order)

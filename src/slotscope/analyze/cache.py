@@ -50,14 +50,14 @@ def turn_pairs(calls: pd.DataFrame, opts: Options) -> pd.DataFrame:
     chat = chat.loc[chat["user"].notna()].sort_values(["user", "start_at"], kind="stable")
     end = chat["end_at"].fillna(chat["start_at"]) if "end_at" in chat else chat["start_at"]
     left = (chat["prompt_tokens"].astype("Float64") + chat["completion_tokens"].astype("Float64"))
-    g = chat.groupby("user", sort=False)
+    g = chat.groupby("user", sort=False, observed=True)
     chat["prev_call_id"] = g["call_id"].shift(1)
     chat["prev_start_at"] = g["start_at"].shift(1)
-    chat["prev_end_at"] = end.groupby(chat["user"], sort=False).shift(1)
+    chat["prev_end_at"] = end.groupby(chat["user"], sort=False, observed=True).shift(1)
     chat["prev_slot"] = g["slot"].shift(1)
     chat["prev_call_file"] = g["call_file"].shift(1)
     chat["prev_call_line"] = g["call_line"].shift(1)
-    chat["prev_left_tokens"] = left.groupby(chat["user"], sort=False).shift(1)
+    chat["prev_left_tokens"] = left.groupby(chat["user"], sort=False, observed=True).shift(1)
     chat["session"] = chat["app_session"].astype("string") if "app_session" in chat else pd.Series(pd.NA, index=chat.index, dtype="string")
     chat["prev_session"] = g["session"].shift(1)
     chat["gap_s"] = ((chat["start_at"] - chat["prev_end_at"]).dt.total_seconds()).round(3)
@@ -99,7 +99,7 @@ def cache(ds: Dataset, opts: Options) -> pd.DataFrame:
         return needs_app_log(COLUMNS)
     pairs = _shared_pairs(ds, opts)
     pairs["other_slot"] = pairs["miss"] & (pairs["slot"] != pairs["prev_slot"]).fillna(False)
-    by_user = pairs.groupby("user", sort=True).agg(
+    by_user = pairs.groupby("user", sort=True, observed=True).agg(
         consecutive_turns=("miss", "size"), misses=("miss", "sum"), misses_on_other_slot=("other_slot", "sum"))
     total = pd.DataFrame({
         "consecutive_turns": [len(pairs)], "misses": [int(pairs["miss"].sum())],

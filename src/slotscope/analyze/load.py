@@ -28,18 +28,18 @@ def _wall_offsets(tv: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame(columns=tl.GROUP + ["offset_us"])
     us = at[ok].dt.tz_convert("UTC").astype("datetime64[us, UTC]").astype("int64").to_numpy()
     d = tv.loc[ok, tl.GROUP].assign(offset_us=us - tv.loc[ok, "launch_s"].to_numpy() * 1e6)
-    return d.groupby(tl.GROUP, dropna=False)["offset_us"].median().reset_index()
+    return d.groupby(tl.GROUP, dropna=False, observed=True)["offset_us"].median().reset_index()
 
 
 def _share_rows(running: np.ndarray, seconds: np.ndarray, scope: np.ndarray, names: np.ndarray) -> pd.DataFrame:
     """Seconds per (scope, running), scopes given as codes into ``names`` (in their sort order):
     grouped by integers, not by a text per step (a 1 GB log has a million steps)."""
     s = pd.DataFrame({"scope": scope, "running": running, "seconds": seconds})
-    g = s.groupby(["scope", "running"])["seconds"].sum().reset_index()
-    tot = g.groupby("scope")["seconds"].transform("sum")
+    g = s.groupby(["scope", "running"], observed=True)["seconds"].sum().reset_index()
+    tot = g.groupby("scope", observed=True)["seconds"].transform("sum")
     g["share"] = g["seconds"] / tot
     g["scope_seconds"] = tot
-    g["max_running"] = g.groupby("scope")["running"].transform("max")
+    g["max_running"] = g.groupby("scope", observed=True)["running"].transform("max")
     g["scope"] = names[g["scope"].to_numpy()]
     return g
 

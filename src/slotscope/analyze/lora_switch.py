@@ -34,14 +34,14 @@ def lora_switch(ds: Dataset, opts: Options) -> pd.DataFrame:
         return needs_app_log(COLUMNS)
     tv = task_view(ds).sort_values(SESSION + ["launch_s", "task_id"], kind="stable").reset_index(drop=True)
     tv["lora"] = tv["lora"].astype("string")
-    tv["prev_lora"] = tv.groupby(SESSION, sort=False)["lora"].shift(1)
+    tv["prev_lora"] = tv.groupby(SESSION, sort=False, observed=True)["lora"].shift(1)
     tv["others"] = tasks_during(ds.server.tasks, tv, "prefill_start_s", "first_token_s") - 1
     short = (tv["prompt_tokens_new"] < SHORT_PROMPT_TOKENS).fillna(False) & tv["prompt_eval_ms"].notna()
     known = tv["lora"].notna() & tv["prev_lora"].notna()
     t = tv.loc[(short & known).to_numpy()].copy()
     t["change"] = (t["lora"] != t["prev_lora"]).map({True: "to", False: "same"})
     t["alone_ms"] = t["prompt_eval_ms"].where(t["others"] <= 0)
-    g = t.groupby(["change", "lora"], sort=True)
+    g = t.groupby(["change", "lora"], sort=True, observed=True)
     table = pd.DataFrame({
         "count": g["prompt_eval_ms"].count(),
         "prefill_median_ms": g["prompt_eval_ms"].median(),

@@ -46,9 +46,9 @@ def call_causes(calls: pd.DataFrame, opts: Options) -> pd.Series:
     c = c.sort_values(["user", "start_at"], kind="stable")
     # The calendar day (UTC) as a timestamp: the same groups as dates, without a date object per call.
     day = (c["start_at"].dt.tz_convert("UTC") if c["start_at"].dt.tz is not None else c["start_at"]).dt.floor("D")
-    first_of_day = c.groupby([c["user"], day], sort=False, dropna=False).cumcount() == 0
-    first_of_session = c["session"].notna() & (c.groupby([c["user"], c["session"]], sort=False, dropna=False).cumcount() == 0)
-    prev_purpose = c.groupby("user", sort=False, dropna=False)["purpose"].shift(1).astype("string")
+    first_of_day = c.groupby([c["user"], day], sort=False, dropna=False, observed=True).cumcount() == 0
+    first_of_session = c["session"].notna() & (c.groupby([c["user"], c["session"]], sort=False, dropna=False, observed=True).cumcount() == 0)
+    prev_purpose = c.groupby("user", sort=False, dropna=False, observed=True)["purpose"].shift(1).astype("string")
     after_summary = (prev_purpose == SUMMARY).fillna(False)
     missed = _call_key(c).isin(_call_key(turn_pairs(slim_calls(calls), opts).query("miss")))
     summary = (c["purpose"].astype("string") == SUMMARY).fillna(False)
@@ -75,7 +75,7 @@ def prefills(ds: Dataset, opts: Options) -> pd.DataFrame:
     rows = {"all": [label], "cause": CAUSES + ([UNLOGGED] if (big["cause"] == UNLOGGED).any() else [])}
     parts = []
     for by in ("all", "purpose", "cause"):
-        g = big.groupby(by, sort=False).agg(
+        g = big.groupby(by, sort=False, observed=True).agg(
             count=("task_id", "size"), new_tokens_total=("prompt_tokens_new", "sum"), seconds_total=("seconds", "sum"))
         g = g.reindex(rows[by]) if by in rows else g.sort_values("count", ascending=False, kind="stable")
         parts.append(g.rename_axis("value").reset_index().assign(by=by))

@@ -53,7 +53,7 @@ def measured_calls(calls: pd.DataFrame) -> pd.Series:
 
 
 def _stats(frame: pd.DataFrame, order: list[tuple[str, str]], min_samples: int) -> pd.DataFrame:
-    g = frame.groupby(["by", "group"], sort=False)
+    g = frame.groupby(["by", "group"], sort=False, observed=True)
     out = pd.DataFrame({
         "count": g["total_s"].count(),
         "total_median_s": g["total_s"].median(),
@@ -113,8 +113,8 @@ def turns(ds: Dataset, opts: Options) -> pd.DataFrame:
         rows = pd.DataFrame({
             "group": np.where(failed, "call failed", "no server task matched"),
             "note": np.where(failed, "not in the times above: the app log marks the call failed",
-                             "not in the times above: " + method.astype(str)),
-        }).groupby(["group", "note"], sort=True).size().rename("count").reset_index()
+                             np.char.add("not in the times above: ", method.astype(str))),
+        }).groupby(["group", "note"], sort=True, observed=True).size().rename("count").reset_index()
         rows = rows.assign(by="left out", ttft_count=0, few_samples=False)
         table = pd.concat([table, rows], ignore_index=True)
     return table[COLUMNS]

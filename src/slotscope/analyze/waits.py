@@ -129,7 +129,7 @@ def waits(ds: Dataset, opts: Options) -> pd.DataFrame:
     wait causes. ``deferred``'s seconds are the app's queue time (NA without an app log)."""
     tv, _, w = _shared(ds, opts)
     causes = CAUSES[:3] + (["unknown_lora"] if (w["cause"] == "unknown_lora").any() else [])
-    g = w.groupby("cause")["wait_s"]
+    g = w.groupby("cause", observed=True)["wait_s"]
     stats = pd.DataFrame({"count": g.size(), "total_s": g.sum(), "max_s": g.max(), "median_s": g.median()}).reindex(causes)
     stats["count"] = stats["count"].fillna(0).astype("int64")
     stats["total_s"] = stats["total_s"].fillna(0.0)
