@@ -643,9 +643,9 @@ _LORA_NAMES = ("name", "id", "path")  # what lora_label reads of an adapter obje
 
 def _arrow_fields(block: bytes, override: Mapping[str, str]) -> tuple[int, dict[str, Sequence[Any]]] | None:
     """``(lines, get)``: the block's line count and each field's values exactly as
-    :func:`_field_values` reads them from its records, read by pyarrow's JSON reader (~10x
-    faster than json.loads and per-record lookups); None where that could differ, and the block
-    is read record by record.
+    :func:`_field_values` reads them from its records, read by pyarrow's JSON reader (an
+    8 MiB block of the bench's app log: 130 ms, against 310-400 ms for json.loads and
+    per-record lookups); None where that could differ, and the block is read record by record.
 
     It is read so when every line is one object on its own ('{' first, '}' last, an '\r' at
     most after it: no blank line, no object across lines or two on one), pyarrow reads it
