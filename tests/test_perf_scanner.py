@@ -186,3 +186,20 @@ def test_lines_with_the_servers_layout_are_read_at_fixed_places() -> None:
         if path.parent.parent.name != "wallclock":
             assert want.sum() > 500
         assert np.array_equal(taken, want), path
+
+
+def test_minutes_beyond_any_time_read_as_no_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A damaged stamp whose minutes run to 20 digits is beyond int64 µs: it once became a huge
+    negative time, with a RuntimeWarning ("invalid value encountered in cast") on stderr. Both
+    readings now take it as a line without a time, and say nothing."""
+    import warnings
+
+    line = next(ln for ln in REAL_LINES if b"stop processing" in ln and ln[:1].isdigit())
+    minutes = line.split(b".", 1)[0]
+    assert minutes.isdigit()
+    bent = b"9" * 20 + line[len(minutes):]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _assert_same(bent, monkeypatch)
+        ev, _ = _parse(bent, True, monkeypatch)
+    assert (ev["ts_us"] == -1).all()

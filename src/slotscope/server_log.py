@@ -213,7 +213,9 @@ def _parse_exact(lines: pa.Array) -> _Exact:
     port = np.where(np.isnan(port), -1, port).astype(np.int64) if port.dtype.kind == "f" else port.astype(np.int64)
     tmin, tsec, tms, tus = (_num(f[x]) for x in ("tmin", "tsec", "tms", "tus"))
     ts = ((tmin * 60 + tsec) * 1000 + tms) * 1000 + tus
-    ts = np.where(np.isnan(ts), -1, ts).astype(np.int64)
+    # No time, or minutes of 12+ digits (a damaged line) beyond int64 µs: read as no time (a cast
+    # would make it a huge negative time, and warn on stderr).
+    ts = np.where(np.isnan(ts) | (ts >= 2.0**63), -1, ts).astype(np.int64)
     task = _num(f["task"])
     task = np.where(kind == CANCEL, _num(f["cancel"]), task)
     task = np.where(kind == ERROR, _num(f["err_task"]), task)
