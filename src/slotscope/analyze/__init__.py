@@ -68,9 +68,13 @@ def table_names() -> list[str]:
     return names + [n for n in TABLES if n not in REPORT_ORDER]
 
 
+SHARED = "shared"  # memo keys ``(SHARED, ...)``: intermediates tables of several modules read
+
+
 def _shared_with(module: str) -> Callable[[object], bool]:
-    """Which memo keys the tables of ``module`` may still use: the task view and their own."""
-    return lambda key: key == TASK_VIEW or (isinstance(key, tuple) and key[:1] == (module,))
+    """Which memo keys the tables of ``module`` may still use: the task view, the intermediates
+    of several modules (kept to the end of the run) and their own."""
+    return lambda key: key == TASK_VIEW or (isinstance(key, tuple) and key[:1] in ((module,), (SHARED,)))
 
 
 def run(ds: Dataset, opts: Options | None = None, names: list[str] | None = None, *, strict: bool = False,

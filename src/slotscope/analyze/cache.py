@@ -20,7 +20,7 @@ from __future__ import annotations
 import pandas as pd
 
 from ..dataset import Dataset, own_copy
-from . import Options, register
+from . import SHARED, Options, register
 from .turns import is_chat_turn, measured_calls, needs_app_log
 
 MISS_SHARE = 0.5
@@ -85,10 +85,11 @@ def slim_calls(calls: pd.DataFrame) -> pd.DataFrame:
     return calls[[c for c in PAIR_COLUMNS if c in calls.columns]]
 
 
-def _shared_pairs(ds: Dataset, opts: Options) -> pd.DataFrame:
-    """The turn pairs of the matched calls, computed once for the cache tables."""
+def shared_pairs(ds: Dataset, opts: Options) -> pd.DataFrame:
+    """The turn pairs of the matched calls, computed once for the tables that read them (cache,
+    cache-misses, prefills' causes); each caller gets its own copy."""
     assert ds.matches is not None
-    pairs = ds.memo((__name__, "pairs", opts.cache_window_s), lambda: turn_pairs(slim_calls(ds.matches.calls), opts))
+    pairs = ds.memo((SHARED, "turn pairs", opts.cache_window_s), lambda: turn_pairs(slim_calls(ds.matches.calls), opts))
     return own_copy(pairs)
 
 
@@ -97,7 +98,7 @@ def cache(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Consecutive chat turns of each user within the cache window, and how many missed the prompt cache."""
     if ds.matches is None:
         return needs_app_log(COLUMNS)
-    pairs = _shared_pairs(ds, opts)
+    pairs = shared_pairs(ds, opts)
     pairs["other_slot"] = pairs["miss"] & (pairs["slot"] != pairs["prev_slot"]).fillna(False)
     by_user = pairs.groupby("user", sort=True, observed=True).agg(
         consecutive_turns=("miss", "size"), misses=("miss", "sum"), misses_on_other_slot=("other_slot", "sum"))
@@ -121,7 +122,7 @@ def cache_misses(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Each consecutive chat turn that missed the prompt cache, with the turn before it."""
     if ds.matches is None:
         return needs_app_log(MISS_COLUMNS)
-    pairs = _shared_pairs(ds, opts)
+    pairs = shared_pairs(ds, opts)
     m = pairs.loc[pairs["miss"]].copy()
     m["cached_tokens"] = m["cached"].astype("Int64")
     m["prev_left_tokens"] = m["prev_left_tokens"].astype("Int64")

@@ -24,7 +24,7 @@ import pandas as pd
 
 from ..dataset import Dataset, task_view
 from . import Options, register
-from .cache import SUMMARY, slim_calls, turn_pairs
+from .cache import SUMMARY, shared_pairs, slim_calls, turn_pairs
 from .turns import needs_app_log
 
 CAUSES = ["first_of_day", "first_of_session", "summary", "after_summary", "cache_miss", "other"]
@@ -37,9 +37,9 @@ def _call_key(df: pd.DataFrame) -> pd.Index:
     return pd.MultiIndex.from_arrays([df["call_file"].astype("string"), df["call_line"].astype("Int64")])
 
 
-def call_causes(calls: pd.DataFrame, opts: Options) -> pd.Series:
+def call_causes(calls: pd.DataFrame, opts: Options, pairs: pd.DataFrame | None = None) -> pd.Series:
     """The cause of each app call's prompt (one of :data:`CAUSES`), indexed by the call's
-    (file, line)."""
+    (file, line). ``pairs``: :func:`.cache.turn_pairs` of these calls, if already made."""
     c = calls[["call_id", "call_file", "call_line", "user", "start_at", "purpose"]].copy()
     c["user"] = c["user"].astype("string")
     c["session"] = calls["app_session"].astype("string") if "app_session" in calls else pd.Series(pd.NA, index=c.index, dtype="string")
@@ -50,7 +50,8 @@ def call_causes(calls: pd.DataFrame, opts: Options) -> pd.Series:
     first_of_session = c["session"].notna() & (c.groupby([c["user"], c["session"]], sort=False, dropna=False, observed=True).cumcount() == 0)
     prev_purpose = c.groupby("user", sort=False, dropna=False, observed=True)["purpose"].shift(1).astype("string")
     after_summary = (prev_purpose == SUMMARY).fillna(False)
-    missed = _call_key(c).isin(_call_key(turn_pairs(slim_calls(calls), opts).query("miss")))
+    pairs = turn_pairs(slim_calls(calls), opts) if pairs is None else pairs
+    missed = _call_key(c).isin(_call_key(pairs.query("miss")))
     summary = (c["purpose"].astype("string") == SUMMARY).fillna(False)
     cause = np.select([first_of_day, first_of_session, summary, after_summary, missed], CAUSES[:-1], default=CAUSES[-1])
     return pd.Series(cause, index=_call_key(c), name="cause")
@@ -63,7 +64,7 @@ def prefills(ds: Dataset, opts: Options) -> pd.DataFrame:
         return needs_app_log(COLUMNS)
     tv = task_view(ds)
     big = tv.loc[(tv["prompt_tokens_new"] >= opts.big_prefill_tokens).fillna(False).to_numpy()].copy()
-    causes = call_causes(ds.matches.calls, opts)
+    causes = call_causes(ds.matches.calls, opts, shared_pairs(ds, opts))
     at = causes.index.get_indexer(_call_key(big))
     big["cause"] = pd.array(np.where(at >= 0, causes.to_numpy()[np.maximum(at, 0)], None), dtype="string").fillna(UNLOGGED)
     big["purpose"] = big["purpose"].astype("string").fillna(UNLOGGED)
