@@ -156,3 +156,20 @@ def test_right_of_is_searchsorted_right() -> None:
     assert (_right_of(b, np.arange(len(b), dtype=float), x) == np.searchsorted(b, x, "right")).all()
     x[5] = np.nan
     assert (_right_of(b, np.arange(len(b), dtype=float), x) == np.searchsorted(b, x, "right")).all()
+
+
+def test_sorted_right_is_searchsorted_right_with_repeats() -> None:
+    """Sorted arrays with repeated values (interval ends often coincide), NaN-free and with a NaN
+    at the end (numpy sorts NaN last), against numpy's own positions."""
+    import numpy as np
+
+    from slotscope.timeline import sorted_right
+
+    rng = np.random.default_rng(12)
+    for _ in range(500):
+        b = np.sort(rng.integers(0, 12, int(rng.integers(1, 30))).astype(float))
+        if rng.random() < 0.2:
+            b = np.sort(np.r_[b, np.nan])
+        x = np.r_[rng.uniform(-2, 14, 20), b[~np.isnan(b)], [-np.inf, np.inf]]
+        for q in (x, np.sort(x)):
+            assert (sorted_right(b, q) == np.searchsorted(b, q, "right")).all()

@@ -148,7 +148,7 @@ def concurrency(tv: pd.DataFrame, sessions: pd.DataFrame | None = None) -> pd.Da
         # A step per distinct event time; a count after every event at time u is the intervals
         # begun by u minus those ended by u (what a running sum of +1/-1 events gives).
         t = np.unique(np.concatenate([x for pair in ends for x in pair]))
-        level = [np.searchsorted(s0, t[:-1], "right") - np.searchsorted(e0, t[:-1], "right") for s0, e0 in ends]
+        level = [sorted_right(s0, t[:-1]) - sorted_right(e0, t[:-1]) for s0, e0 in ends]
         parts.append((np.full(len(t) - 1, rows[0]), t[:-1], t[1:], *level))
     if not parts:
         return pd.DataFrame({c: pd.Series(dtype="float64") for c in CONCURRENCY_COLUMNS})
@@ -286,7 +286,7 @@ def overlap_arrays(
         s, e = ivs[grp], ive[grp]
         b = np.unique(np.concatenate([s, e]))
         starts = b[:-1]
-        count = np.searchsorted(np.sort(s), starts, "right") - np.searchsorted(np.sort(e), starts, "right")
+        count = sorted_right(np.sort(s), starts) - sorted_right(np.sort(e), starts)
         if "covered" in need or has_own:
             width = np.diff(b)
             f1 = np.concatenate([[0.0], np.cumsum((count >= 1) * width)])
@@ -360,6 +360,16 @@ def _right_of(b: np.ndarray, at_b: np.ndarray, x: np.ndarray) -> np.ndarray:
     return k + 1
 
 
+def sorted_right(b: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """``np.searchsorted(b, x, "right")`` for sorted ``b`` (repeated values allowed): the search
+    of :func:`_right_of` among its distinct values, then where each value's run ends."""
+    if not len(b) or np.isnan(b[-1]):
+        return np.searchsorted(b, x, "right")
+    last = np.flatnonzero(np.r_[b[1:] != b[:-1], True])  # the last place of each distinct value
+    k = _right_of(b[last], np.arange(len(last), dtype=np.float64), x)
+    return np.where(k > 0, last[np.maximum(k - 1, 0)] + 1, 0)
+
+
 def _clip_own(os_: np.ndarray, oe_: np.ndarray, qs: np.ndarray, qe: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The own interval clipped to the query; empty (at the query's end) where it misses it."""
     own_ok = ~np.isnan(os_) & ~np.isnan(oe_)
@@ -408,7 +418,7 @@ def count_point_arrays(qcode: np.ndarray, qs: np.ndarray, qe: np.ndarray, pcode:
         if p is None:
             continue
         tp = np.sort(pt[p])
-        out[qi] = np.searchsorted(tp, qe[qi], "right") - np.searchsorted(tp, qs[qi], "right")
+        out[qi] = sorted_right(tp, qe[qi]) - sorted_right(tp, qs[qi])
     return out
 
 
