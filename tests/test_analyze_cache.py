@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from datetime import datetime
 
-import pandas as pd
 import pytest
 
 from slotscope.analyze import Options

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import statistics
 
-import pandas as pd
 import pytest
 
 from slotscope.analyze import Options
