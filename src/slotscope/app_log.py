@@ -232,19 +232,18 @@ def lora_label(value: Any) -> str:
 
 
 def _lora_labels(values: Sequence[Any]) -> list[str]:
-    """:func:`lora_label` of each value, computed once per distinct value (a log has a few)."""
+    """:func:`lora_label` of each value (``_Labels`` pyarrow's reading made are passed on);
+    a text or null is labelled once (a log has a few), anything else each time."""
     if isinstance(values, _Labels):
         return values
-    seen: dict[Any, str] = {}
+    seen: dict[str | None, str] = {}
     out = []
     for v in values:
-        try:  # keyed by type and repr of floats too: 1 == 1.0 == True and 0.0 == -0.0, not as text
-            key = (type(v), tuple((k, type(x), repr(x) if isinstance(x, float) else x) for k, x in v.items())
-                   if isinstance(v, dict) else repr(v) if isinstance(v, float) else v)
-            label = seen.get(key)
+        if v is None or isinstance(v, str):
+            label = seen.get(v)
             if label is None:
-                label = seen[key] = lora_label(v)
-        except TypeError:  # an unhashable part (a list, an object in the object)
+                label = seen[v] = lora_label(v)
+        else:
             label = lora_label(v)
         out.append(label)
     return out
