@@ -130,3 +130,30 @@ def test_wall_offsets_follow_each_rows_session() -> None:
         at = sessions.set_index(["port", "session"]).index.get_indexer(pd.MultiIndex.from_arrays([port, session]))
         want = np.where(at >= 0, offsets[at] if n else np.nan, np.nan)
         assert np.array_equal(_wall_offsets(sessions, port, session), want, equal_nan=True)
+
+
+def test_several_logs_keep_source_and_file_one_category_each() -> None:
+    """``source`` and ``file`` are categorical whatever the number of server logs: joined with
+    their categories unified and sorted, not turned into a string per row (as pandas joins
+    categoricals whose categories differ: five times the memory, and a dtype that depended on
+    how many servers were read). Values, order and the text sort are those of the logs alone."""
+    paths = [str(REAL / s / "logs" / "llama-server.log") for s in ("restart", "after", "before")]
+    alone = [read_server_logs([p]) for p in paths]
+    both = read_server_logs(paths)
+    for name in ("tasks", "gen_samples", "prefill_samples"):
+        joined = getattr(both, name)
+        for c in ("source", "file"):
+            if c not in joined.columns:
+                continue
+            col = joined[c]
+            assert isinstance(col.dtype, pd.CategoricalDtype), (name, c, col.dtype)
+            assert list(col.cat.categories) == sorted(paths), (name, c)
+            assert isinstance(getattr(alone[0], name)[c].dtype, pd.CategoricalDtype)
+            # sorting by the column sorts as its text does
+            assert col.sort_values(kind="stable").astype(str).tolist() == sorted(col.astype(str))
+        # each log's rows as read alone (by value), in the order the logs were given
+        expect = pd.concat([getattr(s, name).astype({"source": str}) for s in alone], ignore_index=True)
+        got = joined.astype({"source": str})
+        if "file" in got.columns:
+            expect, got = expect.astype({"file": str}), got.astype({"file": str})
+        pd.testing.assert_frame_equal(got, expect, check_exact=True)
