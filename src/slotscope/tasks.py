@@ -441,9 +441,18 @@ class TaskAssembler:
         if not n:
             return
         rows["file"] = np.where(np.isnan(rows["file"]), np.nan, float(self._files.setdefault(file, len(self._files))))  # type: ignore[arg-type]
-        firsts = {c: rows[c] for c in _FIRST if c != "slot_any"}
         open_rows = self._open if self._open is not None and len(self._open["task"]) else None
-        self._close(_fold(open_rows, rows, [(np.arange(n), firsts)]), info)
+        if open_rows is None:  # the block's rows are one per task already
+            self._close(rows, info)
+            return
+        # Only the rows of tasks that may be open (by task id: a superset) are folded with the
+        # open rows; the others are one per task already. Row order is free here: the output
+        # order is set once, at the end (_end). A few dozen rows folded instead of thousands.
+        maybe = np.isin(rows["task"], open_rows["task"])
+        part = _take(rows, maybe)
+        firsts = {c: part[c] for c in _FIRST if c != "slot_any"}
+        folded = _fold(open_rows, part, [(np.arange(len(part["task"])), firsts)])
+        self._close(_concat([folded, _take(rows, ~maybe)], list(folded)), info)
 
     def _close(self, merged: dict[str, np.ndarray], info: dict[str, np.ndarray]) -> None:
         cur_session: dict[int, int] = {}
