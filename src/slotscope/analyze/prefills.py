@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from .. import timeline as tl
 from ..dataset import Dataset, task_view
 from . import Options, register
 from .cache import SUMMARY, shared_pairs, slim_calls, turn_pairs
@@ -37,10 +38,25 @@ def _call_key(df: pd.DataFrame) -> pd.Index:
     return pd.MultiIndex.from_arrays([df["call_file"].astype("string"), df["call_line"].astype("Int64")])
 
 
-def call_causes(calls: pd.DataFrame, opts: Options, pairs: pd.DataFrame | None = None) -> pd.Series:
-    """The cause of each app call's prompt (one of :data:`CAUSES`), indexed by the call's
-    (file, line). ``pairs``: :func:`.cache.turn_pairs` of these calls, if already made."""
-    c = calls[["call_id", "call_file", "call_line", "user", "start_at", "purpose"]].copy()
+_KEY = ["call_file", "call_line"]
+
+
+def _rows_in(calls: pd.DataFrame, rows: pd.DataFrame) -> np.ndarray:
+    """For each row of ``rows``, the position in ``calls`` of the call with its file and line
+    (-1: none). Integer codes, not an index of (text, number) tuples per call."""
+    ccode, rcode = tl.key_codes([calls[_KEY], rows[_KEY]], _KEY)
+    at = np.full(int(max(ccode.max(initial=-1), rcode.max(initial=-1))) + 2, -1, dtype=np.int64)
+    at[ccode] = np.arange(len(ccode))
+    found = at[rcode]
+    # a key with a missing part names no call (as a lookup by (file, line) finds none)
+    return np.where(rows["call_file"].isna().to_numpy() | rows["call_line"].isna().to_numpy(), -1, found)
+
+
+def _sorted_causes(calls: pd.DataFrame, opts: Options, pairs: pd.DataFrame | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The cause of each app call's prompt, calls by user and start: (their positions in
+    ``calls``, their causes)."""
+    c = calls[["user", "start_at", "purpose"]].copy()
+    c["pos"] = np.arange(len(c))
     c["user"] = c["user"].astype("string")
     c["session"] = calls["app_session"].astype("string") if "app_session" in calls else pd.Series(pd.NA, index=c.index, dtype="string")
     c = c.sort_values(["user", "start_at"], kind="stable")
@@ -51,10 +67,20 @@ def call_causes(calls: pd.DataFrame, opts: Options, pairs: pd.DataFrame | None =
     prev_purpose = c.groupby("user", sort=False, dropna=False, observed=True)["purpose"].shift(1).astype("string")
     after_summary = (prev_purpose == SUMMARY).fillna(False)
     pairs = turn_pairs(slim_calls(calls), opts) if pairs is None else pairs
-    missed = _call_key(c).isin(_call_key(pairs.query("miss")))
+    order = c["pos"].to_numpy()
+    missed = np.zeros(len(calls), dtype=bool)
+    hit = _rows_in(calls, pairs.loc[pairs["miss"].to_numpy(), _KEY])
+    missed[hit[hit >= 0]] = True
     summary = (c["purpose"].astype("string") == SUMMARY).fillna(False)
-    cause = np.select([first_of_day, first_of_session, summary, after_summary, missed], CAUSES[:-1], default=CAUSES[-1])
-    return pd.Series(cause, index=_call_key(c), name="cause")
+    cause = np.select([first_of_day, first_of_session, summary, after_summary, missed[order]], CAUSES[:-1], default=CAUSES[-1])
+    return order, cause
+
+
+def call_causes(calls: pd.DataFrame, opts: Options, pairs: pd.DataFrame | None = None) -> pd.Series:
+    """The cause of each app call's prompt (one of :data:`CAUSES`), indexed by the call's
+    (file, line). ``pairs``: :func:`.cache.turn_pairs` of these calls, if already made."""
+    order, cause = _sorted_causes(calls, opts, pairs)
+    return pd.Series(cause, index=_call_key(calls.iloc[order]), name="cause")
 
 
 @register("prefills")
@@ -64,9 +90,12 @@ def prefills(ds: Dataset, opts: Options) -> pd.DataFrame:
         return needs_app_log(COLUMNS)
     tv = task_view(ds)
     big = tv.loc[(tv["prompt_tokens_new"] >= opts.big_prefill_tokens).fillna(False).to_numpy()].copy()
-    causes = call_causes(ds.matches.calls, opts, shared_pairs(ds, opts))
-    at = causes.index.get_indexer(_call_key(big))
-    big["cause"] = pd.array(np.where(at >= 0, causes.to_numpy()[np.maximum(at, 0)], None), dtype="string").fillna(UNLOGGED)
+    calls = ds.matches.calls
+    order, cause = _sorted_causes(calls, opts, shared_pairs(ds, opts))
+    by_row = np.empty(len(calls), dtype=object)
+    by_row[order] = cause
+    at = _rows_in(calls, big)
+    big["cause"] = pd.array(np.where(at >= 0, by_row[np.maximum(at, 0)], None), dtype="string").fillna(UNLOGGED)
     big["purpose"] = big["purpose"].astype("string").fillna(UNLOGGED)
     label = f">= {opts.big_prefill_tokens:,} new tokens"
     big["all"] = label
