@@ -220,6 +220,8 @@ def _group_codes(queries: pd.DataFrame, intervals: pd.DataFrame, by: Sequence[st
 def rows_by_group(codes: np.ndarray, usable: np.ndarray) -> dict[int, np.ndarray]:
     """Row positions of the usable rows per code, each in row order (one sort, not one scan per group)."""
     idx = np.flatnonzero(usable)
+    if len(idx) and (codes[idx] == codes[idx[0]]).all():  # one group (one server session): no sort
+        return {int(codes[idx[0]]): idx}
     idx = idx[np.argsort(codes[idx], kind="stable")]
     c = codes[idx]
     cut = np.flatnonzero(np.diff(c)) + 1
@@ -271,12 +273,15 @@ def overlaps(
 def overlap_arrays(
     qcode: np.ndarray, qs: np.ndarray, qe: np.ndarray, icode: np.ndarray, ivs: np.ndarray, ive: np.ndarray, *,
     vals: np.ndarray | None = None, own_start: np.ndarray | None = None, own_end: np.ndarray | None = None,
+    own_rows: np.ndarray | None = None,
     need: tuple[str, ...] = ("covered", "max_count"),
 ) -> tuple[Any, Any, Any, Any]:
     """:func:`overlaps` on arrays, groups given as integer codes (see :func:`key_codes`):
     ``(covered_s unrounded, max_count, max_value, max_pos)``, each computed only when ``need``
     names it (``max_pos`` whenever ``vals`` is given), else None: a query set as large as the
-    log's heartbeats makes every unused array one of that size."""
+    log's heartbeats makes every unused array one of that size. ``own_rows``: the own intervals
+    are ``own_start[own_rows]``/``own_end[own_rows]`` (taken a block of queries at a time, not
+    two more arrays as long as the queries)."""
     n = len(qs)
     covered = np.zeros(n) if "covered" in need else None
     max_count = np.zeros(n, dtype=np.int64) if "max_count" in need else None
@@ -335,7 +340,8 @@ def overlap_arrays(
             if "max_count" in need or vals is not None:
                 pa_, pz = (a, *places(a)), (z, *places(z))
             if has_own:
-                c0, c1 = _clip_own(os_[qi], oe_[qi], a, z)
+                own = qi if own_rows is None else own_rows[qi]
+                c0, c1 = _clip_own(os_[own], oe_[own], a, z)
                 if "covered" in need:
                     covered[qi] = cover(a, z, f1) - cover(c0, c1, f1) + cover(c0, c1, f2)
                 if "max_count" in need:

@@ -265,8 +265,8 @@ def _pieces(ds: Dataset, opts: Options, tv: pd.DataFrame) -> _Pieces:
     # Another slot generating at any time of the segment (its own task's generation left out).
     ft, rel = _f(tv["first_token_s"]), _f(tv["release_s"])
     gen = np.flatnonzero(~np.isnan(ft) & ~np.isnan(rel) & (rel >= ft))
-    others_gen = tl.overlap_arrays(scode, qs, qe, tcode[gen], ft[gen], rel[gen], own_start=ft[sg.row],
-                                   own_end=rel[sg.row], need=("max_count",))[1] >= 1
+    others_gen = tl.overlap_arrays(scode, qs, qe, tcode[gen], ft[gen], rel[gen], own_start=ft, own_end=rel,
+                                   own_rows=sg.row, need=("max_count",))[1] >= 1
     del ft, rel, gen, tcode
     # Server passes (pass ends of all prefills within SAME_PASS_S merged). A pass ending within
     # SAME_PASS_S of the segment's start made its first token; one at its end made the last.
