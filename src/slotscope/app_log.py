@@ -862,7 +862,8 @@ def _times_us(values: Sequence[Any], zone: str) -> tuple[pd.Series, np.ndarray, 
     us = num * np.select([mag < 1e11, mag < 1e14, mag < 1e17], [1e6, 1e3, 1.0], 1e-3)  # s, ms, µs, ns
     raw = pd.Series(values, dtype=object)
     text = raw[num.isna() & raw.notna()].astype(str)
-    parsed = pd.to_datetime(text, format="ISO8601", utc=True, errors="coerce").dt.as_unit("us")
+    # (a copy: pandas 2.2 marks what a .dt method returns, and warns on stderr when it is changed)
+    parsed = pd.to_datetime(text, format="ISO8601", utc=True, errors="coerce").dt.as_unit("us").copy()
     naive = pd.Series(~_zone_given(text), index=text.index, dtype=bool) & parsed.notna()
     if naive.any() and zone != "UTC":  # parsed as UTC wall time: re-read that wall time in `zone`
         local = parsed[naive].dt.tz_localize(None).dt.tz_localize(zone, ambiguous="NaT", nonexistent="NaT")
