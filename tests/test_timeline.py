@@ -46,6 +46,9 @@ def test_concurrency_never_exceeds_slots_and_shares_sum_to_one(scenario: str) ->
     ds = _ds(scenario)
     steps = tl.concurrency(task_view(ds), ds.server.sessions)
     assert list(steps.columns) == tl.CONCURRENCY_COLUMNS
+    rep, start, stop, levels = tl.concurrency_arrays(task_view(ds), ds.server.sessions, running_only=True)
+    assert len(levels) == 1 and levels[0].tolist() == steps["running"].tolist()
+    assert start.tolist() == steps["start_s"].tolist() and stop.tolist() == steps["end_s"].tolist()
     slots = steps.merge(ds.server.sessions[tl.GROUP + ["n_slots"]], on=tl.GROUP)
     assert len(slots) == len(steps)
     assert (slots["running"] <= slots["n_slots"]).all()
@@ -106,6 +109,33 @@ def test_overlaps_agree_with_brute_force_and_exclude_the_own_interval() -> None:
         cov_o, mc_o = _brute(row, same.drop(index=idx))
         assert got_own["covered_s"].iloc[i] == pytest.approx(cov_o, abs=1e-5)
         assert got_own["max_count"].iloc[i] == mc_o
+
+
+def test_own_rows_pick_each_querys_own_interval_in_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``own_rows``: own intervals given once per interval row and picked per query (as the
+    stalls table passes each segment's task), a few queries at a time: the same answers as own
+    intervals given per query; and point counts in small blocks as in one."""
+    rng = np.random.default_rng(11)
+    n = 80
+    s = rng.uniform(0, 100, n)
+    iv = pd.DataFrame({"source": "x", "port": -1, "session": rng.integers(1, 3, n), "start_s": s,
+                       "end_s": s + rng.exponential(6, n)})
+    rows = rng.integers(0, n, 200)  # queries around intervals, several per interval
+    q = iv.iloc[rows][tl.GROUP].reset_index(drop=True)
+    q["start_s"] = iv["start_s"].to_numpy()[rows] + rng.uniform(-4, 4, len(rows))
+    q["end_s"] = q["start_s"] + rng.exponential(8, len(rows))
+    qcode, icode = tl.key_codes([q, iv], tl.GROUP)
+    ivs, ive = iv["start_s"].to_numpy(), iv["end_s"].to_numpy()
+    args = (qcode, q["start_s"].to_numpy(), q["end_s"].to_numpy(), icode, ivs, ive)
+    per_query = tl.overlap_arrays(*args, own_start=ivs[rows], own_end=ive[rows])
+    whole_points = tl.count_point_arrays(qcode, args[1], args[2], icode, ivs)
+    monkeypatch.setattr(tl, "QUERY_BLOCK", 7)
+    by_row = tl.overlap_arrays(*args, own_start=ivs, own_end=ive, own_rows=rows)
+    no_own = tl.overlap_arrays(*args)
+    np.testing.assert_array_equal(by_row[0], per_query[0])
+    np.testing.assert_array_equal(by_row[1], per_query[1])
+    assert (no_own[1] > by_row[1]).any()  # the own interval was left out
+    np.testing.assert_array_equal(tl.count_point_arrays(qcode, args[1], args[2], icode, ivs), whole_points)
 
 
 def test_count_points_counts_half_open_windows_per_session() -> None:

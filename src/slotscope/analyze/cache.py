@@ -84,12 +84,15 @@ def turn_pairs(calls: pd.DataFrame, opts: Options) -> pd.DataFrame:
     chat = chat.loc[pair.fillna(False).to_numpy()].reset_index(drop=True)
     at = chat["pos"].to_numpy()
     before = chat["prev_pos"].to_numpy(dtype=np.int64)
-    pairs = calls.iloc[at].reset_index(drop=True)
+    pairs = calls.iloc[at].reset_index(drop=True)  # in start order: the as-of merge keeps it
     pairs["user"] = chat["user"]
-    # the previous turn's columns, as a shift within the user's turns gives them
-    for c in ("call_id", "prev_start_at", "prev_end_at", "slot", "call_file", "call_line", "prev_left_tokens",
-              "session", "prev_session", "gap_s", "summary_at"):
-        pairs[c if c in chat.columns else "prev_" + c] = chat[c] if c in chat.columns else _shifted(calls[c], before)
+    # The previous turn's own columns are taken from the calls by its position (as a shift
+    # within the user's turns gives them); the rest were made on the narrow table.
+    of_previous = {"prev_call_id": "call_id", "prev_slot": "slot", "prev_call_file": "call_file",
+                   "prev_call_line": "call_line"}
+    for name in ("prev_call_id", "prev_start_at", "prev_end_at", "prev_slot", "prev_call_file", "prev_call_line",
+                 "prev_left_tokens", "session", "prev_session", "gap_s", "summary_at"):
+        pairs[name] = _shifted(calls[of_previous[name]], before) if name in of_previous else chat[name]
     cached = pairs["prompt_tokens_cached"].astype("Float64").fillna(pairs["cached_tokens"].astype("Float64"))
     pairs["cached"] = cached
     pairs["miss"] = (cached < MISS_SHARE * pairs["prev_left_tokens"]).fillna(False).astype(bool)
