@@ -7,7 +7,7 @@ import pytest
 
 from slotscope.server_log import read_server_logs
 
-from .conftest import REAL, SCENARIOS, load_meta, load_truth
+from .conftest import FORMATS, REAL, SCENARIOS, load_meta, load_truth
 
 
 @pytest.fixture(scope="module", params=SCENARIOS)
@@ -157,3 +157,20 @@ def test_several_logs_keep_source_and_file_one_category_each() -> None:
         if "file" in got.columns:
             expect, got = expect.astype({"file": str}), got.astype({"file": str})
         pd.testing.assert_frame_equal(got, expect, check_exact=True)
+
+
+def test_each_sample_names_the_file_its_line_is_in() -> None:
+    """Rotated logs (x.log.2.gz, x.log.1, x.log) number lines per file: every heartbeat and
+    progress sample's ``file`` and ``line`` name a line of that kind in that file (the stream's
+    name alone, ``source``, would point into the wrong file for two of the three)."""
+    import gzip
+
+    logs = read_server_logs([str(FORMATS / "rotated")])
+    texts = {}
+    for name in logs.tasks["file"].cat.categories:
+        with (gzip.open if name.endswith(".gz") else open)(name, "rt") as f:
+            texts[name] = f.read().split("\n")
+    for table, kind in ((logs.gen_samples, "n_gen ="), (logs.prefill_samples, "prompt processing")):
+        assert isinstance(table["file"].dtype, pd.CategoricalDtype)
+        assert table["file"].nunique() == 3  # samples in every file
+        assert all(kind in texts[f][line - 1] for f, line in zip(table["file"], table["line"]))

@@ -409,6 +409,7 @@ class TaskAssembler:
     _gen: FinishedRows = field(init=False)  # heartbeat rows, in the order their blocks came
     _prefill: FinishedRows = field(init=False)  # progress rows
     _files: dict[str, int] = field(default_factory=dict)  # file name -> index (the ``file`` column)
+    _sample_files: dict[str, int] = field(default_factory=dict)  # the same for the samples' ``file``
     sessions: dict[tuple[int, int], dict] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -434,6 +435,10 @@ class TaskAssembler:
             for part in (rows, info, *samples.values()):
                 part["session"] = shifted_sessions(part["port"], part["session"], shift)
         self._track_sessions(info, file)
+        if samples:  # every sample line of the block is in its file
+            at = float(self._sample_files.setdefault(file, len(self._sample_files)))  # type: ignore[arg-type]
+            for part in samples.values():
+                part["file"] = np.full(len(part["task"]), at)
         for code, store in ((HEARTBEAT, self._gen), (PROGRESS, self._prefill)):
             if code in samples:
                 store.append(samples[code])
@@ -505,8 +510,8 @@ class TaskAssembler:
         sessions = self._sessions_table()
         tasks = _derive(raw, self.source, sessions)
         del raw
-        gen = _gen_samples(self._gen, self.source, tasks)
-        prefill = _prefill_samples(self._prefill, self.source)
+        gen = _gen_samples(self._gen, self.source, list(self._sample_files), tasks)
+        prefill = _prefill_samples(self._prefill, self.source, list(self._sample_files))
         release_memory()
         return tasks, gen, prefill, sessions
 
@@ -530,7 +535,7 @@ class TaskAssembler:
             if kind == HEARTBEAT:
                 p, s, t = port[idx], session[idx], task[idx]
                 ft = _first_token_per_row(first_tokens, p, s, t, _same_task_as_previous(p, s, t))
-            batches.append(SampleBatch(kind, store, idx, a - lo, ft, self.source))
+            batches.append(SampleBatch(kind, store, idx, a - lo, ft, self.source, list(self._sample_files)))
         return batches
 
     def discard_samples(self) -> None:
@@ -781,9 +786,10 @@ class SampleBatch:
     skip: int
     first_token: np.ndarray | None
     source: str
+    files: list[str]  # the ``file`` column's categories
 
     def table(self) -> pd.DataFrame:
-        return _sample_table(self.kind, self.rows.gather(self.idx), self.source, self.first_token, self.skip)
+        return _sample_table(self.kind, self.rows.gather(self.idx), self.source, self.files, self.first_token, self.skip)
 
 
 def _sample_order(store: FinishedRows, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
@@ -875,7 +881,7 @@ def _seconds(us: np.ndarray) -> np.ndarray:
     return np.where(v >= 0, v, np.nan) / 1e6
 
 
-def _gen_samples(store: FinishedRows, source: str, tasks: pd.DataFrame) -> pd.DataFrame:
+def _gen_samples(store: FinishedRows, source: str, files: list[str], tasks: pd.DataFrame) -> pd.DataFrame:
     if not len(store):
         return _empty_samples(HEARTBEAT)
     cols = _sorted_samples(store)
@@ -883,25 +889,26 @@ def _gen_samples(store: FinishedRows, source: str, tasks: pd.DataFrame) -> pd.Da
     same = _same_task_as_previous(port, session, task)
     first_token = _first_token_per_row(FirstTokens.of(tasks) if len(tasks) else None, port, session, task, same)
     del port, session, task, same
-    return _sample_table(HEARTBEAT, cols, source, first_token)
+    return _sample_table(HEARTBEAT, cols, source, files, first_token)
 
 
-def _prefill_samples(store: FinishedRows, source: str) -> pd.DataFrame:
+def _prefill_samples(store: FinishedRows, source: str, files: list[str]) -> pd.DataFrame:
     if not len(store):
         return _empty_samples(PROGRESS)
-    return _sample_table(PROGRESS, _sorted_samples(store), source, None)
+    return _sample_table(PROGRESS, _sorted_samples(store), source, files, None)
 
 
 def _empty_samples(kind: int) -> pd.DataFrame:
-    extra = ["tokens", "line", "port"] if kind == HEARTBEAT else ["step_s", "line", "port"]
+    extra = ["tokens", "window_start_s", "line", "port", "file"] if kind == HEARTBEAT else ["step_s", "line", "port", "file"]
     return pd.DataFrame({c: pd.Series(dtype="float64") for c in (GEN_COLUMNS if kind == HEARTBEAT else PREFILL_COLUMNS) + extra})
 
 
-def _sample_table(kind: int, cols: dict[str, np.ndarray], source: str, first_token: np.ndarray | None,
-                  skip: int = 0) -> pd.DataFrame:
+def _sample_table(kind: int, cols: dict[str, np.ndarray], source: str, files: list[str],
+                  first_token: np.ndarray | None, skip: int = 0) -> pd.DataFrame:
     """Sample rows of one kind (``cols``, in output order) as the gen (``first_token``: each
     row's task's first-token time) or prefill samples table, without its first ``skip`` rows
-    (context: the sample before a batch)."""
+    (context: the sample before a batch). ``file``: the file each sample's line is in (one
+    category per file of ``files``; ``line`` counts from that file's start)."""
     port, session, task = (cols[c].astype(np.int64) for c in ("port", "session", "task"))
     same = _same_task_as_previous(port, session, task)
     t_s = _seconds(cols["ts_us"])
@@ -927,6 +934,7 @@ def _sample_table(kind: int, cols: dict[str, np.ndarray], source: str, first_tok
             "step_s": np.round(t_s - _previous(t_s, same), 6)})
     out["line"] = cols["line"].astype(np.int64)
     out["port"] = port
+    out["file"] = pd.Categorical.from_codes(cols["file"].astype(np.int64), categories=pd.Index(files, dtype="str"))
     if skip:
         out = {c: (v[skip:] if v is not None else None) for c, v in out.items()}  # type: ignore[index]
     out["source"] = _source_column(source, len(t_s) - skip)
