@@ -203,6 +203,11 @@ def _where(df: pd.DataFrame, line: str = "line") -> pd.Series:
     return name + ":" + ln
 
 
+def _either(first: pd.Series, other: pd.Series) -> pd.Series:
+    """``first`` where it is there, else ``other`` (as objects: the two may be categories)."""
+    return first.astype(object).where(first.notna(), other.astype(object))
+
+
 def _text(v: pd.Series) -> pd.Series:
     return v.astype("object").where(v.notna(), None)
 
@@ -258,7 +263,8 @@ def _speed_table(ds: Dataset, tv: pd.DataFrame, lanes: pd.DataFrame, clock: _Clo
         "a": x["start_s"], "b": x["end_s"], "sec": np.round(secs, 3),
         "n": _f(seg["tokens"]), "v": np.round(_f(seg["tokens"]) / secs, 2),
         "tg3": np.round(_f(seg["tg_3s_tps"]), 2),
-        "where": _where(seg.assign(line=seg["hb_line"])).where(seg["kind"] == "heartbeat", "(after the last heartbeat)").to_numpy(),
+        "where": _where(seg.assign(file=_either(seg["hb_file"], seg["file"]), line=seg["hb_line"])).where(
+            seg["kind"] == "heartbeat", "(after the last heartbeat)").to_numpy(),
         "windows": 1,
     })
     return sp[~np.isnan(sp["lane"].to_numpy()) & (sp["sec"] > 0)].reset_index(drop=True)
@@ -350,8 +356,8 @@ def _stall_table(ds: Dataset, tv: pd.DataFrame, keep: pd.DataFrame, lanes: pd.Da
         "ca": cx["prefill_start_s"], "cb": cx["first_token_s"], "cx": link,
         "cnew": pd.array(w["cause_prompt_tokens_new"], dtype="Int64"),
         "cpurpose": _text(w["cause_purpose"]).to_numpy(), "cuser": _text(w["cause_user"]).to_numpy(),
-        "where": _where(w.assign(file=w["source"], line=w["hb_line"])).to_numpy(),
-        "cwhere": _where(w.assign(file=w["source"], line=w["cause_line"])).to_numpy(),
+        "where": _where(w.assign(file=_either(w["hb_file"], w["file"]), line=w["hb_line"])).to_numpy(),
+        "cwhere": _where(w.assign(file=_either(w["cause_file"], w["source"]), line=w["cause_line"])).to_numpy(),
     })
     out["label"] = [f"stall #{r}: {v:.2f} tok/s" for r, v in zip(out["rank"], out["v"])]
     out["clabel"] = [f"prefill of task {t} ({n:,} new tokens)" if n is not pd.NA else f"prefill of task {t}"

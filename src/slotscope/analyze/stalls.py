@@ -49,7 +49,7 @@ EPS_S = 0.2
 WORST_MIN_S = 3.0
 
 _TASK_KEYS = tl.GROUP + ["task_id"]
-_SEGMENT_COLUMNS = _TASK_KEYS + ["slot", "start_s", "end_s", "tokens", "kind", "hb_line", "tg_3s_tps"]
+_SEGMENT_COLUMNS = _TASK_KEYS + ["slot", "start_s", "end_s", "tokens", "kind", "hb_line", "tg_3s_tps", "hb_file"]
 
 
 def _f(s: pd.Series) -> np.ndarray:
@@ -181,6 +181,7 @@ def _segment_frame(ds: Dataset, tv: pd.DataFrame, sg: _Segments) -> pd.DataFrame
         tg[is_hb] = _f(gs["tg_3s_tps"])[sg.hb[is_hb]]
     out["hb_line"] = _hb_lines(gs, sg.hb)
     out["tg_3s_tps"] = tg
+    out["hb_file"] = _hb_files(gs, sg.hb)
     return out[_SEGMENT_COLUMNS]
 
 
@@ -191,12 +192,20 @@ def _hb_lines(gs: pd.DataFrame | None, hb: np.ndarray) -> pd.api.extensions.Exte
     return gs["line"].astype("Int64").array.take(hb.astype(np.int64), allow_fill=True)
 
 
+def _hb_files(gs: pd.DataFrame | None, hb: np.ndarray) -> pd.api.extensions.ExtensionArray:
+    """The files of the heartbeats' lines (rotated logs number lines per file), NA for tails."""
+    if gs is None or not len(gs) or "file" not in gs.columns:
+        return pd.array([pd.NA] * len(hb), dtype="string")
+    return gs["file"].array.take(hb.astype(np.int64), allow_fill=True)
+
+
 def generation_segments(ds: Dataset, tv: pd.DataFrame | None = None) -> pd.DataFrame:
     """Each task's generation cut at its heartbeats: one row per window with its exact tokens.
 
     Columns: task keys, slot, ``start_s``, ``end_s``, ``tokens``, ``kind`` (``heartbeat`` or
     ``tail``), ``hb_line`` (the heartbeat's line; NA for tails), ``tg_3s_tps`` (the logged
-    value, for comparison). The first window starts at the first token, which the prefill's last
+    value, for comparison), ``hb_file`` (the file of ``hb_line``: rotated logs number lines per
+    file). The first window starts at the first token, which the prefill's last
     pass produced, so it counts ``n_gen - 1`` tokens.
     """
     tv = task_view(ds) if tv is None else tv
@@ -350,6 +359,7 @@ def _pieces_frame(ds: Dataset, tv: pd.DataFrame, pc: _Pieces, rows: np.ndarray |
         else _segment_frame(ds, tv, sg)[_TASK_KEYS].iloc[seg].reset_index(drop=True)
     base["slot"] = tv["slot"].iloc[task].array
     base["hb_line"] = _hb_lines(ds.server.gen_samples, sg.hb[seg])
+    base["hb_file"] = _hb_files(ds.server.gen_samples, sg.hb[seg])
     base["seg_start_s"] = sg.start[seg]
     base["seg_end_s"] = sg.end[seg]
     base["seg_tokens"] = sg.tokens[seg]
@@ -372,7 +382,7 @@ def segment_pieces(ds: Dataset, opts: Options, tv: pd.DataFrame | None = None) -
 
     Columns: task keys, slot, ``class``, ``seconds``, ``tokens``, ``tok_per_s``, ``split``
     (the segment had more than one piece), ``seg_start_s``, ``seg_end_s``, ``seg_tokens``,
-    ``hb_line``, and ``cause_task_id`` (the largest other-slot prefill running during a
+    ``hb_line``, ``hb_file``, and ``cause_task_id`` (the largest other-slot prefill running during a
     prefill piece; NA for the rest).
     """
     if tv is None:
@@ -469,4 +479,5 @@ def worst_stalls(ds: Dataset, opts: Options) -> pd.DataFrame:
     out["port"] = p["port"].to_numpy()
     out["file"] = stalled["file"].to_numpy()
     out["cause_file"] = out.pop("cause_file")
+    out["hb_file"] = p["hb_file"].to_numpy()  # hb_line's (a task's heartbeats may span a rotation)
     return out.reset_index(drop=True)
