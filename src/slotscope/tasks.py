@@ -436,9 +436,9 @@ class TaskAssembler:
                 part["session"] = shifted_sessions(part["port"], part["session"], shift)
         self._track_sessions(info, file)
         if samples:  # every sample line of the block is in its file
-            at = float(self._sample_files.setdefault(file, len(self._sample_files)))  # type: ignore[arg-type]
+            at = self._sample_files.setdefault(file, len(self._sample_files))  # type: ignore[arg-type]
             for part in samples.values():
-                part["file"] = np.full(len(part["task"]), at)
+                part["file"] = np.full(len(part["task"]), at, dtype=np.int32)
         for code, store in ((HEARTBEAT, self._gen), (PROGRESS, self._prefill)):
             if code in samples:
                 store.append(samples[code])
