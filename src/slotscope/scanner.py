@@ -299,31 +299,24 @@ _TS_DIGITS1 = _U(0x0080808000808000)  # high bits of bytes 1, 2, 4, 5, 6
 _TS_DIGITS2 = _U(0x0000000000808080)  # bytes 0, 1, 2
 
 
-def _stamp(minutes: np.ndarray, x1: np.ndarray, x2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _stamp(minutes: np.ndarray, x1: np.ndarray, x2: np.ndarray, short: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """The µs of "M.SS.mmm.uuu ": ``x1`` the word ".SS.mmm." after the minutes, ``x2`` the next
-    ("uuu " ...), both XOR "0" bytes. (whether their dots and digits are there, the time)."""
-    ok = ((x1 & _TS_DOTS_MASK) == _TS_DOTS) & (((((x1 & _LO7) + _OVER9) | x1) & _TS_DIGITS1) == 0)
-    ok &= ((((x2 & _LO7) + _OVER9) | x2) & _TS_DIGITS2) == 0
+    ("uuu " ...), both XOR "0" bytes. (whether their dots and digits are there, the time).
 
-    def d(x: np.ndarray, k: int) -> np.ndarray:
-        return ((x >> _U(8 * k)) & _U(0xFF)).astype(np.int64)
-
-    sec = d(x1, 1) * 10 + d(x1, 2)
-    ms = d(x1, 4) * 100 + d(x1, 5) * 10 + d(x1, 6)
-    us = d(x2, 0) * 100 + d(x2, 1) * 10 + d(x2, 2)
-    # The same float64 arithmetic as FAST_PATTERN's reading (it rounds past 2**53 µs).
-    return ok, ((minutes.astype(np.float64) * 60 + sec) * 1000 + ms) * 1000 + us
-
-
-def _short_stamp(minutes: np.ndarray, x1: np.ndarray, x2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`_stamp` for minutes below 10**7 (then every step of its float64 arithmetic is an
-    exact integer, below 2**53), as int64: the 8 digits "SSmmmuuu" gathered into one word and
-    read with two multiplications, instead of one shift and mask per digit."""
+    The 8 digits "SSmmmuuu" are gathered into one word and read with two multiplications.
+    ``short``: every minute is below 10**7, so FAST_PATTERN's float64 arithmetic is exact and
+    the time is the int64 sum; else that arithmetic, which rounds past 2**53 µs, is repeated."""
     ok = ((x1 & _TS_DOTS_MASK) == _TS_DOTS) & (((((x1 & _LO7) + _OVER9) | x1) & _TS_DIGITS1) == 0)
     ok &= ((((x2 & _LO7) + _OVER9) | x2) & _TS_DIGITS2) == 0
     # bytes 1-2 of x1 (seconds), 4-6 (ms) and 0-2 of x2 (µs), side by side, first digit lowest
     digits = ((x1 >> _U(8)) & _U(0xFFFF)) | ((x1 >> _U(16)) & _U(0xFFFFFF0000)) | ((x2 & _U(0xFFFFFF)) << _U(40))
-    return ok, minutes * 60_000_000 + _eight_digits(digits)
+    within = _eight_digits(digits)  # µs since the minute began
+    if short:
+        return ok, minutes * 60_000_000 + within
+    sec, ms, us = within // 1_000_000, within // 1000 % 1000, within % 1000
+    return ok, ((minutes.astype(np.float64) * 60 + sec) * 1000 + ms) * 1000 + us
+
+
 _COLON = _word(b": ")[0]
 _LEVELS = [_U(ord(c)) for c in "IWED"]
 # A slot message that starts (after its blanks) with one of these may be a record or a
@@ -396,7 +389,7 @@ def _laid_out_heads(words: _Words, s: np.ndarray, e: np.ndarray, out: Scan) -> t
     c = words.at(q + 16)
     d = words.at(q + 24)
     w_e = words.at(q + 32)
-    ok, ts = _short_stamp(_value(x0[rows], nd), words.at(q) ^ _ASCII0, b ^ _ASCII0)  # nd <= 7
+    ok, ts = _stamp(_value(x0[rows], nd), words.at(q) ^ _ASCII0, b ^ _ASCII0, short=True)  # nd <= 7
     ok &= (b & _LAID_B_MASK) == _LAID_B
     lv = (b >> _U(32)) & _U(0xFF)
     ok &= (lv == _LEVELS[0]) | (lv == _LEVELS[1]) | (lv == _LEVELS[2]) | (lv == _LEVELS[3])
