@@ -203,3 +203,15 @@ def test_sorted_right_is_searchsorted_right_with_repeats() -> None:
         x = np.r_[rng.uniform(-2, 14, 20), b[~np.isnan(b)], [-np.inf, np.inf]]
         for q in (x, np.sort(x)):
             assert (sorted_right(b, q) == np.searchsorted(b, q, "right")).all()
+
+
+def test_by_code_looks_values_up_by_key() -> None:
+    """Keys of one frame found in another through key_codes: found rows give their value, keys
+    the source lacks (NA keys included) give the missing value, whatever the codes' range."""
+    src = pd.DataFrame({"source": ["a", "b", "c"], "port": [1, 1, 2], "session": [1, 2, 1]})
+    dst = pd.DataFrame({"source": ["c", "z", "a", None, "b"], "port": [2, 9, 1, 1, 1], "session": [1, 1, 1, 1, 3]})
+    scode, dcode = tl.key_codes([src, dst], tl.GROUP)
+    got = tl.by_code(scode, np.array([10.0, 20.0, 30.0]), dcode, np.nan)
+    np.testing.assert_array_equal(got, [30.0, np.nan, 10.0, np.nan, np.nan])
+    rows = tl.by_code(scode, np.arange(3), dcode, -1)
+    assert rows.tolist() == [2, -1, 0, -1, -1]

@@ -45,9 +45,7 @@ def task_ends(tv: pd.DataFrame, sessions: pd.DataFrame | None = None) -> np.ndar
     if sessions is not None and len(sessions):
         first = sessions.drop_duplicates(GROUP)
         code, scode = key_codes([tv, first], GROUP)
-        last = np.full(int(max(code.max(initial=-1), scode.max(initial=-1))) + 1, np.nan)
-        last[scode] = _f(first["last_s"])
-        fallback = last[code]
+        fallback = by_code(scode, _f(first["last_s"]), code, np.nan)
     else:
         code = key_codes([tv], GROUP)[0]
     t = np.fmax.reduce([_f(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s")])
@@ -103,6 +101,15 @@ def key_codes(frames: Sequence[pd.DataFrame], by: Sequence[str]) -> list[np.ndar
         else:
             code, combined = k.astype(np.int64, copy=False), True
     return np.split(code, np.cumsum(sizes)[:-1])
+
+
+def by_code(src: np.ndarray, values: np.ndarray, dst: np.ndarray, missing: Any) -> np.ndarray:
+    """For each code of ``dst``, the value of the row of ``src`` with that code (``missing``
+    where none; codes of one :func:`key_codes` call, unique in ``src``): a lookup by key
+    through one array indexed by code."""
+    table = np.full(int(max(src.max(initial=-1), dst.max(initial=-1))) + 1, missing, dtype=values.dtype)
+    table[src] = values
+    return table[dst]
 
 
 def _one_value(cols: Sequence[pd.Series]) -> bool:

@@ -79,11 +79,9 @@ def load_table(ds: Dataset, opts: Options) -> pd.DataFrame:
     if len(off):
         # Each step's session's offset (NaN: none; those steps have no calendar day).
         tcode, ocode = tl.key_codes([tv, off], tl.GROUP)
-        by_code = np.full(int(max(tcode.max(initial=-1), ocode.max(initial=-1))) + 1, np.nan)
-        by_code[ocode] = off["offset_us"].to_numpy(dtype=np.float64)
-        offset = by_code[tcode[rep]]
+        offset = tl.by_code(ocode, off["offset_us"].to_numpy(dtype=np.float64), tcode[rep], np.nan)
         has = np.flatnonzero(~np.isnan(offset))
-        del tcode, ocode, by_code, rep
+        del tcode, ocode, rep
         a = offset[has] + start[has] * 1e6
         z = offset[has] + stop[has] * 1e6
         running = running[has]

@@ -45,9 +45,7 @@ def _rows_in(calls: pd.DataFrame, rows: pd.DataFrame) -> np.ndarray:
     """For each row of ``rows``, the position in ``calls`` of the call with its file and line
     (-1: none). Integer codes, not an index of (text, number) tuples per call."""
     ccode, rcode = tl.key_codes([calls[_KEY], rows[_KEY]], _KEY)
-    at = np.full(int(max(ccode.max(initial=-1), rcode.max(initial=-1))) + 2, -1, dtype=np.int64)
-    at[ccode] = np.arange(len(ccode))
-    found = at[rcode]
+    found = tl.by_code(ccode, np.arange(len(ccode), dtype=np.int64), rcode, -1)
     # a key with a missing part names no call (as a lookup by (file, line) finds none)
     return np.where(rows["call_file"].isna().to_numpy() | rows["call_line"].isna().to_numpy(), -1, found)
 
