@@ -409,7 +409,9 @@ class TaskAssembler:
     _gen: FinishedRows = field(init=False)  # heartbeat rows, in the order their blocks came
     _prefill: FinishedRows = field(init=False)  # progress rows
     _files: dict[str, int] = field(default_factory=dict)  # file name -> index (the ``file`` column)
-    _sample_files: dict[str, int] = field(default_factory=dict)  # the same for the samples' ``file``
+    # The same for the samples' ``file``; apart, so that the tasks' ``file`` categories stay
+    # the files with launches (a file of heartbeats only would add an empty category).
+    _sample_files: dict[str, int] = field(default_factory=dict)
     sessions: dict[tuple[int, int], dict] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
