@@ -174,3 +174,35 @@ def test_a_compressed_copy_beside_the_log_is_not_read_as_its_rotation(tmp_path: 
     df = pd.read_csv(io.StringIO(res.stdout))
     assert df.groupby("source").size().tolist() == [45, 45]  # two sources, each read once
     assert "hold the same rotation position" in res.stderr
+
+
+def test_progress_bar_draws_without_a_thread_so_workers_fork_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The byte bar (a terminal, large input) is drawn by the reading thread: when the worker
+    processes are forked, no rich refresh thread is alive to be copied holding a lock."""
+    import os
+    import threading
+
+    from rich.console import Console
+
+    from slotscope import cli, server_log
+
+    monkeypatch.setenv("TERM", "xterm")  # the suite's "dumb" terminal draws no bar
+    screen = io.StringIO()
+    monkeypatch.setattr(cli, "err", Console(file=screen, force_terminal=True, width=100))
+    logs = REAL / "before" / "logs"
+    size = (logs / "llama-server.log").stat().st_size
+    monkeypatch.setattr(cli, "_long_run", lambda paths: size)
+    monkeypatch.setenv("SLOTSCOPE_JOBS", "2")
+    monkeypatch.setattr(server_log, "CHUNK_SIZE", 8192)  # several blocks: the workers parse them
+    threads_at_fork: list[int] = []
+    watching = [True]
+    os.register_at_fork(before=lambda: watching[0] and threads_at_fork.append(threading.active_count()))
+    try:
+        before = threading.active_count()
+        res = run("tasks", str(logs), "-f", "csv", "--quiet")
+    finally:
+        watching[0] = False
+    assert res.exit_code == 0, res.output
+    assert threads_at_fork and set(threads_at_fork) == {before}
+    assert "reading" in screen.getvalue() and "kB" in screen.getvalue()  # the bar was drawn
+    assert len(res.stdout.splitlines()) == 46  # header + 45 tasks, as without the bar

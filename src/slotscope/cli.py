@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 from contextlib import contextmanager
 from importlib import resources
 from typing import Annotated, Callable, Iterator, Optional
@@ -112,16 +113,33 @@ def _long_run(paths: list[str]) -> int | None:
 
 
 class _Bar:
-    """A byte progress bar: called with the bytes just read; ``stage(text)`` names what runs next."""
+    """A byte progress bar: called with the bytes just read; ``stage(text)`` names what runs next.
+
+    It is drawn by the thread that reads (at most every ``EVERY`` seconds), not by rich's
+    refresh thread: worker processes are forked while the bar is up, and a fork must not copy
+    a thread that may be holding the console's or stderr's lock at that moment (a worker that
+    then wrote a warning would hang; Python 3.12 and later warn about such forks).
+    """
+
+    EVERY = 0.1
 
     def __init__(self, bar: object, task: object) -> None:
         self._bar, self._task = bar, task
+        self._drawn = 0.0
 
     def __call__(self, n: int) -> None:
         self._bar.advance(self._task, n)  # type: ignore[attr-defined]
+        self._draw()
 
     def stage(self, text: str) -> None:
         self._bar.update(self._task, description=text)  # type: ignore[attr-defined]
+        self._draw(now=True)
+
+    def _draw(self, now: bool = False) -> None:
+        t = time.monotonic()
+        if now or t - self._drawn >= self.EVERY:
+            self._drawn = t
+            self._bar.refresh()  # type: ignore[attr-defined]
 
 
 @contextmanager
@@ -133,7 +151,8 @@ def _progress(paths: list[str]) -> Iterator[_Bar | None]:
         return
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
-    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(), console=err, transient=True) as bar:
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  console=err, transient=True, auto_refresh=False) as bar:  # no refresh thread: see _Bar
         yield _Bar(bar, bar.add_task("reading", total=total))
 
 
