@@ -4,6 +4,7 @@ setting) runs, a run against itself, and one run cut into two wall-clock windows
 from __future__ import annotations
 
 import io
+import re
 
 import numpy as np
 import pandas as pd
@@ -92,7 +93,13 @@ def test_changes_read_from_the_logs_and_two_at_once_are_flagged(change: dict[str
     assert bool(ch.loc["chunk_tokens", "changed"]) and bool(ch.loc["lora", "changed"])
     assert ch.loc["lora", "before"] == "none, style-a@1.0" and ch.loc["lora", "after"] == "none"
     assert not ch.loc["n_slots", "changed"] and ch.loc["n_slots", "after"] == "4"
-    assert ch.loc["model", "before"] == "unknown" and pd.isna(ch.loc["model", "changed"])
+    # The model comes from each log's own start-up line; the build line is printed at -lv 4 only.
+    for side, logs in (("before", BEFORE), ("after", AFTER)):
+        named = re.findall(r"load_model: loading model '(.*)'", (logs / "llama-server.log").read_text())
+        assert named and ch.loc["model", side] == named[0]
+    assert not bool(ch.loc["model", "changed"])
+    assert ch.loc["build", "before"] == "unknown" and pd.isna(ch.loc["build", "changed"])
+    assert "-lv 4" in ch.loc["build", "note"]
     cautions = change["cautions"]
     multiple = cautions.loc[cautions["about"] == "changes", "caution"].iloc[0]
     assert "the effects of n_batch and LoRA can't be separated" in multiple
@@ -286,3 +293,21 @@ def test_cli_errors_are_one_line() -> None:
     res = runner.invoke(app, ["compare", "--before", str(BEFORE), "--after", str(AFTER), "-f", "csv"])
     assert res.exit_code == 2 and "exporting needs one table" in res.stderr
     assert runner.invoke(app, ["compare", "--help"]).exit_code == 0
+
+
+def test_a_model_swap_is_a_change_and_counts_with_the_others(tmp_path) -> None:
+    """The after side's logs with another model file on its `loading model` line (only that
+    line rewritten): the changes table names both files, and the caution counts three changes."""
+    swapped = tmp_path / "after"
+    swapped.mkdir()
+    for f in AFTER.iterdir():
+        text = f.read_text()
+        if f.name == "llama-server.log":
+            text = re.sub(r"loading model '[^']*'", "loading model 'models/other-q4.gguf'", text)
+        (swapped / f.name).write_text(text)
+    tables = cmp.compare(load([BEFORE]), load([swapped]), Options())
+    ch = tables["changes"].set_index("setting")
+    assert ch.loc["model", "after"] == "models/other-q4.gguf" and bool(ch.loc["model", "changed"])
+    cautions = tables["cautions"]
+    multiple = cautions.loc[cautions["about"] == "changes", "caution"].iloc[0]
+    assert multiple.startswith("3 settings changed at once (chunk_tokens, model, lora)")

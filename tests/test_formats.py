@@ -7,6 +7,7 @@ its manifest says what a correct parser must find in each.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 
 import pandas as pd
@@ -51,6 +52,12 @@ def test_variant_reads_every_task(name: str) -> None:
         assert abs((first - want_at).total_seconds()) < 0.001
     if spec.get("ports"):
         assert sorted(tasks["port"].unique().tolist()) == spec["ports"]
+    # Each session's model: the `loading model` line its start-up has in this framing (if kept).
+    raw = b"".join((FORMATS / f).read_bytes() for f in spec["files"] if not f.endswith((".gz", ".zst")))
+    named = sorted(set(re.findall(rb"loading model '([^'\\\"]*)'", raw)))
+    if named and len(logs.sessions):  # (no sessions where no line has a time)
+        assert sorted(set(logs.sessions["model"].dropna())) == [n.decode() for n in named]
+        assert logs.sessions["model"].notna().all()
 
 
 def test_garbage_lines_are_named_with_their_line_numbers() -> None:

@@ -73,8 +73,45 @@ def _bend(line: bytes, op: int, at: int, arg: int) -> bytes:
     return body + b"\n"
 
 
+
+def _start_up_lines() -> list[bytes]:
+    """Start-up lines the real logs lack, made from their own: the build line llama-server
+    prints at -lv 4 (common.cpp: "%s: build %d (%s) with %s for %s%s", in the real verbosity
+    line's frame) and `loading model` lines with odd names."""
+    verbosity = next(ln for ln in REAL_LINES if b"common_params_print_info: verbosity" in ln)
+    model = next(ln for ln in REAL_LINES if b"loading model '" in ln)
+    head = verbosity.split(b"common_params_print_info:", 1)[0]
+    builds = [head + b"common_params_print_info: build 11434 (4f8e1c2) with GNU 13.3.0 for Linux x86_64" + tail + b"\n"
+              for tail in (b"", b" (debug)")]
+    odd = [head + b"common_params_print_info: build 11434 (4f8e1c2 with GNU for x\n",  # no ")": no build
+           head.replace(b"cmn ", b"que ") + b"common_params_print_info: build 7 () with x for y\n",
+           head + b"common_params_print_info: build 99999999999999999999 (\xc3\xa9) with x for y\n"]
+    names = [model.replace(b"models/m_p.gguf", name) for name in (b"", b"a'b.gguf", b"/m/\xc3\xa9 x.gguf", b"x' extra")]
+    return builds + odd + names
+
+
+START_LINES = _start_up_lines()
+
+
+@pytest.mark.parametrize("line", START_LINES, ids=range(len(START_LINES)))
+def test_start_up_lines_read_the_same(line: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    _assert_same(line, monkeypatch)
+    _assert_same(b"".join(REAL_LINES[:50]) + line + b"".join(REAL_LINES[50:60]), monkeypatch)
+
+
+def test_model_and_build_lines_keep_their_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    from slotscope.events import BUILD, MODEL
+
+    ev, acc = _parse(b"".join(START_LINES), True, monkeypatch)
+    assert sorted(ev.loc[ev["kind"] == BUILD, "text"]) == ["11434 (4f8e1c2)", "11434 (4f8e1c2)", "7 ()",
+                                                          "99999999999999999999 (é)"]
+    # The empty name is no model (FAST_PATTERN cannot tell it from none); a quote inside is kept.
+    assert sorted(ev.loc[ev["kind"] == MODEL, "text"]) == ["/m/é x.gguf", "a'b.gguf", "x' extra"]
+    assert acc[3] == 0  # nothing unrecognized
+
+
 bent_lines = st.lists(
-    st.tuples(st.sampled_from(REAL_LINES), st.integers(0, 9), st.integers(0, 10_000), st.integers(0, 100)),
+    st.tuples(st.sampled_from(REAL_LINES + START_LINES), st.integers(0, 9), st.integers(0, 10_000), st.integers(0, 100)),
     min_size=1, max_size=40,
 )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -29,6 +30,16 @@ def test_bundled_example_report_without_a_path() -> None:
                  "context", "cache", "lora-switch"):
         assert f"\n{name} ─" in res.stdout
     assert "could not compute" not in res.stdout
+
+
+def test_report_says_which_model_and_slots_the_server_ran() -> None:
+    """From the start-up lines: `loading model '...'` and `initializing, n_slots = .., n_ctx_slot = ..`."""
+    log = (REAL / "before" / "logs" / "llama-server.log").read_text()
+    model = re.search(r"loading model '(.*)'", log).group(1)  # type: ignore[union-attr]
+    slots, ctx = re.search(r"n_slots = (\d+), n_ctx_slot = (\d+)", log).groups()  # type: ignore[union-attr]
+    res = run("analyze", str(REAL / "before" / "logs"))
+    assert res.exit_code == 0
+    assert f"\nserver: model {model}; {slots} slots x {int(ctx):,} tokens of context\n" in res.stdout
 
 
 def test_report_fits_100_columns_on_the_largest_scenario() -> None:

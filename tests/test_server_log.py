@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pandas as pd
 import pytest
 
@@ -74,6 +76,31 @@ def test_restart_gives_two_sessions_and_no_task_spans_them() -> None:
     assert len(cut) == 1 and cut.iloc[0]["status"] == "cancelled"
     s1_end = logs.sessions.loc[logs.sessions["session"] == 1, "last_s"].iloc[0]
     assert (t.loc[t["session"] == 1, "launch_s"] <= s1_end).all()
+
+
+def test_each_session_names_the_model_its_start_up_loads(tmp_path) -> None:
+    """The restart capture has two processes, each with its `loading model` line. A copy with
+    the second one naming another file, and a build line (-lv 4 only: common.cpp's
+    "%s: build %d (%s) with %s for %s%s", in the frame of the real verbosity line) before the
+    first start-up's verbosity line: each session keeps its own."""
+    lines = (REAL / "restart" / "logs" / "llama-server.log").read_text().splitlines(keepends=True)
+    at = [i for i, ln in enumerate(lines) if "loading model '" in ln]
+    names = [re.search(r"loading model '(.*)'", lines[i]).group(1) for i in at]  # type: ignore[union-attr]
+    logs = read_server_logs([REAL / "restart" / "logs"])
+    assert len(at) == 2 and logs.sessions["model"].tolist() == names
+    assert logs.sessions["build"].isna().all()
+    assert logs.sessions.columns[-2:].tolist() == ["model", "build"]  # after the columns users had
+
+    lines[at[1]] = lines[at[1]].replace(f"'{names[1]}'", "'models/other-q4.gguf'")
+    verbosity = next(i for i, ln in enumerate(lines) if "common_params_print_info: verbosity" in ln)
+    head = lines[verbosity].split("common_params_print_info:")[0]
+    lines.insert(verbosity, head + "common_params_print_info: build 11434 (4f8e1c2) with GNU 13.3.0 for Linux x86_64\n")
+    (tmp_path / "llama-server.log").write_text("".join(lines))
+    changed = read_server_logs([tmp_path / "llama-server.log"])
+    assert changed.sessions["model"].tolist() == [names[0], "models/other-q4.gguf"]
+    assert changed.sessions["build"].iloc[0] == "11434 (4f8e1c2)" and pd.isna(changed.sessions["build"].iloc[1])
+    acc = changed.accounting
+    assert acc.used == logs.accounting.used + 1 and acc.unrecognized == 0  # the build line is used
 
 
 def test_wallclock_columns_within_a_second_of_truth() -> None:

@@ -359,6 +359,10 @@ def _settings(ds: Dataset, tv: pd.DataFrame, subj: np.ndarray, lo: float, hi: fl
         v = pd.to_numeric(sess[col], errors="coerce").dropna().astype("int64").unique() if col in sess.columns else []
         return ", ".join(str(x) for x in sorted(v)) if len(v) else UNKNOWN
 
+    def texts(col: str) -> str:
+        v = sess[col].dropna().unique() if col in sess.columns else []
+        return ", ".join(sorted(str(x) for x in v)) if len(v) else UNKNOWN
+
     ps = ds.server.prefill_samples
     own = dataclasses.replace(ds, server=dataclasses.replace(ds.server, prefill_samples=_semi(ps, tv.loc[subj, keys])))
     chunk = effective_chunk_tokens(own) if ps is not None and len(ps) else None
@@ -378,10 +382,10 @@ def _settings(ds: Dataset, tv: pd.DataFrame, subj: np.ndarray, lo: float, hi: fl
         "n_slots": values("n_slots"),
         "n_ctx_slot": values("n_ctx_slot"),
         "chunk_tokens": str(chunk) if chunk is not None else UNKNOWN,
-        # The parser keeps neither: b11434 at the default verbosity prints `loading model '...'`
-        # but no build line, and the session table has no column for either.
-        "model": UNKNOWN,
-        "build": UNKNOWN,
+        # From the start-up lines of the sessions the window's tasks ran in: `loading model '...'`
+        # (default verbosity) and the build line (verbosity 4 only).
+        "model": texts("model"),
+        "build": texts("build"),
         "lora": lora,
     }, mix
 
@@ -658,8 +662,8 @@ def _changes(b: Side, a: Side) -> pd.DataFrame:
         note = ""
         if UNKNOWN in (vb, va):
             changed: object = pd.NA
-            note = {"model": "the parsed log keeps no model line; compare the model files by hand",
-                    "build": "the parsed log keeps no build line; compare `llama-server --version` by hand",
+            note = {"model": "no `loading model` line in the sessions' logs (they start after it); compare the model files by hand",
+                    "build": "no build line (llama-server prints it at -lv 4 only); compare `llama-server --version` by hand",
                     "lora": "needs an app log with each call's LoRA setting",
                     "chunk_tokens": "no prefill progress lines (prefills under 3 s)"}.get(key, "")
         elif key == "chunk_tokens":

@@ -14,7 +14,12 @@ total      ms               tokens
 release    n_tokens         truncated
 config     n_slots          n_ctx_slot
 ========== ================ ================= ========= =======
+
+Two kinds carry text instead (the events' ``text``): ``model``, the model file as the server
+was given it (``load_model: loading model '...'``), and ``build``, its build number and commit
+(``common_params_print_info: build N (commit)``, printed at verbosity 4).
 """
 
 LAUNCH, PROGRESS, HEARTBEAT, PROMPT_EVAL, EVAL, TOTAL, RELEASE = 1, 2, 3, 4, 5, 6, 7
 TIMING_HEADER, INIT, CONFIG, CANCEL, EXIT, ERROR = 8, 9, 10, 11, 12, 13
+MODEL, BUILD = 14, 15

@@ -62,6 +62,20 @@ APP_LOG_ADDS = (
 )
 
 
+def _setup(sessions: pd.DataFrame) -> str:
+    """What the sessions' start-up lines say: the model file(s), the build, slots x context."""
+    parts = []
+    for col, label in (("model", "model"), ("build", "build")):
+        v = sorted(set(sessions[col].dropna().astype(str))) if col in sessions.columns and len(sessions) else []
+        if v:
+            parts.append(f"{label} {', '.join(v)}")
+    if "n_slots" in sessions.columns and len(sessions):
+        pairs = sorted({(int(a), int(b)) for a, b in zip(sessions["n_slots"], sessions["n_ctx_slot"]) if pd.notna(a) and pd.notna(b)})
+        if pairs:
+            parts.append(", ".join(f"{a} slots x {b:,} tokens of context" for a, b in pairs))
+    return "server: " + "; ".join(parts) if parts else ""
+
+
 def render(ds: Dataset, tables: dict[str, pd.DataFrame], file: IO[str] | None = None, width: int | None = None,
            max_rows: int = 12) -> None:
     """Print the whole report: alignment, findings first, then every table with its caption."""
@@ -71,6 +85,9 @@ def render(ds: Dataset, tables: dict[str, pd.DataFrame], file: IO[str] | None = 
     console.print(f"{len(ds.tasks):,} server tasks in {len(ds.server.sessions)} session(s)"
                   + (f"; {len(ds.matches.calls):,} app calls, {int(ds.matches.calls['task_id'].notna().sum()):,} matched"
                      if ds.matches is not None else ""), markup=False)
+    setup = _setup(ds.server.sessions)
+    if setup:
+        console.print(setup, markup=False)
     if ds.matches is not None:
         for r in ds.matches.aligned.itertuples(index=False):
             at = r.server_start_at.isoformat(timespec="seconds") if not pd.isna(r.server_start_at) else "unknown"

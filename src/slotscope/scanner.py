@@ -10,14 +10,14 @@ pattern. ``tests/test_perf_scanner.py`` holds the two readings equal.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from .events import (
-    CANCEL, CONFIG, ERROR, EVAL, EXIT, HEARTBEAT, INIT, LAUNCH, PROGRESS, PROMPT_EVAL, RELEASE,
+    BUILD, CANCEL, CONFIG, ERROR, EVAL, EXIT, HEARTBEAT, INIT, LAUNCH, MODEL, PROGRESS, PROMPT_EVAL, RELEASE,
     TIMING_HEADER, TOTAL,
 )
 
@@ -28,7 +28,10 @@ SRV_EVENT = (
     r"|.*cancel task, id_task = (?P<cancel>\d+)"
     r"|(?P<k_exit>.*cleaning up before exit)"
     r"|.*task id = (?P<err_task>\d+), error: (?P<err>.*)"
+    r"|loading model '(?P<model>.*)'"
 )
+# The build line of FAST_PATTERN's component branch (``cmn``, printed at verbosity 4).
+COMP_BUILD = r"common_params_print_info: build (?P<build>\d+ \([^)]*\))"
 
 #
 # Most lines of a llama-server log follow one grammar (timestamp, level, ``slot <func>: id N |
@@ -272,6 +275,7 @@ class Reading:
     slot: np.ndarray
     task: np.ndarray
     v: list[np.ndarray]
+    text: dict[int, str] = field(default_factory=dict, kw_only=True)  # row -> a MODEL/BUILD line's text
 
 
 @dataclass
@@ -324,11 +328,13 @@ _LEVELS = [_U(ord(c)) for c in "IWED"]
 _KEYWORDISH = [_word(t)[0] for t in (b"promp", b"eval ", b"total", b"n_gen", b"n_dec", b"stop ", b"proce")]
 _KW_PROMPT, _KW_EVAL, _KW_TOTAL, _KW_GEN, _KW_DECODED, _KW_RELEASE, _KW_LAUNCH = _KEYWORDISH
 _KW_PROGRESS, _KW_PROMPT_EVAL = _word(b"prompt p")[0], _word(b"prompt e")[0]
-_SRV_EVENTS = r"initializing|cancel task, id_task = |cleaning up before exit|task id = "
+_SRV_EVENTS = r"initializing|cancel task, id_task = |cleaning up before exit|task id = |loading model '"
 _SRV_EVENTS_RE = re.compile(_SRV_EVENTS)
 # The same alternatives for Python's re (ASCII: \d is [0-9] as in RE2; no \s in them), for the
 # few server lines that may be events: cheaper than compiling FAST_PATTERN for each block.
 _SRV_EVENT_RE = re.compile(SRV_EVENT, re.ASCII)
+_COMP_BUILD_RE = re.compile(COMP_BUILD, re.ASCII)
+_BUILD_TEXT = b"common_params_print_info: build "
 
 
 def line_bounds(lines: pa.StringArray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -472,6 +478,11 @@ def _heads(words: _Words, s: np.ndarray, e: np.ndarray, lines: pa.StringArray, o
     colon = field & ((after & _MASK2) == _COLON)
     comp = colon & ((tag == _TAG_COMP[0]) | (tag == _TAG_COMP[1]) | (tag == _TAG_COMP[2]) | (tag == _TAG_COMP[3]))
     out.known[idx[comp]] = True
+    at_comp = np.flatnonzero(comp)
+    if len(at_comp):  # a build line? (start-up lines only: few)
+        builds = at_comp[c.has(_BUILD_TEXT, at=c.pos[at_comp] + 19)]
+        if len(builds):
+            _comp_builds(out, idx[builds], c.pos[builds] + 19 - s[builds], lines.take(pa.array(idx[builds])).to_pylist())
     srv = np.flatnonzero(colon & (tag == _TAG_SRV))
     if len(srv):  # ignored, unless it may be one of the server events (those few: FAST_PATTERN)
         if len(srv) < 2000:  # a few lines: Python's re beats compiling the pattern in Arrow again
@@ -562,7 +573,11 @@ def _srv_events(out: Scan, rows: np.ndarray, rest_at: np.ndarray, texts: list[st
         if any(len(g[k] or "") > 15 for k in ("n_slots", "n_ctx", "cancel", "err_task")):
             continue
         out.known[i] = True
-        if g["k_init"] is not None:
+        if g["model"] is not None:
+            if g["model"]:  # FAST_PATTERN's reading cannot tell an empty name from none: no event
+                out.kind[i] = MODEL
+                out.text[int(i)] = g["model"]
+        elif g["k_init"] is not None:
             out.kind[i] = INIT
         elif g["n_slots"] is not None:
             out.kind[i] = CONFIG
@@ -575,6 +590,15 @@ def _srv_events(out: Scan, rows: np.ndarray, rest_at: np.ndarray, texts: list[st
         else:
             out.kind[i] = ERROR
             out.task[i] = float(g["err_task"])
+
+
+def _comp_builds(out: Scan, rows: np.ndarray, rest_at: np.ndarray, texts: list[str]) -> None:
+    """Component lines whose message starts like the build line, read like FAST_PATTERN."""
+    for i, at, text in zip(rows, rest_at, texts):
+        m = _COMP_BUILD_RE.match(text.rstrip("\n"), int(at))
+        if m is not None:
+            out.kind[i] = BUILD
+            out.text[int(i)] = m["build"]
 
 
 def _launch(c: _Cursor) -> list[np.ndarray]:

@@ -31,7 +31,7 @@ import pyarrow.compute as pc
 
 from . import legacy, prefixes
 from .events import (
-    CANCEL, CONFIG, ERROR, EVAL, EXIT, HEARTBEAT, INIT, LAUNCH, PROGRESS, PROMPT_EVAL, RELEASE,
+    BUILD, CANCEL, CONFIG, ERROR, EVAL, EXIT, HEARTBEAT, INIT, LAUNCH, MODEL, PROGRESS, PROMPT_EVAL, RELEASE,
     TIMING_HEADER, TOTAL,
 )
 from .accounting import Accounting, FileAccount
@@ -40,9 +40,9 @@ from .sources import (
     CHUNK_SIZE, STDIN, Inputs, LogFile, Span, collect, is_plain, iter_chunks, iter_spans, read_span, reopen, staged,
 )
 from .workers import Pool
-from .scanner import SRV_EVENT, Reading, Scan, scan
+from .scanner import COMP_BUILD, SRV_EVENT, Reading, Scan, scan
 from .tasks import (
-    GEN_COLUMNS, PREFILL_COLUMNS, TASK_COLUMNS, BlockTasks, SampleBatch, TaskAssembler, TaskBatch,
+    GEN_COLUMNS, PREFILL_COLUMNS, SESSION_COLUMNS, TASK_COLUMNS, BlockTasks, SampleBatch, TaskAssembler, TaskBatch,
     FirstTokens, fold_block, release_memory, shifted_sessions,
 )
 
@@ -74,7 +74,7 @@ _SLOT = (
     r")"
 )
 _SRV = r"srv  .{12}: (?:" + SRV_EVENT + r"|(?P<k_srv_other>.*))"
-_COMP = r"(?P<k_comp>(?:cmn |que |res |spec) .{12}: )"
+_COMP = r"(?P<k_comp>(?:cmn |que |res |spec) .{12}: )(?:" + COMP_BUILD + ")?"
 # Continuation lines of the older multi-line print_timing block (no prefix of their own).
 _CONT = (
     r"(?:print_timings: )?\s*(?P<c_kind>prompt eval|generation eval|eval|total) time += *"
@@ -189,6 +189,8 @@ def _parse_exact(lines: pa.Array) -> _Exact:
         (_nonempty(f["cancel"]), CANCEL),
         (_nonempty(f["k_exit"]), EXIT),
         (_nonempty(f["err_task"]), ERROR),
+        (_nonempty(f["model"]), MODEL),
+        (_nonempty(f["build"]), BUILD),
     ]
     for mask, code in conds:
         kind[mask & (kind == 0)] = code
@@ -237,8 +239,13 @@ def _parse_exact(lines: pa.Array) -> _Exact:
     if cont.any():
         v1[cont] = _num(f["c_ms"])[cont]
         v2[cont] = _num(f["c_n"])[cont]
+    text = {}
+    for code, name in ((MODEL, "model"), (BUILD, "build")):
+        rows = np.flatnonzero(kind == code)
+        if len(rows):
+            text.update(zip(rows.tolist(), f[name].take(pa.array(rows)).to_pylist()))
     return _Exact(valid=valid, bad=bad, cont=cont, kind=kind, port=port, ts=ts, slot=_num(f["slot"]),
-                  task=task, v=[v1, v2, v3, v4])
+                  task=task, v=[v1, v2, v3, v4], text=text)
 
 
 # --------------------------------------------------------------------------- a block -> events
@@ -285,12 +292,14 @@ def parse_chunk(
     valid = sc.known.copy()
     bad = np.zeros(n, bool)
     cont = np.zeros(n, bool)
+    text = {r: t for r, t in sc.text.items() if sc.known[r]}  # MODEL/BUILD rows -> their text
     asked = np.flatnonzero(~sc.known)
     if len(asked):
         ex = _parse_exact(_without_newline(lines.take(pa.array(asked))))
         for full, part in ((kind, ex.kind), (port, ex.port), (ts, ex.ts), (slot, ex.slot), (task, ex.task),
                            (valid, ex.valid), (bad, ex.bad), (cont, ex.cont), *zip(v, ex.v)):
             full[asked] = part
+        text.update((int(asked[r]), t) for r, t in ex.text.items())
 
     ignored = valid & (kind == 0) & ~bad
     unknown_idx = np.flatnonzero(~valid | bad)
@@ -330,6 +339,10 @@ def parse_chunk(
         "ts_us": ts[idx], "wall_us": wall[idx], "slot": slot[idx], "task": task[idx],
         "v1": v[0][idx], "v2": v[1][idx], "v3": v[2][idx], "v4": v[3][idx], "cont": cont[idx],
     }
+    if text:  # a column only where a block has such lines (start-ups): no objects per block else
+        cols["text"] = np.full(len(idx), None, dtype=object)
+        rows = np.array(sorted(text))
+        cols["text"][np.searchsorted(idx, rows)] = [text[r] for r in rows.tolist()]
     if arrays and not legacy_rows:
         return cols  # type: ignore[return-value]
     ev = pd.DataFrame(cols)
@@ -645,7 +658,7 @@ def read_server_logs(
         tasks=_concat(tasks, TASK_COLUMNS),
         gen_samples=_concat(gens, GEN_COLUMNS),
         prefill_samples=_concat(prefills, PREFILL_COLUMNS),
-        sessions=_concat(sessions, ["source", "port", "session"]),
+        sessions=_concat(sessions, SESSION_COLUMNS),
         accounting=acc,
     )
     acc.tasks_complete, acc.tasks_cancelled, acc.tasks_incomplete = _status_counts(out.tasks)

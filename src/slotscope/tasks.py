@@ -22,7 +22,7 @@ import pandas as pd
 
 from .errors import SlotscopeError
 from .events import (
-    CANCEL, CONFIG, ERROR, EVAL, HEARTBEAT, LAUNCH, PROGRESS, PROMPT_EVAL, RELEASE, TOTAL,
+    BUILD, CANCEL, CONFIG, ERROR, EVAL, HEARTBEAT, LAUNCH, MODEL, PROGRESS, PROMPT_EVAL, RELEASE, TOTAL,
 )
 
 KEY = ["port", "session", "task"]
@@ -313,7 +313,8 @@ class BlockTasks:
 
 
 _SESSION_INFO = ["port", "session", "first_line", "first_us", "last_us", "now_us", "offset_us", "support",
-                 "n_slots", "n_ctx_slot"]
+                 "n_slots", "n_ctx_slot", "model", "build"]
+_SESSION_TEXT = {"model": MODEL, "build": BUILD}  # text per session: its first such line's
 
 
 def keeps(keep_samples: bool | int, code: int) -> bool:
@@ -356,11 +357,12 @@ def fold_block(ev: pd.DataFrame | dict[str, np.ndarray], keep_samples: bool | in
             values["file"] = np.zeros(len(at))  # which file: the assembler knows
         kinds.append((at, values))
     rows = _fold(None, events, kinds)
-    return BlockTasks(rows=rows, samples=samples, sessions=_session_info(cols))
+    return BlockTasks(rows=rows, samples=samples, sessions=_session_info(cols, np.asarray(ev["text"]) if "text" in ev else None))
 
 
-def _session_info(ev: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Per (port, session) with timed events: what :meth:`TaskAssembler.merge` keeps of them."""
+def _session_info(ev: dict[str, np.ndarray], text: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Per (port, session) with timed events: what :meth:`TaskAssembler.merge` keeps of them.
+    ``text``: the events' text (MODEL and BUILD rows), if the block has any."""
     ts = ev["ts_us"]
     timed = np.flatnonzero(ts >= 0)
     out: dict[str, list] = {c: [] for c in _SESSION_INFO}
@@ -380,7 +382,11 @@ def _session_info(ev: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
                          ("n_slots", ev["v1"][cfg[0]] if len(cfg) else np.nan),
                          ("n_ctx_slot", ev["v2"][cfg[0]] if len(cfg) else np.nan)):
                 out[c].append(v)
-    return {c: np.array(v, dtype=np.float64 if c in ("n_slots", "n_ctx_slot") else np.int64) for c, v in out.items()}
+            for c, code in _SESSION_TEXT.items():
+                at = idx[ev["kind"][idx] == code] if text is not None else idx[:0]
+                out[c].append(text[at[0]] if len(at) and isinstance(text[at[0]], str) else None)
+    return {c: np.array(v, dtype=object if c in _SESSION_TEXT else np.float64 if c in ("n_slots", "n_ctx_slot") else np.int64)
+            for c, v in out.items()}
 
 
 def shifted_sessions(port: np.ndarray, session: np.ndarray, shift: dict[int, int]) -> np.ndarray:
@@ -492,7 +498,7 @@ class TaskAssembler:
             key = (int(info["port"][i]), int(info["session"][i]))
             entry = self.sessions.setdefault(key, {
                 "first_line": int(info["first_line"][i]), "file": file, "first_us": int(info["first_us"][i]),
-                "offset_us": None, "offset_support": 0, "n_slots": None, "n_ctx_slot": None,
+                "offset_us": None, "offset_support": 0, "n_slots": None, "n_ctx_slot": None, "model": None, "build": None,
             })
             entry["last_us"] = int(info["last_us"][i])
             if info["support"][i]:
@@ -502,6 +508,9 @@ class TaskAssembler:
             if not np.isnan(info["n_slots"][i]):
                 entry["n_slots"] = int(info["n_slots"][i])
                 entry["n_ctx_slot"] = int(info["n_ctx_slot"][i])
+            for c in _SESSION_TEXT:  # the session's first such line (one per start-up)
+                if entry[c] is None and info[c][i] is not None:
+                    entry[c] = info[c][i]
 
 
     def finish(self) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
@@ -593,14 +602,19 @@ class TaskAssembler:
                 "last_s": info.get("last_us", info["first_us"]) / 1e6,
                 "n_slots": info["n_slots"], "n_ctx_slot": info["n_ctx_slot"],
                 "wall_offset_us": info["offset_us"], "wall_offset_support": info["offset_support"],
+                "model": info["model"], "build": info["build"],
             })
-        cols = ["source", "port", "session", "file", "first_line", "first_s", "last_s", "n_slots",
-                "n_ctx_slot", "wall_offset_us", "wall_offset_support"]
-        df = pd.DataFrame(rows, columns=cols)
+        cols = SESSION_COLUMNS[: SESSION_COLUMNS.index("start_at")]
+        df = pd.DataFrame(rows, columns=cols + list(_SESSION_TEXT))
+        text = df.pop("model"), df.pop("build")
         df["start_at"] = pd.to_datetime(df["wall_offset_us"].astype("Int64"), unit="us", utc=True)
+        for col in text:  # the model file and build its start-up lines name (NA: none seen)
+            df[col.name] = col.astype("string")
         return df
 
 
+SESSION_COLUMNS = ["source", "port", "session", "file", "first_line", "first_s", "last_s", "n_slots", "n_ctx_slot",
+                   "wall_offset_us", "wall_offset_support", "start_at", "model", "build"]
 _RAW_COLUMNS = KEY + ["slot", "file"] + [c for c in _PARTIAL if c not in KEY and not c.startswith(("slot_", "file"))] + [
     "cut_by_restart"]
 
