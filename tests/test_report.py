@@ -129,3 +129,37 @@ def test_long_runs_can_say_what_runs_next() -> None:
     said.clear()
     analysis.run(ds, names=["stalls", "load"], on_table=lambda name, i, n: said.append((name, i, n)))
     assert said == [("stalls", 1, 2), ("load", 2, 2)]
+
+
+@pytest.mark.parametrize("name", ["stalls-worst", "waits-worst", "stalls"])
+def test_a_table_wider_than_the_page_is_split_not_cut(name: str) -> None:
+    """At 100 columns the report's stalls-worst and waits-worst are wider than the page; rich
+    would cut their last columns (the cause's line among them). Every value shown is printed,
+    in parts whose rows carry the same number; tables that fit keep one part and no number."""
+    from rich.console import Console
+
+    from slotscope.dataset import load
+    from slotscope.output import print_table, _cell
+    from slotscope.report import _readable
+
+    ds = load([REAL / "before" / "logs"])
+    shown = _readable(name, analysis.run(ds, names=[name])[name]).head(12)
+    buf = io.StringIO()
+    print_table(Console(file=buf, width=100, soft_wrap=False), shown, max_rows=12)
+    lines = buf.getvalue().splitlines()
+    assert max(len(line) for line in lines) <= 100
+    numbered = [line.split() for line in lines if re.match(r"^\s*\d+\s", line)]
+    by_row: dict[str, list[str]] = {}
+    if name == "stalls":  # fits once its headers wrap: one table, rows by their class, no numbers
+        assert not numbered
+        for line in lines:
+            if line.split() and line.split()[0] in set(shown["class"]):
+                by_row[str(1 + shown["class"].tolist().index(line.split()[0]))] = line.split()
+    for parts in numbered:
+        by_row.setdefault(parts[0], []).extend(parts[1:])
+    assert len(by_row) == len(shown)
+    for i, (_, rec) in enumerate(shown.iterrows(), start=1):
+        for c in shown.columns:
+            text = _cell(rec[c])
+            if text and " " not in text:
+                assert text in by_row[str(i)], (c, text, by_row[str(i)])

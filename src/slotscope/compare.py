@@ -53,7 +53,7 @@ from .analyze.turns import is_chat_turn
 from .analyze.waits import classify_waits
 from .dataset import Dataset, task_view
 from .errors import SlotscopeError
-from .output import UsageError, rich_table
+from .output import UsageError, print_table
 
 TABLE_NAMES = ["overall", "same-conditions", "indicators", "changes"]
 OVERALL_COLUMNS = ["metric", "before", "after", "before_n", "after_n", "diff", "ci_low", "ci_high", "caution"]
@@ -788,7 +788,7 @@ def render(tables: dict[str, pd.DataFrame], file: IO[str] | None = None, width: 
                 console.print(f"  {cond}: {text}", markup=False)
             df = df.drop(columns="definition")
         shown, notes = _with_notes(df)
-        console.print(rich_table(_compact(shown)))
+        print_table(console, _compact(shown))
         for text in notes:
             console.print(f"- {text}", markup=False)
     cautions = tables.get("cautions")

@@ -21,6 +21,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 from rich import box
+from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
 
@@ -481,8 +482,11 @@ def _cell(v: object) -> str:
     return str(v)
 
 
-def rich_table(df: pd.DataFrame, title: str | None = None, max_rows: int | None = None) -> Table:
-    """A rich Table of a DataFrame (numbers right-aligned, blanks for missing values)."""
+def rich_table(df: pd.DataFrame, title: str | None = None, max_rows: int | None = None, tight: bool = False) -> Table:
+    """A rich Table of a DataFrame (numbers right-aligned, blanks for missing values).
+
+    ``tight``: each column exactly as wide as its values or its header's longest word, the
+    header wrapped to it (rich's own shrinking does not respect the values' widths)."""
     table = Table(title=title, title_justify="left", show_lines=False, pad_edge=False, header_style="bold",
                   box=box.SIMPLE_HEAD, collapse_padding=True)
     rows = df if max_rows is None else df.head(max_rows)
@@ -491,12 +495,57 @@ def rich_table(df: pd.DataFrame, title: str | None = None, max_rows: int | None 
         numeric = pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c])
         # Values keep their width; long headers wrap instead.
         width = min(max((len(x) for x in col_cells), default=0), 24)
-        table.add_column(str(c).replace("_", " "), justify="right" if numeric else "left", overflow="fold", min_width=width)
+        header = str(c).replace("_", " ")
+        fixed = max([width, *(len(w) for w in header.split())]) if tight else None
+        table.add_column(header, justify="right" if numeric else "left", overflow="fold", min_width=width, width=fixed)
     for rec in zip(*cells):
         table.add_row(*rec)
     if max_rows is not None and len(df) > max_rows:
         table.caption = f"{len(df) - max_rows:,} more rows; use --format csv for all"
     return table
+
+
+def print_table(console: Console, df: pd.DataFrame, title: str | None = None, max_rows: int | None = None,
+                caption: str | None = None) -> None:
+    """Print ``df`` as :func:`rich_table` does, but never wider than the console: a table whose
+    columns cannot fit (even with headers wrapped) is printed as several, each with a row
+    number ``#`` and as many columns as fit, in order. (A table wider than the console would
+    lose its last columns, cut off at the edge.)"""
+    table = rich_table(df, title=title, max_rows=max_rows)
+    if caption:
+        table.caption = f"{table.caption}; {caption}" if table.caption else caption
+    if len(df.columns) < 2 or _fits(console.width, table):
+        console.print(table)
+        return
+    tight = rich_table(df, title=title, max_rows=max_rows, tight=True)
+    tight.caption = table.caption
+    if _fits(console.width, tight):
+        console.print(tight)
+        return
+    rows = df if max_rows is None else df.head(max_rows)
+    numbered = rows.reset_index(drop=True)
+    numbered.insert(0, "#", np.arange(1, len(numbered) + 1))
+    groups: list[list[str]] = []
+    for c in rows.columns:
+        if groups and _fits(console.width, rich_table(numbered[["#", *groups[-1], c]], tight=True)):
+            groups[-1].append(c)
+        else:
+            groups.append([c])
+    for i, cols in enumerate(groups):
+        part = rich_table(numbered[["#", *cols]], title=title if i == 0 else None, tight=True)
+        if i == len(groups) - 1:
+            part.caption = table.caption
+        console.print(part)
+
+
+def _fits(width: int, table: Table) -> bool:
+    """Whether the table can be drawn in ``width`` columns without cutting a value: drawn and
+    looked at, since rich's own measure of these tables comes out a few short. A table of
+    fixed widths (``tight``) is drawn at its own width (given less, rich would squeeze it)."""
+    buf = io.StringIO()
+    fixed = all(c.width is not None for c in table.columns)
+    Console(file=buf, width=10_000 if fixed else width, soft_wrap=False, color_system=None).print(table, crop=False)
+    return max((cell_len(line) for line in buf.getvalue().splitlines()), default=0) <= width
 
 
 def write(
@@ -529,11 +578,8 @@ def write(
             if key in shown.columns and len(shown) and shown[key].nunique(dropna=False) == 1:
                 title = f"{title} ({key} {shown[key].iloc[0]})" if title else f"{key} {shown[key].iloc[0]}"
                 shown = shown.drop(columns=[key])
-        table = rich_table(shown, title=title)
         hidden = len(df.columns) - len(shown.columns)
-        if hidden:
-            table.caption = f"{hidden} more columns: --format csv shows all"
-        console.print(table)
+        print_table(console, shown, title=title, caption=f"{hidden} more columns: --format csv shows all" if hidden else None)
         return chosen
     text = for_text(df)
     buf: IO[str] = stream if to_stdout else open(out, "w", newline="")  # type: ignore[arg-type]
@@ -629,5 +675,5 @@ def render_text(df: pd.DataFrame, fmt: Format) -> str:
     elif fmt == "json":
         for_text(df).to_json(buf, orient="records", force_ascii=False)
     else:
-        Console(file=buf, width=100, soft_wrap=False).print(rich_table(df))
+        print_table(Console(file=buf, width=100, soft_wrap=False), df)
     return buf.getvalue()

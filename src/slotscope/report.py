@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.rule import Rule
 
 from .dataset import Dataset
-from .output import rich_table
+from .output import print_table
 
 # One-line explanations printed above each table.
 CAPTIONS = {
@@ -116,7 +116,7 @@ def render(ds: Dataset, tables: dict[str, pd.DataFrame], file: IO[str] | None = 
             console.print("(no rows)", markup=False)
             continue
         shown = _readable(name, df)
-        console.print(rich_table(shown, max_rows=max_rows))
+        print_table(console, shown, max_rows=max_rows)
         for text in _footnotes(df):
             console.print(f"  {text}", markup=False)
 
