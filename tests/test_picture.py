@@ -156,6 +156,7 @@ def test_report_html_has_tables_and_timeline(tmp_path: Path) -> None:
     out = pic.report_html(_ds("before"), tables, tmp_path / "report.html")
     text = out.read_text()
     assert "Generation stalled &lt;here&gt;." in text and 'id="table-waits"' in text and "vegaEmbed" in text
+    assert "server: model models/m_p.gguf; 4 slots x 24,576 tokens of context" in text  # as the text report's header
 
 
 runner = CliRunner()

@@ -817,9 +817,10 @@ def write_timeline(
 
 def report_html(ds: Dataset, tables: Mapping[str, pd.DataFrame], path: str | os.PathLike[str]) -> Path:
     """The report's findings and tables followed by the timeline, in one self-contained HTML file."""
-    from .report import CAPTIONS
+    from .report import CAPTIONS, setup_line
 
-    parts = []
+    setup = setup_line(ds.server.sessions)
+    parts = [f'<p class="note">{html.escape(setup)}</p>'] if setup else []
     findings = tables.get("findings")
     if findings is not None and "finding" in findings.columns:
         items = "".join(f"<li>{html.escape(str(t))}</li>" for t in findings["finding"])

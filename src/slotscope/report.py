@@ -62,7 +62,7 @@ APP_LOG_ADDS = (
 )
 
 
-def _setup(sessions: pd.DataFrame) -> str:
+def setup_line(sessions: pd.DataFrame) -> str:
     """What the sessions' start-up lines say: the model file(s), the build, slots x context."""
     parts = []
     for col, label in (("model", "model"), ("build", "build")):
@@ -85,7 +85,7 @@ def render(ds: Dataset, tables: dict[str, pd.DataFrame], file: IO[str] | None = 
     console.print(f"{len(ds.tasks):,} server tasks in {len(ds.server.sessions)} session(s)"
                   + (f"; {len(ds.matches.calls):,} app calls, {int(ds.matches.calls['task_id'].notna().sum()):,} matched"
                      if ds.matches is not None else ""), markup=False)
-    setup = _setup(ds.server.sessions)
+    setup = setup_line(ds.server.sessions)
     if setup:
         console.print(setup, markup=False)
     if ds.matches is not None:
