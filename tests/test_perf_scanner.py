@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from slotscope import scanner as scanner_module
 from slotscope import server_log
 from slotscope.accounting import FileAccount
 from slotscope.server_log import StreamState, parse_chunk
@@ -26,8 +27,9 @@ FIXTURES = sorted(p for p in FORMATS.glob("*.log")) + sorted(REAL.glob("*/logs/l
 REAL_LINES = sorted({ln for p in FIXTURES for ln in p.read_bytes().splitlines(keepends=True)})
 
 
-def _parse(data: bytes, scanner: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[pd.DataFrame, tuple]:
+def _parse(data: bytes, scanner: bool, monkeypatch: pytest.MonkeyPatch, c: bool = True) -> tuple[pd.DataFrame, tuple]:
     monkeypatch.setattr(server_log, "_USE_SCANNER", scanner)
+    monkeypatch.setattr(scanner_module, "USE_C", c)
     state = StreamState(source="t")
     acc = FileAccount("t")
     ev = parse_chunk(data, 1, state, acc)
@@ -35,10 +37,12 @@ def _parse(data: bytes, scanner: bool, monkeypatch: pytest.MonkeyPatch) -> tuple
 
 
 def _assert_same(data: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
-    fast, acc_fast = _parse(data, True, monkeypatch)
+    """The scanner with its C fast path, the scanner in numpy alone, and FAST_PATTERN alone."""
     slow, acc_slow = _parse(data, False, monkeypatch)
-    assert acc_fast == acc_slow
-    pd.testing.assert_frame_equal(fast, slow, check_exact=True)
+    for c in (True, False) if scanner_module._cscan is not None else (False,):
+        fast, acc_fast = _parse(data, True, monkeypatch, c=c)
+        assert acc_fast == acc_slow
+        pd.testing.assert_frame_equal(fast, slow, check_exact=True)
 
 
 @pytest.mark.parametrize("path", FIXTURES, ids=lambda p: f"{p.parent.name}/{p.name}")
@@ -223,6 +227,11 @@ def test_lines_with_the_servers_layout_are_read_at_fixed_places() -> None:
         if path.parent.parent.name != "wallclock":
             assert want.sum() > 500
         assert np.array_equal(taken, want), path
+        if scanner._cscan is not None:  # the C path takes the same lines, and settles most messages itself
+            out = scanner.Scan.empty(len(lines))
+            c_taken, left, _ = scanner._c_laid_out(raw, starts, ends, out)
+            assert np.array_equal(c_taken, want), path
+            assert len(left) <= 0.05 * want.sum() and (not want.any() or out.known[want].mean() > 0.95)
 
 
 def test_minutes_beyond_any_time_read_as_no_time(monkeypatch: pytest.MonkeyPatch) -> None:

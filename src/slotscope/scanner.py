@@ -16,6 +16,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+try:  # the C fast path for llama-server's own line layout (optional: numpy reads the same)
+    from . import _cscan
+except ImportError:  # not built (no C compiler where slotscope was installed)
+    _cscan = None
+
 from .events import (
     BUILD, CANCEL, CONFIG, ERROR, EVAL, EXIT, HEARTBEAT, INIT, LAUNCH, MODEL, PROGRESS, PROMPT_EVAL, RELEASE,
     TIMING_HEADER, TOTAL,
@@ -359,7 +364,10 @@ def scan(lines: pa.StringArray) -> Scan:
     if n == 0:
         return out
     # Lines with llama-server's own layout are read at fixed places; the rest step by step.
-    laid, rows, m = _laid_out_heads(words, s, e, out)
+    if _cscan is not None and USE_C:
+        laid, rows, m = _c_laid_out(raw, s, e, out)
+    else:
+        laid, rows, m = _laid_out_heads(words, s, e, out)
     rest = np.flatnonzero(~laid)
     if len(rest):
         more, m_more = _heads(words, s[rest], e[rest], lines, out, rest)
@@ -368,6 +376,21 @@ def scan(lines: pa.StringArray) -> Scan:
     if len(rows):
         _messages(words, rows, m, e[rows], out)
     return out
+
+
+USE_C = True  # tests turn it off to hold the C reading equal to numpy's
+
+
+def _c_laid_out(raw: np.ndarray, s: np.ndarray, e: np.ndarray, out: Scan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_laid_out_heads` in C, which also reads the messages it is sure of (as
+    :func:`_messages` would): (which lines have the layout, those whose message is left to
+    :func:`_messages`, where their messages start)."""
+    state = np.empty(len(s), np.int8)
+    m = np.empty(len(s), np.int64)
+    _cscan.laid_out(raw, np.ascontiguousarray(s, np.int64), np.ascontiguousarray(e, np.int64), out.ts, out.slot,
+                    out.task, out.known, out.kind, *out.v, state, m)
+    rows = np.flatnonzero(state == 2)
+    return state > 0, rows, m[rows]
 
 
 # A slot line as llama-server writes it ("M.SS.mmm.uuu L slot <func>: id %2d | task %d | ..."):
