@@ -456,22 +456,32 @@ class TaskAssembler:
         rows["file"] = np.where(np.isnan(rows["file"]), np.nan, float(self._files.setdefault(file, len(self._files))))  # type: ignore[arg-type]
         open_rows = self._open if self._open is not None and len(self._open["task"]) else None
         if open_rows is None:  # the block's rows are one per task already
-            self._close(rows, info)
+            self._open = self._close(rows, info)
             return
         # Only the rows of tasks that may be open (by task id: a superset) are folded with the
         # open rows; the others are one per task already. Row order is free here: the output
-        # order is set once, at the end (_end). A few dozen rows folded instead of thousands.
+        # order is set once, at the end (_end). A few dozen rows folded instead of thousands,
+        # and the others closed where they are (not copied into one table first).
         maybe = np.isin(rows["task"], open_rows["task"])
         part = _take(rows, maybe)
         firsts = {c: part[c] for c in _FIRST if c != "slot_any"}
         folded = _fold(open_rows, part, [(np.arange(len(part["task"])), firsts)])
-        self._close(_concat([folded, _take(rows, ~maybe)], list(folded)), info)
+        still = self._close(folded, info), self._close(rows, info, ~maybe)
+        self._open = _concat(list(still), list(folded))
 
-    def _close(self, merged: dict[str, np.ndarray], info: dict[str, np.ndarray]) -> None:
+    def _close(self, merged: dict[str, np.ndarray], info: dict[str, np.ndarray],
+               rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """Hand the finished ones of these rows (``rows``: a mask of them; None: all) to the
+        finished rows, in order; return the others, still open."""
+        idx = np.flatnonzero(rows) if rows is not None else None
+
+        def col(c: str) -> np.ndarray:
+            return merged[c] if idx is None else merged[c][idx]
+
         cur_session: dict[int, int] = {}
         for (p, s) in self.sessions:
             cur_session[p] = max(cur_session.get(p, s), s)
-        port, session = merged["port"], merged["session"]
+        port, session = col("port"), col("session")
         # The latest server time of each (port, session) in this block: "now" for stale releases.
         now = np.full(len(port), np.nan)
         current = np.full(len(port), np.nan)
@@ -479,19 +489,22 @@ class TaskAssembler:
             current[port == p] = cur_session.get(int(p), np.nan)
         for p, s, t in zip(info["port"], info["session"], info["now_us"]):
             now[(port == p) & (session == s)] = t
-        has_release = ~np.isnan(merged["release_us"])
-        has_total = ~np.isnan(merged["total_ms"])  # the last timing line
-        cancelled = merged["cancelled"] > 0
+        release = col("release_us")
+        has_release = ~np.isnan(release)
+        has_total = ~np.isnan(col("total_ms"))  # the last timing line
+        cancelled = col("cancelled") > 0
         with np.errstate(invalid="ignore"):
             # Older builds print the release before the timings; wait a little for them.
-            stale_release = has_release & ((now - merged["release_us"]) > 5e6)
+            stale_release = has_release & ((now - release) > 5e6)
             old_session = session < current
         done = (has_release & (has_total | cancelled)) | stale_release | old_session
-        if done.any():
-            finished = _take(merged, done)
-            finished["cut_by_restart"] = old_session[done] & ~has_release[done]
+        at = np.flatnonzero(done)
+        if len(at):
+            finished = _take(merged, at if idx is None else idx[at])
+            finished["cut_by_restart"] = old_session[at] & ~has_release[at]
             self._done.append(finished)
-        self._open = _take(merged, ~done)
+        left = np.flatnonzero(~done)
+        return _take(merged, left if idx is None else idx[left])
 
     def _track_sessions(self, info: dict[str, np.ndarray], file: str | None) -> None:
         for i in range(len(info["port"])):
