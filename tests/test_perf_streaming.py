@@ -328,3 +328,22 @@ def test_first_tokens_are_found_by_port_session_and_task() -> None:
     got = ft.at(*(np.array(c, dtype=np.int64) for c in zip(*ask)))
     assert list(got[: len(want)]) == list(want.values())
     assert np.isnan(got[len(want):]).all()
+
+
+@pytest.mark.parametrize("size", [7, 100, 4096])
+def test_block_pieces_join_to_the_blocks(size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compressed input is staged for the workers from pieces (what the last read left, then
+    this read up to its last newline), written one after the other instead of joined: they
+    make the same blocks, also with lines longer than a read and a last line without newline;
+    where no file can be written, a block goes on joined."""
+    import io
+
+    from slotscope import sources
+
+    real = (REAL / "after" / "logs" / "llama-server.log").read_bytes()[:20_000]
+    data = real + b"x" * 300 + b"\n" + real[:500] + b"tail without newline"
+    whole = list(sources.iter_chunks(io.BytesIO(data), "t", size))
+    pieces = list(sources.iter_chunks(io.BytesIO(data), "t", size, pieces=True))
+    assert [b"".join(p) for p in pieces] == whole and b"".join(whole) == data
+    monkeypatch.setattr(sources, "open", _full_disk_open, raising=False)
+    assert list(sources.staged(sources.iter_chunks(io.BytesIO(data), "t", size, pieces=True))) == whole

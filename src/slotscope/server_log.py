@@ -539,7 +539,7 @@ def _blocks(stream: BinaryIO, lf: LogFile, size: int, pool: Pool | None) -> tupl
     if pool is None or pool.jobs < 2:
         return iter_chunks(stream, lf.path, size), None
     # Compressed or piped: each block goes to the workers through a temporary file.
-    return staged(iter_chunks(stream, lf.path, max(size // 2, 1))), None
+    return staged(iter_chunks(stream, lf.path, max(size // 2, 1), pieces=True)), None
 
 
 def read_stream(

@@ -337,18 +337,23 @@ def reopen(lf: LogFile, inputs: Inputs) -> BinaryIO:
 LONGEST_LINE = 64 << 20  # a "line" of 64 MiB is not a log line: handed on as it is, to stay bounded
 
 
-def iter_chunks(stream: BinaryIO, path: str, size: int = CHUNK_SIZE) -> Iterator[bytes]:
+def iter_chunks(stream: BinaryIO, path: str, size: int = CHUNK_SIZE, pieces: bool = False) -> Iterator[bytes]:
     """Yield blocks of whole lines (each ends at a newline, except possibly the very last).
 
     A damaged compressed stream yields every line decoded before the damage, then raises
     :class:`InputError` naming the file. Compressed streams are decoded one block ahead in a
     thread (inflating releases the GIL, so it runs on another core while a block is parsed).
+    ``pieces``: each block as a list of buffers that make it up, not joined (for a writer:
+    joining would copy every block once more).
     """
-    blocks = _blocks(stream, path, size)
+    blocks = _blocks(stream, path, size, pieces)
     return _read_ahead(blocks) if _is_compressed(stream) else blocks
 
 
-def _blocks(stream: BinaryIO, path: str, size: int) -> Iterator[bytes]:
+def _blocks(stream: BinaryIO, path: str, size: int, pieces: bool = False) -> Iterator[bytes]:
+    if pieces:
+        yield from _block_pieces(stream, path, size)
+        return
     rest = b""
     failure: InputError | None = None
     while failure is None:
@@ -421,6 +426,33 @@ def _read_ahead(blocks: Iterator[bytes], depth: int = 2) -> Iterator[bytes]:
     finally:  # also when the reader stops early: let the thread end before the stream closes
         stop.set()
         worker.join()
+
+
+def _block_pieces(stream: BinaryIO, path: str, size: int) -> Iterator[list]:
+    """:func:`_blocks`' blocks as [what the last read left after its last newline, this read
+    up to its last newline]."""
+    rest = b""
+    failure: InputError | None = None
+    while failure is None:
+        try:
+            block = stream.read(size)
+        except READ_ERRORS:
+            block, failure = _salvage(stream, path)
+        if not block:
+            break
+        cut = block.rfind(b"\n")
+        if cut < 0:
+            rest += block
+            if len(rest) > LONGEST_LINE:
+                yield [rest]
+                rest = b""
+            continue
+        yield [rest, memoryview(block)[: cut + 1]]
+        rest = block[cut + 1 :]
+    if rest:
+        yield [rest]
+    if failure is not None:
+        raise failure
 
 
 def _salvage(stream: BinaryIO, path: str) -> tuple[bytes, InputError]:
@@ -527,19 +559,21 @@ class staged:
         return self
 
     def __next__(self) -> bytes | Span:
-        block = next(self._blocks)
+        block = next(self._blocks)  # bytes, or the pieces of a block (iter_chunks(pieces=True))
+        parts = block if isinstance(block, list) else [block]
         path = os.path.join(self._tmp.name, str(self._n))
         self._n += 1
         try:
             with open(path, "wb") as f:
-                f.write(block)
+                for part in parts:
+                    f.write(part)
         except OSError:
             try:
                 os.unlink(path)
             except OSError:
                 pass
-            return block
-        return Span(path, 0, len(block), staged=True)
+            return b"".join(parts)
+        return Span(path, 0, sum(len(p) for p in parts), staged=True)
 
     def close(self) -> None:
         if hasattr(self._blocks, "close"):
