@@ -538,8 +538,10 @@ def _blocks(stream: BinaryIO, lf: LogFile, size: int, pool: Pool | None) -> tupl
         return iter_spans(stream, lf.path, size), None
     if pool is None or pool.jobs < 2:
         return iter_chunks(stream, lf.path, size), None
-    # Compressed or piped: each block goes to the workers through a temporary file.
-    return staged(iter_chunks(stream, lf.path, max(size // 2, 1), pieces=True)), None
+    # Compressed or piped: each block goes to the workers through a temporary file. (Blocks
+    # of the full size: with the C scanner, half-size ones cost ~0.5 s per GB more in per-block
+    # work, for ~30 MB less memory at any input size: 1 GB .gz 220 MB against 190.)
+    return staged(iter_chunks(stream, lf.path, size, pieces=True)), None
 
 
 def read_stream(
