@@ -4,7 +4,9 @@ Most lines of a llama-server log follow one grammar (timestamp, level, ``slot <f
 task N | <message>``). The scanner reads a whole block of them at once and proves, line by
 line, that :data:`slotscope.server_log.FAST_PATTERN` (the RE2 pattern that defines what each
 line means) would read it the same way; lines it cannot prove are left "not known" for that
-pattern. ``tests/test_perf_scanner.py`` holds the two readings equal.
+pattern. The lines with llama-server's own printf layout (nearly all) are read by the C
+extension ``_cscan`` where it was built, and by numpy (:func:`_laid_out_heads`,
+:func:`_messages`) where not. ``tests/test_perf_scanner.py`` holds the three readings equal.
 """
 
 from __future__ import annotations
