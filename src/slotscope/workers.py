@@ -94,7 +94,8 @@ class Pool:
         """``fn(item)`` for each item, in order; at most ``ahead`` (default 2 × jobs) in flight.
 
         ``fn`` must be a module-level function (workers find it by name). An exception raised
-        by ``fn`` is raised here, when its item's turn comes.
+        by ``fn`` is raised here, when its item's turn comes; one raised by ``items`` after the
+        results of the items it gave before (as the one-process ``map`` would).
         """
         executor = self._start()
         if executor is None:
@@ -104,8 +105,16 @@ class Pool:
         limit = ahead or 2 * self.jobs
         pending: deque[Future[R]] = deque()
         it = iter(items)
+        failure: Exception | None = None
         try:
-            for item in it:
+            while True:
+                try:
+                    item = next(it)
+                except StopIteration:
+                    break
+                except Exception as e:  # the input failed (a damaged .gz): what it gave before comes first
+                    failure = e
+                    break
                 pending.append(executor.submit(fn, item))
                 if len(pending) >= limit:
                     yield _result(pending.popleft())
@@ -114,6 +123,8 @@ class Pool:
         finally:
             for f in pending:
                 f.cancel()
+        if failure is not None:
+            raise failure
 
 
 def _result(f: "Future[R]") -> R:
