@@ -281,6 +281,18 @@ class _GzipStream(io.RawIOBase):
             if out:
                 return out
 
+    def read1(self, n: int = -1) -> bytes:  # type: ignore[override]
+        """Up to ``n`` bytes (fewer: what one inflate step gave), not joined from several steps:
+        for a reader that takes any size of block (:func:`_block_pieces`)."""
+        if self._pending is not None or n < 0:
+            return self.read(n)
+        try:
+            return self._inflate(n)
+        except (EOFError, zlib.error) as e:
+            self._eof = True
+            self._input = b""
+            raise EOFError(str(e)) from None
+
     def read(self, n: int = -1) -> bytes:  # type: ignore[override]
         if self._pending is not None:
             e, self._pending = self._pending, None
@@ -431,11 +443,12 @@ def _read_ahead(blocks: Iterator[bytes], depth: int = 2) -> Iterator[bytes]:
 def _block_pieces(stream: BinaryIO, path: str, size: int) -> Iterator[list]:
     """:func:`_blocks`' blocks as [what the last read left after its last newline, this read
     up to its last newline]."""
+    read = stream.read1 if isinstance(stream, _GzipStream) else stream.read  # no join of inflate steps
     rest = b""
     failure: InputError | None = None
     while failure is None:
         try:
-            block = stream.read(size)
+            block = read(size)
         except READ_ERRORS:
             block, failure = _salvage(stream, path)
         if not block:
