@@ -363,32 +363,8 @@ def iter_chunks(stream: BinaryIO, path: str, size: int = CHUNK_SIZE, pieces: boo
 
 
 def _blocks(stream: BinaryIO, path: str, size: int, pieces: bool = False) -> Iterator[bytes]:
-    if pieces:
-        yield from _block_pieces(stream, path, size)
-        return
-    rest = b""
-    failure: InputError | None = None
-    while failure is None:
-        try:
-            block = stream.read(size)
-        except READ_ERRORS:
-            block, failure = _salvage(stream, path)
-        if not block:
-            break
-        block = rest + block
-        cut = block.rfind(b"\n")
-        if cut < 0:
-            rest = block
-            if len(rest) > LONGEST_LINE:
-                yield rest
-                rest = b""
-            continue
-        rest = block[cut + 1 :]
-        yield block[: cut + 1]
-    if rest:
-        yield rest
-    if failure is not None:
-        raise failure
+    for parts in _block_pieces(stream, path, size):
+        yield parts if pieces else parts[0] if len(parts) == 1 else b"".join(parts)  # type: ignore[misc]
 
 
 def _is_compressed(stream: object) -> bool:
@@ -441,8 +417,9 @@ def _read_ahead(blocks: Iterator[bytes], depth: int = 2) -> Iterator[bytes]:
 
 
 def _block_pieces(stream: BinaryIO, path: str, size: int) -> Iterator[list]:
-    """:func:`_blocks`' blocks as [what the last read left after its last newline, this read
-    up to its last newline]."""
+    """Blocks of whole lines as [what the last read left after its last newline, this read up
+    to its last newline] (one piece: a last line without newline, or a "line" over
+    :data:`LONGEST_LINE`). A compressed stream's reads are single inflate steps (``read1``)."""
     read = stream.read1 if isinstance(stream, _GzipStream) else stream.read  # no join of inflate steps
     rest = b""
     failure: InputError | None = None
