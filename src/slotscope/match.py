@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .align import SESSION_KEY, to_app_clock
+from .align import SESSION_KEY, app_clock_offsets
 
 MATCH_COLUMNS = [
     "call_id", "start_at", "purpose", "user", "lora", "prompt_tokens", "completion_tokens", "source",
@@ -39,14 +39,14 @@ class Matches:
     aligned: pd.DataFrame
 
 
-def _window_pairs(cl: pd.DataFrame, tk: pd.DataFrame, tol_us: float) -> tuple[np.ndarray, np.ndarray]:
+def _window_pairs(cl: pd.DataFrame, launch: np.ndarray, release: np.ndarray, tol_us: float) -> tuple[np.ndarray, np.ndarray]:
     """Every (call, task) with the task launched inside the call's span (± tolerance) and
-    released by its end (± tolerance), as row positions ``(ci, ti)`` in ``cl`` and ``tk``.
+    released by its end (± tolerance), as row positions ``(ci, ti)`` in ``cl`` and in the
+    tasks' ``launch``/``release`` times (app clock, µs; launch finite).
 
     A sorted sweep (``searchsorted``): the pairs grow with calls × concurrency, never with
     calls × tasks. A call without an end is given ten minutes.
     """
-    launch = tk["launch_us"].to_numpy(dtype=float)
     order = np.argsort(launch, kind="stable")
     sorted_launch = launch[order]
     start = cl["start_us"].to_numpy(dtype=float)
@@ -58,30 +58,31 @@ def _window_pairs(cl: pd.DataFrame, tk: pd.DataFrame, tol_us: float) -> tuple[np
     within = np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt)
     ti = order[np.repeat(lo, cnt) + within]
     del within
-    release = tk["release_us"].to_numpy(dtype=float)[ti]
-    release_ok = np.isnan(release) | (release <= end[ci] + tol_us)
+    rel = release[ti]
+    release_ok = np.isnan(rel) | (rel <= end[ci] + tol_us)
     return ci[release_ok], ti[release_ok]
 
 
 class _Pairs:
     """Window pairs with the columns the evidence reads, fetched one at a time (a table of all
-    of them would hold ~20 columns per pair: calls x concurrency rows)."""
+    of them would hold ~20 columns per pair: calls x concurrency rows). ``ci``/``ti``: rows of
+    ``cl`` and ``tk``; ``us``: the tasks' app-clock times (:func:`_app_clock_us`)."""
 
-    def __init__(self, cl: pd.DataFrame, tk: pd.DataFrame, ci: np.ndarray, ti: np.ndarray) -> None:
-        self.cl, self.tk, self.ci, self.ti = cl, tk, ci, ti
+    def __init__(self, cl: pd.DataFrame, tk: pd.DataFrame, us: dict[str, np.ndarray], ci: np.ndarray, ti: np.ndarray) -> None:
+        self.cl, self.tk, self.us, self.ci, self.ti = cl, tk, us, ci, ti
 
     def call(self, c: str) -> pd.Series:
         return pd.Series(self.cl[c].array.take(self.ci))
 
     def task(self, c: str) -> pd.Series:
-        return pd.Series(self.tk[c].array.take(self.ti))
+        return pd.Series(self.us[c][self.ti] if c in self.us else self.tk[c].array.take(self.ti))
 
     def frame(self, mask: pd.Series | np.ndarray) -> pd.DataFrame:
         """The pairs under ``mask`` as ``_assign`` reads them: ``_ci``, ``_ti``, ``start_us``, ``launch_us``."""
         m = np.asarray(mask, dtype=bool)
         ci, ti = self.ci[m], self.ti[m]
-        return pd.DataFrame({"_ci": self.cl["_ci"].to_numpy()[ci], "_ti": self.tk["_ti"].to_numpy()[ti],
-                             "start_us": self.cl["start_us"].array.take(ci), "launch_us": self.tk["launch_us"].to_numpy()[ti]})
+        return pd.DataFrame({"_ci": ci, "_ti": ti, "start_us": self.cl["start_us"].array.take(ci),
+                             "launch_us": self.us["launch_us"][ti]})
 
 
 def _eq(a: pd.Series, b: pd.Series) -> pd.Series:
@@ -142,15 +143,16 @@ def match(calls: pd.DataFrame, tasks: pd.DataFrame, aligned: pd.DataFrame, sessi
           *, tolerance_ms: float = TOLERANCE_MS) -> Matches:
     """Join every call to at most one task (and every task to at most one call)."""
     tol = tolerance_ms * 1000
-    tk = to_app_clock(tasks, aligned).reset_index(drop=True)
-    tk["_ti"] = np.arange(len(tk))
-    cl = calls.reset_index(drop=True).copy()
-    cl["_ci"] = np.arange(len(cl))
+    # Rows are addressed by position; neither table is copied (at 1 GB of log each is >100 MB).
+    tk, cl = _positional(tasks), _positional(calls)
+    us = _app_clock_us(tk, aligned)
     taken_c = np.zeros(len(cl), dtype=bool)
     taken_t = np.zeros(len(tk), dtype=bool)
     found: list[_Found] = []
-    known = tk[np.isfinite(tk["launch_us"].to_numpy(dtype=float))]
-    p = _Pairs(cl, known, *_window_pairs(cl, known, tol))
+    known = np.flatnonzero(np.isfinite(us["launch_us"]))
+    ci, ki = _window_pairs(cl, us["launch_us"][known], us["release_us"][known], tol)
+    p = _Pairs(cl, tk, us, ci, known[ki])
+    del ci, ki, known
 
     if "timings_prompt_ms" in cl and p.call("timings_prompt_ms").notna().any():
         exact = (_eq(p.call("timings_prompt_n"), p.task("prompt_tokens_new")) & _eq(p.call("timings_predicted_n"), p.task("n_gen"))
@@ -168,18 +170,94 @@ def match(calls: pd.DataFrame, tasks: pd.DataFrame, aligned: pd.DataFrame, sessi
     found += _assign(p.frame(agree & near_end), "time", 0.5, taken_c, taken_t)
     del p, agree, near_end, tokens, release
 
-    pairs = _pairs_table(found)
-    task_side = tk.drop(columns=["prompt_tokens"])
-    task_side = task_side.rename(columns={c: f"{c}_task" for c in task_side.columns if c in cl.columns and c != "_ti"})
-    joined = cl.merge(pairs, on="_ci", how="left").merge(task_side, on="_ti", how="left")
-    joined["match_method"] = joined["match_method"].fillna(_unmatched_reason(cl, tk, taken_t, aligned, sessions, tol))
+    joined = _Joined(cl, tk, us, _pairs_table(found))
+    joined.fill_method(_unmatched_reason(cl, us["launch_us"], taken_t, aligned, sessions, tol))
     out = _derive(joined)
-    unlogged = tk[~taken_t[tk["_ti"].to_numpy()]].drop(columns=["_ti"]).copy()
+    rows = np.flatnonzero(~taken_t)
+    unlogged = tk.iloc[rows].reset_index(drop=True)
+    for c, v in us.items():
+        unlogged[c] = v[rows]
     unlogged["busy_s"] = (unlogged["release_s"] - unlogged["launch_s"]).round(6)
-    return Matches(calls=out, unlogged=unlogged.reset_index(drop=True), aligned=aligned)
+    return Matches(calls=out, unlogged=unlogged, aligned=aligned)
 
 
-def _unmatched_reason(cl: pd.DataFrame, tk: pd.DataFrame, taken_t: np.ndarray, aligned: pd.DataFrame,
+def _positional(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with the index 0..n-1 (itself when it has it: no copy)."""
+    ix = df.index
+    if isinstance(ix, pd.RangeIndex) and ix.start == 0 and ix.step == 1:
+        return df
+    return df.reset_index(drop=True)
+
+
+def _app_clock_us(tasks: pd.DataFrame, aligned: pd.DataFrame) -> dict[str, np.ndarray]:
+    """The tasks' times on the app's clock (epoch µs; NaN where unaligned): ``launch_us``,
+    ``prefill_start_us``, ``first_token_us``, ``release_us`` (the columns of
+    :func:`slotscope.align.to_app_clock`, without a copy of the task table)."""
+    off = app_clock_offsets(tasks, aligned)
+    return {c[:-2] + "_us": off + tasks[c].to_numpy(dtype=float) * 1e6
+            for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s")}
+
+
+class _Joined:
+    """Each call with its task's columns, as ``cl.merge(pairs).merge(tasks)`` (left joins on
+    the call) would give them, built a column at a time when read: a task column that is also
+    a call column is ``<name>_task``; a task column of calls without a task is missing (NaN,
+    and upcast, as a merge fills it)."""
+
+    def __init__(self, cl: pd.DataFrame, tk: pd.DataFrame, us: dict[str, np.ndarray], pairs: pd.DataFrame) -> None:
+        self.cl, self.tk, self.us = cl, tk, us
+        self.index = cl.index
+        ci = pairs["_ci"].to_numpy(dtype=np.int64)
+        self._task_row = np.full(len(cl), -1, dtype=np.int64)
+        self._task_row[ci] = pairs["_ti"].to_numpy(dtype=np.int64)
+        self._pair_row = np.full(len(cl), -1, dtype=np.int64)
+        self._pair_row[ci] = np.arange(len(pairs))
+        self._pairs = pairs
+
+    def fill_method(self, reasons: pd.Series) -> None:
+        """Calls without a task: ``match_method`` is why (``reasons``, one per call)."""
+        self._method = self._from(self._pairs["match_method"], self._pair_row).fillna(reasons)
+
+    def _from(self, col: pd.Series, rows: np.ndarray) -> pd.Series:
+        return col.reset_index(drop=True).reindex(rows).set_axis(self.index)
+
+    def _task_column(self, c: str) -> pd.Series:
+        if c in self.us:
+            v = self.us[c]
+            r = self._task_row
+            return pd.Series(np.where(r >= 0, v[np.maximum(r, 0)] if len(v) else np.nan, np.nan), index=self.index)
+        return self._from(self.tk[c], self._task_row)
+
+    def __contains__(self, name: str) -> bool:
+        return self._where(name) is not None
+
+    def _where(self, name: str) -> str | None:
+        if name == "match_method" or name == "confidence":
+            return "pair"
+        if name in self.cl.columns:
+            return "call"
+        task = name[:-5] if name.endswith("_task") and name[:-5] in self.cl.columns else name
+        if task in self.tk.columns or task in self.us:
+            return "task"
+        return None
+
+    def __getitem__(self, name: str) -> pd.Series:
+        where = self._where(name)
+        if where == "call":
+            return self.cl[name]
+        if where == "task":
+            return self._task_column(name[:-5] if name.endswith("_task") and name[:-5] in self.cl.columns else name)
+        if name == "match_method":
+            return self._method
+        if name == "confidence":
+            return self._from(self._pairs["confidence"], self._pair_row)
+        raise KeyError(name)
+
+    def get(self, name: str) -> pd.Series | None:
+        return self[name] if name in self else None
+
+
+def _unmatched_reason(cl: pd.DataFrame, launch_us: np.ndarray, taken_t: np.ndarray, aligned: pd.DataFrame,
                       sessions: pd.DataFrame, tol: float) -> pd.Series:
     """Why each call found no task (only read for unmatched calls)."""
     span = sessions[SESSION_KEY + ["first_s", "last_s"]].merge(aligned[SESSION_KEY + ["offset_us"]], on=SESSION_KEY)
@@ -187,8 +265,7 @@ def _unmatched_reason(cl: pd.DataFrame, tk: pd.DataFrame, taken_t: np.ndarray, a
     b = (span["offset_us"] + span["last_s"] * 1e6).to_numpy(dtype=float)
     start = cl["start_us"].to_numpy(dtype=float)
     covered = ((start[:, None] >= a[None, :] - tol) & (start[:, None] <= b[None, :] + tol)).any(axis=1) if len(a) else np.zeros(len(cl), bool)
-    free = tk[~taken_t[tk["_ti"].to_numpy()]]
-    launches = np.sort(free["launch_us"].to_numpy(dtype=float))
+    launches = np.sort(launch_us[~taken_t])
     end = cl["end_us"].astype("float64").fillna(cl["start_us"].astype("float64")).to_numpy()
     i0 = np.searchsorted(launches, start - tol)
     i1 = np.searchsorted(launches, end + tol, side="right")
@@ -204,7 +281,7 @@ def _ms(us: pd.Series) -> pd.Series:
     return (us / 1000).round(3)
 
 
-def _derive(j: pd.DataFrame) -> pd.DataFrame:
+def _derive(j: _Joined) -> pd.DataFrame:
     def task(name: str) -> pd.Series:
         return j[f"{name}_task"] if f"{name}_task" in j else j[name]
 
@@ -244,4 +321,6 @@ def _derive(j: pd.DataFrame) -> pd.DataFrame:
     out["task_line"] = task("line").astype("Int64")
     if "session" in j and "session_task" in j:
         out["app_session"] = j["session"]
+    if out["start_at"].is_monotonic_increasing:  # app logs are read in time order: no copy to sort
+        return out
     return out.sort_values("start_at", kind="stable").reset_index(drop=True)
