@@ -37,6 +37,9 @@ def test_tables_do_not_depend_on_block_sizes(scenario: str, monkeypatch: pytest.
     pieces = st.segment_pieces(ds, Options())
     monkeypatch.setattr(tl, "QUERY_BLOCK", 7)
     monkeypatch.setattr(st, "SEGMENT_BLOCK", 5)
+    monkeypatch.setattr(st, "BLOCK_TASKS", 3)
+    monkeypatch.setattr(st, "QUIET_S", 0.5)
+    assert len(st._task_blocks(ds, task_view(ds))) >= 2  # the stalls tables then join several blocks
     blocked = analyze.run(ds, Options(), names, strict=True)
     for name in names:
         pd.testing.assert_frame_equal(whole[name], blocked[name])

@@ -451,12 +451,10 @@ def count_point_arrays(qcode: np.ndarray, qs: np.ndarray, qe: np.ndarray, pcode:
     return out
 
 
-def prefill_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """The work of :func:`prefill_activity` short of listing pass ends: ``(active, steps,
-    info)``, ``steps`` one row per stretch of ``p`` passes (``pid``, ``a``, ``z``, ``p``),
-    ``info`` the prefills (task keys, ``pid`` = row, slot, ``prompt_tokens_new``, line).
-    How passes, pauses and the unlogged head and tail are read: :func:`prefill_activity`.
-    """
+def _progress_lines(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The prefills of ``tv`` (task keys, slot, ``prompt_tokens_new``, line, ``ps``/``ft``/``new``
+    as floats, ``pid`` = row) and their progress lines inside them (``pid``, ``t_s``,
+    ``n_tokens``, ``step_tokens``, ``step_s``; by prefill, then time)."""
     keys = GROUP + ["task_id"]
     pre = pd.DataFrame({c: _col(tv, c) for c in keys + ["slot", "prompt_tokens_new", "line", "prefill_start_s", "first_token_s"]})
     pre["ps"], pre["ft"] = _f(pre["prefill_start_s"]), _f(pre["first_token_s"])
@@ -475,12 +473,37 @@ def prefill_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None) -> tup
     inside = (lines["t_s"].to_numpy() >= ps[lines["pid"]]) & (lines["t_s"].to_numpy() <= ft[lines["pid"]] + SAME_PASS_S)
     lines = lines[inside]
     lines = lines.iloc[np.lexsort((lines["t_s"].to_numpy(), lines["pid"].to_numpy()))].reset_index(drop=True)
+    return pre, lines
+
+
+def _typical(pre: pd.DataFrame, lines: pd.DataFrame) -> pd.DataFrame:
+    sess = pd.concat([pre[GROUP].iloc[lines["pid"].to_numpy()].reset_index(drop=True), lines[["step_tokens", "step_s"]]], axis=1)
+    return sess.groupby(GROUP, dropna=False, observed=True).agg(s_chunk=("step_tokens", "median"), s_pass=("step_s", "median")).reset_index()
+
+
+def typical_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None) -> pd.DataFrame:
+    """Per session (``GROUP``): the median step of its prefills' progress lines in tokens
+    (``s_chunk``) and seconds (``s_pass``), what :func:`prefill_steps` assumes for a prefill
+    without lines of its own. Given to it, a part of a log is read as in the whole log."""
+    return _typical(*_progress_lines(tv, prefill_samples))
+
+
+def prefill_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None,
+                  typical: pd.DataFrame | None = None) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """The work of :func:`prefill_activity` short of listing pass ends: ``(active, steps,
+    info)``, ``steps`` one row per stretch of ``p`` passes (``pid``, ``a``, ``z``, ``p``),
+    ``info`` the prefills (task keys, ``pid`` = row, slot, ``prompt_tokens_new``, line).
+    How passes, pauses and the unlogged head and tail are read: :func:`prefill_activity`.
+    ``typical``: the sessions' :func:`typical_steps` (default: those of ``tv``'s lines).
+    """
+    keys = GROUP + ["task_id"]
+    pre, lines = _progress_lines(tv, prefill_samples)
+    ps, ft = pre["ps"].to_numpy(), pre["ft"].to_numpy()
     # Typical chunk and pass length: the task's own, else its session's, else defaults.
     own = lines.groupby("pid", observed=True).agg(chunk=("step_tokens", "median"), pass_s=("step_s", "median"),
                                    first_t=("t_s", "first"), first_n=("n_tokens", "first"),
                                    last_t=("t_s", "last"), last_n=("n_tokens", "last"))
-    sess = pd.concat([pre[GROUP].iloc[lines["pid"].to_numpy()].reset_index(drop=True), lines[["step_tokens", "step_s"]]], axis=1)
-    sess = sess.groupby(GROUP, dropna=False, observed=True).agg(s_chunk=("step_tokens", "median"), s_pass=("step_s", "median")).reset_index()
+    sess = _typical(pre, lines) if typical is None else typical
     pre = pre.merge(own, left_on="pid", right_index=True, how="left").merge(sess, on=GROUP, how="left")
     del own, sess
     pre["chunk"] = pre["chunk"].fillna(pre["s_chunk"]).fillna(2048.0).clip(lower=1)

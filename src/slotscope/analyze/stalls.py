@@ -29,6 +29,8 @@ during the whole segment, a slight bias away from ``alone``.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -237,16 +239,17 @@ class _Pieces:
 SEGMENT_BLOCK = 1 << 18  # segments split into pieces at a time (bounds the temporaries)
 
 
-def _pieces(ds: Dataset, opts: Options, tv: pd.DataFrame) -> _Pieces:
+def _pieces(ds: Dataset, opts: Options, tv: pd.DataFrame, typical: pd.DataFrame | None = None) -> _Pieces:
     """The work of :func:`segment_pieces`, kept as arrays.
 
     Each measure of the segments is one array as long as the log's heartbeats: they are kept
     narrow (positions int32, flags bool) and dropped as soon as read, and memory freed by each
-    step is handed back before the next (on the 1 GB bench they are 3.5M segments).
+    step is handed back before the next (on the 1 GB bench they are 3.5M segments). ``typical``:
+    the sessions' :func:`slotscope.timeline.typical_steps` when ``tv`` is a part of the log.
     """
     sg = _segments(ds, tv)
     release_memory()
-    active, steps, info = tl.prefill_steps(tv, ds.server.prefill_samples)
+    active, steps, info = tl.prefill_steps(tv, ds.server.prefill_samples, typical)
     release_memory()
     thr = opts.long_prefill_tokens
     acode, tcode, icode = tl.key_codes([active, tv, info], tl.GROUP)
@@ -344,6 +347,146 @@ def _split_segments(
     return out
 
 
+BLOCK_TASKS = 1 << 15  # tasks whose generation is split into pieces at a time (bounds memory)
+# A block ends only where nothing of its session ran for this long: no segment, prefill or
+# pass end of one block then reaches into another, so a block's pieces are the whole log's.
+QUIET_S = 5.0
+
+
+def _task_blocks(ds: Dataset, tv: pd.DataFrame) -> list[np.ndarray]:
+    """The task view's rows in blocks of at least :data:`BLOCK_TASKS` tasks (the last may be
+    smaller), each block whole quiet-separated stretches of one session (:data:`QUIET_S`), in
+    session and time order; each block's rows ascending. One block when the log is small, or
+    when task keys repeat (their heartbeats could not be told apart)."""
+    n = len(tv)
+    if n <= BLOCK_TASKS:
+        return [np.arange(n)]
+    tcode = tl.key_codes([tv], _TASK_KEYS)[0]
+    if len(np.unique(tcode)) < n:
+        return [np.arange(n)]
+    times = [_f(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s")]
+    start, end = np.fmin.reduce(times), np.fmax.reduce(times)
+    del times
+    for samples in (ds.server.gen_samples, ds.server.prefill_samples):  # a task's lines may outlast its known times
+        if samples is not None and len(samples):
+            scode, tc = tl.key_codes([samples, tv], _TASK_KEYS)
+            t = pd.Series(_f(samples["t_s"])).groupby(scode).agg(["min", "max"])
+            at = np.searchsorted(t.index.to_numpy(), tc)
+            hit = at < len(t)
+            hit[hit] = t.index.to_numpy()[at[hit]] == tc[hit]
+            start[hit] = np.fmin(start[hit], t["min"].to_numpy()[at[hit]])
+            end[hit] = np.fmax(end[hit], t["max"].to_numpy()[at[hit]])
+            del scode, tc, t, at, hit
+    session = tl.key_codes([tv], tl.GROUP)[0]
+    timeless = np.isnan(start)
+    start = np.where(timeless, -np.inf, start)  # (they yield no pieces: kept with their session's first block)
+    end = np.where(np.isnan(end), start, end)
+    order = np.lexsort((start, session))
+    s_start, s_end, s_session = start[order], end[order], session[order]
+    reach = pd.Series(s_end).groupby(s_session).cummax().to_numpy()  # the latest end so far in the session
+    cut = np.ones(n, dtype=bool)
+    cut[1:] = (s_session[1:] != s_session[:-1]) | (s_start[1:] > reach[:-1] + QUIET_S)
+    blocks, at = [], 0
+    for b in np.flatnonzero(cut)[1:]:
+        if b - at >= BLOCK_TASKS:
+            blocks.append(np.sort(order[at:b]))
+            at = b
+    blocks.append(np.sort(order[at:]))
+    return blocks
+
+
+def _rows_of(code: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(order, sorted codes)``: to find every row of some codes by :func:`_rows_with`."""
+    order = np.argsort(code, kind="stable")
+    return order, code[order]
+
+
+def _rows_with(index: tuple[np.ndarray, np.ndarray], codes: np.ndarray) -> np.ndarray:
+    """The rows (ascending) whose code is one of ``codes`` (distinct)."""
+    order, sorted_codes = index
+    lo, hi = np.searchsorted(sorted_codes, codes, "left"), np.searchsorted(sorted_codes, codes, "right")
+    cnt = hi - lo
+    within = np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+    return np.sort(order[np.repeat(lo, cnt) + within])
+
+
+def _blockwise(ds: Dataset, tv: pd.DataFrame) -> Iterator[tuple[np.ndarray, Dataset, pd.DataFrame]]:
+    """Per block of :func:`_task_blocks`: its rows in ``tv``, a dataset of only its samples, and
+    its part of ``tv``. One block: the dataset and ``tv`` themselves."""
+    blocks = _task_blocks(ds, tv)
+    if len(blocks) == 1:
+        yield blocks[0], ds, tv
+        return
+    server = ds.server
+    found = []
+    for samples in (server.gen_samples, server.prefill_samples):
+        if samples is not None and len(samples):
+            scode, tcode = tl.key_codes([samples, tv], _TASK_KEYS)
+            found.append((samples, _rows_of(scode), tcode))
+        else:
+            found.append((samples, None, None))
+    for rows in blocks:
+        part = []
+        for samples, index, tcode in found:
+            part.append(samples if index is None else samples.iloc[_rows_with(index, np.unique(tcode[rows]))])
+        sub = dataclasses.replace(ds, server=dataclasses.replace(server, gen_samples=part[0], prefill_samples=part[1]))
+        yield rows, sub, tv.iloc[rows]
+
+
+@dataclass
+class _Summary:
+    """What the stalls tables read of the pieces, gathered block by block: per piece of at
+    least ``MIN_PIECE_S``, its class, tok/s, split flag and task (code in the task view);
+    per class, the tokens and seconds of all pieces; the slowest pieces of at least
+    ``WORST_MIN_S`` (rows as :func:`_pieces_frame` gives them) with their sort keys."""
+
+    cls: np.ndarray
+    tok_per_s: np.ndarray
+    split: np.ndarray
+    task: np.ndarray
+    tokens: np.ndarray
+    seconds: np.ndarray
+    worst: pd.DataFrame
+
+
+def _summary(ds: Dataset, opts: Options) -> _Summary:
+    tv = task_view(ds)
+    task_code = tl.key_codes([tv], _TASK_KEYS)[0]
+    long_enough: list[list[np.ndarray]] = []
+    tokens, seconds = np.zeros(len(CLASSES)), np.zeros(len(CLASSES))
+    worst, keys = [], []
+    group = np.array([0, 1, 2, 2])  # pieces are listed long_prefill, other_prefill, then the rest
+    typical = None  # a prefill without progress lines is read with its whole session's typical step
+    for b, (rows, sub, tvb) in enumerate(_blockwise(ds, tv)):
+        if typical is None and sub is not ds:
+            typical = tl.typical_steps(tv, ds.server.prefill_samples)
+            release_memory()
+        pc = _pieces(sub, opts, tvb, typical)
+        sel = np.flatnonzero(pc.seconds >= MIN_PIECE_S)
+        seg = pc.seg[sel]
+        long_enough.append([pc.cls[sel], pc.tok_per_s[sel], pc.split[seg], task_code[rows[pc.segments.row[seg]]]])
+        tokens += np.bincount(pc.cls, weights=pc.tokens, minlength=len(CLASSES))
+        seconds += np.bincount(pc.cls, weights=pc.seconds, minlength=len(CLASSES))
+        # This block's slowest long-enough pieces (tok/s up, seconds down, then piece order).
+        cand = np.flatnonzero(pc.seconds >= WORST_MIN_S)
+        cand = cand[np.lexsort((-pc.seconds[cand], pc.tok_per_s[cand]))][: opts.worst]
+        worst.append(_pieces_frame(sub, tvb, pc, cand))
+        keys.append(np.c_[pc.tok_per_s[cand], -pc.seconds[cand], group[pc.cls[cand]], np.full(len(cand), b), cand])
+        del pc, sel, seg, cand
+        release_memory()
+    cols = [np.concatenate([p[k] for p in long_enough]) for k in range(4)]
+    key = np.concatenate(keys)
+    # Over all blocks: the slowest, ties in the whole log's piece order (class group, then block).
+    top = np.lexsort(key.T[::-1])[: opts.worst]
+    w = pd.concat(worst, ignore_index=True).iloc[top].reset_index(drop=True) if len(worst) > 1 else worst[0]
+    return _Summary(cls=cols[0], tok_per_s=cols[1], split=cols[2], task=cols[3], tokens=tokens, seconds=seconds, worst=w)
+
+
+def _shared_summary(ds: Dataset, opts: Options) -> _Summary:
+    """The pieces' summary, computed once for the tables that read it."""
+    return ds.memo((__name__, "summary", opts.long_prefill_tokens, opts.worst), lambda: _summary(ds, opts))
+
+
 def _shared_pieces(ds: Dataset, opts: Options) -> _Pieces:
     """The pieces of the task view, computed once for the tables that read them."""
     return ds.memo((__name__, "pieces", opts.long_prefill_tokens), lambda: _pieces(ds, opts, task_view(ds)))
@@ -395,20 +538,19 @@ def segment_pieces(ds: Dataset, opts: Options, tv: pd.DataFrame | None = None) -
 def stalls(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Median generation speed per class of what the other slots did (see the module doc).
 
+    Computed block by block (:func:`_task_blocks`): memory holds one block's segments and
+    pieces, and of all pieces only what the statistics read.
+
     ``median_tg_3s_tps``/``p10_tg_3s_tps`` keep their historical names; they are the median and
     10th percentile of the pieces' tokens/seconds (pieces >= ``MIN_PIECE_S``), ``samples`` their
     number. ``tok_per_s_pooled`` is all tokens over all seconds of the class. ``basis`` says
     whether the class rests on exact segment counts, pass-cadence splits, or both.
     """
-    pc = _shared_pieces(ds, opts)
-    # Tables of only the columns each statistic reads (the pieces are ~1 per heartbeat).
-    sel = np.flatnonzero(pc.seconds >= MIN_PIECE_S)
-    seg = pc.seg[sel]
+    sm = _shared_summary(ds, opts)
     long_enough = pd.DataFrame({
-        "class": pd.Categorical.from_codes(pc.cls[sel], categories=CLASSES), "tok_per_s": pc.tok_per_s[sel],
-        "split": pc.split[seg], "task": tl.key_codes([task_view(ds)], _TASK_KEYS)[0][pc.segments.row[seg]],
+        "class": pd.Categorical.from_codes(sm.cls, categories=CLASSES), "tok_per_s": sm.tok_per_s,
+        "split": sm.split, "task": sm.task,
     })
-    del sel, seg
     g = long_enough.groupby("class", observed=False)
     stats = pd.DataFrame({
         "samples": g.size(),
@@ -417,8 +559,7 @@ def stalls(ds: Dataset, opts: Options) -> pd.DataFrame:
         "split_samples": g["split"].sum(),
         "tasks": long_enough[["class", "task"]].drop_duplicates().groupby("class", observed=False).size(),
     }).reindex(CLASSES)
-    sums = pd.DataFrame({"class": pd.Categorical.from_codes(pc.cls, categories=CLASSES), "tokens": pc.tokens,
-                         "seconds": pc.seconds}).groupby("class", observed=False)[["tokens", "seconds"]].sum().reindex(CLASSES)
+    sums = pd.DataFrame({"tokens": sm.tokens, "seconds": sm.seconds}, index=pd.CategoricalIndex(CLASSES, categories=CLASSES, name="class"))
     out = stats.join(sums).reset_index(names="class")
     out["samples"] = out["samples"].fillna(0).astype("int64")
     out["split_samples"] = out["split_samples"].fillna(0).astype("int64")
@@ -441,11 +582,7 @@ def worst_stalls(ds: Dataset, opts: Options) -> pd.DataFrame:
     """The slowest pieces of generation at least ``WORST_MIN_S`` long, with the stalled task and
     the largest other-slot prefill running during it (``cause_*``, NA when no prefill ran)."""
     tv = task_view(ds)
-    pc = _shared_pieces(ds, opts)
-    # The slowest long-enough pieces (tok/s up, seconds down; ties in piece order), as table rows.
-    cand = np.flatnonzero(pc.seconds >= WORST_MIN_S)
-    cand = cand[np.lexsort((-pc.seconds[cand], pc.tok_per_s[cand]))][: opts.worst]
-    p = _pieces_frame(ds, tv, pc, cand)
+    p = _shared_summary(ds, opts).worst
     who = ["slot", "purpose", "user", "lora", "line", "file"]
     stalled = p[_TASK_KEYS].merge(tv[_TASK_KEYS + who], on=_TASK_KEYS, how="left").drop(columns="slot")
     cause_cols = ["slot", "purpose", "user", "lora", "prompt_tokens_new", "line", "file"]
