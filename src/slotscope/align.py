@@ -65,42 +65,62 @@ SMALL_KEY = 256  # calls x tasks sharing one token key, beyond which pairs are t
 
 def candidate_pairs(tasks: pd.DataFrame, calls: pd.DataFrame) -> pd.DataFrame:
     """Call/task pairs whose counts agree: exact ``timings`` where the app kept them, else tokens.
+    Per pair: the task's session (``SESSION_KEY``), the interval its clock offset must lie in
+    (``lo_us`` = call start - launch, ``hi_us`` = call end - release; µs) and ``exact``.
 
     A token key shared by many calls and tasks (retries, replays, fixed-size batch jobs) would
     make a quadratic join; for such keys the i-th call (by start) is paired only with the
     tasks of nearby rank (by launch) in each session, which keeps the candidates linear and
     still contains the true pairs when the log covers the calls.
     """
-    t = tasks[tasks["status"] == "complete"]
-    c = calls[calls["prompt_tokens"].notna() & calls["completion_tokens"].notna()]
-    # Only what the vote reads: no ids (a string per pair; pairs are ~5 per call with replays).
-    cols_t = SESSION_KEY + ["launch_s", "release_s", "prompt_tokens", "n_gen", "prompt_eval_ms", "eval_ms"]
-    cols_c = ["start_us", "end_us", "prompt_tokens", "completion_tokens", "timings_prompt_ms", "timings_predicted_ms"]
-    c = c[cols_c].rename(columns={"completion_tokens": "n_gen"})
-    c["n_gen"] = c["n_gen"].astype("int64")
-    c["prompt_tokens"] = c["prompt_tokens"].astype("int64")
-    t = t[cols_t].astype({"prompt_tokens": "int64", "n_gen": "int64"})
+    # Row positions and keys only: the pairs (~5 per call where token counts repeat, as with
+    # replays) get their columns once, at the end, not through a merge of wide tables per part.
+    tr = np.flatnonzero((tasks["status"] == "complete").to_numpy(dtype=bool, na_value=False))
+    cr = np.flatnonzero((calls["prompt_tokens"].notna() & calls["completion_tokens"].notna()).to_numpy())
     key = ["prompt_tokens", "n_gen"]
+    c = pd.DataFrame({"prompt_tokens": _ints(calls["prompt_tokens"], cr), "n_gen": _ints(calls["completion_tokens"], cr),
+                      "_ci": cr})
+    t = pd.DataFrame({**{k: tasks[k].array.take(tr) for k in SESSION_KEY}, "prompt_tokens": _ints(tasks["prompt_tokens"], tr),
+                      "n_gen": _ints(tasks["n_gen"], tr), "_ti": tr})
     m = c.groupby(key, observed=True).size().rename("_m")
     n = t.groupby(SESSION_KEY + key, observed=True).size().rename("_n").reset_index()
     n = n.merge(m.reset_index(), on=key)
     big = n[n["_m"] * n["_n"] > SMALL_KEY]
     small_t = t.merge(n[n["_m"] * n["_n"] <= SMALL_KEY][SESSION_KEY + key], on=SESSION_KEY + key)
-    parts = [c.merge(small_t, on=key)]
+    parts = [c.merge(small_t[key + ["_ti"]], on=key)[["_ci", "_ti"]]]
+    del small_t
     if len(big):
-        bt = t.merge(big[SESSION_KEY + key], on=SESSION_KEY + key).sort_values("launch_s", kind="stable")
+        bt = t.merge(big[SESSION_KEY + key], on=SESSION_KEY + key)
+        bt = bt.iloc[np.argsort(tasks["launch_s"].to_numpy(dtype=float)[bt["_ti"].to_numpy()], kind="stable")]
         bt["_rank"] = bt.groupby(SESSION_KEY + key, observed=True).cumcount()
-        bc = c.merge(big[key].drop_duplicates(), on=key).sort_values("start_us", kind="stable")
+        bt = bt[key + ["_rank", "_ti"]]
+        bc = c.merge(big[key].drop_duplicates(), on=key)
+        bc = bc.iloc[np.argsort(calls["start_us"].to_numpy(dtype=float)[bc["_ci"].to_numpy()], kind="stable")]
         bc["_rank"] = bc.groupby(key, observed=True).cumcount()
         for d in (-2, -1, 0, 1, 2):
-            parts.append(bc.assign(_rank=bc["_rank"] + d).merge(bt, on=key + ["_rank"]).drop(columns=["_rank"]))
-    pairs = pd.concat(parts, ignore_index=True)
-    has_timings = pairs["timings_prompt_ms"].notna() & pairs["timings_predicted_ms"].notna()
-    exact = has_timings & ((pairs["timings_prompt_ms"] - pairs["prompt_eval_ms"]).abs() < 0.006) & (
-        (pairs["timings_predicted_ms"] - pairs["eval_ms"]).abs() < 0.006
-    )
-    pairs["exact"] = exact
-    return pairs[~has_timings | exact].reset_index(drop=True)
+            parts.append(bc.assign(_rank=bc["_rank"] + d).merge(bt, on=key + ["_rank"])[["_ci", "_ti"]])
+    ci = np.concatenate([p["_ci"].to_numpy(dtype=np.int64) for p in parts])
+    ti = np.concatenate([p["_ti"].to_numpy(dtype=np.int64) for p in parts])
+    del parts, c, t
+    # What the vote reads (no ids: a string per pair): each pair's offset interval.
+    prompt_ms, predicted_ms = (calls[k].to_numpy(dtype="float64", na_value=np.nan)[ci] for k in ("timings_prompt_ms", "timings_predicted_ms"))
+    has_timings = ~np.isnan(prompt_ms) & ~np.isnan(predicted_ms)
+    exact = has_timings & (np.abs(prompt_ms - tasks["prompt_eval_ms"].to_numpy(dtype=float)[ti]) < 0.006) & (
+        np.abs(predicted_ms - tasks["eval_ms"].to_numpy(dtype=float)[ti]) < 0.006)
+    keep = ~has_timings | exact
+    del prompt_ms, predicted_ms, has_timings
+    ci, ti, exact = ci[keep], ti[keep], exact[keep]
+    return pd.DataFrame({
+        **{k: tasks[k].array.take(ti) for k in SESSION_KEY},
+        "lo_us": calls["start_us"].to_numpy(dtype=float)[ci] - tasks["launch_s"].to_numpy(dtype=float)[ti] * 1e6,
+        "hi_us": calls["end_us"].to_numpy(dtype="float64", na_value=np.nan)[ci] - tasks["release_s"].to_numpy(dtype=float)[ti] * 1e6,
+        "exact": exact,
+    })
+
+
+def _ints(col: pd.Series, rows: np.ndarray) -> np.ndarray:
+    """``col`` at ``rows`` (counts, none missing there) as int64."""
+    return col.to_numpy(dtype="float64", na_value=np.nan)[rows].astype("int64")
 
 
 def align(
@@ -125,10 +145,7 @@ def align(
         if p is not None and len(p):
             if p["exact"].any():
                 p = p[p["exact"]]
-            vote = best_interval(
-                (p["start_us"] - p["launch_s"] * 1e6).to_numpy(dtype=float),
-                (p["end_us"].astype("float64") - p["release_s"] * 1e6).to_numpy(dtype=float),
-            )
+            vote = best_interval(p["lo_us"].to_numpy(), p["hi_us"].to_numpy())
             if vote is not None:
                 row.update(method="app-timings" if p["exact"].any() else "app-tokens", offset_us=vote.offset,
                            support=vote.support, spread_ms=(vote.high - vote.low) / 1e3)
