@@ -201,3 +201,29 @@ def test_each_sample_names_the_file_its_line_is_in() -> None:
         assert isinstance(table["file"].dtype, pd.CategoricalDtype)
         assert table["file"].nunique() == 3  # samples in every file
         assert all(kind in texts[f][line - 1] for f, line in zip(table["file"], table["line"]))
+
+
+def test_samples_kept_on_disk_build_the_same_tables(scenario, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``samples_on_disk``: the sample rows wait in a temporary directory (so reading holds
+    only the tasks) and each table, built when read, is the one read into memory."""
+    import pickle
+    import tempfile
+
+    from slotscope.server_log import Samples
+
+    name, logs = scenario
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    lazy = read_server_logs([REAL / name / "logs"], samples_on_disk=True)
+    assert isinstance(lazy.__dict__["_gen_samples"], Samples)
+    assert any(tmp_path.iterdir())  # the rows are on disk, not only in memory
+    pd.testing.assert_frame_equal(lazy.tasks, logs.tasks)
+    for kind in ("gen_samples", "prefill_samples"):
+        pd.testing.assert_frame_equal(getattr(lazy, kind), getattr(logs, kind))
+        assert getattr(lazy, kind) is getattr(lazy, kind)  # built once ...
+    built = lazy.gen_samples
+    lazy.unload_samples()
+    assert lazy.gen_samples is not built  # ... until unloaded; then built again, the same
+    pd.testing.assert_frame_equal(lazy.gen_samples, logs.gen_samples)
+    copy = pickle.loads(pickle.dumps(lazy))  # pickled as tables: the files stay this process'
+    assert isinstance(copy.__dict__["_prefill_samples"], pd.DataFrame)
+    pd.testing.assert_frame_equal(copy.prefill_samples, logs.prefill_samples)

@@ -124,7 +124,9 @@ def load(
     say = stage or (lambda text: None)
     inputs = collect(paths)
     say("reading server logs")
-    server = read_server_logs(paths, keep_samples=keep_samples, tz=tz, progress=progress, inputs=inputs)
+    # The samples wait on disk until an analyzer reads them (they are most of the rows).
+    server = read_server_logs(paths, keep_samples=keep_samples, tz=tz, progress=progress, inputs=inputs,
+                              samples_on_disk=bool(keep_samples))
     if inputs.app:
         say("reading app logs")
     app, app_accounts = read_app(inputs, columns=app_columns, tz=tz)

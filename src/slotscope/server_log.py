@@ -42,8 +42,8 @@ from .sources import (
 from .workers import Pool
 from .scanner import COMP_BUILD, SRV_EVENT, Reading, Scan, scan
 from .tasks import (
-    GEN_COLUMNS, PREFILL_COLUMNS, SESSION_COLUMNS, TASK_COLUMNS, BlockTasks, SampleBatch, TaskAssembler, TaskBatch,
-    FirstTokens, fold_block, release_memory, shifted_sessions,
+    GEN_COLUMNS, PREFILL_COLUMNS, SESSION_COLUMNS, TASK_COLUMNS, BlockTasks, SampleBatch, SampleSource, TaskAssembler,
+    TaskBatch, FirstTokens, fold_block, release_memory, shifted_sessions,
 )
 
 T = TypeVar("T")
@@ -491,15 +491,70 @@ def resolve_sessions(ports: list[PortSessions], state: StreamState) -> dict[int,
     return shift
 
 
+class Samples:
+    """A samples table kept as read, on disk, and built when first asked (:meth:`table`)
+    until :meth:`unload`: the samples are ~5 rows per task, the larger part of a log's
+    tables, and only a few analyzers read them."""
+
+    def __init__(self, parts: list[SampleSource], columns: list[str]) -> None:
+        self.parts, self.columns = parts, columns
+        self._table: pd.DataFrame | None = None
+
+    def table(self) -> pd.DataFrame:
+        if self._table is None:
+            self._table = _concat([p.table() for p in self.parts], self.columns)
+        return self._table
+
+    def unload(self) -> None:
+        """Drop the built table (the next :meth:`table` builds it again)."""
+        self._table = None
+
+    def __reduce__(self) -> tuple:
+        return _table_itself, (self.table(),)  # pickled as its table: the files are this process'
+
+
+def _table_itself(df: pd.DataFrame) -> pd.DataFrame:
+    return df
+
+
+class _SampleTable:
+    """A :class:`ServerLogs` field holding a DataFrame, or :class:`Samples` that build one
+    when the field is read."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.key = "_" + name
+
+    def __get__(self, obj: object, owner: type | None = None) -> pd.DataFrame:
+        if obj is None:
+            raise AttributeError(self.key)  # (for dataclasses: the field has no default)
+        v = obj.__dict__[self.key]
+        return v.table() if isinstance(v, Samples) else v
+
+    def __set__(self, obj: object, value: "pd.DataFrame | Samples") -> None:
+        obj.__dict__[self.key] = value
+
+
 @dataclass
 class ServerLogs:
-    """Everything read from llama-server logs: the tables and the line accounting."""
+    """Everything read from llama-server logs: the tables and the line accounting.
+
+    ``gen_samples`` and ``prefill_samples`` may be kept on disk (``samples_on_disk`` of
+    :func:`read_server_logs`): reading one builds it, and it stays built until
+    :meth:`unload_samples`.
+    """
 
     tasks: pd.DataFrame
-    gen_samples: pd.DataFrame
-    prefill_samples: pd.DataFrame
+    gen_samples: pd.DataFrame = _SampleTable()  # type: ignore[assignment]
+    prefill_samples: pd.DataFrame = _SampleTable()  # type: ignore[assignment]
     sessions: pd.DataFrame
     accounting: Accounting
+
+    def unload_samples(self) -> None:
+        """Free the sample tables that were built from disk (they are built again when read)."""
+        for key in ("_gen_samples", "_prefill_samples"):
+            v = self.__dict__.get(key)
+            if isinstance(v, Samples):
+                v.unload()
 
 
 @dataclass
@@ -555,6 +610,7 @@ def read_stream(
     chunk_size: int | None = None,
     pool: Pool | None = None,
     spill_rows: int | None = None,
+    spill_samples: bool = False,
 ) -> tuple[TaskAssembler, list[FileAccount]]:
     """Parse one server-log stream (rotated files oldest first) into an assembler.
 
@@ -566,7 +622,7 @@ def read_stream(
     state = StreamState(source=source, tz=tz)
     if year is not None:
         state.year = year
-    asm = TaskAssembler(source=source, keep_samples=keep_samples, spill_rows=spill_rows)
+    asm = TaskAssembler(source=source, keep_samples=keep_samples, spill_rows=spill_rows, spill_samples=spill_samples)
     accounts = []
     for lf in files:
         account = FileAccount(lf.path if lf.path != STDIN else "<stdin>")
@@ -637,6 +693,7 @@ def read_server_logs(
     inputs: Inputs | None = None,
     chunk_size: int | None = None,
     jobs: int | None = None,
+    samples_on_disk: bool = False,
 ) -> ServerLogs:
     """Read llama-server logs (files, directories, globs, ``-``) into task and sample tables.
 
@@ -646,20 +703,22 @@ def read_server_logs(
     Input is read in blocks of ``chunk_size`` bytes (default 8 MiB), parsed by ``jobs`` worker
     processes (default: :func:`slotscope.workers.default_jobs`; 1: in this process) and
     assembled here in order; memory is bounded by a few blocks and the tables themselves.
+    ``samples_on_disk``: the samples go to a temporary directory as they are read, and their
+    tables are built when first read (see :class:`ServerLogs`).
     """
     tasks, gens, prefills, sessions = [], [], [], []
     assemblers, acc = _read_all(paths, inputs, keep_samples=keep_samples, tz=tz, year=year, progress=progress,
-                                chunk_size=chunk_size, jobs=jobs)
+                                chunk_size=chunk_size, jobs=jobs, spill_samples=samples_on_disk)
     for asm in assemblers:
-        t, g, p, s = asm.finish()
+        t, g, p, s = asm.finish_later() if samples_on_disk else asm.finish()
         tasks.append(t)
         gens.append(g)
         prefills.append(p)
         sessions.append(s)
     out = ServerLogs(
         tasks=_concat(tasks, TASK_COLUMNS),
-        gen_samples=_concat(gens, GEN_COLUMNS),
-        prefill_samples=_concat(prefills, PREFILL_COLUMNS),
+        gen_samples=Samples(gens, GEN_COLUMNS) if samples_on_disk else _concat(gens, GEN_COLUMNS),
+        prefill_samples=Samples(prefills, PREFILL_COLUMNS) if samples_on_disk else _concat(prefills, PREFILL_COLUMNS),
         sessions=_concat(sessions, SESSION_COLUMNS),
         accounting=acc,
     )

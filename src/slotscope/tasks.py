@@ -411,6 +411,7 @@ class TaskAssembler:
     keep_samples: bool | int = True  # True, False, or the one kind kept (HEARTBEAT or PROGRESS)
     _open: dict[str, np.ndarray] | None = None
     spill_rows: int | None = None  # hold at most this many finished rows in memory (None: all)
+    spill_samples: bool = False  # samples go to disk as they come even without spill_rows
     _done: FinishedRows = field(init=False)
     _gen: FinishedRows = field(init=False)  # heartbeat rows, in the order their blocks came
     _prefill: FinishedRows = field(init=False)  # progress rows
@@ -423,7 +424,7 @@ class TaskAssembler:
     def __post_init__(self) -> None:
         self._done = FinishedRows(self.spill_rows)
         # Samples are ~5x as many as tasks: with spilling on, they go to disk in larger chunks.
-        samples_spill = None if self.spill_rows is None else SAMPLE_SPILL_ROWS
+        samples_spill = None if self.spill_rows is None and not self.spill_samples else SAMPLE_SPILL_ROWS
         self._gen = FinishedRows(samples_spill, "heartbeat samples", 80)
         self._prefill = FinishedRows(samples_spill, "prefill samples", 80)
         self.n_finished = 0  # set when the input ends
@@ -528,14 +529,26 @@ class TaskAssembler:
 
     def finish(self) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
         """Close every task still open; return (tasks, gen samples, prefill samples, sessions)."""
+        tasks, gen, prefill, sessions = self.finish_later()
+        out = tasks, gen.table(consume=True), prefill.table(consume=True), sessions
+        release_memory()
+        return out
+
+    def finish_later(self) -> tuple[pd.DataFrame, "SampleSource", "SampleSource", pd.DataFrame]:
+        """:meth:`finish`, but the sample tables are built when asked, from their rows as they
+        are (on disk with ``spill_samples``): (tasks, gen samples, prefill samples, sessions)."""
         order, _ = self._end()
         raw = _raw(self._done.take_all(order), list(self._files))
         release_memory()  # the per-block parts just joined: small holes the table cannot reuse
         sessions = self._sessions_table()
         tasks = _derive(raw, self.source, sessions)
         del raw
-        gen = _gen_samples(self._gen, self.source, list(self._sample_files), tasks)
-        prefill = _prefill_samples(self._prefill, self.source, list(self._sample_files))
+        files = list(self._sample_files)
+        on_disk = self.spill_samples or self.spill_rows is not None
+        self._gen.close(on_disk)
+        self._prefill.close(on_disk)
+        gen = SampleSource(HEARTBEAT, self._gen, self.source, files, FirstTokens.of(tasks) if len(tasks) and len(self._gen) else None)
+        prefill = SampleSource(PROGRESS, self._prefill, self.source, files, None)
         release_memory()
         return tasks, gen, prefill, sessions
 
@@ -821,19 +834,38 @@ class SampleBatch:
         return _sample_table(self.kind, self.rows.gather(self.idx), self.source, self.files, self.first_token, self.skip)
 
 
+@dataclass
+class SampleSource:
+    """One stream's samples of one kind as read (on disk when spilled): :meth:`table` builds
+    the gen (``kind`` HEARTBEAT) or prefill samples table from them, each time it is asked."""
+
+    kind: int
+    store: FinishedRows
+    source: str
+    files: list[str]  # the ``file`` column's categories
+    first_tokens: "FirstTokens | None"  # each task's first-token time (gen samples)
+
+    def table(self, consume: bool = False) -> pd.DataFrame:
+        """The table; ``consume``: the rows are dropped as they are read (no second table)."""
+        store = self.store
+        if not len(store):
+            return _empty_samples(self.kind)
+        port, session, task = (store.column(c).astype(np.int64) for c in ("port", "session", "task"))
+        order = _sample_order(store, port, session, task)
+        first_token = None
+        if self.kind == HEARTBEAT:
+            port, session, task = port[order], session[order], task[order]
+            same = _same_task_as_previous(port, session, task)
+            first_token = _first_token_per_row(self.first_tokens, port, session, task, same)
+            del same
+        del port, session, task
+        return _sample_table(self.kind, store.take_all(order) if consume else store.gather(order), self.source, self.files,
+                             first_token)
+
+
 def _sample_order(store: FinishedRows, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
     """Output order of sample rows: by task, then time (ties: as read)."""
     return np.lexsort((store.column("ts_us"), task, session, port))
-
-
-def _sorted_samples(store: FinishedRows) -> dict[str, np.ndarray]:
-    """Every sample row in output order, a column at a time (each column's chunks freed as it
-    is ordered)."""
-    store.close()
-    port, session, task = (store.column(c).astype(np.int64) for c in ("port", "session", "task"))
-    order = _sample_order(store, port, session, task)
-    del port, session, task
-    return store.take_all(order)
 
 
 @dataclass
@@ -908,23 +940,6 @@ def _previous(v: np.ndarray, same: np.ndarray) -> np.ndarray:
 def _seconds(us: np.ndarray) -> np.ndarray:
     v = us.astype(np.float64)
     return np.where(v >= 0, v, np.nan) / 1e6
-
-
-def _gen_samples(store: FinishedRows, source: str, files: list[str], tasks: pd.DataFrame) -> pd.DataFrame:
-    if not len(store):
-        return _empty_samples(HEARTBEAT)
-    cols = _sorted_samples(store)
-    port, session, task = (cols[c].astype(np.int64) for c in ("port", "session", "task"))
-    same = _same_task_as_previous(port, session, task)
-    first_token = _first_token_per_row(FirstTokens.of(tasks) if len(tasks) else None, port, session, task, same)
-    del port, session, task, same
-    return _sample_table(HEARTBEAT, cols, source, files, first_token)
-
-
-def _prefill_samples(store: FinishedRows, source: str, files: list[str]) -> pd.DataFrame:
-    if not len(store):
-        return _empty_samples(PROGRESS)
-    return _sample_table(PROGRESS, _sorted_samples(store), source, files, None)
 
 
 def _empty_samples(kind: int) -> pd.DataFrame:

@@ -99,12 +99,16 @@ def run(ds: Dataset, opts: Options | None = None, names: list[str] | None = None
     # classes) and dropped, to free their memory, once the tables of another module run.
     todo = [n for n in needed if n != "findings"] + (["findings"] if "findings" in wanted else [])
     step = on_table or (lambda name, i, n: None)
+    module = None
     with ds.shared():
         for name in needed:
             if name == "findings":
                 continue
             step(name, todo.index(name) + 1, len(todo))
             ds.forget(keep=_shared_with(TABLES[name].__module__))
+            if TABLES[name].__module__ != module:  # sample tables built for the last module's tables
+                ds.server.unload_samples()
+                module = TABLES[name].__module__
             release_memory()  # what the previous table dropped: its peak is not the next one's base
             try:
                 out[name] = TABLES[name](ds, opts)
