@@ -227,3 +227,24 @@ def test_samples_kept_on_disk_build_the_same_tables(scenario, tmp_path, monkeypa
     copy = pickle.loads(pickle.dumps(lazy))  # pickled as tables: the files stay this process'
     assert isinstance(copy.__dict__["_prefill_samples"], pd.DataFrame)
     pd.testing.assert_frame_equal(copy.prefill_samples, logs.prefill_samples)
+
+
+def test_samples_on_disk_by_task_and_in_parts(scenario) -> None:
+    """What the analyzers read of samples on disk without building the table: a few tasks'
+    rows, each task's first and last sample time, the table in parts."""
+    name, logs = scenario
+    lazy = read_server_logs([REAL / name / "logs"], samples_on_disk=True)
+    keys = ["source", "port", "session", "task_id"]
+    some = logs.tasks.iloc[::3]
+    for kind in ("gen_samples", "prefill_samples"):
+        samples, table = lazy.__dict__["_" + kind], getattr(logs, kind)
+        assert samples.indexed
+        chosen = table.merge(some[keys], on=keys, how="left", indicator=True)["_merge"].eq("both").to_numpy()
+        assert 0 < chosen.sum() < len(table)
+        pd.testing.assert_frame_equal(samples.of_tasks(some), table[chosen].reset_index(drop=True))
+        pd.testing.assert_frame_equal(pd.concat(list(samples.batches(rows=7)), ignore_index=True), table)
+        lo, hi = samples.spans(logs.tasks)
+        t = table.groupby(keys, observed=True)["t_s"].agg(["min", "max"])
+        want = logs.tasks[keys].merge(t, left_on=keys, right_index=True, how="left")
+        assert (pd.Series(lo).equals(want["min"].reset_index(drop=True)) and pd.Series(hi).equals(want["max"].reset_index(drop=True)))
+        assert not samples.built  # none of it built the table

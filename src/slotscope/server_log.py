@@ -509,6 +509,52 @@ class Samples:
         """Drop the built table (the next :meth:`table` builds it again)."""
         self._table = None
 
+    @property
+    def built(self) -> bool:
+        return self._table is not None
+
+    @property
+    def indexed(self) -> bool:
+        """Whether a task's rows can be found without the table (:meth:`SampleSource.index`)."""
+        return all(p.index() is not None for p in self.parts if len(p.store))
+
+    def _by_part(self, tv: pd.DataFrame) -> Iterator[tuple[SampleSource, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] | None:
+        """Per part: the rows of ``tv`` of its stream and their (port, session, task_id); None
+        if some part cannot look tasks up."""
+        if not self.indexed:
+            return None
+        source = tv["source"].astype(str).to_numpy()
+        keys = [tv[c].to_numpy(dtype=np.int64) for c in ("port", "session", "task_id")]
+        return ((p, at, *(k[at] for k in keys)) for p in self.parts if len(p.store)
+                for at in [np.flatnonzero(source == p.source)])
+
+    def of_tasks(self, tv: pd.DataFrame) -> pd.DataFrame | None:
+        """The table's rows of the tasks of ``tv`` (task keys), without building the table;
+        None if it cannot (then read the table)."""
+        parts = self._by_part(tv)
+        if parts is None:
+            return None
+        frames = [p.of_tasks(port, session, task) for p, _, port, session, task in parts]
+        return _concat(frames, self.columns) if any(len(f) for f in frames) or not frames else frames[0]
+
+    def spans(self, tv: pd.DataFrame) -> tuple[np.ndarray, np.ndarray] | None:
+        """Each task of ``tv``'s first and last sample time (NaN: none), without building the
+        table; None if it cannot."""
+        parts = self._by_part(tv)
+        if parts is None:
+            return None
+        lo, hi = np.full(len(tv), np.nan), np.full(len(tv), np.nan)
+        for p, at, port, session, task in parts:
+            ix = p.index()
+            assert ix is not None
+            lo[at], hi[at] = ix.spans(port, session, task)
+        return lo, hi
+
+    def batches(self, rows: int = 1 << 18) -> Iterator[pd.DataFrame]:
+        """The table in parts of about ``rows`` rows (joined: the table), built one at a time."""
+        for p in self.parts:
+            yield from p.batches(rows)
+
     def __reduce__(self) -> tuple:
         return _table_itself, (self.table(),)  # pickled as its table: the files are this process'
 
@@ -548,6 +594,12 @@ class ServerLogs:
     prefill_samples: pd.DataFrame = _SampleTable()  # type: ignore[assignment]
     sessions: pd.DataFrame
     accounting: Accounting
+
+    def on_disk(self, kind: str) -> Samples | None:
+        """The :class:`Samples` behind ``gen_samples`` or ``prefill_samples`` (``kind``) while
+        its table is not built; None when it is a table in memory."""
+        v = self.__dict__.get("_" + kind)
+        return v if isinstance(v, Samples) and not v.built else None
 
     def unload_samples(self) -> None:
         """Free the sample tables that were built from disk (they are built again when read)."""

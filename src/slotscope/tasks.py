@@ -15,7 +15,7 @@ import os
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import BinaryIO, Iterator
 
 import numpy as np
 import pandas as pd
@@ -845,6 +845,8 @@ class SampleSource:
     files: list[str]  # the ``file`` column's categories
     first_tokens: "FirstTokens | None"  # each task's first-token time (gen samples)
 
+    _index: "_SampleIndex | None" = field(default=None, init=False, repr=False)
+
     def table(self, consume: bool = False) -> pd.DataFrame:
         """The table; ``consume``: the rows are dropped as they are read (no second table)."""
         store = self.store
@@ -861,6 +863,100 @@ class SampleSource:
         del port, session, task
         return _sample_table(self.kind, store.take_all(order) if consume else store.gather(order), self.source, self.files,
                              first_token)
+
+    def index(self) -> "_SampleIndex | None":
+        """Where each task's rows are (built once: ~16 bytes a row and 32 a task); None when
+        the keys do not fit it (a port, session or task id out of range)."""
+        if self._index is None and len(self.store):
+            self._index = _SampleIndex.of(self.store)
+        return self._index
+
+    def of_tasks(self, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> pd.DataFrame:
+        """The table's rows of these tasks, in the table's order and as the table has them."""
+        ix = self.index()
+        if ix is None:
+            return _empty_samples(self.kind)
+        cols = self._gather(ix.order[ix.rows(port, session, task)])
+        first_token = None
+        if self.kind == HEARTBEAT:
+            p, s, t = (cols[c].astype(np.int64) for c in ("port", "session", "task"))
+            first_token = _first_token_per_row(self.first_tokens, p, s, t, _same_task_as_previous(p, s, t))
+        return _sample_table(self.kind, cols, self.source, self.files, first_token)
+
+
+    def batches(self, rows: int) -> Iterator[pd.DataFrame]:
+        """The table in parts of ``rows`` rows (joined: the table)."""
+        ix = self.index()
+        if ix is None:
+            yield self.table()
+            return
+        for a in range(0, len(ix.order), rows):
+            lo = max(a - 1, 0)  # one row of context: the previous sample of the same task
+            cols = self._gather(ix.order[lo : a + rows])
+            first_token = None
+            if self.kind == HEARTBEAT:
+                p, s, t = (cols[c].astype(np.int64) for c in ("port", "session", "task"))
+                first_token = _first_token_per_row(self.first_tokens, p, s, t, _same_task_as_previous(p, s, t))
+            yield _sample_table(self.kind, cols, self.source, self.files, first_token, a - lo)
+
+    def _gather(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+        if len(idx):
+            return self.store.gather(idx)
+        return {c: v[:0] for c, v in self.store.gather(np.zeros(1, np.int64)).items()}  # no rows, the columns' types
+
+
+def _task_keys(port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray | None:
+    """One int64 per (port, session, task) that sorts as the triple does (-1 where one is out
+    of range: ports -1..65535, sessions 0..16383, task ids 0..2**32-1); None if none is in range."""
+    port, session, task = (np.asarray(v, dtype=np.int64) for v in (port, session, task))
+    ok = (port >= -1) & (port <= 65535) & (session >= 0) & (session < 1 << 14) & (task >= 0) & (task < 1 << 32)
+    key = ((port + 1) << 46) | (session << 32) | task
+    return np.where(ok, key, -1)
+
+
+@dataclass
+class _SampleIndex:
+    """A store's sample rows by task: ``order`` (the table's rows as store positions), the
+    distinct task keys (:func:`_task_keys`) in table order, the table row where each task's
+    rows start (one more: the end), and each task's first and last sample time (s)."""
+
+    order: np.ndarray
+    keys: np.ndarray
+    starts: np.ndarray
+    t_min: np.ndarray
+    t_max: np.ndarray
+
+    @classmethod
+    def of(cls, store: FinishedRows) -> "_SampleIndex | None":
+        port, session, task = (store.column(c).astype(np.int64) for c in ("port", "session", "task"))
+        key = _task_keys(port, session, task)
+        if (key < 0).any():
+            return None
+        del key
+        order = _sample_order(store, port, session, task)
+        key = _task_keys(port[order], session[order], task[order])
+        del port, session, task
+        first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+        t = _seconds(store.column("ts_us")[order])
+        return cls(order, key[first], np.r_[first, len(key)], np.fmin.reduceat(t, first), np.fmax.reduceat(t, first))
+
+    def _find(self, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each task's place among the keys, and whether it has rows at all."""
+        key = _task_keys(port, session, task)
+        at = np.minimum(np.searchsorted(self.keys, key), len(self.keys) - 1)
+        return at, (self.keys[at] == key) & (key >= 0)
+
+    def rows(self, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
+        """The table rows (ascending) of these tasks."""
+        at, hit = self._find(port, session, task)
+        at = np.unique(at[hit])
+        lo, cnt = self.starts[at], self.starts[at + 1] - self.starts[at]
+        return np.repeat(lo, cnt) + (np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt))
+
+    def spans(self, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each task's first and last sample time (NaN: none)."""
+        at, hit = self._find(port, session, task)
+        return np.where(hit, self.t_min[at], np.nan), np.where(hit, self.t_max[at], np.nan)
 
 
 def _sample_order(store: FinishedRows, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:

@@ -67,13 +67,10 @@ def tasks_during(tasks: pd.DataFrame, at: pd.DataFrame, start: str, end: str,
     return out
 
 
-@register("context")
-def context(ds: Dataset, opts: Options) -> pd.DataFrame:
-    """Median tg_3s of unstalled heartbeat windows per context-length bin, alone and in any company."""
-    hb = ds.server.gen_samples
-    tasks = ds.server.tasks
+def _windows(hb: pd.DataFrame, prompt: pd.DataFrame, tasks: pd.DataFrame) -> pd.DataFrame:
+    """The unstalled heartbeat windows of ``hb`` with a context: ``tg_3s_tps``, ``alone``,
+    ``no_prefill``, ``ctx`` (tokens) and ``task`` (the task's row in ``prompt``)."""
     keys = SESSION + ["task_id"]
-    prompt = tasks[keys + ["prompt_tokens"]].drop_duplicates(keys)
     hcode, pcode = tl.key_codes([hb, prompt], keys)
     # Unstalled windows of the tasks the log has (an inner join on the task keys; prompt's are unique).
     rows = np.flatnonzero(((hb["window_s"] >= WINDOW_MIN_S) & (hb["window_s"] <= WINDOW_MAX_S) & hb["tg_3s_tps"].notna()).to_numpy())
@@ -84,14 +81,29 @@ def context(ds: Dataset, opts: Options) -> pd.DataFrame:
     ctx = prompt["prompt_tokens"].astype("float64").to_numpy(na_value=np.nan)[p_row] \
         + hb["n_gen"].astype("float64").to_numpy(na_value=np.nan)[rows]
     keep = ~np.isnan(ctx)
-    rows, ctx = rows[keep], ctx[keep]
+    rows, ctx, p_row = rows[keep], ctx[keep], p_row[keep]
     w = hb[SESSION + ["window_start_s", "t_s", "tg_3s_tps"]].iloc[rows].reset_index(drop=True)
     w["alone"] = tasks_during(tasks, w, "window_start_s", "t_s") <= 1
     # The task itself finished its prefill before its first heartbeat window, so any count is another's.
     w["no_prefill"] = tasks_during(tasks, w, "window_start_s", "t_s", "prefill_start_s", "first_token_s") == 0
     w = w[["tg_3s_tps", "alone", "no_prefill"]]
-    w["bin"] = pd.cut(ctx, EDGES, right=False, labels=LABELS)
-    w["task"] = hcode[rows]  # one number per task (was its keys as text)
+    w["ctx"] = ctx
+    w["task"] = p_row  # one number per task (was its keys as text)
+    return w
+
+
+@register("context")
+def context(ds: Dataset, opts: Options) -> pd.DataFrame:
+    """Median tg_3s of unstalled heartbeat windows per context-length bin, alone and in any company."""
+    tasks = ds.server.tasks
+    keys = SESSION + ["task_id"]
+    prompt = tasks[keys + ["prompt_tokens"]].drop_duplicates(keys)
+    # The heartbeats a part at a time where they wait on disk (the table is never built).
+    lazy = ds.server.on_disk("gen_samples")
+    parts = lazy.batches() if lazy is not None else [ds.server.gen_samples]
+    w = pd.concat([_windows(hb, prompt, tasks) for hb in parts] or [_windows(ds.server.gen_samples, prompt, tasks)],
+                  ignore_index=True)
+    w["bin"] = pd.cut(w.pop("ctx").to_numpy(), EDGES, right=False, labels=LABELS)
     stacked = pd.concat([w.loc[w[b]].assign(basis=b) for b in BASES], ignore_index=True)
     g = stacked.groupby(["basis", "bin"], observed=False)
     table = pd.DataFrame({

@@ -32,12 +32,17 @@ COLUMNS = ["step_tokens", "steps", "median_tps", "median_step_tokens", "effectiv
 
 
 def _steps(ds: Dataset) -> pd.DataFrame:
-    p = ds.server.prefill_samples
-    steps = pd.DataFrame({
-        "tokens": p["step_tokens"].astype("float64").to_numpy(),
-        "seconds": p["step_s"].astype("float64").to_numpy(),
-    })
-    return steps.loc[(steps["tokens"] >= 1) & (steps["seconds"] > 0)]
+    """Every progress step that advanced: ``tokens``, ``seconds``."""
+    # The samples a part at a time where they wait on disk (the table is never built).
+    lazy = ds.server.on_disk("prefill_samples")
+    parts = [_steps_of(p) for p in lazy.batches()] if lazy is not None else []
+    return pd.concat(parts, ignore_index=True) if parts else _steps_of(ds.server.prefill_samples)
+
+
+def _steps_of(p: pd.DataFrame) -> pd.DataFrame:
+    tokens, seconds = p["step_tokens"].astype("float64").to_numpy(), p["step_s"].astype("float64").to_numpy()
+    keep = (tokens >= 1) & (seconds > 0)
+    return pd.DataFrame({"tokens": tokens[keep], "seconds": seconds[keep]})
 
 
 def _chunk(steps: pd.DataFrame) -> tuple[int | None, int]:

@@ -38,6 +38,7 @@ import pandas as pd
 
 from .. import timeline as tl
 from ..dataset import Dataset, release_memory, task_view
+from ..server_log import Samples
 from . import Options, register
 
 CLASSES = ["long_prefill", "other_prefill", "generation_only", "alone"]
@@ -367,16 +368,9 @@ def _task_blocks(ds: Dataset, tv: pd.DataFrame) -> list[np.ndarray]:
     times = [_f(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s")]
     start, end = np.fmin.reduce(times), np.fmax.reduce(times)
     del times
-    for samples in (ds.server.gen_samples, ds.server.prefill_samples):  # a task's lines may outlast its known times
-        if samples is not None and len(samples):
-            scode, tc = tl.key_codes([samples, tv], _TASK_KEYS)
-            t = pd.Series(_f(samples["t_s"])).groupby(scode).agg(["min", "max"])
-            at = np.searchsorted(t.index.to_numpy(), tc)
-            hit = at < len(t)
-            hit[hit] = t.index.to_numpy()[at[hit]] == tc[hit]
-            start[hit] = np.fmin(start[hit], t["min"].to_numpy()[at[hit]])
-            end[hit] = np.fmax(end[hit], t["max"].to_numpy()[at[hit]])
-            del scode, tc, t, at, hit
+    for kind in ("gen_samples", "prefill_samples"):  # a task's lines may outlast its known times
+        lo, hi = _sample_spans(ds, kind, tv)
+        start, end = np.fmin(start, lo), np.fmax(end, hi)
     session = tl.key_codes([tv], tl.GROUP)[0]
     timeless = np.isnan(start)
     start = np.where(timeless, -np.inf, start)  # (they yield no pieces: kept with their session's first block)
@@ -393,6 +387,25 @@ def _task_blocks(ds: Dataset, tv: pd.DataFrame) -> list[np.ndarray]:
             at = b
     blocks.append(np.sort(order[at:]))
     return blocks
+
+
+def _sample_spans(ds: Dataset, kind: str, tv: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Each task's first and last sample time of ``kind`` (NaN: none), from the samples on
+    disk if they are there."""
+    lazy = ds.server.on_disk(kind)
+    spans = lazy.spans(tv) if lazy is not None else None
+    if spans is not None:
+        return spans
+    lo, hi = np.full(len(tv), np.nan), np.full(len(tv), np.nan)
+    samples = getattr(ds.server, kind)
+    if samples is not None and len(samples):
+        scode, tc = tl.key_codes([samples, tv], _TASK_KEYS)
+        t = pd.Series(_f(samples["t_s"])).groupby(scode).agg(["min", "max"])
+        at = np.searchsorted(t.index.to_numpy(), tc)
+        hit = at < len(t)
+        hit[hit] = t.index.to_numpy()[at[hit]] == tc[hit]
+        lo[hit], hi[hit] = t["min"].to_numpy()[at[hit]], t["max"].to_numpy()[at[hit]]
+    return lo, hi
 
 
 def _rows_of(code: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -418,8 +431,15 @@ def _blockwise(ds: Dataset, tv: pd.DataFrame) -> Iterator[tuple[np.ndarray, Data
         yield blocks[0], ds, tv
         return
     server = ds.server
+    # Each block's samples: read from disk for its tasks where they wait there (the whole
+    # table is never built), else taken from the table.
     found = []
-    for samples in (server.gen_samples, server.prefill_samples):
+    for kind in ("gen_samples", "prefill_samples"):
+        lazy = server.on_disk(kind)
+        if lazy is not None and lazy.indexed:
+            found.append((lazy, None, None))
+            continue
+        samples = getattr(server, kind)
         if samples is not None and len(samples):
             scode, tcode = tl.key_codes([samples, tv], _TASK_KEYS)
             found.append((samples, _rows_of(scode), tcode))
@@ -427,10 +447,14 @@ def _blockwise(ds: Dataset, tv: pd.DataFrame) -> Iterator[tuple[np.ndarray, Data
             found.append((samples, None, None))
     for rows in blocks:
         part = []
+        tvb = tv.iloc[rows]
         for samples, index, tcode in found:
-            part.append(samples if index is None else samples.iloc[_rows_with(index, np.unique(tcode[rows]))])
+            if isinstance(samples, Samples):
+                part.append(samples.of_tasks(tvb))
+            else:
+                part.append(samples if index is None else samples.iloc[_rows_with(index, np.unique(tcode[rows]))])
         sub = dataclasses.replace(ds, server=dataclasses.replace(server, gen_samples=part[0], prefill_samples=part[1]))
-        yield rows, sub, tv.iloc[rows]
+        yield rows, sub, tvb
 
 
 @dataclass
