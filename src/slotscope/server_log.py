@@ -573,7 +573,7 @@ class _SampleTable:
     def __get__(self, obj: object, owner: type | None = None) -> pd.DataFrame:
         if obj is None:
             raise AttributeError(self.key)  # (for dataclasses: the field has no default)
-        v = obj.__dict__[self.key]
+        v = obj.__dict__[self.key] if self.key in obj.__dict__ else obj.__dict__[self.key[1:]]  # (pickled before it was one)
         return v.table() if isinstance(v, Samples) else v
 
     def __set__(self, obj: object, value: "pd.DataFrame | Samples") -> None:

@@ -9,7 +9,7 @@ every interval, so a log with 100k tasks and 1M heartbeats stays cheap.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -219,6 +219,38 @@ class _RangeMax:
         return out
 
 
+class _RangeMaxCount:
+    """Sparse table of the maximum of small non-negative counts over index ranges (a table is
+    ``log2(n)`` arrays of the counts' own narrow type, not of int32 positions: a quarter of
+    the memory for counts under 128)."""
+
+    def __init__(self, count: np.ndarray) -> None:
+        top = int(count.max(initial=0))
+        dtype = next(t for t in (np.int8, np.int16, np.int32, np.int64) if top <= np.iinfo(t).max)
+        self.levels = [count.astype(dtype)]
+        k = 1
+        while (1 << k) <= len(count):
+            prev, half = self.levels[-1], 1 << (k - 1)
+            self.levels.append(np.maximum(prev[:-half], prev[half:]))
+            k += 1
+
+    def max(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """Max over [lo, hi] (inclusive); 0 where the range is empty."""
+        out = np.zeros(len(lo), dtype=np.int64)
+        ok = hi >= lo
+        if not ok.any():
+            return out
+        lo_ok, hi_ok = lo[ok], hi[ok]
+        k = np.floor(np.log2(hi_ok - lo_ok + 1)).astype(np.int64)
+        res = np.empty(len(lo_ok), dtype=np.int64)
+        for kk in np.unique(k):
+            m = k == kk
+            lev = self.levels[kk]
+            res[m] = np.maximum(lev[lo_ok[m]], lev[hi_ok[m] - (1 << kk) + 1])
+        out[ok] = res
+        return out
+
+
 def _group_codes(queries: pd.DataFrame, intervals: pd.DataFrame, by: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     qcode, icode = key_codes([queries, intervals], by)
     return qcode, icode
@@ -316,7 +348,7 @@ def overlap_arrays(
             f1 = np.concatenate([[0.0], np.cumsum((count >= 1) * width)])
             f2 = np.concatenate([[0.0], np.cumsum((count >= 2) * width)]) if has_own else f1
             del width
-        rmc = _RangeMax(count.astype(np.float64)) if "max_count" in need else None
+        rmc = _RangeMaxCount(count) if "max_count" in need else None
         if vals is not None:
             ev_val, ev_row = _largest_per_step(b, s, e, vals[grp], grp)
             rmv = _RangeMax(ev_val)
@@ -336,8 +368,7 @@ def overlap_arrays(
             lo = np.maximum(a[1] - 1, 0)
             hi = np.minimum(z[2] - 1, len(starts) - 1)
             hi = np.where(z[0] > a[0], hi, -1)
-            pos = rmc.argmax(lo, hi)
-            return np.where(pos >= 0, count[np.maximum(pos, 0)], 0)
+            return rmc.max(lo, hi)
 
         # Queries in blocks: their temporaries stay bounded however many there are.
         for at in range(0, len(q_all), QUERY_BLOCK):
@@ -476,16 +507,23 @@ def _progress_lines(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None) -> t
     return pre, lines
 
 
-def _typical(pre: pd.DataFrame, lines: pd.DataFrame) -> pd.DataFrame:
-    sess = pd.concat([pre[GROUP].iloc[lines["pid"].to_numpy()].reset_index(drop=True), lines[["step_tokens", "step_s"]]], axis=1)
-    return sess.groupby(GROUP, dropna=False, observed=True).agg(s_chunk=("step_tokens", "median"), s_pass=("step_s", "median")).reset_index()
+def _steps_by_session(pre: pd.DataFrame, lines: pd.DataFrame) -> pd.DataFrame:
+    return pd.concat([pre[GROUP].iloc[lines["pid"].to_numpy()].reset_index(drop=True), lines[["step_tokens", "step_s"]]], axis=1)
 
 
-def typical_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None) -> pd.DataFrame:
+def _typical(steps: pd.DataFrame) -> pd.DataFrame:
+    return steps.groupby(GROUP, dropna=False, observed=True).agg(s_chunk=("step_tokens", "median"), s_pass=("step_s", "median")).reset_index()
+
+
+def typical_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | Iterable[pd.DataFrame] | None) -> pd.DataFrame:
     """Per session (``GROUP``): the median step of its prefills' progress lines in tokens
     (``s_chunk``) and seconds (``s_pass``), what :func:`prefill_steps` assumes for a prefill
-    without lines of its own. Given to it, a part of a log is read as in the whole log."""
-    return _typical(*_progress_lines(tv, prefill_samples))
+    without lines of its own. Given to it, a part of a log is read as in the whole log.
+    ``prefill_samples``: the table, or its parts (each row whole, in any grouping)."""
+    parts = [prefill_samples] if prefill_samples is None or isinstance(prefill_samples, pd.DataFrame) else prefill_samples
+    steps = [_steps_by_session(*_progress_lines(tv, p)) for p in parts]
+    return _typical(pd.concat(steps, ignore_index=True) if len(steps) > 1 else steps[0] if steps else
+                    _steps_by_session(*_progress_lines(tv, None)))
 
 
 def prefill_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None,
@@ -503,7 +541,7 @@ def prefill_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None,
     own = lines.groupby("pid", observed=True).agg(chunk=("step_tokens", "median"), pass_s=("step_s", "median"),
                                    first_t=("t_s", "first"), first_n=("n_tokens", "first"),
                                    last_t=("t_s", "last"), last_n=("n_tokens", "last"))
-    sess = _typical(pre, lines) if typical is None else typical
+    sess = _typical(_steps_by_session(pre, lines)) if typical is None else typical
     pre = pre.merge(own, left_on="pid", right_index=True, how="left").merge(sess, on=GROUP, how="left")
     del own, sess
     pre["chunk"] = pre["chunk"].fillna(pre["s_chunk"]).fillna(2048.0).clip(lower=1)

@@ -483,7 +483,8 @@ def _summary(ds: Dataset, opts: Options) -> _Summary:
     typical = None  # a prefill without progress lines is read with its whole session's typical step
     for b, (rows, sub, tvb) in enumerate(_blockwise(ds, tv)):
         if typical is None and sub is not ds:
-            typical = tl.typical_steps(tv, ds.server.prefill_samples)
+            lazy = ds.server.on_disk("prefill_samples")  # (then read in parts, not built)
+            typical = tl.typical_steps(tv, lazy.batches() if lazy is not None else ds.server.prefill_samples)
             release_memory()
         pc = _pieces(sub, opts, tvb, typical)
         sel = np.flatnonzero(pc.seconds >= MIN_PIECE_S)
