@@ -146,3 +146,25 @@ def test_numbers_fast_path_matches_to_numeric(values: list) -> None:
     got, bad = _numbers(values)
     pd.testing.assert_series_equal(got, want)
     assert bad.tolist() == (raw.notna() & want.isna()).tolist()
+
+
+def test_samples_on_disk_give_the_tables_of_samples_in_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two servers (two streams of samples on disk): stalls read their blocks' samples by task,
+    context and prefill-speed read them in parts; the same tables as from the tables in memory."""
+    import pickle
+
+    from slotscope.server_log import Samples
+
+    ds = load([REAL / "before" / "logs" / "llama-server.log", REAL / "after" / "logs" / "llama-server.log"])
+    assert isinstance(ds.server.__dict__["_gen_samples"], Samples) and len(ds.server.__dict__["_gen_samples"].parts) == 2
+    in_memory = pickle.loads(pickle.dumps(ds))  # (pickled, the samples are tables)
+    assert isinstance(in_memory.server.__dict__["_gen_samples"], pd.DataFrame)
+    names = ["stalls", "stalls-worst", "context", "prefill-speed"]
+    monkeypatch.setattr(st, "BLOCK_TASKS", 3)
+    monkeypatch.setattr(Samples, "batches",
+                        lambda self, rows=1 << 18, f=Samples.batches: f(self, rows=5))  # parts of 5 rows
+    on_disk = analyze.run(ds, Options(), names, strict=True)
+    assert not ds.server.__dict__["_gen_samples"].built and not ds.server.__dict__["_prefill_samples"].built
+    want = analyze.run(in_memory, Options(), names, strict=True)
+    for name in names:
+        pd.testing.assert_frame_equal(on_disk[name], want[name])

@@ -523,10 +523,11 @@ class Samples:
         if some part cannot look tasks up."""
         if not self.indexed:
             return None
-        source = tv["source"].astype(str).to_numpy()
         keys = [tv[c].to_numpy(dtype=np.int64) for c in ("port", "session", "task_id")]
+        # (one server: every row is its; else compared as the column is, categories by code)
         return ((p, at, *(k[at] for k in keys)) for p in self.parts if len(p.store)
-                for at in [np.flatnonzero(source == p.source)])
+                for at in [np.arange(len(tv)) if len(self.parts) == 1
+                           else np.flatnonzero((tv["source"] == p.source).to_numpy(dtype=bool, na_value=False))])
 
     def of_tasks(self, tv: pd.DataFrame) -> pd.DataFrame | None:
         """The table's rows of the tasks of ``tv`` (task keys), without building the table;

@@ -482,16 +482,24 @@ def count_point_arrays(qcode: np.ndarray, qs: np.ndarray, qe: np.ndarray, pcode:
     return out
 
 
-def _progress_lines(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The prefills of ``tv`` (task keys, slot, ``prompt_tokens_new``, line, ``ps``/``ft``/``new``
-    as floats, ``pid`` = row) and their progress lines inside them (``pid``, ``t_s``,
-    ``n_tokens``, ``step_tokens``, ``step_s``; by prefill, then time)."""
+def _prefills(tv: pd.DataFrame) -> pd.DataFrame:
+    """The prefills of ``tv``: task keys, slot, ``prompt_tokens_new``, line, ``ps``/``ft``/``new``
+    as floats, ``pid`` = row."""
     keys = GROUP + ["task_id"]
     pre = pd.DataFrame({c: _col(tv, c) for c in keys + ["slot", "prompt_tokens_new", "line", "prefill_start_s", "first_token_s"]})
     pre["ps"], pre["ft"] = _f(pre["prefill_start_s"]), _f(pre["first_token_s"])
     pre["new"] = _f(pre["prompt_tokens_new"])
     pre = pre[(pre["ft"] > pre["ps"])].drop(columns=["prefill_start_s", "first_token_s"]).reset_index(drop=True)
     pre["pid"] = np.arange(len(pre))
+    return pre
+
+
+def _progress_lines(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None,
+                    pre: pd.DataFrame | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The prefills of ``tv`` (:func:`_prefills`, unless given) and their progress lines inside
+    them (``pid``, ``t_s``, ``n_tokens``, ``step_tokens``, ``step_s``; by prefill, then time)."""
+    keys = GROUP + ["task_id"]
+    pre = _prefills(tv) if pre is None else pre
     cols = ["t_s", "n_tokens", "step_tokens", "step_s"]
     samples = prefill_samples if prefill_samples is not None and len(prefill_samples) else pd.DataFrame(columns=keys + cols)
     # Each progress line with its prefill (an inner join on the task keys, in line order).
@@ -521,7 +529,8 @@ def typical_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | Iterable[pd.
     without lines of its own. Given to it, a part of a log is read as in the whole log.
     ``prefill_samples``: the table, or its parts (each row whole, in any grouping)."""
     parts = [prefill_samples] if prefill_samples is None or isinstance(prefill_samples, pd.DataFrame) else prefill_samples
-    steps = [_steps_by_session(*_progress_lines(tv, p)) for p in parts]
+    pre = _prefills(tv)
+    steps = [_steps_by_session(*_progress_lines(tv, p, pre)) for p in parts]
     return _typical(pd.concat(steps, ignore_index=True) if len(steps) > 1 else steps[0] if steps else
                     _steps_by_session(*_progress_lines(tv, None)))
 
