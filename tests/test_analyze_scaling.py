@@ -168,3 +168,29 @@ def test_samples_on_disk_give_the_tables_of_samples_in_memory(monkeypatch: pytes
     want = analyze.run(in_memory, Options(), names, strict=True)
     for name in names:
         pd.testing.assert_frame_equal(on_disk[name], want[name])
+
+
+def test_task_ids_too_large_to_index_read_the_sample_tables(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task id beyond 2**32 cannot be packed into the on-disk index's key: the analyzers
+    then read the sample tables (built in memory) and give the same tables."""
+    import re
+
+    from slotscope.server_log import Samples
+
+    src = (REAL / "before" / "logs" / "llama-server.log").read_text()
+    big = re.sub(r"\| task (\d+) \|", lambda m: f"| task {int(m.group(1)) + 2**32} |", src)
+    assert big != src
+    (tmp_path / "llama-server.log").write_text(big)
+    ds = load([tmp_path / "llama-server.log"])
+    assert not ds.server.__dict__["_gen_samples"].indexed and isinstance(ds.server.__dict__["_gen_samples"], Samples)
+    plain = load([REAL / "before" / "logs" / "llama-server.log"])
+    assert (ds.server.tasks["task_id"] - 2**32).equals(plain.server.tasks["task_id"])
+    names = ["stalls", "stalls-worst", "context", "prefill-speed"]
+    monkeypatch.setattr(st, "BLOCK_TASKS", 3)  # (in blocks: by task, where it could)
+    got, want = analyze.run(ds, Options(), names, strict=True), analyze.run(plain, Options(), names, strict=True)
+    for c in ("task_id", "cause_task_id"):
+        got["stalls-worst"][c] = got["stalls-worst"][c] - 2**32
+    for t in (got, want):  # (where: another file)
+        t["stalls-worst"] = t["stalls-worst"].drop(columns=["source", "file", "cause_file", "hb_file"])
+    for name in names:
+        pd.testing.assert_frame_equal(got[name], want[name])
