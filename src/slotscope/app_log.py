@@ -71,8 +71,8 @@ _DTYPES: dict[str, str] = {
     "call_id": "string", "start_at": "datetime64[us, UTC]", "end_at": "datetime64[us, UTC]",
     "duration_ms": "float64", "purpose": "category", "user": "category", "lora": "category",
     "prompt_tokens": "Int64", "completion_tokens": "Int64", "cached_tokens": "Int64", "status": "Int64",
-    "error": "string", "ok": "bool", "file": "string", "line": "int64", "start_us": "int64", "end_us": "Int64",
-    **{f"timings_{k}": t for k, t in TIMINGS.items()}, "session": "string", "turn": "Int64",
+    "error": "string", "ok": "bool", "file": "category", "line": "int64", "start_us": "int64", "end_us": "Int64",
+    **{f"timings_{k}": t for k, t in TIMINGS.items()}, "session": "category", "turn": "Int64",
 }
 CHUNK_ROWS = 10_000  # records parsed at a time: their dicts are ~3 KB each, the peak of reading
 MAX_EXAMPLES = 5

@@ -325,7 +325,7 @@ def match_cmd(
         busy = float(un["busy_s"].sum()) if len(un) else 0.0
         err.print(f"matched {matched:,} of {len(m):,} calls ({n_ok:,} successful); "
                   f"{len(un):,} server tasks no call explains ({busy:,.1f} s busy)", markup=False)
-        reasons = m.loc[m["task_id"].isna(), "match_method"].value_counts()
+        reasons = m.loc[m["task_id"].isna(), "match_method"].astype(str).value_counts()
         for reason, n in reasons.items():
             err.print(f"  {reason}: {n}", markup=False)
     _finish(ds.accounting, strict, quiet)

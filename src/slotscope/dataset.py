@@ -101,8 +101,9 @@ def read_app(inputs: Inputs, *, columns: dict[str, str] | None = None, tz: str =
     if len(logs) == 1:
         return logs[0], accounts
     calls = pd.concat([lg.calls for lg in logs], ignore_index=True).sort_values("start_us", kind="stable")
-    for c in ("purpose", "user", "lora"):
-        calls[c] = calls[c].astype("category")
+    for c in ("purpose", "user", "lora", "file", "session"):  # (text repeated per call: categories, as each log has them)
+        if c in calls:
+            calls[c] = calls[c].astype("category")
     return AppLog(calls=calls.reset_index(drop=True), accounting=logs[0].accounting), accounts
 
 

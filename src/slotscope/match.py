@@ -291,7 +291,7 @@ def _derive(j: _Joined) -> pd.DataFrame:
     out["session"] = task("session").astype("Int64")
     out["task_id"] = j["task_id"].astype("Int64")
     out["slot"] = j["slot"].astype("Int64")
-    out["match_method"] = j["match_method"]
+    out["match_method"] = j["match_method"].astype("category")  # (a few texts, one per call)
     out["confidence"] = j["confidence"]
     start = j["start_us"].astype("float64")
     out["queue_ms"] = _ms(j["launch_us"] - start)
@@ -310,7 +310,7 @@ def _derive(j: _Joined) -> pd.DataFrame:
     out["prompt_tokens_cached"] = j["prompt_tokens_cached"]
     out["n_gen"] = j["n_gen"]
     out["port"] = j["port"].astype("Int64")
-    out["task_status"] = task("status")
+    out["task_status"] = task("status").astype("category")
     out["launch_at"] = pd.to_datetime(j["launch_us"].round().astype("Int64"), unit="us", utc=True)
     out["first_token_at"] = pd.to_datetime(j["first_token_us"].round().astype("Int64"), unit="us", utc=True)
     out["release_at"] = pd.to_datetime(j["release_us"].round().astype("Int64"), unit="us", utc=True)

@@ -157,5 +157,7 @@ def cache_misses(ds: Dataset, opts: Options) -> pd.DataFrame:
     m["prev_slot"] = m["prev_slot"].astype("Int64")
     for c in ("prev_call_line", "task_line", "port"):
         m[c] = m[c].astype("Int64")
+    for c in ("call_file", "prev_call_file"):  # (categories in the calls: few rows here)
+        m[c] = m[c].astype("string")
     m["note"] = (m["slot"] != m["prev_slot"]).fillna(False).map({True: "other slot than the previous turn", False: ""})
     return m[MISS_COLUMNS].reset_index(drop=True)
