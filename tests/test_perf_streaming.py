@@ -279,6 +279,10 @@ def test_a_full_temporary_directory_is_a_message_not_a_traceback(big_log: Path, 
     monkeypatch.setattr(tasks_mod, "SAMPLE_SPILL_ROWS", 500)
     with pytest.raises(SlotscopeError, match="heartbeat samples .*No space left on device.*TMPDIR"):
         read_sample_batches([big_log], kind="gen", jobs=1)
+    from slotscope.dataset import load
+
+    with pytest.raises(SlotscopeError, match="heartbeat samples .*No space left on device.*TMPDIR"):
+        load([big_log])  # (analyze: the samples wait on disk)
 
 
 @pytest.mark.parametrize("kind", ["gen", "prefill"])
