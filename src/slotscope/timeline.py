@@ -9,7 +9,7 @@ every interval, so a log with 100k tasks and 1M heartbeats stays cheap.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -185,25 +185,23 @@ def concurrency_arrays(tv: pd.DataFrame, sessions: pd.DataFrame | None = None, r
 QUERY_BLOCK = 1 << 18  # overlap queries answered at a time (bounds their temporaries)
 
 
-class _RangeMax:
-    """Sparse table: position of the maximum of ``v`` over index ranges, vectorized queries.
+class _SparseTable:
+    """Range queries by sparse table: level k picks (``pick``) between two entries of level k-1
+    2**(k-1) apart, and a range is answered from two overlapping power-of-two spans. ``log2(n)``
+    arrays of the base's type: keep it narrow."""
 
-    Positions are int32 (a table is ``log2(n)`` position arrays: half the memory of int64).
-    """
-
-    def __init__(self, v: np.ndarray) -> None:
-        self.v = v
-        self.levels = [np.arange(len(v), dtype=np.int32 if len(v) < 2**31 else np.int64)]
+    def __init__(self, base: np.ndarray, pick: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> None:
+        self.pick = pick
+        self.levels = [base]
         k = 1
-        while (1 << k) <= len(v):
+        while (1 << k) <= len(base):
             prev, half = self.levels[-1], 1 << (k - 1)
-            a, b = prev[:-half], prev[half:]
-            self.levels.append(np.where(v[b] > v[a], b, a))
+            self.levels.append(pick(prev[:-half], prev[half:]))
             k += 1
 
-    def argmax(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        """Argmax over [lo, hi] (inclusive); -1 where the range is empty."""
-        out = np.full(len(lo), -1, dtype=np.int64)
+    def query(self, lo: np.ndarray, hi: np.ndarray, empty: int) -> np.ndarray:
+        """The pick over [lo, hi] (inclusive); ``empty`` where the range is empty."""
+        out = np.full(len(lo), empty, dtype=np.int64)
         ok = hi >= lo
         if not ok.any():
             return out
@@ -213,42 +211,23 @@ class _RangeMax:
         for kk in np.unique(k):
             m = k == kk
             lev = self.levels[kk]
-            a, b = lev[lo_ok[m]], lev[hi_ok[m] - (1 << kk) + 1]
-            res[m] = np.where(self.v[b] > self.v[a], b, a)
+            res[m] = self.pick(lev[lo_ok[m]], lev[hi_ok[m] - (1 << kk) + 1])
         out[ok] = res
         return out
 
 
-class _RangeMaxCount:
-    """Sparse table of the maximum of small non-negative counts over index ranges (a table is
-    ``log2(n)`` arrays of the counts' own narrow type, not of int32 positions: a quarter of
-    the memory for counts under 128)."""
+def _range_argmax(v: np.ndarray) -> _SparseTable:
+    """Position of the maximum of ``v`` over ranges (ties: the left one); int32 positions."""
+    return _SparseTable(np.arange(len(v), dtype=np.int32 if len(v) < 2**31 else np.int64),
+                        lambda a, b: np.where(v[b] > v[a], b, a))
 
-    def __init__(self, count: np.ndarray) -> None:
-        top = int(count.max(initial=0))
-        dtype = next(t for t in (np.int8, np.int16, np.int32, np.int64) if top <= np.iinfo(t).max)
-        self.levels = [count.astype(dtype)]
-        k = 1
-        while (1 << k) <= len(count):
-            prev, half = self.levels[-1], 1 << (k - 1)
-            self.levels.append(np.maximum(prev[:-half], prev[half:]))
-            k += 1
 
-    def max(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        """Max over [lo, hi] (inclusive); 0 where the range is empty."""
-        out = np.zeros(len(lo), dtype=np.int64)
-        ok = hi >= lo
-        if not ok.any():
-            return out
-        lo_ok, hi_ok = lo[ok], hi[ok]
-        k = np.floor(np.log2(hi_ok - lo_ok + 1)).astype(np.int64)
-        res = np.empty(len(lo_ok), dtype=np.int64)
-        for kk in np.unique(k):
-            m = k == kk
-            lev = self.levels[kk]
-            res[m] = np.maximum(lev[lo_ok[m]], lev[hi_ok[m] - (1 << kk) + 1])
-        out[ok] = res
-        return out
+def _range_max_count(count: np.ndarray) -> _SparseTable:
+    """The maximum of small non-negative counts over ranges, kept in the counts' narrowest
+    type (for counts under 128, a quarter of the memory of int32 positions)."""
+    top = int(count.max(initial=0))
+    dtype = next(t for t in (np.int8, np.int16, np.int32, np.int64) if top <= np.iinfo(t).max)
+    return _SparseTable(count.astype(dtype), np.maximum)
 
 
 def _group_codes(queries: pd.DataFrame, intervals: pd.DataFrame, by: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -348,10 +327,10 @@ def overlap_arrays(
             f1 = np.concatenate([[0.0], np.cumsum((count >= 1) * width)])
             f2 = np.concatenate([[0.0], np.cumsum((count >= 2) * width)]) if has_own else f1
             del width
-        rmc = _RangeMaxCount(count) if "max_count" in need else None
+        rmc = _range_max_count(count) if "max_count" in need else None
         if vals is not None:
             ev_val, ev_row = _largest_per_step(b, s, e, vals[grp], grp)
-            rmv = _RangeMax(ev_val)
+            rmv = _range_argmax(ev_val)
 
         def cover(a: np.ndarray, z: np.ndarray, f: np.ndarray) -> np.ndarray:
             return np.interp(z, b, f) - np.interp(a, b, f)
@@ -368,7 +347,7 @@ def overlap_arrays(
             lo = np.maximum(a[1] - 1, 0)
             hi = np.minimum(z[2] - 1, len(starts) - 1)
             hi = np.where(z[0] > a[0], hi, -1)
-            return rmc.max(lo, hi)
+            return rmc.query(lo, hi, 0)
 
         # Queries in blocks: their temporaries stay bounded however many there are.
         for at in range(0, len(q_all), QUERY_BLOCK):
@@ -394,7 +373,7 @@ def overlap_arrays(
             if vals is not None:
                 lo = np.maximum(pa_[1] - 1, 0)
                 hi = np.minimum(pz[2] - 1, len(starts) - 1)
-                pos = rmv.argmax(lo, hi)
+                pos = rmv.query(lo, hi, -1)
                 got = (pos >= 0) & (ev_row[np.maximum(pos, 0)] >= 0)
                 sel = qi[got]
                 max_pos[sel] = ev_row[pos[got]]
