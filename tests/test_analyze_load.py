@@ -6,6 +6,7 @@ import pandas as pd
 import pytest
 
 from slotscope.analyze import TABLES, Options
+import slotscope.analyze.load as load_mod
 from slotscope.analyze.load import LOAD_COLUMNS, load_table
 from slotscope.dataset import load
 
@@ -54,7 +55,7 @@ def test_works_without_app_log_and_without_wall_clock() -> None:
     assert set(df["scope"]) == {"overall"}
 
 
-def test_days_are_calendar_days_of_the_given_zone() -> None:
+def test_days_are_calendar_days_of_the_given_zone(monkeypatch: pytest.MonkeyPatch) -> None:
     """The run placed (with --server-start) across midnight in Berlin on the night the clocks
     go back: two Berlin days, cut at Berlin's midnight, summing to the whole; in UTC the same
     run falls on one day (Berlin's midnight is 23:00 UTC)."""
@@ -72,3 +73,6 @@ def test_days_are_calendar_days_of_the_given_zone() -> None:
     # the cut is Berlin's midnight: the first day holds the run's first half
     first = ds.tasks["launch_s"].min()
     assert secs["2026-10-25"] == pytest.approx(mid_s - first, abs=1e-3)
+    # steps cut at midnights a few at a time (one block holds the step across it): the same table
+    monkeypatch.setattr(load_mod, "STEP_BLOCK", 7)
+    pd.testing.assert_frame_equal(load_table(ds, Options(tz="Europe/Berlin")), berlin)

@@ -63,6 +63,25 @@ def _midnights(first_us: float, last_us: float, tz: str) -> tuple[np.ndarray, np
     return starts, np.asarray(dates[:-1].strftime("%Y-%m-%d"), dtype=object)
 
 
+STEP_BLOCK = 1 << 18  # steps cut at midnights at a time
+
+
+def _day_pieces(a: np.ndarray, z: np.ndarray, running: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Steps from ``a`` to ``z`` (epoch µs) cut at the midnights ``starts``: each piece's
+    running count, seconds and day (index into ``starts``), in step order."""
+    d0 = np.searchsorted(starts, a, side="right") - 1
+    d1 = np.searchsorted(starts, np.nextafter(z, -np.inf), side="right") - 1
+    n = np.maximum(d1 - d0 + 1, 1)
+    del d1
+    if (n == 1).all():  # no step spans a midnight (the usual case): one piece per step
+        return running, np.minimum(z, starts[d0 + 1]) / 1e6 - np.maximum(a, starts[d0]) / 1e6, d0
+    rep = np.repeat(np.arange(len(a)), n)
+    day = d0[rep] + (np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n))
+    pa = np.maximum(a[rep], starts[day])
+    pz = np.minimum(z[rep], starts[day + 1])
+    return running[rep], pz / 1e6 - pa / 1e6, day
+
+
 @register("load")
 def load_table(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Seconds and share of the observed span with each number of tasks running, overall and
@@ -86,20 +105,13 @@ def load_table(ds: Dataset, opts: Options) -> pd.DataFrame:
         z = offset[has] + stop[has] * 1e6
         running = running[has]
         del offset, start, stop, has
-        # Cut steps at midnights: one piece per day each step touches.
+        # Cut steps at midnights: one piece per day each step touches. A block of steps at a
+        # time (their temporaries stay bounded); the pieces, in step order, summed at once.
         starts, names = _midnights(a.min(), z.max(), opts.tz)
-        d0 = np.searchsorted(starts, a, side="right") - 1
-        d1 = np.searchsorted(starts, np.nextafter(z, -np.inf), side="right") - 1
-        n = np.maximum(d1 - d0 + 1, 1)
-        del d1
-        if (n == 1).all():  # no step spans a midnight (the usual case): one piece per step
-            rows.append(_share_rows(running, np.minimum(z, starts[d0 + 1]) / 1e6 - np.maximum(a, starts[d0]) / 1e6, d0, names))
-        else:
-            rep = np.repeat(np.arange(len(a)), n)
-            day = d0[rep] + (np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n))
-            pa = np.maximum(a[rep], starts[day])
-            pz = np.minimum(z[rep], starts[day + 1])
-            rows.append(_share_rows(running[rep], pz / 1e6 - pa / 1e6, day, names))
+        pieces = [_day_pieces(a[i:i + STEP_BLOCK], z[i:i + STEP_BLOCK], running[i:i + STEP_BLOCK], starts)
+                  for i in range(0, len(a), STEP_BLOCK)]
+        del a, z, running
+        rows.append(_share_rows(*(np.concatenate([p[k] for p in pieces]) for k in range(3)), names))
     out = pd.concat(rows, ignore_index=True)
     n_slots = pd.to_numeric(ds.server.sessions["n_slots"], errors="coerce").max() if len(ds.server.sessions) else np.nan
     out["n_slots"] = pd.array([n_slots] * len(out), dtype="Int64") if pd.notna(n_slots) else pd.array([pd.NA] * len(out), dtype="Int64")
