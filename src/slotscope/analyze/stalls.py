@@ -573,17 +573,19 @@ def stalls(ds: Dataset, opts: Options) -> pd.DataFrame:
     """
     sm = _shared_summary(ds, opts)
     long_enough = pd.DataFrame({
-        "class": pd.Categorical.from_codes(sm.cls, categories=CLASSES), "tok_per_s": sm.tok_per_s,
-        "split": sm.split, "task": sm.task,
+        "class": pd.Categorical.from_codes(sm.cls, categories=CLASSES), "tok_per_s": sm.tok_per_s, "split": sm.split,
     })
     g = long_enough.groupby("class", observed=False)
+    # Distinct tasks per class: one integer per (class, task), not a table of the pairs.
+    pair = np.unique(sm.cls.astype(np.int64) * (int(sm.task.max(initial=0)) + 1) + sm.task)
+    tasks = np.bincount(pair // (int(sm.task.max(initial=0)) + 1), minlength=len(CLASSES))
     stats = pd.DataFrame({
         "samples": g.size(),
         "median_tg_3s_tps": g["tok_per_s"].median(),
         "p10_tg_3s_tps": g["tok_per_s"].quantile(0.1),
         "split_samples": g["split"].sum(),
-        "tasks": long_enough[["class", "task"]].drop_duplicates().groupby("class", observed=False).size(),
     }).reindex(CLASSES)
+    stats["tasks"] = tasks
     sums = pd.DataFrame({"tokens": sm.tokens, "seconds": sm.seconds}, index=pd.CategoricalIndex(CLASSES, categories=CLASSES, name="class"))
     out = stats.join(sums).reset_index(names="class")
     out["samples"] = out["samples"].fillna(0).astype("int64")
