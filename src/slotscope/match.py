@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from .align import SESSION_KEY, app_clock_offsets
+from .timeline import within_ranges
 
 MATCH_COLUMNS = [
     "call_id", "start_at", "purpose", "user", "lora", "prompt_tokens", "completion_tokens", "source",
@@ -55,9 +56,7 @@ def _window_pairs(cl: pd.DataFrame, launch: np.ndarray, release: np.ndarray, tol
     hi = np.searchsorted(sorted_launch, end + tol_us, side="right")
     cnt = np.maximum(hi - lo, 0)
     ci = np.repeat(np.arange(len(cl)), cnt)
-    within = np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-    ti = order[np.repeat(lo, cnt) + within]
-    del within
+    ti = order[np.repeat(lo, cnt) + within_ranges(cnt)]
     rel = release[ti]
     release_ok = np.isnan(rel) | (rel <= end[ci] + tol_us)
     return ci[release_ok], ti[release_ok]

@@ -300,7 +300,7 @@ def _busy_bins(tasks: pd.DataFrame, lo: float, width: float, n_bins: int, per_s:
     k1 = np.clip(np.floor((iv["e"].to_numpy() - lo) / width), 0, n_bins - 1).astype(np.int64)
     n = k1 - k0 + 1
     rep = np.repeat(np.arange(len(iv)), n)
-    k = np.repeat(k0, n) + (np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n))
+    k = np.repeat(k0, n) + tl.within_ranges(n)
     edge = lo + k * width
     cover = np.minimum(iv["e"].to_numpy()[rep], edge + width) - np.maximum(iv["s"].to_numpy()[rep], edge)
     pieces = pd.DataFrame({"lane": iv["lane"].to_numpy()[rep], "bin": k, "phase": iv["phase"].to_numpy()[rep], "t": np.clip(cover, 0, None)})

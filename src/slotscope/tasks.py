@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from .errors import SlotscopeError
+from .timeline import within_ranges
 from .events import (
     BUILD, CANCEL, CONFIG, ERROR, EVAL, HEARTBEAT, LAUNCH, MODEL, PROGRESS, PROMPT_EVAL, RELEASE, TOTAL,
 )
@@ -951,7 +952,7 @@ class _SampleIndex:
         at, hit = self._find(port, session, task)
         at = np.unique(at[hit])
         lo, cnt = self.starts[at], self.starts[at + 1] - self.starts[at]
-        return np.repeat(lo, cnt) + (np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt))
+        return np.repeat(lo, cnt) + within_ranges(cnt)
 
     def spans(self, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Each task's first and last sample time (NaN: none)."""

@@ -83,6 +83,13 @@ def phases(tv: pd.DataFrame) -> pd.DataFrame:
     return out[PHASE_COLUMNS]
 
 
+def within_ranges(counts: np.ndarray) -> np.ndarray:
+    """For ranges of ``counts`` items laid end to end: each item's place in its range
+    (``[0, 1, 0, 1, 2]`` for counts ``[2, 3]``), to expand ranges without a Python loop."""
+    counts = np.asarray(counts, dtype=np.int64)
+    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
 def key_codes(frames: Sequence[pd.DataFrame], by: Sequence[str]) -> list[np.ndarray]:
     """One integer per row of each frame for its ``by`` tuple: equal tuples (NA equal to NA)
     share a code across the frames, and codes follow the tuples' sort order (NA last), so
@@ -620,7 +627,7 @@ def pass_ends(steps: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     evenly spaced over its active part, the last at its end."""
     p = steps["p"].to_numpy(dtype=np.int64)
     rep = np.repeat(np.arange(len(steps)), p)
-    k = np.arange(p.sum()) - np.repeat(np.cumsum(p) - p, p)
+    k = within_ranges(p)
     a, z = steps["a"].to_numpy()[rep], steps["z"].to_numpy()[rep]
     pp = p[rep]
     del p

@@ -76,7 +76,7 @@ def _day_pieces(a: np.ndarray, z: np.ndarray, running: np.ndarray, starts: np.nd
     if (n == 1).all():  # no step spans a midnight (the usual case): one piece per step
         return running, np.minimum(z, starts[d0 + 1]) / 1e6 - np.maximum(a, starts[d0]) / 1e6, d0
     rep = np.repeat(np.arange(len(a)), n)
-    day = d0[rep] + (np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n))
+    day = d0[rep] + tl.within_ranges(n)
     pa = np.maximum(a[rep], starts[day])
     pz = np.minimum(z[rep], starts[day + 1])
     return running[rep], pz / 1e6 - pa / 1e6, day

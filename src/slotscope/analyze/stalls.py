@@ -419,8 +419,7 @@ def _rows_with(index: tuple[np.ndarray, np.ndarray], codes: np.ndarray) -> np.nd
     order, sorted_codes = index
     lo, hi = np.searchsorted(sorted_codes, codes, "left"), np.searchsorted(sorted_codes, codes, "right")
     cnt = hi - lo
-    within = np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-    return np.sort(order[np.repeat(lo, cnt) + within])
+    return np.sort(order[np.repeat(lo, cnt) + tl.within_ranges(cnt)])
 
 
 def _blockwise(ds: Dataset, tv: pd.DataFrame) -> Iterator[tuple[np.ndarray, Dataset, pd.DataFrame]]:
