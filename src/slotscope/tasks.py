@@ -855,15 +855,21 @@ class SampleSource:
             return _empty_samples(self.kind)
         port, session, task = (store.column(c).astype(np.int64) for c in ("port", "session", "task"))
         order = _sample_order(store, port, session, task)
-        first_token = None
-        if self.kind == HEARTBEAT:
-            port, session, task = port[order], session[order], task[order]
-            same = _same_task_as_previous(port, session, task)
-            first_token = _first_token_per_row(self.first_tokens, port, session, task, same)
-            del same
+        first_token = self._first_tokens(port[order], session[order], task[order]) if self.kind == HEARTBEAT else None
         del port, session, task
         return _sample_table(self.kind, store.take_all(order) if consume else store.gather(order), self.source, self.files,
                              first_token)
+
+    def _first_tokens(self, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray | None:
+        """Gen samples: each row's task's first-token time (rows in table order); else None."""
+        if self.kind != HEARTBEAT:
+            return None
+        return _first_token_per_row(self.first_tokens, port, session, task, _same_task_as_previous(port, session, task))
+
+    def _table_of(self, cols: dict[str, np.ndarray], skip: int = 0) -> pd.DataFrame:
+        """:func:`_sample_table` of rows gathered in table order."""
+        first_token = self._first_tokens(*(cols[c].astype(np.int64) for c in ("port", "session", "task")))
+        return _sample_table(self.kind, cols, self.source, self.files, first_token, skip)
 
     def index(self) -> "_SampleIndex | None":
         """Where each task's rows are (built once: ~16 bytes a row and 32 a task); None when
@@ -877,13 +883,7 @@ class SampleSource:
         ix = self.index()
         if ix is None:
             return _empty_samples(self.kind)
-        cols = self._gather(ix.order[ix.rows(port, session, task)])
-        first_token = None
-        if self.kind == HEARTBEAT:
-            p, s, t = (cols[c].astype(np.int64) for c in ("port", "session", "task"))
-            first_token = _first_token_per_row(self.first_tokens, p, s, t, _same_task_as_previous(p, s, t))
-        return _sample_table(self.kind, cols, self.source, self.files, first_token)
-
+        return self._table_of(self._gather(ix.order[ix.rows(port, session, task)]))
 
     def batches(self, rows: int) -> Iterator[pd.DataFrame]:
         """The table in parts of ``rows`` rows (joined: the table)."""
@@ -893,12 +893,7 @@ class SampleSource:
             return
         for a in range(0, len(ix.order), rows):
             lo = max(a - 1, 0)  # one row of context: the previous sample of the same task
-            cols = self._gather(ix.order[lo : a + rows])
-            first_token = None
-            if self.kind == HEARTBEAT:
-                p, s, t = (cols[c].astype(np.int64) for c in ("port", "session", "task"))
-                first_token = _first_token_per_row(self.first_tokens, p, s, t, _same_task_as_previous(p, s, t))
-            yield _sample_table(self.kind, cols, self.source, self.files, first_token, a - lo)
+            yield self._table_of(self._gather(ix.order[lo : a + rows]), a - lo)
 
     def _gather(self, idx: np.ndarray) -> dict[str, np.ndarray]:
         if len(idx):
@@ -906,9 +901,9 @@ class SampleSource:
         return {c: v[:0] for c, v in self.store.gather(np.zeros(1, np.int64)).items()}  # no rows, the columns' types
 
 
-def _task_keys(port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray | None:
+def _task_keys(port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
     """One int64 per (port, session, task) that sorts as the triple does (-1 where one is out
-    of range: ports -1..65535, sessions 0..16383, task ids 0..2**32-1); None if none is in range."""
+    of range: ports -1..65535, sessions 0..16383, task ids 0..2**32-1)."""
     port, session, task = (np.asarray(v, dtype=np.int64) for v in (port, session, task))
     ok = (port >= -1) & (port <= 65535) & (session >= 0) & (session < 1 << 14) & (task >= 0) & (task < 1 << 32)
     key = ((port + 1) << 46) | (session << 32) | task
