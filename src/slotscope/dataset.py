@@ -119,6 +119,9 @@ def load(
 ) -> Dataset:
     """Read every log under ``paths``, align each server session's clock and join calls to tasks.
 
+    The samples (``ds.server.gen_samples``, ``prefill_samples``) wait in ``$TMPDIR`` until
+    read (see :class:`slotscope.server_log.ServerLogs`); ``keep_samples=False`` drops them.
+
     ``progress(n)``: n more server-log bytes read; ``stage(text)``: what runs next (for a
     status line on long runs).
     """
