@@ -190,10 +190,17 @@ def app_clock_offsets(frame: pd.DataFrame, aligned: pd.DataFrame) -> np.ndarray:
     return frame[SESSION_KEY].merge(aligned[SESSION_KEY + ["offset_us"]], on=SESSION_KEY, how="left")["offset_us"].to_numpy()
 
 
+def app_clock_us(tasks: pd.DataFrame, aligned: pd.DataFrame) -> dict[str, np.ndarray]:
+    """The tasks' times on the app's clock (epoch µs; NaN where unaligned), as arrays:
+    ``launch_us``, ``prefill_start_us``, ``first_token_us``, ``release_us``."""
+    off = app_clock_offsets(tasks, aligned)
+    return {c[:-2] + "_us": off + tasks[c].to_numpy(dtype=float) * 1e6
+            for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s")}
+
+
 def to_app_clock(tasks: pd.DataFrame, aligned: pd.DataFrame) -> pd.DataFrame:
     """Tasks with ``*_us`` columns in the app's clock (epoch µs) for every server-clock time."""
-    off = app_clock_offsets(tasks, aligned)
     out = tasks.copy()
-    for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"):
-        out[c[:-2] + "_us"] = off + out[c].to_numpy(dtype=float) * 1e6
+    for c, v in app_clock_us(tasks, aligned).items():
+        out[c] = v
     return out

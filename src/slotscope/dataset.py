@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from .accounting import Accounting, FileAccount
-from .align import align, app_clock_offsets
+from .align import align, app_clock_us
 from .app_log import AppLog, read_app_log_stream
 from .match import Matches, match
 from .server_log import ServerLogs, read_server_logs
@@ -202,8 +202,6 @@ def _task_view(ds: Dataset) -> pd.DataFrame:
         t = t.reset_index(drop=True)
         for c in extra:
             t[c] = calls[c].array
-    off = app_clock_offsets(t, ds.matches.aligned)
-    for c in ("launch", "prefill_start", "first_token", "release"):
-        wall = pd.Series(off + t[c + "_s"].to_numpy(dtype=float) * 1e6)
-        t[c + "_at"] = pd.to_datetime(wall.round().astype("Int64"), unit="us", utc=True).array
+    for c, us in app_clock_us(t, ds.matches.aligned).items():
+        t[c[:-3] + "_at"] = pd.to_datetime(pd.Series(us).round().astype("Int64"), unit="us", utc=True).array
     return t

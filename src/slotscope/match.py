@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .align import SESSION_KEY, app_clock_offsets
+from .align import SESSION_KEY, app_clock_us
 from .timeline import within_ranges
 
 MATCH_COLUMNS = [
@@ -65,7 +65,7 @@ def _window_pairs(cl: pd.DataFrame, launch: np.ndarray, release: np.ndarray, tol
 class _Pairs:
     """Window pairs with the columns the evidence reads, fetched one at a time (a table of all
     of them would hold ~20 columns per pair: calls x concurrency rows). ``ci``/``ti``: rows of
-    ``cl`` and ``tk``; ``us``: the tasks' app-clock times (:func:`_app_clock_us`)."""
+    ``cl`` and ``tk``; ``us``: the tasks' app-clock times (:func:`slotscope.align.app_clock_us`)."""
 
     def __init__(self, cl: pd.DataFrame, tk: pd.DataFrame, us: dict[str, np.ndarray], ci: np.ndarray, ti: np.ndarray) -> None:
         self.cl, self.tk, self.us, self.ci, self.ti = cl, tk, us, ci, ti
@@ -144,7 +144,7 @@ def match(calls: pd.DataFrame, tasks: pd.DataFrame, aligned: pd.DataFrame, sessi
     tol = tolerance_ms * 1000
     # Rows are addressed by position; neither table is copied (at 1 GB of log each is >100 MB).
     tk, cl = _positional(tasks), _positional(calls)
-    us = _app_clock_us(tk, aligned)
+    us = app_clock_us(tk, aligned)
     taken_c = np.zeros(len(cl), dtype=bool)
     taken_t = np.zeros(len(tk), dtype=bool)
     found: list[_Found] = []
@@ -188,15 +188,6 @@ def _positional(df: pd.DataFrame) -> pd.DataFrame:
     return df.reset_index(drop=True)
 
 
-def _app_clock_us(tasks: pd.DataFrame, aligned: pd.DataFrame) -> dict[str, np.ndarray]:
-    """The tasks' times on the app's clock (epoch µs; NaN where unaligned): ``launch_us``,
-    ``prefill_start_us``, ``first_token_us``, ``release_us`` (the columns of
-    :func:`slotscope.align.to_app_clock`, without a copy of the task table)."""
-    off = app_clock_offsets(tasks, aligned)
-    return {c[:-2] + "_us": off + tasks[c].to_numpy(dtype=float) * 1e6
-            for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s")}
-
-
 class _Joined:
     """Each call with its task's columns, as ``cl.merge(pairs).merge(tasks)`` (left joins on
     the call) would give them, built a column at a time when read: a task column that is also
@@ -228,24 +219,23 @@ class _Joined:
         return self._from(self.tk[c], self._task_row)
 
     def __contains__(self, name: str) -> bool:
-        return self._where(name) is not None
+        return self._where(name)[0] is not None
 
-    def _where(self, name: str) -> str | None:
+    def _where(self, name: str) -> tuple[str | None, str]:
+        """Which side has ``name`` ("pair", "call", "task" or None), and its column there."""
         if name == "match_method" or name == "confidence":
-            return "pair"
+            return "pair", name
         if name in self.cl.columns:
-            return "call"
+            return "call", name
         task = name[:-5] if name.endswith("_task") and name[:-5] in self.cl.columns else name
-        if task in self.tk.columns or task in self.us:
-            return "task"
-        return None
+        return ("task" if task in self.tk.columns or task in self.us else None), task
 
     def __getitem__(self, name: str) -> pd.Series:
-        where = self._where(name)
+        where, column = self._where(name)
         if where == "call":
-            return self.cl[name]
+            return self.cl[column]
         if where == "task":
-            return self._task_column(name[:-5] if name.endswith("_task") and name[:-5] in self.cl.columns else name)
+            return self._task_column(column)
         if name == "match_method":
             return self._method
         if name == "confidence":
