@@ -536,7 +536,9 @@ class Samples:
         if parts is None:
             return None
         frames = [p.of_tasks(port, session, task) for p, _, port, session, task in parts]
-        return _concat(frames, self.columns) if any(len(f) for f in frames) or not frames else frames[0]
+        if frames and not any(len(f) for f in frames):
+            return frames[0]  # no rows, but the table's columns and types
+        return _concat(frames, self.columns)
 
     def spans(self, tv: pd.DataFrame) -> tuple[np.ndarray, np.ndarray] | None:
         """Each task of ``tv``'s first and last sample time (NaN: none), without building the

@@ -872,7 +872,7 @@ class SampleSource:
         return _sample_table(self.kind, cols, self.source, self.files, first_token, skip)
 
     def index(self) -> "_SampleIndex | None":
-        """Where each task's rows are (built once: ~16 bytes a row and 32 a task); None when
+        """Where each task's rows are (built once: 8 bytes a row and 32 a task); None when
         the keys do not fit it (a port, session or task id out of range)."""
         if self._index is None and len(self.store):
             self._index = _SampleIndex.of(self.store)
