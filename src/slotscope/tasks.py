@@ -244,6 +244,11 @@ class FinishedRows:
         f.seek(offset)
         return np.fromfile(f, dtype=dtype, count=self._sizes[k])
 
+    def by_chunk(self, *names: str) -> Iterator[list[np.ndarray]]:
+        """These columns, a chunk at a time."""
+        for k in range(len(self._chunks)):
+            yield [self._column_of(k, c) for c in names]
+
     def column(self, c: str) -> np.ndarray:
         """One column over all rows."""
         return np.concatenate([self._column_of(k, c) for k in range(len(self._chunks))]) if self._chunks else np.zeros(0)
@@ -924,16 +929,17 @@ class _SampleIndex:
 
     @classmethod
     def of(cls, store: FinishedRows) -> "_SampleIndex | None":
-        port, session, task = (store.column(c).astype(np.int64) for c in ("port", "session", "task"))
-        key = _task_keys(port, session, task)
+        # One key column, built a chunk at a time (not three int64 columns of every row), and
+        # sorted with the times: the key sorts as (port, session, task) do (_sample_order).
+        key = np.concatenate([_task_keys(*cols) for cols in store.by_chunk("port", "session", "task")] or [np.zeros(0, np.int64)])
         if (key < 0).any():
             return None
-        del key
-        order = _sample_order(store, port, session, task)
-        key = _task_keys(port[order], session[order], task[order])
-        del port, session, task
+        ts = store.column("ts_us")
+        order = np.lexsort((ts, key))
+        key = key[order]
+        t = _seconds(ts[order])
+        del ts
         first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
-        t = _seconds(store.column("ts_us")[order])
         return cls(order, key[first], np.r_[first, len(key)], np.fmin.reduceat(t, first), np.fmax.reduceat(t, first))
 
     def _find(self, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
