@@ -185,7 +185,8 @@ def concurrency_arrays(tv: pd.DataFrame, sessions: pd.DataFrame | None = None, r
         parts.append((np.full(len(t) - 1, rows[0]), t[:-1], t[1:], *level))
     if not parts:
         return None
-    rep, start, stop, *levels = (np.concatenate([p[k] for p in parts]) for k in range(len(parts[0])))
+    # (one session, the usual case: its arrays as they are, not copied into new ones)
+    rep, start, stop, *levels = parts[0] if len(parts) == 1 else (np.concatenate([p[k] for p in parts]) for k in range(len(parts[0])))
     return rep, start, stop, levels
 
 
