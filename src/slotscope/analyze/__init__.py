@@ -7,6 +7,7 @@ count; rows resting on fewer than ``opts.min_samples`` samples say so (``few_sam
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from typing import Callable
 
@@ -69,12 +70,26 @@ def table_names() -> list[str]:
 
 
 SHARED = "shared"  # memo keys ``(SHARED, ...)``: intermediates tables of several modules read
+SHARED_READERS = {"prefills", "cache", "cache-misses"}  # the tables that read them (the turn pairs)
 
 
-def _shared_with(module: str) -> Callable[[object], bool]:
-    """Which memo keys the tables of ``module`` may still use: the task view, the intermediates
-    of several modules (kept to the end of the run) and their own."""
-    return lambda key: key == TASK_VIEW or (isinstance(key, tuple) and key[:1] in ((module,), (SHARED,)))
+def _compute_order(names: list[str]) -> list[str]:
+    """The order to compute ``names`` in: report order, but the readers of the shared
+    intermediates one after another from the first of them on, so those are dropped (~90 MB
+    of turn pairs at 1 GB of log) before the rest run."""
+    readers = [n for n in names if n in SHARED_READERS]
+    if not readers:
+        return names
+    at = names.index(readers[0])
+    rest = [n for n in names if n not in SHARED_READERS]
+    return rest[:at] + readers + rest[at:]
+
+
+def _shared_with(module: str, shared: bool) -> Callable[[object], bool]:
+    """Which memo keys the tables of ``module`` may still use: the task view, their own, and
+    the intermediates of several modules while ``shared`` (a reader of them is still to run)."""
+    prefixes = ((module,), (SHARED,)) if shared else ((module,),)
+    return lambda key: key == TASK_VIEW or (isinstance(key, tuple) and key[:1] in prefixes)
 
 
 def run(ds: Dataset, opts: Options | None = None, names: list[str] | None = None, *, strict: bool = False,
@@ -96,19 +111,21 @@ def run(ds: Dataset, opts: Options | None = None, names: list[str] | None = None
     out: dict[str, pd.DataFrame] = {}
     # Tables share intermediates through ``ds.memo``: the task view serves every table, the rest
     # are keyed ``(module, ...)`` by the module that defines them (stalls' pieces, waits'
-    # classes) and dropped, to free their memory, once the tables of another module run.
-    todo = [n for n in needed if n != "findings"] + (["findings"] if "findings" in wanted else [])
+    # classes) and dropped, to free their memory, once the tables of another module run; the
+    # ``(SHARED, ...)`` ones once their last reader ran.
+    todo = _compute_order([n for n in needed if n != "findings"]) + (["findings"] if "findings" in wanted else [])
     step = on_table or (lambda name, i, n: None)
     module = None
     with ds.shared():
-        for name in needed:
+        for i, name in enumerate(todo):
             if name == "findings":
                 continue
-            step(name, todo.index(name) + 1, len(todo))
-            ds.forget(keep=_shared_with(TABLES[name].__module__))
+            step(name, i + 1, len(todo))
+            ds.forget(keep=_shared_with(TABLES[name].__module__, any(n in SHARED_READERS for n in todo[i:])))
             if TABLES[name].__module__ != module:  # sample tables built for the last module's tables
                 ds.server.unload_samples()
                 module = TABLES[name].__module__
+            gc.collect()  # (pandas objects hold one another in cycles: their arrays wait for the collector)
             release_memory()  # what the previous table dropped: its peak is not the next one's base
             try:
                 out[name] = TABLES[name](ds, opts)
