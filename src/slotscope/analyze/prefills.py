@@ -70,7 +70,9 @@ def _sorted_causes(calls: pd.DataFrame, opts: Options, pairs: pd.DataFrame | Non
     hit = _rows_in(calls, pairs.loc[pairs["miss"].to_numpy(), _KEY])
     missed[hit[hit >= 0]] = True
     summary = (c["purpose"].astype("string") == SUMMARY).fillna(False)
-    cause = np.select([first_of_day, first_of_session, summary, after_summary, missed[order]], CAUSES[:-1], default=CAUSES[-1])
+    # Each cause as its place in CAUSES (one byte a call, not a text)
+    cause = np.select([first_of_day, first_of_session, summary, after_summary, missed[order]],
+                      list(range(len(CAUSES) - 1)), default=len(CAUSES) - 1).astype(np.int8)
     return order, cause
 
 
@@ -78,7 +80,7 @@ def call_causes(calls: pd.DataFrame, opts: Options, pairs: pd.DataFrame | None =
     """The cause of each app call's prompt (one of :data:`CAUSES`), indexed by the call's
     (file, line). ``pairs``: :func:`.cache.turn_pairs` of these calls, if already made."""
     order, cause = _sorted_causes(calls, opts, pairs)
-    return pd.Series(cause, index=_call_key(calls.iloc[order]), name="cause")
+    return pd.Series(np.asarray(CAUSES, dtype=object)[cause], index=_call_key(calls.iloc[order]), name="cause")
 
 
 @register("prefills")
@@ -87,13 +89,18 @@ def prefills(ds: Dataset, opts: Options) -> pd.DataFrame:
     if ds.matches is None:
         return needs_app_log(COLUMNS)
     tv = task_view(ds)
-    big = tv.loc[(tv["prompt_tokens_new"] >= opts.big_prefill_tokens).fillna(False).to_numpy()].copy()
+    # Only the columns read here, of the big prefills (the task view has ~40).
+    big = tv.loc[(tv["prompt_tokens_new"] >= opts.big_prefill_tokens).fillna(False).to_numpy(),
+                 ["task_id", "purpose", "prompt_tokens_new", "prompt_eval_ms"] + _KEY]
+    del tv
     calls = ds.matches.calls
     order, cause = _sorted_causes(calls, opts, shared_pairs(ds, opts))
-    by_row = np.empty(len(calls), dtype=object)
+    by_row = np.empty(len(calls), dtype=np.int8)
     by_row[order] = cause
+    del order, cause
     at = _rows_in(calls, big)
-    big["cause"] = pd.array(np.where(at >= 0, by_row[np.maximum(at, 0)], None), dtype="string").fillna(UNLOGGED)
+    names = np.asarray(CAUSES + [None], dtype=object)  # (-1: no call: the last)
+    big["cause"] = pd.array(names[np.where(at >= 0, by_row[np.maximum(at, 0)], -1)], dtype="string").fillna(UNLOGGED)
     big["purpose"] = big["purpose"].astype("string").fillna(UNLOGGED)
     label = f">= {opts.big_prefill_tokens:,} new tokens"
     big["all"] = label
