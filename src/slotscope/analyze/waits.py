@@ -53,7 +53,7 @@ def _shared(ds: Dataset, opts: Options) -> tuple[pd.DataFrame, pd.DataFrame, pd.
     def make() -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
         tv = task_view(ds)
         run = _running(tv, ds.server.sessions)
-        return tv, run, _classify(tv, run, opts)
+        return tv, run, _classify(tv, run, opts, _TABLE_COLUMNS)
 
     tv, run, w = ds.memo((__name__, "classified", opts.wait_threshold_s), make)
     return own_copy(tv), own_copy(run), own_copy(w)
@@ -66,9 +66,14 @@ def _covered(waits: pd.DataFrame, wcode: np.ndarray, run: pd.DataFrame, rcode: n
                              _f(run["end_s"])[r], need=("covered",))[0].round(6)
 
 
-def _classify(tv: pd.DataFrame, run: pd.DataFrame, opts: Options) -> pd.DataFrame:
+# The waits' own columns that the waits tables read (the task view has ~40).
+_TABLE_COLUMNS = _KEYS + ["slot", "purpose", "user", "lora", "line", "file", "launch_s", "prefill_start_s"]
+
+
+def _classify(tv: pd.DataFrame, run: pd.DataFrame, opts: Options, columns: list[str] | None = None) -> pd.DataFrame:
+    """:func:`classify_waits` (``columns``: only those of the task view, else all)."""
     w_ms = _f(tv["wait_before_prefill_ms"])
-    waits = tv[w_ms >= opts.wait_threshold_s * 1000].copy()
+    waits = tv.loc[w_ms >= opts.wait_threshold_s * 1000, [c for c in tv.columns if columns is None or c in columns]]
     waits["start_s"] = waits["launch_s"]
     waits["end_s"] = waits["prefill_start_s"]
     waits["wait_s"] = waits["end_s"] - waits["start_s"]
