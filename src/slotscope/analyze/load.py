@@ -31,14 +31,12 @@ def _wall_offsets(tv: pd.DataFrame) -> pd.DataFrame:
     return d.groupby(tl.GROUP, dropna=False, observed=True)["offset_us"].median().reset_index()
 
 
-def _share_rows(running: np.ndarray, seconds: np.ndarray, scope: np.ndarray, names: np.ndarray) -> pd.DataFrame:
-    """Seconds per (scope, running), scopes given as codes into ``names`` (in their sort order):
-    grouped by one integer per row, not by a text per step (a 1 GB log has 2.2M steps) nor by
-    two keys (whose group index costs several arrays as long as the steps more)."""
-    width = int(running.max(initial=0)) + 1
-    s = pd.DataFrame({"key": scope.astype(np.int64) * width + running, "seconds": seconds})
-    g = s.groupby("key", observed=True)["seconds"].sum().reset_index()
-    del s
+def _share_rows(key: np.ndarray, seconds: np.ndarray, width: int, names: np.ndarray) -> pd.DataFrame:
+    """Seconds per (scope, running), each row's pair given as one integer ``scope * width +
+    running``, scopes as codes into ``names`` (in their sort order): grouped by one integer per
+    row, not by a text per step (a 1 GB log has 2.2M steps) nor by two keys (whose group index
+    costs several arrays as long as the steps more), and not copied into a table first."""
+    g = pd.Series(seconds).groupby(key).sum().rename("seconds").rename_axis("key").reset_index()
     key = g.pop("key").to_numpy()
     g.insert(0, "scope", key // width)
     g.insert(1, "running", key % width)
@@ -82,6 +80,17 @@ def _day_pieces(a: np.ndarray, z: np.ndarray, running: np.ndarray, starts: np.nd
     return running[rep], pz / 1e6 - pa / 1e6, day
 
 
+def _day_keys(a: np.ndarray, z: np.ndarray, running: np.ndarray, starts: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_day_pieces` of every step, a block of steps at a time (their temporaries stay
+    bounded): each piece's ``day * width + running`` and seconds, in step order."""
+    keys, seconds = [], []
+    for i in range(0, len(a), STEP_BLOCK):
+        run, secs, day = _day_pieces(a[i:i + STEP_BLOCK], z[i:i + STEP_BLOCK], running[i:i + STEP_BLOCK], starts)
+        keys.append(day.astype(np.int64) * width + run)
+        seconds.append(secs)
+    return np.concatenate(keys), np.concatenate(seconds)
+
+
 @register("load")
 def load_table(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Seconds and share of the observed span with each number of tasks running, overall and
@@ -93,7 +102,8 @@ def load_table(ds: Dataset, opts: Options) -> pd.DataFrame:
     if got is None or not len(got[0]):
         return pd.DataFrame({c: pd.Series(dtype="float64") for c in LOAD_COLUMNS})
     rep, start, stop, (running,) = got
-    rows = [_share_rows(running, stop - start, np.zeros(len(rep), dtype=np.int64), np.array(["overall"], dtype=object))]
+    width = int(running.max(initial=0)) + 1
+    rows = [_share_rows(running.astype(np.int64, copy=False), stop - start, width, np.array(["overall"], dtype=object))]
     off = _wall_offsets(tv)
     if len(off):
         # Each step's session's offset (NaN: none; those steps have no calendar day).
@@ -105,13 +115,12 @@ def load_table(ds: Dataset, opts: Options) -> pd.DataFrame:
         z = offset[has] + stop[has] * 1e6
         running = running[has]
         del offset, start, stop, has
-        # Cut steps at midnights: one piece per day each step touches. A block of steps at a
-        # time (their temporaries stay bounded); the pieces, in step order, summed at once.
+        # Cut steps at midnights: one piece per day each step touches; the pieces, in step
+        # order, summed at once.
         starts, names = _midnights(a.min(), z.max(), opts.tz)
-        pieces = [_day_pieces(a[i:i + STEP_BLOCK], z[i:i + STEP_BLOCK], running[i:i + STEP_BLOCK], starts)
-                  for i in range(0, len(a), STEP_BLOCK)]
+        key, seconds = _day_keys(a, z, running, starts, width)
         del a, z, running
-        rows.append(_share_rows(*(np.concatenate([p[k] for p in pieces]) for k in range(3)), names))
+        rows.append(_share_rows(key, seconds, width, names))
     out = pd.concat(rows, ignore_index=True)
     n_slots = pd.to_numeric(ds.server.sessions["n_slots"], errors="coerce").max() if len(ds.server.sessions) else np.nan
     out["n_slots"] = pd.array([n_slots] * len(out), dtype="Int64") if pd.notna(n_slots) else pd.array([pd.NA] * len(out), dtype="Int64")
