@@ -502,12 +502,22 @@ def _progress_lines(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None,
     return pre, lines
 
 
-def _steps_by_session(pre: pd.DataFrame, lines: pd.DataFrame) -> pd.DataFrame:
-    return pd.concat([pre[GROUP].iloc[lines["pid"].to_numpy()].reset_index(drop=True), lines[["step_tokens", "step_s"]]], axis=1)
-
-
-def _typical(steps: pd.DataFrame) -> pd.DataFrame:
-    return steps.groupby(GROUP, dropna=False, observed=True).agg(s_chunk=("step_tokens", "median"), s_pass=("step_s", "median")).reset_index()
+def _typical(pre: pd.DataFrame, lines: Sequence[pd.DataFrame]) -> pd.DataFrame:
+    """Per session of ``pre`` that has progress lines (``lines``: parts of them, ``pid`` a row of
+    ``pre``): the median ``step_tokens`` (``s_chunk``) and ``step_s`` (``s_pass``). Grouped by
+    one session code per line, not by the session's key columns repeated on every line."""
+    scode = key_codes([pre], GROUP)[0]
+    steps = pd.DataFrame({
+        "code": np.concatenate([scode[p["pid"].to_numpy()] for p in lines] or [np.zeros(0, np.int64)]),
+        "s_chunk": np.concatenate([p["step_tokens"].to_numpy(dtype=float) for p in lines] or [np.zeros(0)]),
+        "s_pass": np.concatenate([p["step_s"].to_numpy(dtype=float) for p in lines] or [np.zeros(0)]),
+    })
+    med = steps.groupby("code")[["s_chunk", "s_pass"]].median()
+    del steps
+    codes, first = np.unique(scode, return_index=True)
+    out = pre[GROUP].iloc[first[np.searchsorted(codes, med.index.to_numpy())]].reset_index(drop=True)
+    out["s_chunk"], out["s_pass"] = med["s_chunk"].to_numpy(), med["s_pass"].to_numpy()
+    return out
 
 
 def typical_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | Iterable[pd.DataFrame] | None) -> pd.DataFrame:
@@ -517,9 +527,8 @@ def typical_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | Iterable[pd.
     ``prefill_samples``: the table, or its parts (each row whole, in any grouping)."""
     parts = [prefill_samples] if prefill_samples is None or isinstance(prefill_samples, pd.DataFrame) else prefill_samples
     pre = _prefills(tv)
-    steps = [_steps_by_session(*_progress_lines(tv, p, pre)) for p in parts]
-    return _typical(pd.concat(steps, ignore_index=True) if len(steps) > 1 else steps[0] if steps else
-                    _steps_by_session(*_progress_lines(tv, None)))
+    # (only the lines' prefill and steps are kept from each part)
+    return _typical(pre, [_progress_lines(tv, p, pre)[1][["pid", "step_tokens", "step_s"]] for p in parts])
 
 
 def prefill_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None,
@@ -537,7 +546,7 @@ def prefill_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None,
     own = lines.groupby("pid", observed=True).agg(chunk=("step_tokens", "median"), pass_s=("step_s", "median"),
                                    first_t=("t_s", "first"), first_n=("n_tokens", "first"),
                                    last_t=("t_s", "last"), last_n=("n_tokens", "last"))
-    sess = _typical(_steps_by_session(pre, lines)) if typical is None else typical
+    sess = _typical(pre, [lines]) if typical is None else typical
     pre = pre.merge(own, left_on="pid", right_index=True, how="left").merge(sess, on=GROUP, how="left")
     del own, sess
     pre["chunk"] = pre["chunk"].fillna(pre["s_chunk"]).fillna(2048.0).clip(lower=1)
