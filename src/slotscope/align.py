@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from .timeline import key_codes, rows_by_group
+
 SESSION_KEY = ["source", "port", "session"]
 ALIGN_COLUMNS = [
     "source", "port", "session", "method", "offset_us", "server_start_at", "support", "spread_ms",
@@ -67,6 +69,15 @@ def candidate_pairs(tasks: pd.DataFrame, calls: pd.DataFrame) -> pd.DataFrame:
     """Call/task pairs whose counts agree: exact ``timings`` where the app kept them, else tokens.
     Per pair: the task's session (``SESSION_KEY``), the interval its clock offset must lie in
     (``lo_us`` = call start - launch, ``hi_us`` = call end - release; µs) and ``exact``.
+    (:func:`align` reads them as arrays: :func:`_pair_arrays`.)
+    """
+    ti, lo, hi, exact = _pair_arrays(tasks, calls)
+    return pd.DataFrame({**{k: tasks[k].array.take(ti) for k in SESSION_KEY}, "lo_us": lo, "hi_us": hi, "exact": exact})
+
+
+def _pair_arrays(tasks: pd.DataFrame, calls: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`candidate_pairs` as arrays: each pair's task (row position), ``lo_us``, ``hi_us``
+    and ``exact`` (no session columns repeated on every pair: ~5 pairs a call).
 
     A token key shared by many calls and tasks (retries, replays, fixed-size batch jobs) would
     make a quadratic join; for such keys the i-th call (by start) is paired only with the
@@ -110,12 +121,9 @@ def candidate_pairs(tasks: pd.DataFrame, calls: pd.DataFrame) -> pd.DataFrame:
     keep = ~has_timings | exact
     del prompt_ms, predicted_ms, has_timings
     ci, ti, exact = ci[keep], ti[keep], exact[keep]
-    return pd.DataFrame({
-        **{k: tasks[k].array.take(ti) for k in SESSION_KEY},
-        "lo_us": calls["start_us"].to_numpy(dtype=float)[ci] - tasks["launch_s"].to_numpy(dtype=float)[ti] * 1e6,
-        "hi_us": calls["end_us"].to_numpy(dtype="float64", na_value=np.nan)[ci] - tasks["release_s"].to_numpy(dtype=float)[ti] * 1e6,
-        "exact": exact,
-    })
+    lo = calls["start_us"].to_numpy(dtype=float)[ci] - tasks["launch_s"].to_numpy(dtype=float)[ti] * 1e6
+    hi = calls["end_us"].to_numpy(dtype="float64", na_value=np.nan)[ci] - tasks["release_s"].to_numpy(dtype=float)[ti] * 1e6
+    return ti, lo, hi, exact
 
 
 def _ints(col: pd.Series, rows: np.ndarray) -> np.ndarray:
@@ -132,22 +140,27 @@ def align(
 ) -> pd.DataFrame:
     """One row per server session: its clock offset (µs since the epoch, app clock) and how it was found."""
     rows = []
-    pairs = candidate_pairs(tasks, calls) if calls is not None and len(calls) and len(tasks) else None
-    by_session = dict(iter(pairs.groupby(SESSION_KEY, sort=False, observed=True))) if pairs is not None and len(pairs) else {}
-    for _, s in sessions.iterrows():  # a handful of sessions, not a hot path
+    by_session: dict[int, np.ndarray] = {}
+    scode = np.zeros(len(sessions), dtype=np.int64)
+    if calls is not None and len(calls) and len(tasks):
+        ti, lo, hi, exact = _pair_arrays(tasks, calls)
+        tcode, scode = key_codes([tasks, sessions], SESSION_KEY)
+        by_session = rows_by_group(tcode[ti], np.ones(len(ti), dtype=bool))  # each session's pairs
+        del ti, tcode
+    for i, (_, s) in enumerate(sessions.iterrows()):  # a handful of sessions, not a hot path
         key = (s["source"], s["port"], s["session"])
         wrapper = s.get("wall_offset_us")
         wrapper = None if wrapper is None or pd.isna(wrapper) else float(wrapper)
         row = dict(zip(SESSION_KEY, key), method="none", offset_us=np.nan, support=0, spread_ms=np.nan,
                    wrapper_offset_us=wrapper, app_clock_skew_s=np.nan, warning="")
         vote = None
-        p = by_session.get(key)
+        p = by_session.get(int(scode[i]))
         if p is not None and len(p):
-            if p["exact"].any():
-                p = p[p["exact"]]
-            vote = best_interval(p["lo_us"].to_numpy(), p["hi_us"].to_numpy())
+            if exact[p].any():
+                p = p[exact[p]]
+            vote = best_interval(lo[p], hi[p])
             if vote is not None:
-                row.update(method="app-timings" if p["exact"].any() else "app-tokens", offset_us=vote.offset,
+                row.update(method="app-timings" if exact[p].any() else "app-tokens", offset_us=vote.offset,
                            support=vote.support, spread_ms=(vote.high - vote.low) / 1e3)
                 if vote.support < MIN_SUPPORT:
                     row["warning"] = f"weak evidence: only {vote.support} call(s) agree on this clock offset"
