@@ -55,11 +55,21 @@ def best_interval(lo: np.ndarray, hi: np.ndarray) -> Vote | None:
     # Coverage peaks at a start: at a point p, the intervals begun by p and not ended before it.
     # The range runs from the first such p to the first end from p on (a start before that end
     # would cover more than the peak).
-    los, his = np.sort(lo), np.sort(hi)
-    cover = np.searchsorted(los, los, "right") - np.searchsorted(his, los, "left")
-    i = int(np.argmax(cover))
-    p = los[i]
-    return Vote(low=float(p), high=float(his[np.searchsorted(his, p, "left")]), support=int(cover[i]))
+    lo.sort()  # (copies already: sorted in place)
+    hi.sort()
+    # The coverage at each start, a block of starts at a time (millions of pairs: bounded
+    # temporaries); the first start of the highest coverage.
+    i, support = 0, -1
+    for a in range(0, len(lo), VOTE_BLOCK):
+        cover = np.searchsorted(lo, lo[a:a + VOTE_BLOCK], "right") - np.searchsorted(hi, lo[a:a + VOTE_BLOCK], "left")
+        j = int(np.argmax(cover))
+        if cover[j] > support:
+            i, support = a + j, int(cover[j])
+    p = lo[i]
+    return Vote(low=float(p), high=float(hi[np.searchsorted(hi, p, "left")]), support=support)
+
+
+VOTE_BLOCK = 1 << 18  # starts whose coverage is counted at a time
 
 
 SMALL_KEY = 256  # calls x tasks sharing one token key, beyond which pairs are taken by rank
