@@ -505,9 +505,13 @@ class Samples:
             self._table = _concat([p.table() for p in self.parts], self.columns)
         return self._table
 
-    def unload(self) -> None:
-        """Drop the built table (the next :meth:`table` builds it again)."""
+    def unload(self, index: bool = False) -> None:
+        """Drop the built table (the next :meth:`table` builds it again); ``index``: and the
+        index of each part's rows by task (~8 bytes a row)."""
         self._table = None
+        if index:
+            for p in self.parts:
+                p.forget_index()
 
     @property
     def built(self) -> bool:
@@ -604,12 +608,13 @@ class ServerLogs:
         v = self.__dict__.get("_" + kind)
         return v if isinstance(v, Samples) and not v.built else None
 
-    def unload_samples(self) -> None:
-        """Free the sample tables that were built from disk (they are built again when read)."""
+    def unload_samples(self, indexes: bool = False) -> None:
+        """Free the sample tables that were built from disk (they are built again when read);
+        ``indexes``: their indexes by task too (built again when a task's rows are asked for)."""
         for key in ("_gen_samples", "_prefill_samples"):
             v = self.__dict__.get(key)
             if isinstance(v, Samples):
-                v.unload()
+                v.unload(index=indexes)
 
 
 @dataclass

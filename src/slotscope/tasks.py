@@ -883,6 +883,10 @@ class SampleSource:
             self._index = _SampleIndex.of(self.store)
         return self._index
 
+    def forget_index(self) -> None:
+        """Drop the index (the next :meth:`index` builds it again)."""
+        self._index = None
+
     def of_tasks(self, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> pd.DataFrame:
         """The table's rows of these tasks, in the table's order and as the table has them."""
         ix = self.index()

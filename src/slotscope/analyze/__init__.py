@@ -71,18 +71,21 @@ def table_names() -> list[str]:
 
 SHARED = "shared"  # memo keys ``(SHARED, ...)``: intermediates tables of several modules read
 SHARED_READERS = {"prefills", "cache", "cache-misses"}  # the tables that read them (the turn pairs)
+SAMPLE_READERS = {"stalls", "stalls-worst", "prefill-speed", "context"}  # the tables that read the samples
 
 
 def _compute_order(names: list[str]) -> list[str]:
-    """The order to compute ``names`` in: report order, but the readers of the shared
-    intermediates one after another from the first of them on, so those are dropped (~90 MB
-    of turn pairs at 1 GB of log) before the rest run."""
-    readers = [n for n in names if n in SHARED_READERS]
-    if not readers:
-        return names
-    at = names.index(readers[0])
-    rest = [n for n in names if n not in SHARED_READERS]
-    return rest[:at] + readers + rest[at:]
+    """The order to compute ``names`` in: report order, but the readers of the samples, and
+    those of the shared intermediates, one after another from the first of them on, so what
+    they alone need is dropped before the rest run (at 1 GB of log: ~60 MB of sample indexes,
+    ~90 MB of turn pairs)."""
+    for group in (SAMPLE_READERS, SHARED_READERS):
+        readers = [n for n in names if n in group]
+        if readers:
+            at = names.index(readers[0])
+            rest = [n for n in names if n not in group]
+            names = rest[:at] + readers + rest[at:]
+    return names
 
 
 def _shared_with(module: str, shared: bool) -> Callable[[object], bool]:
@@ -123,7 +126,8 @@ def run(ds: Dataset, opts: Options | None = None, names: list[str] | None = None
             step(name, i + 1, len(todo))
             ds.forget(keep=_shared_with(TABLES[name].__module__, any(n in SHARED_READERS for n in todo[i:])))
             if TABLES[name].__module__ != module:  # sample tables built for the last module's tables
-                ds.server.unload_samples()
+                # (and their indexes by task once no table still to run reads samples)
+                ds.server.unload_samples(indexes=not any(n in SAMPLE_READERS for n in todo[i:]))
                 module = TABLES[name].__module__
             gc.collect()  # (pandas objects hold one another in cycles: their arrays wait for the collector)
             release_memory()  # what the previous table dropped: its peak is not the next one's base
