@@ -81,12 +81,13 @@ def test_key_codes_follow_the_sort_order_of_the_keys_with_gaps_last() -> None:
 
 
 @pytest.mark.parametrize("case", ["one value everywhere", "one value per frame, frames differ", "categories differ",
-                                  "a gap", "text"])
+                                  "a gap", "text", "category and text alike", "text with a gap"])
 def test_key_codes_skip_only_columns_of_one_value(case: str) -> None:
     """A column of one value adds nothing to the codes and is skipped; a column that is of one
     value in each frame but not across them, or holds a gap, still counts."""
     n = {"one value everywhere": ([7, 7, 7], [7, 7]), "one value per frame, frames differ": ([7, 7, 7], [8, 8]),
-         "categories differ": (None, None), "a gap": (None, None), "text": (None, None)}[case]
+         "categories differ": (None, None), "a gap": (None, None), "text": (None, None),
+         "category and text alike": (None, None), "text with a gap": (None, None)}[case]
     a = pd.DataFrame({"s": pd.Categorical(["x", "x", "x"]), "n": n[0] or [7, 7, 7], "t": [3, 1, 2]})
     b = pd.DataFrame({"s": pd.Categorical(["x", "x"]), "n": n[1] or [7, 7], "t": [2, 5]})
     if case == "categories differ":
@@ -95,6 +96,10 @@ def test_key_codes_skip_only_columns_of_one_value(case: str) -> None:
         b["s"] = pd.Categorical([None, None], categories=["x"])
     if case == "text":
         a["s"], b["s"] = "x", "z"
+    if case == "category and text alike":  # (the tasks' source and the sessions')
+        b["s"] = pd.Series(["x", "x"], dtype="string")
+    if case == "text with a gap":
+        a["s"], b["s"] = "x", pd.Series(["x", None], dtype="string")
     ca, cb = tl.key_codes([a, b], ["s", "n", "t"])
     both = pd.concat([a, b], ignore_index=True).astype({"s": "object"})
     ranks = both.drop_duplicates().sort_values(["s", "n", "t"], na_position="last").reset_index(drop=True)

@@ -120,8 +120,8 @@ def by_code(src: np.ndarray, values: np.ndarray, dst: np.ndarray, missing: Any) 
 
 
 def _one_value(cols: Sequence[pd.Series]) -> bool:
-    """Whether these columns hold one value in all their rows, told cheaply for numbers and
-    categories (NA counts as a value of its own); False when not sure."""
+    """Whether these columns hold one value in all their rows, told cheaply for numbers,
+    categories and texts (NA counts as a value of its own); False when not sure."""
     first = None
     for col in cols:
         if not len(col):
@@ -136,6 +136,10 @@ def _one_value(cols: Sequence[pd.Series]) -> bool:
             if not (v == v[0]).all():
                 return False
             value = v[0].item()
+        elif col.dtype == object or isinstance(col.dtype, pd.StringDtype):  # (a text column, e.g. sessions' source)
+            value = col.iloc[0]
+            if not isinstance(value, str) or not bool((col == value).fillna(False).all()):
+                return False
         else:
             return False
         if first is None:
