@@ -185,11 +185,14 @@ def _task_view(ds: Dataset) -> pd.DataFrame:
         for c in TASK_VIEW_EXTRA:
             t[c] = pd.NA
         return t
-    m = ds.matches.calls
-    m = m[m["task_id"].notna()]
-    m = m.rename(columns={"start_at": "call_start_at", "total_ms": "call_total_ms"})
     keys = ["source", "port", "session", "task_id"]
-    extra = [c for c in TASK_VIEW_EXTRA if c in m.columns]
+    calls = ds.matches.calls
+    named = {"call_start_at": "start_at", "call_total_ms": "total_ms"}  # (the calls' names of two of them)
+    extra = [c for c in TASK_VIEW_EXTRA if named.get(c, c) in calls.columns]
+    # The matched calls' columns read here (of their ~40), under the task view's names.
+    m = calls.loc[calls["task_id"].notna().to_numpy(), keys + [named.get(c, c) for c in extra]]
+    m.columns = keys + extra
+    del calls
     tcode, mcode = key_codes([t, m], keys)
     order = np.argsort(mcode, kind="stable")
     sm = mcode[order]
