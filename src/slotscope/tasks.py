@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from .errors import SlotscopeError
-from .timeline import within_ranges
+from .timeline import packed_task_keys, within_ranges
 from .events import (
     BUILD, CANCEL, CONFIG, ERROR, EVAL, HEARTBEAT, LAUNCH, MODEL, PROGRESS, PROMPT_EVAL, RELEASE, TOTAL,
 )
@@ -910,19 +910,10 @@ class SampleSource:
         return {c: v[:0] for c, v in self.store.gather(np.zeros(1, np.int64)).items()}  # no rows, the columns' types
 
 
-def _task_keys(port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
-    """One int64 per (port, session, task) that sorts as the triple does (-1 where one is out
-    of range: ports -1..65535, sessions 0..16383, task ids 0..2**32-1)."""
-    port, session, task = (np.asarray(v, dtype=np.int64) for v in (port, session, task))
-    ok = (port >= -1) & (port <= 65535) & (session >= 0) & (session < 1 << 14) & (task >= 0) & (task < 1 << 32)
-    key = ((port + 1) << 46) | (session << 32) | task
-    return np.where(ok, key, -1)
-
-
 @dataclass
 class _SampleIndex:
     """A store's sample rows by task: ``order`` (the table's rows as store positions), the
-    distinct task keys (:func:`_task_keys`) in table order, the table row where each task's
+    distinct task keys (:func:`slotscope.timeline.packed_task_keys`) in table order, the table row where each task's
     rows start (one more: the end), and each task's first and last sample time (s)."""
 
     order: np.ndarray
@@ -935,7 +926,7 @@ class _SampleIndex:
     def of(cls, store: FinishedRows) -> "_SampleIndex | None":
         # One key column, built a chunk at a time (not three int64 columns of every row), and
         # sorted with the times: the key sorts as (port, session, task) do (_sample_order).
-        key = np.concatenate([_task_keys(*cols) for cols in store.by_chunk("port", "session", "task")] or [np.zeros(0, np.int64)])
+        key = np.concatenate([packed_task_keys(*cols) for cols in store.by_chunk("port", "session", "task")] or [np.zeros(0, np.int64)])
         if (key < 0).any():
             return None
         ts = store.column("ts_us")
@@ -948,7 +939,7 @@ class _SampleIndex:
 
     def _find(self, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Each task's place among the keys, and whether it has rows at all."""
-        key = _task_keys(port, session, task)
+        key = packed_task_keys(port, session, task)
         at = np.minimum(np.searchsorted(self.keys, key), len(self.keys) - 1)
         return at, (self.keys[at] == key) & (key >= 0)
 

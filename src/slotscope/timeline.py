@@ -494,9 +494,7 @@ def _progress_lines(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None,
     cols = ["t_s", "n_tokens", "step_tokens", "step_s"]
     samples = prefill_samples if prefill_samples is not None and len(prefill_samples) else pd.DataFrame(columns=keys + cols)
     # Each progress line with its prefill (an inner join on the task keys, in line order).
-    lcode, pcode = key_codes([samples, pre], keys)
-    at, pid = _join_unique(lcode, pcode)
-    del lcode, pcode
+    at, pid = join_tasks(samples, pre)
     lines = pd.DataFrame({"pid": pid, **{c: _f(samples[c])[at] for c in cols}})
     del at, pid
     ps, ft = pre["ps"].to_numpy(), pre["ft"].to_numpy()
@@ -511,17 +509,29 @@ def _typical(pre: pd.DataFrame, lines: Sequence[pd.DataFrame]) -> pd.DataFrame:
     ``pre``): the median ``step_tokens`` (``s_chunk``) and ``step_s`` (``s_pass``). Grouped by
     one session code per line, not by the session's key columns repeated on every line."""
     scode = key_codes([pre], GROUP)[0]
-    steps = pd.DataFrame({
-        "code": np.concatenate([scode[p["pid"].to_numpy()] for p in lines] or [np.zeros(0, np.int64)]),
-        "s_chunk": np.concatenate([p["step_tokens"].to_numpy(dtype=float) for p in lines] or [np.zeros(0)]),
-        "s_pass": np.concatenate([p["step_s"].to_numpy(dtype=float) for p in lines] or [np.zeros(0)]),
-    })
-    med = steps.groupby("code")[["s_chunk", "s_pass"]].median()
-    del steps
+    code = np.concatenate([scode[p["pid"].to_numpy()] for p in lines] or [np.zeros(0, np.int64)])
+    # Lines by session (one sort of their codes); each session's medians by numpy, which gives
+    # a groupby's medians (not its quantiles) to the bit, on two arrays, not a groupby's table.
+    order = np.argsort(code, kind="stable")
+    code = code[order]
+    cut = np.flatnonzero(np.r_[True, code[1:] != code[:-1]]) if len(code) else np.zeros(0, np.int64)
+    sessions = code[cut]
+    del code
+    out = {}
+    for name, col in (("s_chunk", "step_tokens"), ("s_pass", "step_s")):
+        v = np.concatenate([p[col].to_numpy(dtype=float) for p in lines] or [np.zeros(0)])[order]
+        out[name] = np.array([_median(part) for part in np.split(v, cut[1:])] if len(v) else [], dtype=float)
+        del v
     codes, first = np.unique(scode, return_index=True)
-    out = pre[GROUP].iloc[first[np.searchsorted(codes, med.index.to_numpy())]].reset_index(drop=True)
-    out["s_chunk"], out["s_pass"] = med["s_chunk"].to_numpy(), med["s_pass"].to_numpy()
-    return out
+    table = pre[GROUP].iloc[first[np.searchsorted(codes, sessions)]].reset_index(drop=True)
+    table["s_chunk"], table["s_pass"] = out["s_chunk"], out["s_pass"]
+    return table
+
+
+def _median(v: np.ndarray) -> float:
+    """The median of the values that are not NaN (NaN: none), as a groupby's median."""
+    v = v[~np.isnan(v)]
+    return float(np.median(v)) if len(v) else np.nan
 
 
 def typical_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | Iterable[pd.DataFrame] | None) -> pd.DataFrame:
@@ -530,7 +540,7 @@ def typical_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | Iterable[pd.
     without lines of its own. Given to it, a part of a log is read as in the whole log.
     ``prefill_samples``: the table, or its parts (each row whole, in any grouping)."""
     parts = [prefill_samples] if prefill_samples is None or isinstance(prefill_samples, pd.DataFrame) else prefill_samples
-    pre = _prefills(tv)
+    pre = _prefills(tv)[GROUP + ["task_id", "ps", "ft", "pid"]]  # (what the lines are joined and cut by)
     # (only the lines' prefill and steps are kept from each part)
     return _typical(pre, [_progress_lines(tv, p, pre)[1][["pid", "step_tokens", "step_s"]] for p in parts])
 
@@ -595,6 +605,39 @@ def prefill_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None,
     active["prompt_tokens_new"] = info["prompt_tokens_new"].array.take(sp[run])
     active["line"] = info["line"].array.take(sp[run])
     return active, steps, info
+
+
+def packed_task_keys(port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
+    """One int64 per (port, session, task) that sorts as the triple does (-1 where one is out
+    of range: ports -1..65535, sessions 0..16383, task ids 0..2**32-1)."""
+    port, session, task = (np.asarray(v, dtype=np.int64) for v in (port, session, task))
+    ok = (port >= -1) & (port <= 65535) & (session >= 0) & (session < 1 << 14) & (task >= 0) & (task < 1 << 32)
+    key = ((port + 1) << 46) | (session << 32) | task
+    return np.where(ok, key, -1)
+
+
+def join_tasks(left: pd.DataFrame, right: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Row pairs ``(l, r)`` of ``left`` and ``right`` with equal task keys (``GROUP`` +
+    ``task_id``), in left order: an inner merge. Where both frames have one source and every
+    port, session and task id fits :func:`packed_task_keys`, joined on those (the usual case;
+    :func:`key_codes` would factorize the task ids of both frames on every call)."""
+    keys = GROUP + ["task_id"]
+    if _one_value([left["source"], right["source"]]):
+        ints = [[_ints(f[c]) for c in keys[1:]] for f in (left, right)]
+        if all(v is not None for cols in ints for v in cols):
+            packed = [packed_task_keys(*cols) for cols in ints]
+            del ints
+            if not any((p < 0).any() for p in packed):
+                return _join_unique(*packed)
+    return _join_unique(*key_codes([left, right], keys))
+
+
+def _ints(col: pd.Series) -> np.ndarray | None:
+    """An integer column without gaps as int64 (else None)."""
+    kind = getattr(col.dtype, "kind", "")
+    if not kind or kind not in "iu" or col.isna().any():
+        return None
+    return col.to_numpy(dtype=np.int64)
 
 
 def _join_unique(left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -70,14 +70,11 @@ def tasks_during(tasks: pd.DataFrame, at: pd.DataFrame, start: str, end: str,
 def _windows(hb: pd.DataFrame, prompt: pd.DataFrame, tasks: pd.DataFrame) -> pd.DataFrame:
     """The unstalled heartbeat windows of ``hb`` with a context: ``tg_3s_tps``, ``alone``,
     ``no_prefill``, ``ctx`` (tokens) and ``task`` (the task's row in ``prompt``)."""
-    keys = SESSION + ["task_id"]
-    hcode, pcode = tl.key_codes([hb, prompt], keys)
     # Unstalled windows of the tasks the log has (an inner join on the task keys; prompt's are unique).
-    rows = np.flatnonzero(((hb["window_s"] >= WINDOW_MIN_S) & (hb["window_s"] <= WINDOW_MAX_S) & hb["tg_3s_tps"].notna()).to_numpy())
-    order = np.argsort(pcode, kind="stable")
-    at = np.minimum(np.searchsorted(pcode[order], hcode[rows]), max(len(order) - 1, 0))
-    hit = pcode[order][at] == hcode[rows] if len(order) else np.zeros(len(rows), dtype=bool)
-    rows, p_row = rows[hit], order[at[hit]]
+    unstalled = ((hb["window_s"] >= WINDOW_MIN_S) & (hb["window_s"] <= WINDOW_MAX_S) & hb["tg_3s_tps"].notna()).to_numpy()
+    rows, p_row = tl.join_tasks(hb, prompt)
+    keep = unstalled[rows]
+    rows, p_row = rows[keep], p_row[keep]
     ctx = prompt["prompt_tokens"].astype("float64").to_numpy(na_value=np.nan)[p_row] \
         + hb["n_gen"].astype("float64").to_numpy(na_value=np.nan)[rows]
     keep = ~np.isnan(ctx)
