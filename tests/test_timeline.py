@@ -215,3 +215,25 @@ def test_by_code_looks_values_up_by_key() -> None:
     np.testing.assert_array_equal(got, [30.0, np.nan, 10.0, np.nan, np.nan])
     rows = tl.by_code(scode, np.arange(3), dcode, -1)
     assert rows.tolist() == [2, -1, 0, -1, -1]
+
+
+@pytest.mark.parametrize("keys", ["packed", "task ids past 2**32", "two sources"])
+def test_task_joins_on_packed_keys_give_what_merges_give(keys: str) -> None:
+    """``join_tasks`` is an inner merge on the task keys in left order, and ``first_of_each_task``
+    the rows ``drop_duplicates`` keeps, on real tasks with some listed twice: on packed keys where
+    they fit, on key codes where they do not (task ids past 2**32, two servers)."""
+    tasks = _ds("restart").server.tasks[tl.GROUP + ["task_id", "prompt_tokens"]].reset_index(drop=True)
+    if keys == "task ids past 2**32":
+        tasks["task_id"] = tasks["task_id"] + 2**32
+    if keys == "two sources":
+        tasks["source"] = pd.Categorical(np.where(np.arange(len(tasks)) % 3 == 0, "a.log", "b.log"))
+    twice = pd.concat([tasks, tasks.iloc[::7]], ignore_index=True)  # every 7th task listed twice, at the end
+    k = tl.GROUP + ["task_id"]
+    first = tl.first_of_each_task(twice)
+    assert first is not None and (first == twice.drop_duplicates(k).index.to_numpy()).all()
+    assert tl.first_of_each_task(tasks) is None
+    left = twice.sample(frac=1.0, random_state=5).reset_index(drop=True).iloc[::2].reset_index(drop=True)
+    l_rows, r_rows = tl.join_tasks(left, tasks)
+    want = left.reset_index().merge(tasks.reset_index(), on=k, how="inner", suffixes=("_l", "_r"))
+    assert (l_rows == want["index_l"].to_numpy()).all() and (r_rows == want["index_r"].to_numpy()).all()
+    assert len(l_rows) == len(left)

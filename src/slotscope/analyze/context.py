@@ -94,7 +94,10 @@ def context(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Median tg_3s of unstalled heartbeat windows per context-length bin, alone and in any company."""
     tasks = ds.server.tasks
     keys = SESSION + ["task_id"]
-    prompt = tasks[keys + ["prompt_tokens"]].drop_duplicates(keys)
+    prompt = tasks[keys + ["prompt_tokens"]]
+    first = tl.first_of_each_task(prompt)
+    if first is not None:  # a task listed twice: its first row
+        prompt = prompt.iloc[first]
     # The heartbeats a part at a time where they wait on disk (the table is never built).
     lazy = ds.server.on_disk("gen_samples")
     parts = lazy.batches() if lazy is not None else [ds.server.gen_samples]
