@@ -42,32 +42,44 @@ def tasks_during(tasks: pd.DataFrame, at: pd.DataFrame, start: str, end: str,
 
     By default that is holding a slot: from launch to release (to the end of time if never
     released); ``prefill_start_s``/``first_token_s`` count prefills instead. Counts the row's own
-    task too when it is one of them. One sorted-array sweep per session.
+    task too when it is one of them. One sorted-array sweep per session (:class:`TasksDuring`).
     """
-    out = np.zeros(len(at), dtype=np.int64)
-    if at.empty or tasks.empty:
+    return TasksDuring(tasks, since, until).count(at, start, end)
+
+
+class TasksDuring:
+    """:func:`tasks_during` for many sets of rows: each session's sorted ``since`` and
+    ``until`` times are made once (not once per part of the heartbeats)."""
+
+    def __init__(self, tasks: pd.DataFrame, since: str = "launch_s", until: str = "release_s") -> None:
+        # Rows whose session key has a gap belong to no session (as in a groupby).
+        ok = tasks[SESSION].notna().all(axis=1).to_numpy() & tasks[since].notna().to_numpy()
+        code = tl.key_codes([tasks], SESSION)[0]
+        t_since = tasks[since].to_numpy(dtype=float, na_value=np.nan)
+        t_until = tasks[until].to_numpy(dtype=float, na_value=np.inf)
+        groups = tl.rows_by_group(code, ok)
+        self.keys = tasks[SESSION].iloc[[int(rows[0]) for rows in groups.values()]].reset_index(drop=True)  # one row a session
+        self.times = [(np.sort(t_since[rows]), np.sort(t_until[rows])) for rows in groups.values()]
+
+    def count(self, at: pd.DataFrame, start: str, end: str) -> np.ndarray:
+        out = np.zeros(len(at), dtype=np.int64)
+        if at.empty or not len(self.keys):
+            return out
+        kcode, acode = tl.key_codes([self.keys, at], SESSION)
+        a_ok = at[SESSION].notna().all(axis=1).to_numpy()
+        a_start = at[start].to_numpy(dtype=float, na_value=np.nan)
+        a_end = at[end].to_numpy(dtype=float, na_value=np.nan)
+        for code, rows in tl.rows_by_group(acode, a_ok).items():
+            k = np.flatnonzero(kcode == code)
+            if not len(k):
+                continue
+            starts, ends = self.times[int(k[0])]
+            # Begun before the window ends, minus ended before it starts.
+            out[rows] = np.searchsorted(starts, a_end[rows], side="left") - np.searchsorted(ends, a_start[rows], side="right")
         return out
-    tcode, acode = tl.key_codes([tasks, at], SESSION)
-    # Rows whose session key has a gap belong to no session (as in a groupby).
-    t_ok = tasks[SESSION].notna().all(axis=1).to_numpy() & tasks[since].notna().to_numpy()
-    a_ok = at[SESSION].notna().all(axis=1).to_numpy()
-    t_since = tasks[since].to_numpy(dtype=float, na_value=np.nan)
-    t_until = tasks[until].to_numpy(dtype=float, na_value=np.inf)
-    a_start = at[start].to_numpy(dtype=float, na_value=np.nan)
-    a_end = at[end].to_numpy(dtype=float, na_value=np.nan)
-    by_session = tl.rows_by_group(tcode, t_ok)
-    for code, rows in tl.rows_by_group(acode, a_ok).items():
-        t = by_session.get(code)
-        if t is None:
-            continue
-        starts = np.sort(t_since[t])
-        ends = np.sort(t_until[t])
-        # Begun before the window ends, minus ended before it starts.
-        out[rows] = np.searchsorted(starts, a_end[rows], side="left") - np.searchsorted(ends, a_start[rows], side="right")
-    return out
 
 
-def _windows(hb: pd.DataFrame, prompt: pd.DataFrame, tasks: pd.DataFrame) -> pd.DataFrame:
+def _windows(hb: pd.DataFrame, prompt: pd.DataFrame, holding: TasksDuring, prefilling: TasksDuring) -> pd.DataFrame:
     """The unstalled heartbeat windows of ``hb`` with a context: ``tg_3s_tps``, ``alone``,
     ``no_prefill``, ``ctx`` (tokens) and ``task`` (the task's row in ``prompt``)."""
     # Unstalled windows of the tasks the log has (an inner join on the task keys; prompt's are unique).
@@ -80,9 +92,9 @@ def _windows(hb: pd.DataFrame, prompt: pd.DataFrame, tasks: pd.DataFrame) -> pd.
     keep = ~np.isnan(ctx)
     rows, ctx, p_row = rows[keep], ctx[keep], p_row[keep]
     w = hb[SESSION + ["window_start_s", "t_s", "tg_3s_tps"]].iloc[rows].reset_index(drop=True)
-    w["alone"] = tasks_during(tasks, w, "window_start_s", "t_s") <= 1
+    w["alone"] = holding.count(w, "window_start_s", "t_s") <= 1
     # The task itself finished its prefill before its first heartbeat window, so any count is another's.
-    w["no_prefill"] = tasks_during(tasks, w, "window_start_s", "t_s", "prefill_start_s", "first_token_s") == 0
+    w["no_prefill"] = prefilling.count(w, "window_start_s", "t_s") == 0
     w = w[["tg_3s_tps", "alone", "no_prefill"]]
     w["ctx"] = ctx
     w["task"] = p_row  # one number per task (was its keys as text)
@@ -101,8 +113,9 @@ def context(ds: Dataset, opts: Options) -> pd.DataFrame:
     # The heartbeats a part at a time where they wait on disk (the table is never built).
     lazy = ds.server.on_disk("gen_samples")
     parts = lazy.batches() if lazy is not None else [ds.server.gen_samples]
-    w = pd.concat([_windows(hb, prompt, tasks) for hb in parts] or [_windows(ds.server.gen_samples, prompt, tasks)],
-                  ignore_index=True)
+    holding, prefilling = TasksDuring(tasks), TasksDuring(tasks, "prefill_start_s", "first_token_s")
+    w = pd.concat([_windows(hb, prompt, holding, prefilling) for hb in parts]
+                  or [_windows(ds.server.gen_samples, prompt, holding, prefilling)], ignore_index=True)
     # Per basis and bin, on arrays (a table of the rows per basis, and a groupby nunique, held
     # ~100 MB at 1 GB of log): distinct tasks as distinct (bin, task) integers.
     bins = pd.cut(w.pop("ctx").to_numpy(), EDGES, right=False, labels=LABELS).codes.astype(np.int64)
