@@ -112,3 +112,56 @@ def test_call_ids_repeated_across_app_logs(tmp_path: Path) -> None:
     got = prefills(load([tmp_path]), Options())
     want = prefills(load([logs]), Options())
     pd.testing.assert_frame_equal(got, want)
+
+
+def _causes_by_sort_and_groupby(calls: pd.DataFrame, missed: set) -> list:
+    """The causes as sort_values and groupby give them (the code before the integer rewrite):
+    the reference for the edge cases the real logs lack."""
+    import numpy as np
+
+    c = calls[["user", "start_at", "purpose"]].copy()
+    c["pos"] = np.arange(len(c))
+    c["user"] = c["user"].astype("string")
+    c["session"] = calls["app_session"].astype("string")
+    c = c.sort_values(["user", "start_at"], kind="stable")
+    day = c["start_at"].dt.tz_convert("UTC").dt.floor("D")
+    first_of_day = c.groupby([c["user"], day], sort=False, dropna=False, observed=True).cumcount() == 0
+    first_of_session = c["session"].notna() & (c.groupby([c["user"], c["session"]], sort=False, dropna=False, observed=True).cumcount() == 0)
+    prev = c.groupby("user", sort=False, dropna=False, observed=True)["purpose"].shift(1).astype("string")
+    after_summary = (prev == "summary").fillna(False)
+    summary = (c["purpose"].astype("string") == "summary").fillna(False)
+    miss = c["pos"].isin(list(missed))
+    cause = np.select([first_of_day, first_of_session, summary, after_summary, miss], CAUSES[:-1], default=CAUSES[-1])
+    return list(zip(c["pos"].to_numpy().tolist(), cause.tolist()))
+
+
+@pytest.mark.parametrize("users", ["categories", "texts"])
+def test_causes_on_integer_codes_equal_a_sort_and_groupby(datasets: dict, users: str) -> None:
+    """On the real calls made harder (users missing or out of category order, calls with no
+    start time, sessions named and missing, a midnight crossed), each call's cause is what a
+    sort by user and start and groupbys give."""
+    import numpy as np
+
+    from slotscope.analyze.cache import slim_calls, turn_pairs
+    from slotscope.analyze.prefills import _sorted_causes
+
+    calls = datasets["before"].matches.calls.copy()
+    rng = np.random.default_rng(11)
+    n = len(calls)
+    names = np.array(["zoe", "Émile", "bob", "alice10", "alice9"], dtype=object)
+    user = pd.Series(names[rng.integers(0, len(names), n)], dtype="object")
+    user[rng.random(n) < 0.1] = None
+    calls["user"] = pd.Categorical(user, categories=["zoe", "bob", "Émile", "alice9", "alice10"]) if users == "categories" \
+        else user.astype("string")
+    calls["app_session"] = pd.Categorical(np.where(rng.random(n) < 0.3, None, rng.integers(0, 4, n).astype(str)))
+    calls["start_at"] = calls["start_at"] + pd.to_timedelta(rng.integers(0, 3, n) * 10, unit="h")  # some past midnight
+    calls.loc[rng.random(n) < 0.05, "start_at"] = pd.NaT
+    calls["purpose"] = calls["purpose"].astype("string")
+    calls.loc[rng.random(n) < 0.2, "purpose"] = "summary"
+    calls.loc[rng.random(n) < 0.05, "purpose"] = None
+    pairs = turn_pairs(slim_calls(calls.dropna(subset=["start_at"])), Options())
+    order, cause = _sorted_causes(calls, Options(), pairs)
+    missed_rows = {int(i) for i in np.flatnonzero(calls["call_line"].isin(pairs.loc[pairs["miss"], "call_line"]).to_numpy())}
+    got = list(zip(order.tolist(), np.asarray(CAUSES, dtype=object)[cause].tolist()))
+    assert got == _causes_by_sort_and_groupby(calls, missed_rows)
+    assert {c for _, c in got} >= {"first_of_day", "first_of_session", "summary", "after_summary"}
