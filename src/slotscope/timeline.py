@@ -520,7 +520,7 @@ def _typical(pre: pd.DataFrame, lines: Sequence[pd.DataFrame]) -> pd.DataFrame:
     out = {}
     for name, col in (("s_chunk", "step_tokens"), ("s_pass", "step_s")):
         v = np.concatenate([p[col].to_numpy(dtype=float) for p in lines] or [np.zeros(0)])[order]
-        out[name] = np.array([_median(part) for part in np.split(v, cut[1:])] if len(v) else [], dtype=float)
+        out[name] = np.array([median(part) for part in np.split(v, cut[1:])] if len(v) else [], dtype=float)
         del v
     codes, first = np.unique(scode, return_index=True)
     table = pre[GROUP].iloc[first[np.searchsorted(codes, sessions)]].reset_index(drop=True)
@@ -528,8 +528,9 @@ def _typical(pre: pd.DataFrame, lines: Sequence[pd.DataFrame]) -> pd.DataFrame:
     return table
 
 
-def _median(v: np.ndarray) -> float:
-    """The median of the values that are not NaN (NaN: none), as a groupby's median."""
+def median(v: np.ndarray) -> float:
+    """The median of the values that are not NaN (NaN: none), as a groupby's median (to the
+    bit: numpy's median is; its quantiles are not)."""
     v = v[~np.isnan(v)]
     return float(np.median(v)) if len(v) else np.nan
 

@@ -128,7 +128,7 @@ def context(ds: Dataset, opts: Options) -> pd.DataFrame:
         parts.append(pd.DataFrame({
             "samples": np.bincount(c[~np.isnan(v)], minlength=len(LABELS)),
             "tasks": np.bincount(np.unique(c * width + task[sel]) // width, minlength=len(LABELS)),
-            "median_tg_3s_tps": pd.Series(v).groupby(c).median().reindex(range(len(LABELS))).to_numpy(),
+            "median_tg_3s_tps": [tl.median(v[c == k]) for k in range(len(LABELS))],
         }, index=pd.Index(LABELS, name="bin")))
         del sel, c, v
     del w, bins, tg, task
