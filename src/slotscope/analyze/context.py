@@ -79,16 +79,17 @@ class TasksDuring:
         return out
 
 
-def _windows(hb: pd.DataFrame, prompt: pd.DataFrame, holding: TasksDuring, prefilling: TasksDuring) -> pd.DataFrame:
+def _windows(hb: pd.DataFrame, prompt: pd.DataFrame, tokens: np.ndarray, holding: TasksDuring,
+             prefilling: TasksDuring) -> pd.DataFrame:
     """The unstalled heartbeat windows of ``hb`` with a context: ``tg_3s_tps``, ``alone``,
-    ``no_prefill``, ``ctx`` (tokens) and ``task`` (the task's row in ``prompt``)."""
+    ``no_prefill``, ``bin`` (the context bin's code: ``LABELS``) and ``task`` (the task's row in
+    ``prompt``, whose prompt tokens are ``tokens``)."""
     # Unstalled windows of the tasks the log has (an inner join on the task keys; prompt's are unique).
     unstalled = ((hb["window_s"] >= WINDOW_MIN_S) & (hb["window_s"] <= WINDOW_MAX_S) & hb["tg_3s_tps"].notna()).to_numpy()
     rows, p_row = tl.join_tasks(hb, prompt)
     keep = unstalled[rows]
     rows, p_row = rows[keep], p_row[keep]
-    ctx = prompt["prompt_tokens"].astype("float64").to_numpy(na_value=np.nan)[p_row] \
-        + hb["n_gen"].astype("float64").to_numpy(na_value=np.nan)[rows]
+    ctx = tokens[p_row] + hb["n_gen"].astype("float64").to_numpy(na_value=np.nan)[rows]
     keep = ~np.isnan(ctx)
     rows, ctx, p_row = rows[keep], ctx[keep], p_row[keep]
     w = hb[SESSION + ["window_start_s", "t_s", "tg_3s_tps"]].iloc[rows].reset_index(drop=True)
@@ -96,7 +97,7 @@ def _windows(hb: pd.DataFrame, prompt: pd.DataFrame, holding: TasksDuring, prefi
     # The task itself finished its prefill before its first heartbeat window, so any count is another's.
     w["no_prefill"] = prefilling.count(w, "window_start_s", "t_s") == 0
     w = w[["tg_3s_tps", "alone", "no_prefill"]]
-    w["ctx"] = ctx
+    w["bin"] = pd.cut(ctx, EDGES, right=False, labels=LABELS).codes  # (one byte a window, not its tokens)
     w["task"] = p_row  # one number per task (was its keys as text)
     return w
 
@@ -114,11 +115,12 @@ def context(ds: Dataset, opts: Options) -> pd.DataFrame:
     lazy = ds.server.on_disk("gen_samples")
     parts = lazy.batches() if lazy is not None else [ds.server.gen_samples]
     holding, prefilling = TasksDuring(tasks), TasksDuring(tasks, "prefill_start_s", "first_token_s")
-    w = pd.concat([_windows(hb, prompt, holding, prefilling) for hb in parts]
-                  or [_windows(ds.server.gen_samples, prompt, holding, prefilling)], ignore_index=True)
+    tokens = prompt["prompt_tokens"].astype("float64").to_numpy(na_value=np.nan)
+    w = pd.concat([_windows(hb, prompt, tokens, holding, prefilling) for hb in parts]
+                  or [_windows(ds.server.gen_samples, prompt, tokens, holding, prefilling)], ignore_index=True)
     # Per basis and bin, on arrays (a table of the rows per basis, and a groupby nunique, held
     # ~100 MB at 1 GB of log): distinct tasks as distinct (bin, task) integers.
-    bins = pd.cut(w.pop("ctx").to_numpy(), EDGES, right=False, labels=LABELS).codes.astype(np.int64)
+    bins = w.pop("bin").to_numpy().astype(np.int64)
     tg, task = w["tg_3s_tps"].to_numpy(dtype=float), w["task"].to_numpy(dtype=np.int64)
     width = int(task.max(initial=0)) + 1
     parts = []
