@@ -9,7 +9,7 @@ every interval, so a log with 100k tasks and 1M heartbeats stays cheap.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import pandas as pd
@@ -173,25 +173,30 @@ def concurrency_arrays(tv: pd.DataFrame, sessions: pd.DataFrame | None = None, r
     """:func:`concurrency` as arrays: ``(rep, start, stop, levels)``, ``rep`` the position in
     ``tv`` of a task of each step's session, ``levels`` the running, prefilling and generating
     counts (``running_only``: the first alone); None when there is no step."""
+    parts = [(np.full(len(t) - 1, row), t[:-1], t[1:], *levels) for row, t, levels in concurrency_parts(tv, sessions, running_only)]
+    if not parts:
+        return None
+    # (one session, the usual case: its arrays as they are, not copied into new ones)
+    rep, start, stop, *levels = parts[0] if len(parts) == 1 else (np.concatenate([p[k] for p in parts]) for k in range(len(parts[0])))
+    return rep, start, stop, levels
+
+
+def concurrency_parts(tv: pd.DataFrame, sessions: pd.DataFrame | None = None, running_only: bool = False,
+                      ) -> Iterator[tuple[int, np.ndarray, list[np.ndarray]]]:
+    """:func:`concurrency_arrays` a session at a time, in its order: ``(row, t, levels)``,
+    ``row`` the position in ``tv`` of one of its tasks, its steps from ``t[:-1]`` to ``t[1:]``."""
     launch, ps, ft, rel = (_f(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))
     end = task_ends(tv, sessions)
     spans = [(a, b, ~np.isnan(a) & ~np.isnan(b) & (b >= a)) for a, b in ((launch, end), (ps, ft), (ft, rel))]
     # Sessions in sorted key order (NA last).
     code = tv.reset_index(drop=True).groupby(GROUP, dropna=False, sort=True, observed=True).ngroup().to_numpy()
     used = spans[0][2] | spans[1][2] | spans[2][2]
-    parts = []
     for g, rows in sorted(rows_by_group(code, used).items()):
         ends = [(np.sort(a[rows][ok[rows]]), np.sort(b[rows][ok[rows]])) for a, b, ok in spans]
         # A step per distinct event time; a count after every event at time u is the intervals
         # begun by u minus those ended by u (what a running sum of +1/-1 events gives).
         t = np.unique(np.concatenate([x for pair in ends for x in pair]))
-        level = [sorted_right(s0, t[:-1]) - sorted_right(e0, t[:-1]) for s0, e0 in (ends[:1] if running_only else ends)]
-        parts.append((np.full(len(t) - 1, rows[0]), t[:-1], t[1:], *level))
-    if not parts:
-        return None
-    # (one session, the usual case: its arrays as they are, not copied into new ones)
-    rep, start, stop, *levels = parts[0] if len(parts) == 1 else (np.concatenate([p[k] for p in parts]) for k in range(len(parts[0])))
-    return rep, start, stop, levels
+        yield int(rows[0]), t, [sorted_right(s0, t[:-1]) - sorted_right(e0, t[:-1]) for s0, e0 in (ends[:1] if running_only else ends)]
 
 
 QUERY_BLOCK = 1 << 18  # overlap queries answered at a time (bounds their temporaries)

@@ -80,6 +80,11 @@ def _day_pieces(a: np.ndarray, z: np.ndarray, running: np.ndarray, starts: np.nd
     return running[rep], pz / 1e6 - pa / 1e6, day
 
 
+def _cat(arrays: list[np.ndarray]) -> np.ndarray:
+    """The arrays end to end (one: itself, not a copy)."""
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
 def _day_keys(a: np.ndarray, z: np.ndarray, running: np.ndarray, starts: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     """:func:`_day_pieces` of every step, a block of steps at a time (their temporaries stay
     bounded): each piece's ``day * width + running`` and seconds, in step order."""
@@ -88,7 +93,7 @@ def _day_keys(a: np.ndarray, z: np.ndarray, running: np.ndarray, starts: np.ndar
         run, secs, day = _day_pieces(a[i:i + STEP_BLOCK], z[i:i + STEP_BLOCK], running[i:i + STEP_BLOCK], starts)
         keys.append(day.astype(np.int64) * width + run)
         seconds.append(secs)
-    return np.concatenate(keys), np.concatenate(seconds)
+    return _cat(keys), _cat(seconds)
 
 
 @register("load")
@@ -97,30 +102,31 @@ def load_table(ds: Dataset, opts: Options) -> pd.DataFrame:
     per calendar day (in ``opts.tz``); ``max_running`` is the scope's highest concurrency, ``n_slots`` the most slots
     any session had."""
     tv = task_view(ds)
-    # Arrays, not the concurrency table: only the running count is read here.
-    got = tl.concurrency_arrays(tv, ds.server.sessions, running_only=True)
-    if got is None or not len(got[0]):
+    # A session at a time (its steps' arrays, not ones as long as all steps for the session of
+    # each step and its offset): only the running count is read here.
+    parts = list(tl.concurrency_parts(tv, ds.server.sessions, running_only=True))
+    if not sum(len(t) - 1 for _, t, _ in parts):
         return pd.DataFrame({c: pd.Series(dtype="float64") for c in LOAD_COLUMNS})
-    rep, start, stop, (running,) = got
-    width = int(running.max(initial=0)) + 1
-    rows = [_share_rows(running.astype(np.int64, copy=False), stop - start, width, np.array(["overall"], dtype=object))]
+    width = max(int(levels[0].max(initial=0)) for _, _, levels in parts) + 1
+    rows = [_share_rows(_cat([levels[0].astype(np.int64, copy=False) for _, _, levels in parts]),
+                        _cat([t[1:] - t[:-1] for _, t, _ in parts]), width, np.array(["overall"], dtype=object))]
     off = _wall_offsets(tv)
     if len(off):
-        # Each step's session's offset (NaN: none; those steps have no calendar day).
+        # Each session's offset (NaN: none; its steps have no calendar day).
         tcode, ocode = tl.key_codes([tv, off], tl.GROUP)
-        offset = tl.by_code(ocode, off["offset_us"].to_numpy(dtype=np.float64), tcode[rep], np.nan)
-        has = np.flatnonzero(~np.isnan(offset))
-        del tcode, ocode, rep
-        a = offset[has] + start[has] * 1e6
-        z = offset[has] + stop[has] * 1e6
-        running = running[has]
-        del offset, start, stop, has
+        offset = tl.by_code(ocode, off["offset_us"].to_numpy(dtype=np.float64), tcode[[row for row, _, _ in parts]], np.nan)
+        del tcode, ocode
+        dated = [(o, t, levels[0]) for o, (_, t, levels) in zip(offset, parts) if not np.isnan(o) and len(t) > 1]
+        del parts
+    else:
+        dated = []
+    if dated:
         # Cut steps at midnights: one piece per day each step touches; the pieces, in step
-        # order, summed at once.
-        starts, names = _midnights(a.min(), z.max(), opts.tz)
-        key, seconds = _day_keys(a, z, running, starts, width)
-        del a, z, running
-        rows.append(_share_rows(key, seconds, width, names))
+        # order, summed at once. (Steps are in time order: a session's first and last bound them.)
+        starts, names = _midnights(min(o + t[0] * 1e6 for o, t, _ in dated), max(o + t[-1] * 1e6 for o, t, _ in dated), opts.tz)
+        pieces = [_day_keys(o + t[:-1] * 1e6, o + t[1:] * 1e6, running, starts, width) for o, t, running in dated]
+        del dated
+        rows.append(_share_rows(_cat([k for k, _ in pieces]), _cat([v for _, v in pieces]), width, names))
     out = pd.concat(rows, ignore_index=True)
     n_slots = pd.to_numeric(ds.server.sessions["n_slots"], errors="coerce").max() if len(ds.server.sessions) else np.nan
     out["n_slots"] = pd.array([n_slots] * len(out), dtype="Int64") if pd.notna(n_slots) else pd.array([pd.NA] * len(out), dtype="Int64")
