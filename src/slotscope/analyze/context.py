@@ -123,18 +123,18 @@ def context(ds: Dataset, opts: Options) -> pd.DataFrame:
     bins = w.pop("bin").to_numpy().astype(np.int64)
     tg, task = w["tg_3s_tps"].to_numpy(dtype=float), w["task"].to_numpy(dtype=np.int64)
     width = int(task.max(initial=0)) + 1
-    parts = []
+    per_basis = []
     for b in BASES:
         sel = w[b].to_numpy() & (bins >= 0)
         c, v = bins[sel], tg[sel]
-        parts.append(pd.DataFrame({
+        per_basis.append(pd.DataFrame({
             "samples": np.bincount(c[~np.isnan(v)], minlength=len(LABELS)),
             "tasks": np.bincount(np.unique(c * width + task[sel]) // width, minlength=len(LABELS)),
             "median_tg_3s_tps": [tl.median(v[c == k]) for k in range(len(LABELS))],
         }, index=pd.Index(LABELS, name="bin")))
         del sel, c, v
     del w, bins, tg, task
-    table = pd.concat(parts, keys=list(BASES), names=["basis", "bin"])
+    table = pd.concat(per_basis, keys=list(BASES), names=["basis", "bin"])
     table = table.reindex(pd.MultiIndex.from_product([list(BASES), LABELS], names=["basis", "context_tokens"]))
     table = table.reset_index()
     table[["samples", "tasks"]] = table[["samples", "tasks"]].fillna(0).astype("int64")
