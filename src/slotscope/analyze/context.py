@@ -119,17 +119,16 @@ def context(ds: Dataset, opts: Options) -> pd.DataFrame:
     w = pd.concat([_windows(hb, prompt, tokens, holding, prefilling) for hb in parts]
                   or [_windows(ds.server.gen_samples, prompt, tokens, holding, prefilling)], ignore_index=True)
     # Per basis and bin, on arrays (a table of the rows per basis, and a groupby nunique, held
-    # ~100 MB at 1 GB of log): distinct tasks as distinct (bin, task) integers.
+    # ~100 MB at 1 GB of log).
     bins = w.pop("bin").to_numpy().astype(np.int64)
     tg, task = w["tg_3s_tps"].to_numpy(dtype=float), w["task"].to_numpy(dtype=np.int64)
-    width = int(task.max(initial=0)) + 1
     per_basis = []
     for b in BASES:
         sel = w[b].to_numpy() & (bins >= 0)
         c, v = bins[sel], tg[sel]
         per_basis.append(pd.DataFrame({
             "samples": np.bincount(c[~np.isnan(v)], minlength=len(LABELS)),
-            "tasks": np.bincount(np.unique(c * width + task[sel]) // width, minlength=len(LABELS)),
+            "tasks": tl.distinct_per_group(c, task[sel], len(LABELS)),
             "median_tg_3s_tps": [tl.median(v[c == k]) for k in range(len(LABELS))],
         }, index=pd.Index(LABELS, name="bin")))
         del sel, c, v

@@ -571,10 +571,7 @@ def stalls(ds: Dataset, opts: Options) -> pd.DataFrame:
     whether the class rests on exact segment counts, pass-cadence splits, or both.
     """
     sm = _shared_summary(ds, opts)
-    # Distinct tasks per class: one integer per (class, task), not a table of the pairs.
-    pair = np.unique(sm.cls.astype(np.int64) * (int(sm.task.max(initial=0)) + 1) + sm.task)
-    tasks = np.bincount(pair // (int(sm.task.max(initial=0)) + 1), minlength=len(CLASSES))
-    del pair
+    tasks = tl.distinct_per_group(sm.cls, sm.task, len(CLASSES))
     # Median and 10th percentile a class at a time, on arrays (a groupby of every piece held
     # ~50 bytes a piece: 146 MB at 1 GB); equal to a groupby's (timeline.median, .quantile).
     median, p10 = np.full(len(CLASSES), np.nan), np.full(len(CLASSES), np.nan)
