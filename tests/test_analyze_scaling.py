@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from slotscope import analyze
+from slotscope import analyze, store
 from slotscope import timeline as tl
 from slotscope.analyze import Options
 from slotscope.analyze import stalls as st
@@ -47,7 +47,7 @@ def test_tables_do_not_depend_on_block_sizes(scenario: str, monkeypatch: pytest.
 
 
 def test_shared_task_view_is_private_to_each_caller_and_dropped_after_the_block() -> None:
-    ds = _ds("before")
+    ds = load([REAL / "before" / "logs"])  # (in memory: analyze.run moves a dataset's tables to disk)
     plain = task_view(ds)
     with ds.shared():
         a = task_view(ds)
@@ -62,12 +62,17 @@ def test_shared_task_view_is_private_to_each_caller_and_dropped_after_the_block(
 
 
 def test_run_gives_the_tables_one_by_one_gives() -> None:
-    ds = _ds("after")
+    """run() reads the columns each table needs of tables it moved to disk; one table at a
+    time on a dataset in memory reads the tables whole."""
+    ds = load([REAL / "after" / "logs"])
+    alone = {name: analyze.TABLES[name](ds, Options()) for name in analyze.table_names() if name != "findings"}
+    assert ds._view is None and not isinstance(store.raw(ds.server, "tasks"), store.StoredTable)
     together = analyze.run(ds, Options(), strict=True)
+    assert isinstance(store.raw(ds.server, "tasks"), store.StoredTable) and ds._view is not None
     for name, table in together.items():
         if name == "findings":
             continue
-        pd.testing.assert_frame_equal(analyze.TABLES[name](ds, Options()), table)
+        pd.testing.assert_frame_equal(alone[name], table)
 
 
 def test_key_codes_follow_the_sort_order_of_the_keys_with_gaps_last() -> None:

@@ -30,6 +30,7 @@ import pyarrow.json as pa_json
 
 from .errors import AppLogError
 from .sources import CHUNK_SIZE, Span, is_plain, iter_chunks, iter_spans, open_binary, read_span
+from .store import StoredField
 from .workers import Pool
 
 # Specific names before generic ones: a record with both `start` and `ts` usually means
@@ -118,7 +119,7 @@ class AppAccounting:
 class AppLog:
     """The calls table and the accounting of how it was read."""
 
-    calls: pd.DataFrame
+    calls: pd.DataFrame = StoredField()  # type: ignore[assignment]
     accounting: AppAccounting
 
 

@@ -45,7 +45,7 @@ import pandas as pd
 from rich.console import Console
 from rich.rule import Rule
 
-from . import timeline as tl
+from . import store, timeline as tl
 from .analyze import Options
 from .analyze.prefill_speed import effective_chunk_tokens
 from .analyze.stalls import MIN_PIECE_S, segment_pieces
@@ -364,7 +364,8 @@ def _settings(ds: Dataset, tv: pd.DataFrame, subj: np.ndarray, lo: float, hi: fl
         return ", ".join(sorted(str(x) for x in v)) if len(v) else UNKNOWN
 
     ps = ds.server.prefill_samples
-    own = dataclasses.replace(ds, server=dataclasses.replace(ds.server, prefill_samples=_semi(ps, tv.loc[subj, keys])))
+    own = dataclasses.replace(ds, server=dataclasses.replace(ds.server, tasks=store.raw(ds.server, "tasks"),  # (not built)
+                                                             prefill_samples=_semi(ps, tv.loc[subj, keys])))
     chunk = effective_chunk_tokens(own) if ps is not None and len(ps) else None
     lora, mix = UNKNOWN, ""
     if ds.matches is not None and "lora" in ds.matches.calls.columns:

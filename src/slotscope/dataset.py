@@ -21,6 +21,7 @@ from .match import Matches, match
 from .server_log import ServerLogs, read_server_logs
 from .tasks import release_memory  # noqa: F401 - used here and by the analyzers
 from .sources import STDIN, Inputs, collect, reopen
+from . import store
 from .timeline import key_codes
 from .workers import Pool
 
@@ -35,6 +36,8 @@ class Dataset:
     accounting: Accounting
     # Intermediates several analyzers share (see :meth:`shared`); None outside such a block.
     _memo: dict[Any, Any] | None = field(default=None, init=False, repr=False, compare=False)
+    # The task view on disk (see :meth:`keep_on_disk`); not carried to a dataclasses.replace copy.
+    _view: store.StoredTable | None = field(default=None, init=False, repr=False, compare=False)
 
     @contextmanager
     def shared(self) -> Iterator[Dataset]:
@@ -65,6 +68,33 @@ class Dataset:
         if self._memo is not None:
             for key in [k for k in self._memo if not keep(k)]:
                 del self._memo[key]
+
+    def keep_on_disk(self) -> None:
+        """Move the big tables to disk: the tasks, the calls and the task view (built here).
+
+        They read as before (a field read builds its table, kept until :meth:`unload`), but
+        :func:`task_view` with ``columns``, :func:`tasks_of` and :func:`calls_of` read only
+        the columns asked for: a report table then holds those, not every table whole (at
+        1 GB of log ~300 MB).
+        """
+        if self._view is None:
+            self._view = store.StoredTable(_task_view(self), "task view")
+        store.keep_on_disk(self.server, "tasks", "tasks")
+        if self.matches is not None:
+            store.keep_on_disk(self.matches, "calls", "calls")
+        if self.app is not None:
+            store.keep_on_disk(self.app, "calls", "app calls")
+        release_memory()
+
+    def unload(self) -> None:
+        """Free the tables built from disk by reading a field (built again when read)."""
+        store.unload(self.server, "tasks")
+        if self.matches is not None:
+            store.unload(self.matches, "calls")
+        if self.app is not None:
+            store.unload(self.app, "calls")
+        if self._view is not None:
+            self._view.unload()
 
     @property
     def tasks(self) -> pd.DataFrame:
@@ -153,7 +183,7 @@ TASK_VIEW_EXTRA = ["call_id", "purpose", "user", "lora", "call_start_at", "queue
 TASK_VIEW = "task_view"  # its memo key
 
 
-def task_view(ds: Dataset) -> pd.DataFrame:
+def task_view(ds: Dataset, columns: Sequence[str] | None = None) -> pd.DataFrame:
     """Tasks with what the app says about them (purpose, user, LoRA, queue wait) where matched.
 
     Times stay in seconds on each session's server clock (``*_s``); where the session's clock
@@ -162,10 +192,28 @@ def task_view(ds: Dataset) -> pd.DataFrame:
 
     Inside :meth:`Dataset.shared` every caller gets its own shallow copy of one computed table
     (copy-on-write: adding or changing a column never reaches the others).
+
+    ``columns``: only those of them the view has (in its order); after
+    :meth:`Dataset.keep_on_disk` only they are read.
     """
+    if ds._view is not None:
+        return ds._view.read(columns)
     if ds._memo is None:
-        return _task_view(ds)
-    return own_copy(ds.memo(TASK_VIEW, lambda: _task_view(ds)))
+        tv = _task_view(ds)
+    else:
+        tv = own_copy(ds.memo(TASK_VIEW, lambda: _task_view(ds)))
+    return tv if columns is None else tv[[c for c in tv.columns if c in set(columns)]]
+
+
+def tasks_of(ds: Dataset, columns: Sequence[str]) -> pd.DataFrame:
+    """Those of ``columns`` the task table has (only they are read from disk)."""
+    return store.columns_of(ds.server, "tasks", columns)
+
+
+def calls_of(ds: Dataset, columns: Sequence[str]) -> pd.DataFrame:
+    """Those of ``columns`` the matched calls have (only they are read from disk); needs an app log."""
+    assert ds.matches is not None
+    return store.columns_of(ds.matches, "calls", columns)
 
 
 # pandas >= 3 copies on write: a shallow copy is a private table. Before that it shares values.

@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from .align import SESSION_KEY, app_clock_us
+from .store import StoredField
 from .timeline import within_ranges
 
 MATCH_COLUMNS = [
@@ -35,7 +36,7 @@ TOLERANCE_MS = 50.0  # app clocks log ms; wrappers and HTTP add a few ms
 class Matches:
     """The joined calls, the server tasks no call explains, and the alignment used."""
 
-    calls: pd.DataFrame
+    calls: pd.DataFrame = StoredField()  # type: ignore[assignment]
     unlogged: pd.DataFrame
     aligned: pd.DataFrame
 

@@ -39,6 +39,7 @@ from .errors import InputError
 from .sources import (
     CHUNK_SIZE, STDIN, Inputs, LogFile, Span, collect, is_plain, iter_chunks, iter_spans, read_span, reopen, staged,
 )
+from .store import StoredField
 from .workers import Pool
 from .scanner import COMP_BUILD, SRV_EVENT, Reading, Scan, scan
 from .tasks import (
@@ -596,7 +597,7 @@ class ServerLogs:
     :meth:`unload_samples`.
     """
 
-    tasks: pd.DataFrame
+    tasks: pd.DataFrame = StoredField()  # type: ignore[assignment]
     gen_samples: pd.DataFrame = _SampleTable()  # type: ignore[assignment]
     prefill_samples: pd.DataFrame = _SampleTable()  # type: ignore[assignment]
     sessions: pd.DataFrame

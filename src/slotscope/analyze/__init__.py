@@ -119,6 +119,7 @@ def run(ds: Dataset, opts: Options | None = None, names: list[str] | None = None
     todo = _compute_order([n for n in needed if n != "findings"]) + (["findings"] if "findings" in wanted else [])
     step = on_table or (lambda name, i, n: None)
     module = None
+    ds.keep_on_disk()  # each table reads the columns it needs of the tasks, calls and task view
     with ds.shared():
         for i, name in enumerate(todo):
             if name == "findings":
@@ -129,6 +130,7 @@ def run(ds: Dataset, opts: Options | None = None, names: list[str] | None = None
                 # (and their indexes by task once no table still to run reads samples)
                 ds.server.unload_samples(indexes=not any(n in SAMPLE_READERS for n in todo[i:]))
                 module = TABLES[name].__module__
+            ds.unload()  # tables a previous one read whole
             gc.collect()  # (pandas objects hold one another in cycles: their arrays wait for the collector)
             release_memory()  # what the previous table dropped: its peak is not the next one's base
             try:

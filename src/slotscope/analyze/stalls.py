@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .. import timeline as tl
+from .. import store, timeline as tl
 from ..dataset import Dataset, release_memory, task_view
 from ..server_log import Samples
 from . import Options, register
@@ -452,7 +452,8 @@ def _blockwise(ds: Dataset, tv: pd.DataFrame) -> Iterator[tuple[np.ndarray, Data
                 part.append(samples.of_tasks(tvb))
             else:
                 part.append(samples if index is None else samples.iloc[_rows_with(index, np.unique(tcode[rows]))])
-        sub = dataclasses.replace(ds, server=dataclasses.replace(server, gen_samples=part[0], prefill_samples=part[1]))
+        sub = dataclasses.replace(ds, server=dataclasses.replace(server, tasks=store.raw(server, "tasks"),  # (not built)
+                                                                 gen_samples=part[0], prefill_samples=part[1]))
         yield rows, sub, tvb
 
 

@@ -1,0 +1,139 @@
+"""Tables kept on disk while the report is computed, read back a few columns at a time.
+
+At 1 GB of log the task table, the calls and the task view hold ~300 MB between them, and
+each report table reads a handful of their ~40 columns. :class:`StoredTable` writes a table
+once to an Arrow IPC file in ``$TMPDIR`` (a slice of rows at a time, so the write never
+holds a second copy of it) and reads back just the columns asked for, with the dtypes the
+table had (categories with their categories, nullable integers, wall times with their zone).
+
+A dataclass field declared as :class:`StoredField` holds a DataFrame or a StoredTable:
+reading the field gives a DataFrame (built from disk on first read and kept until
+:func:`unload`), and :func:`columns_of` gives some of its columns without building it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Sequence
+
+import pandas as pd
+import pyarrow as pa
+
+from .errors import SlotscopeError
+
+ROWS_PER_BATCH = 1 << 16  # rows converted to Arrow at a time while writing
+
+
+class StoredTable:
+    """One DataFrame (with the default index 0..n-1) in an Arrow IPC file of its own."""
+
+    def __init__(self, df: pd.DataFrame, what: str = "table") -> None:
+        self.dtypes = df.dtypes
+        self.columns = list(df.columns)
+        self.n = len(df)
+        self._tmp = tempfile.TemporaryDirectory(prefix="slotscope-")
+        self.path = os.path.join(self._tmp.name, what)
+        self._built: pd.DataFrame | None = None
+        try:
+            with pa.OSFile(self.path, "wb") as sink:
+                schema = None
+                writer = None
+                for a in range(0, max(self.n, 1), ROWS_PER_BATCH):
+                    part = pa.Table.from_pandas(df.iloc[a:a + ROWS_PER_BATCH], preserve_index=False, schema=schema)
+                    if writer is None:
+                        schema = part.schema
+                        writer = pa.ipc.new_file(sink, schema)
+                    writer.write_table(part)
+                assert writer is not None
+                writer.close()
+        except OSError as e:  # a full or read-only temporary directory
+            self._tmp.cleanup()
+            raise SlotscopeError(getattr(e, "filename", None) or tempfile.gettempdir(), None,
+                                 f"cannot write the {what} to the temporary directory ({e.strerror or e}); "
+                                 "set TMPDIR to a directory with room") from None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def read(self, columns: Sequence[str] | None = None) -> pd.DataFrame:
+        """These columns (all: None) of every row, in the table's column order, as they were."""
+        names = self.columns if columns is None else [c for c in self.columns if c in set(columns)]
+        if self._built is not None:
+            return self._built[names].copy(deep=False)
+        with pa.memory_map(self.path) as source:
+            table = pa.ipc.open_file(source).read_all().select(names)
+            df = table.to_pandas()  # (copied out of the mapped file: writable arrays, the file unmapped after)
+            del table
+        for c in names:  # what Arrow does not keep as pandas had it (e.g. the type of categories)
+            if df[c].dtype != self.dtypes[c]:
+                df[c] = df[c].astype(self.dtypes[c])
+        if not len(names):
+            df = pd.DataFrame(index=pd.RangeIndex(self.n))
+        return df
+
+    def table(self) -> pd.DataFrame:
+        """The whole table, built once and kept until :meth:`unload`."""
+        if self._built is None:
+            self._built = self.read()
+        return self._built
+
+    def unload(self) -> None:
+        self._built = None
+
+    def __reduce__(self) -> tuple:
+        return _table_itself, (self.table(),)  # pickled as its table: the file is this process'
+
+
+def _table_itself(df: pd.DataFrame) -> pd.DataFrame:
+    return df
+
+
+class StoredField:
+    """A dataclass field holding a DataFrame or a :class:`StoredTable`; read, it is a DataFrame."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.key = "_" + name
+
+    def __get__(self, obj: object, owner: type | None = None) -> pd.DataFrame:
+        if obj is None:
+            raise AttributeError(self.key)  # (for dataclasses: the field has no default)
+        v = obj.__dict__[self.key] if self.key in obj.__dict__ else obj.__dict__[self.key[1:]]  # (pickled before it was one)
+        return v.table() if isinstance(v, StoredTable) else v
+
+    def __set__(self, obj: object, value: "pd.DataFrame | StoredTable") -> None:
+        obj.__dict__[self.key] = value
+
+
+def raw(obj: object, name: str) -> "pd.DataFrame | StoredTable | Any":
+    """What field ``name`` of ``obj`` holds, without building a stored table."""
+    d = obj.__dict__
+    return d["_" + name] if "_" + name in d else d.get(name, getattr(obj, name))
+
+
+def stored(obj: object, name: str) -> StoredTable | None:
+    v = raw(obj, name)
+    return v if isinstance(v, StoredTable) else None
+
+
+def keep_on_disk(obj: object, name: str, what: str) -> None:
+    """Move field ``name`` of ``obj`` (a DataFrame) to disk."""
+    v = raw(obj, name)
+    if isinstance(v, pd.DataFrame):
+        object.__setattr__(obj, name, StoredTable(v.reset_index(drop=True), what))  # (frozen ones too)
+
+
+def columns_of(obj: object, name: str, columns: Sequence[str]) -> pd.DataFrame:
+    """Those of ``columns`` that field ``name`` of ``obj`` has (in its order), without reading
+    the others from disk."""
+    v = raw(obj, name)
+    if isinstance(v, StoredTable):
+        return v.read(columns)
+    return v[[c for c in v.columns if c in set(columns)]]
+
+
+def unload(obj: object, name: str) -> None:
+    """Free the table built from disk for field ``name`` (built again when read)."""
+    v = raw(obj, name)
+    if isinstance(v, StoredTable):
+        v.unload()
