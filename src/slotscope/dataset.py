@@ -97,6 +97,11 @@ class Dataset:
             self._view.unload()
 
     @property
+    def n_tasks(self) -> int:
+        """Rows of the task table (not read from disk)."""
+        return len(store.raw(self.server, "tasks"))
+
+    @property
     def tasks(self) -> pd.DataFrame:
         return self.server.tasks
 
@@ -196,12 +201,10 @@ def task_view(ds: Dataset, columns: Sequence[str] | None = None) -> pd.DataFrame
     ``columns``: only those of them the view has (in its order); after
     :meth:`Dataset.keep_on_disk` only they are read.
     """
-    if ds._view is not None:
+    if ds._view is not None and (columns is not None or ds._memo is None):
         return ds._view.read(columns)
-    if ds._memo is None:
-        tv = _task_view(ds)
-    else:
-        tv = own_copy(ds.memo(TASK_VIEW, lambda: _task_view(ds)))
+    make = (lambda: ds._view.read()) if ds._view is not None else (lambda: _task_view(ds))  # type: ignore[union-attr]
+    tv = make() if ds._memo is None else own_copy(ds.memo(TASK_VIEW, make))
     return tv if columns is None else tv[[c for c in tv.columns if c in set(columns)]]
 
 

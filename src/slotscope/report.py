@@ -12,7 +12,7 @@ import pandas as pd
 from rich.console import Console
 from rich.rule import Rule
 
-from .dataset import Dataset
+from .dataset import Dataset, calls_of, tasks_of
 from .output import print_table
 
 # One-line explanations printed above each table.
@@ -81,11 +81,13 @@ def render(ds: Dataset, tables: dict[str, pd.DataFrame], file: IO[str] | None = 
     """Print the whole report: alignment, findings first, then every table with its caption."""
     console = Console(file=file, width=width, soft_wrap=False, highlight=False)
     # (the distinct sources made text, not each task's: 560k texts at 1 GB of log)
-    src = ", ".join(sorted(set(map(str, pd.unique(ds.tasks["source"]))))) if len(ds.tasks) else "(no server log)"
+    # (only the columns read here: the tables may wait on disk, see Dataset.keep_on_disk)
+    src = ", ".join(sorted(set(map(str, pd.unique(tasks_of(ds, ["source"])["source"]))))) if ds.n_tasks else "(no server log)"
     console.print(Rule(f"slotscope report: {src}", align="left"))
-    console.print(f"{len(ds.tasks):,} server tasks in {len(ds.server.sessions)} session(s)"
-                  + (f"; {len(ds.matches.calls):,} app calls, {int(ds.matches.calls['task_id'].notna().sum()):,} matched"
-                     if ds.matches is not None else ""), markup=False)
+    matched = calls_of(ds, ["task_id"])["task_id"] if ds.matches is not None else None
+    console.print(f"{ds.n_tasks:,} server tasks in {len(ds.server.sessions)} session(s)"
+                  + (f"; {len(matched):,} app calls, {int(matched.notna().sum()):,} matched"
+                     if matched is not None else ""), markup=False)
     setup = setup_line(ds.server.sessions)
     if setup:
         console.print(setup, markup=False)

@@ -16,6 +16,7 @@ import pandas as pd
 
 GROUP = ["source", "port", "session"]
 PHASES = ("queue", "wait", "prefill", "generation")
+TIMES = ["launch_s", "prefill_start_s", "first_token_s", "release_s"]  # a task's times (task_ends reads all four)
 PHASE_COLUMNS = [
     "source", "port", "session", "slot", "task_id", "phase", "start_s", "end_s",
     "purpose", "user", "lora", "prompt_tokens_new", "line",

@@ -91,7 +91,7 @@ def _alone_stretches(ds: Dataset, tv: pd.DataFrame, opts: Options, tv_is_task_vi
 def breakdown(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Seconds and share of each component, for all tasks (``purpose`` = ``all``) and per purpose
     (``unlogged`` for tasks no app call matched; ``unknown`` when there is no app log)."""
-    tv = task_view(ds)
+    tv = task_view(ds, _KEYS + tl.TIMES + ["prompt_tokens_new", "n_gen", "gen_tps", "prefill_tps", "queue_ms", "purpose"])
     solo = solo_speeds(ds, tv, opts, tv_is_task_view=True)
     gen_tps, gen_n, gen_basis = solo["gen"]  # type: ignore[misc]
     pre_tps, pre_n, pre_basis = solo["prefill"]  # type: ignore[misc]

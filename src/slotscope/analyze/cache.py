@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..dataset import Dataset, own_copy
+from ..dataset import Dataset, calls_of, own_copy
 from . import SHARED, Options, register
 from .turns import is_chat_turn, measured_calls, needs_app_log
 
@@ -116,7 +116,7 @@ def shared_pairs(ds: Dataset, opts: Options) -> pd.DataFrame:
     """The turn pairs of the matched calls, computed once for the tables that read them (cache,
     cache-misses, prefills' causes); each caller gets its own copy."""
     assert ds.matches is not None
-    pairs = ds.memo((SHARED, "turn pairs", opts.cache_window_s), lambda: turn_pairs(slim_calls(ds.matches.calls), opts))
+    pairs = ds.memo((SHARED, "turn pairs", opts.cache_window_s), lambda: turn_pairs(calls_of(ds, PAIR_COLUMNS), opts))
     return own_copy(pairs)
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from .. import timeline as tl
-from ..dataset import Dataset
+from ..dataset import Dataset, tasks_of
 from . import Options, register
 
 EDGES = [0, 2_000, 5_000, 10_000, 15_000, np.inf]
@@ -105,8 +105,8 @@ def _windows(hb: pd.DataFrame, prompt: pd.DataFrame, tokens: np.ndarray, holding
 @register("context")
 def context(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Median tg_3s of unstalled heartbeat windows per context-length bin, alone and in any company."""
-    tasks = ds.server.tasks
     keys = SESSION + ["task_id"]
+    tasks = tasks_of(ds, keys + ["prompt_tokens", "launch_s", "release_s", "prefill_start_s", "first_token_s"])
     prompt = tasks[keys + ["prompt_tokens"]]
     first = tl.first_of_each_task(prompt)
     if first is not None:  # a task listed twice: its first row

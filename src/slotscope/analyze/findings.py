@@ -93,7 +93,7 @@ def findings(ds: Dataset, opts: Options, tables: dict[str, pd.DataFrame]) -> pd.
         secs = pd.to_numeric(overall.get("seconds", pd.Series(dtype=float)), errors="coerce").sum()
         add(f"The server was idle {idle:.0%} of the observed {secs / 3600:.2f} h; two or more tasks ran together "
             f"{two:.0%} of the time (max {int(running[share > 0].max()) if (share > 0).any() else 0} at once).",
-            "load", int(len(ds.tasks)), len(ds.tasks) >= opts.min_samples)
+            "load", ds.n_tasks, ds.n_tasks >= opts.min_samples)
 
     bd = tables.get("breakdown")
     if bd is not None and {"component", "seconds"} <= set(bd.columns):
@@ -104,8 +104,8 @@ def findings(ds: Dataset, opts: Options, tables: dict[str, pd.DataFrame]) -> pd.
         if tot > 0 and cont is not None:
             gen = _num(comp.get("own_generation")) or 0
             add(f"Of {tot:,.0f} s of task time, {gen / tot:.0%} was each task's own generation at solo speed and "
-                f"{cont / tot:.0%} was added by contention with other slots.", "breakdown", int(len(ds.tasks)),
-                len(ds.tasks) >= opts.min_samples)
+                f"{cont / tot:.0%} was added by contention with other slots.", "breakdown", ds.n_tasks,
+                ds.n_tasks >= opts.min_samples)
 
     pf = tables.get("prefills")
     if pf is not None and {"by", "value", "count"} <= set(pf.columns):

@@ -101,7 +101,7 @@ def load_table(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Seconds and share of the observed span with each number of tasks running, overall and
     per calendar day (in ``opts.tz``); ``max_running`` is the scope's highest concurrency, ``n_slots`` the most slots
     any session had."""
-    tv = task_view(ds)
+    tv = task_view(ds, tl.GROUP + tl.TIMES + ["launch_at"])
     # A session at a time (its steps' arrays, not ones as long as all steps for the session of
     # each step and its offset): only the running count is read here.
     parts = list(tl.concurrency_parts(tv, ds.server.sessions, running_only=True))

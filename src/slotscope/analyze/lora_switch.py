@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ..dataset import Dataset, task_view
+from ..dataset import Dataset, task_view, tasks_of
 from . import Options, register
 from .context import SESSION, tasks_during
 from .turns import needs_app_log
@@ -32,13 +32,13 @@ def lora_switch(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Median prefill time of short prompts right after a LoRA change and after the same setting, by target setting."""
     if ds.matches is None:
         return needs_app_log(COLUMNS)
-    # Only the columns read here are sorted (the task view has ~40).
-    tv = task_view(ds)[SESSION + ["launch_s", "task_id", "lora", "prompt_tokens_new", "prompt_eval_ms",
-                                  "prefill_start_s", "first_token_s"]]
+    # Only the columns read here are read and sorted (the task view has ~50).
+    tv = task_view(ds, SESSION + ["launch_s", "task_id", "lora", "prompt_tokens_new", "prompt_eval_ms",
+                                  "prefill_start_s", "first_token_s"])
     tv = tv.sort_values(SESSION + ["launch_s", "task_id"], kind="stable").reset_index(drop=True)
     tv["lora"] = tv["lora"].astype("string")
     tv["prev_lora"] = tv.groupby(SESSION, sort=False, observed=True)["lora"].shift(1)
-    tv["others"] = tasks_during(ds.server.tasks, tv, "prefill_start_s", "first_token_s") - 1
+    tv["others"] = tasks_during(tasks_of(ds, SESSION + ["launch_s", "release_s"]), tv, "prefill_start_s", "first_token_s") - 1
     short = (tv["prompt_tokens_new"] < SHORT_PROMPT_TOKENS).fillna(False) & tv["prompt_eval_ms"].notna()
     known = tv["lora"].notna() & tv["prev_lora"].notna()
     t = tv.loc[(short & known).to_numpy()].copy()

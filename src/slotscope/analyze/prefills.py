@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 from .. import timeline as tl
-from ..dataset import Dataset, task_view
+from ..dataset import Dataset, calls_of, task_view
 from . import Options, register
 from .cache import SUMMARY, shared_pairs, slim_calls, turn_pairs
 from .turns import needs_app_log
@@ -116,12 +116,12 @@ def prefills(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Count, new tokens and prefill seconds of the big prefills, by purpose and by cause."""
     if ds.matches is None:
         return needs_app_log(COLUMNS)
-    tv = task_view(ds)
-    # Only the columns read here, of the big prefills (the task view has ~40).
+    # Only the columns read here (the task view has ~50, the calls ~40), the task view's of the big prefills.
+    tv = task_view(ds, ["task_id", "purpose", "prompt_tokens_new", "prompt_eval_ms"] + _KEY)
     big = tv.loc[(tv["prompt_tokens_new"] >= opts.big_prefill_tokens).fillna(False).to_numpy(),
                  ["task_id", "purpose", "prompt_tokens_new", "prompt_eval_ms"] + _KEY]
     del tv
-    calls = ds.matches.calls
+    calls = calls_of(ds, ["user", "start_at", "app_session", "purpose"] + _KEY)
     order, cause = _sorted_causes(calls, opts, shared_pairs(ds, opts))
     by_row = np.empty(len(calls), dtype=np.int8)
     by_row[order] = cause
@@ -148,6 +148,6 @@ def prefills(ds: Dataset, opts: Options) -> pd.DataFrame:
     table["seconds_total"] = table["seconds_total"].astype("float64").fillna(0.0).round(3)
     table["few_samples"] = table["count"] < opts.min_samples
     table["note"] = ""
-    if "app_session" not in ds.matches.calls or ds.matches.calls["app_session"].isna().all():
+    if "app_session" not in calls or calls["app_session"].isna().all():
         table.loc[table["value"] == "first_of_session", "note"] = "the app log names no sessions"
     return table[COLUMNS]

@@ -52,6 +52,8 @@ EPS_S = 0.2
 WORST_MIN_S = 3.0
 
 _TASK_KEYS = tl.GROUP + ["task_id"]
+# The task view's columns the pieces read (its segments, prefills and blocks).
+_VIEW = _TASK_KEYS + ["slot", "line", "n_gen", "prompt_tokens_new"] + tl.TIMES
 _SEGMENT_COLUMNS = _TASK_KEYS + ["slot", "start_s", "end_s", "tokens", "kind", "hb_line", "tg_3s_tps", "hb_file"]
 
 
@@ -474,7 +476,7 @@ class _Summary:
 
 
 def _summary(ds: Dataset, opts: Options) -> _Summary:
-    tv = task_view(ds)
+    tv = task_view(ds, _VIEW)
     task_code = tl.key_codes([tv], _TASK_KEYS)[0]
     long_enough: list[list[np.ndarray]] = []
     tokens, seconds = np.zeros(len(CLASSES)), np.zeros(len(CLASSES))
@@ -514,7 +516,7 @@ def _shared_summary(ds: Dataset, opts: Options) -> _Summary:
 
 def _shared_pieces(ds: Dataset, opts: Options) -> _Pieces:
     """The pieces of the task view, computed once for the tables that read them."""
-    return ds.memo((__name__, "pieces", opts.long_prefill_tokens), lambda: _pieces(ds, opts, task_view(ds)))
+    return ds.memo((__name__, "pieces", opts.long_prefill_tokens), lambda: _pieces(ds, opts, task_view(ds, _VIEW)))
 
 
 def _pieces_frame(ds: Dataset, tv: pd.DataFrame, pc: _Pieces, rows: np.ndarray | None = None) -> pd.DataFrame:
@@ -609,9 +611,9 @@ def stalls(ds: Dataset, opts: Options) -> pd.DataFrame:
 def worst_stalls(ds: Dataset, opts: Options) -> pd.DataFrame:
     """The slowest pieces of generation at least ``WORST_MIN_S`` long, with the stalled task and
     the largest other-slot prefill running during it (``cause_*``, NA when no prefill ran)."""
-    tv = task_view(ds)
-    p = _shared_summary(ds, opts).worst
     who = ["slot", "purpose", "user", "lora", "line", "file"]
+    tv = task_view(ds, _TASK_KEYS + who + ["prompt_tokens_new"])
+    p = _shared_summary(ds, opts).worst
     stalled = p[_TASK_KEYS].merge(tv[_TASK_KEYS + who], on=_TASK_KEYS, how="left").drop(columns="slot")
     cause_cols = ["slot", "purpose", "user", "lora", "prompt_tokens_new", "line", "file"]
     ckeys = p[tl.GROUP + ["cause_task_id"]].rename(columns={"cause_task_id": "task_id"})

@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from .. import timeline as tl
-from ..dataset import Dataset
+from ..dataset import Dataset, calls_of
 from . import Options, register
 
 CHAT = "chat"
@@ -81,7 +81,9 @@ def turns(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Count, median, p95 and max of call duration and time to first token, per purpose and for chat turns."""
     if ds.matches is None:
         return needs_app_log(COLUMNS)
-    calls = ds.matches.calls
+    # Only the columns read here (the calls table has ~40; after Dataset.keep_on_disk only they are read).
+    calls = calls_of(ds, ["ok", "task_id", "purpose", "total_ms", "ttft_ms", "prompt_tokens_cached",
+                          "prompt_tokens_new", "match_method"])
     ok = measured_calls(calls)
     # Only the columns read here, of the measured calls (the calls table has ~40).
     used = calls.loc[ok, ["purpose", "total_ms", "ttft_ms", "prompt_tokens_cached", "prompt_tokens_new"]]

@@ -51,7 +51,7 @@ def classify_waits(ds: Dataset, opts: Options, tv: pd.DataFrame | None = None) -
 def _shared(ds: Dataset, opts: Options) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """The task view, what ran and the classified waits, computed once for the waits tables."""
     def make() -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-        tv = task_view(ds)
+        tv = task_view(ds, _VIEW)
         run = _running(tv, ds.server.sessions)
         return tv, run, _classify(tv, run, opts, _TABLE_COLUMNS)
 
@@ -66,8 +66,10 @@ def _covered(waits: pd.DataFrame, wcode: np.ndarray, run: pd.DataFrame, rcode: n
                              _f(run["end_s"])[r], need=("covered",))[0].round(6)
 
 
-# The waits' own columns that the waits tables read (the task view has ~40).
+# The waits' own columns that the waits tables read (the task view has ~50).
 _TABLE_COLUMNS = _KEYS + ["slot", "purpose", "user", "lora", "line", "file", "launch_s", "prefill_start_s"]
+# What the waits tables read of the task view: the waits, what ran meanwhile, the deferred launches.
+_VIEW = _TABLE_COLUMNS + ["prompt_tokens_new", "wait_before_prefill_ms", "queue_ms"] + tl.TIMES
 
 
 def _classify(tv: pd.DataFrame, run: pd.DataFrame, opts: Options, columns: list[str] | None = None) -> pd.DataFrame:
