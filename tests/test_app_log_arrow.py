@@ -206,3 +206,55 @@ def test_blocks_of_lines_each_go_their_own_way(tmp_path: Path, monkeypatch: pyte
     assert taken == [True, True, False, True, True]
     _same(got, slow)
     assert [p.line for p in got.accounting.problems] == [24]
+
+
+def _finish_whole(frames: list[pd.DataFrame], tally: app_log._Tally) -> pd.DataFrame:
+    """The calls as _finish made them before it joined a column at a time: the chunks joined
+    whole, sorted, completed to the call columns, cast."""
+    import numpy as np
+
+    calls = pd.concat(frames, ignore_index=True)
+    codes, names = pd.factorize(calls["file"])
+    file_order = np.array([tally.files[n] for n in names], dtype=np.int64)[codes]
+    order = np.lexsort((calls["line"].to_numpy(), file_order, calls["start_us"].to_numpy()))
+    calls = calls.take(order).reset_index(drop=True)
+    calls["start_at"] = pd.to_datetime(calls["start_us"], unit="us", utc=True)
+    calls["end_at"] = pd.to_datetime(calls["end_us"], unit="us", utc=True)
+    extra = [c for c in ("session", "turn") if c in calls]
+    calls = calls.reindex(columns=[*app_log.CALL_COLUMNS, *extra])
+    calls = calls.astype({c: app_log._DTYPES[c] for c in calls.columns if c not in ("start_at", "end_at")})
+    calls["start_at"] = calls["start_at"].dt.as_unit("us")
+    calls["end_at"] = calls["end_at"].dt.as_unit("us")
+    return calls
+
+
+@pytest.mark.parametrize("arrow", [True, False])
+def test_calls_joined_a_column_at_a_time_equal_the_chunks_joined_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arrow: bool) -> None:
+    """Chunks of one log can differ in columns (a field the first records lack, written out of
+    time order): the calls are the same as a join of the whole chunks gives them."""
+    recs = _records()
+    for i, r in enumerate(recs):
+        if i < len(recs) // 2:  # the first chunks have no session, turn nor timings-like extras
+            r.pop("session", None)
+            r.pop("turn", None)
+            r.pop("cached_tokens", None)
+    recs = recs[7:] + recs[:7]  # not in time order: the join sorts
+    path = tmp_path / "app.jsonl"
+    path.write_bytes(_lines(recs))
+    monkeypatch.setattr(app_log, "CHUNK_ROWS", 5)
+    if not arrow:
+        monkeypatch.setattr(app_log, "_arrow_fields", lambda block, override: None)
+    seen = []
+    finish = app_log._finish
+
+    def spy(frames: list[pd.DataFrame], tally: app_log._Tally) -> app_log.AppLog:
+        seen.append(([f.copy() for f in frames], tally))
+        return finish(frames, tally)
+
+    monkeypatch.setattr(app_log, "_finish", spy)
+    got = read_app_logs([path]).calls
+    (frames, tally), = seen
+    assert len({tuple(f.columns) for f in frames}) > 1  # chunks with and without the columns
+    pd.testing.assert_frame_equal(got, _finish_whole(frames, tally))
+    assert got["session"].notna().any() and got["session"].isna().any()
