@@ -48,14 +48,22 @@ class Vote:
 
 def best_interval(lo: np.ndarray, hi: np.ndarray) -> Vote | None:
     """The point range covered by the most ``[lo, hi]`` intervals (sweep over sorted ends)."""
-    ok = np.isfinite(lo) & np.isfinite(hi) & (hi >= lo)
-    lo, hi = lo[ok], hi[ok]
+    ok = _usable(lo, hi)
+    return _vote(lo[ok], hi[ok])
+
+
+def _usable(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    return np.isfinite(lo) & np.isfinite(hi) & (hi >= lo)
+
+
+def _vote(lo: np.ndarray, hi: np.ndarray) -> Vote | None:
+    """:func:`best_interval` of usable intervals, sorting ``lo`` and ``hi`` in place."""
     if not len(lo):
         return None
     # Coverage peaks at a start: at a point p, the intervals begun by p and not ended before it.
     # The range runs from the first such p to the first end from p on (a start before that end
     # would cover more than the peak).
-    lo.sort()  # (copies already: sorted in place)
+    lo.sort()
     hi.sort()
     # The coverage at each start, a block of starts at a time (millions of pairs: bounded
     # temporaries); the first start of the highest coverage.
@@ -108,7 +116,7 @@ def _pair_arrays(tasks: pd.DataFrame, calls: pd.DataFrame) -> tuple[np.ndarray, 
     n = n.merge(m.reset_index(), on=key)
     big = n[n["_m"] * n["_n"] > SMALL_KEY]
     small_t = t.merge(n[n["_m"] * n["_n"] <= SMALL_KEY][SESSION_KEY + key], on=SESSION_KEY + key)
-    parts = [c.merge(small_t[key + ["_ti"]], on=key)[["_ci", "_ti"]]]
+    parts = [_pairs_of(c.merge(small_t[key + ["_ti"]], on=key))]
     del small_t
     if len(big):
         bt = t.merge(big[SESSION_KEY + key], on=SESSION_KEY + key)
@@ -119,21 +127,44 @@ def _pair_arrays(tasks: pd.DataFrame, calls: pd.DataFrame) -> tuple[np.ndarray, 
         bc = bc.iloc[np.argsort(calls["start_us"].to_numpy(dtype=float)[bc["_ci"].to_numpy()], kind="stable")]
         bc["_rank"] = bc.groupby(key, observed=True).cumcount()
         for d in (-2, -1, 0, 1, 2):
-            parts.append(bc.assign(_rank=bc["_rank"] + d).merge(bt, on=key + ["_rank"])[["_ci", "_ti"]])
-    ci = np.concatenate([p["_ci"].to_numpy(dtype=np.int64) for p in parts])
-    ti = np.concatenate([p["_ti"].to_numpy(dtype=np.int64) for p in parts])
-    del parts, c, t
-    # What the vote reads (no ids: a string per pair): each pair's offset interval.
-    prompt_ms, predicted_ms = (calls[k].to_numpy(dtype="float64", na_value=np.nan)[ci] for k in ("timings_prompt_ms", "timings_predicted_ms"))
-    has_timings = ~np.isnan(prompt_ms) & ~np.isnan(predicted_ms)
-    exact = has_timings & (np.abs(prompt_ms - tasks["prompt_eval_ms"].to_numpy(dtype=float)[ti]) < 0.006) & (
-        np.abs(predicted_ms - tasks["eval_ms"].to_numpy(dtype=float)[ti]) < 0.006)
-    keep = ~has_timings | exact
-    del prompt_ms, predicted_ms, has_timings
-    ci, ti, exact = ci[keep], ti[keep], exact[keep]
-    lo = calls["start_us"].to_numpy(dtype=float)[ci] - tasks["launch_s"].to_numpy(dtype=float)[ti] * 1e6
-    hi = calls["end_us"].to_numpy(dtype="float64", na_value=np.nan)[ci] - tasks["release_s"].to_numpy(dtype=float)[ti] * 1e6
+            parts.append(_pairs_of(bc.assign(_rank=bc["_rank"] + d).merge(bt, on=key + ["_rank"])))
+    del c, t
+    ci, ti = (parts[0][k] if len(parts) == 1 else np.concatenate([p[k] for p in parts]) for k in (0, 1))
+    del parts
+    # What the vote reads (no ids: a string per pair): each pair's offset interval. A pair whose
+    # call kept the server's timings is kept only where they are the task's (then it is exact);
+    # those arrays are made only when some call has timings (~5 pairs a call: 22 MB each at
+    # 1 GB of log).
+    timed = (calls["timings_prompt_ms"].notna() & calls["timings_predicted_ms"].notna()).to_numpy()
+    if timed.any():
+        prompt_ms, predicted_ms = (calls[k].to_numpy(dtype="float64", na_value=np.nan)[ci] for k in ("timings_prompt_ms", "timings_predicted_ms"))
+        has_timings = ~np.isnan(prompt_ms) & ~np.isnan(predicted_ms)
+        exact = has_timings & (np.abs(prompt_ms - tasks["prompt_eval_ms"].to_numpy(dtype=float)[ti]) < 0.006) & (
+            np.abs(predicted_ms - tasks["eval_ms"].to_numpy(dtype=float)[ti]) < 0.006)
+        keep = ~has_timings | exact
+        del prompt_ms, predicted_ms, has_timings
+        ci, ti, exact = ci[keep], ti[keep], exact[keep]
+    else:
+        exact = np.zeros(len(ci), dtype=bool)
+    lo = calls["start_us"].to_numpy(dtype=float)[ci]
+    lo -= _scaled(tasks["launch_s"].to_numpy(dtype=float), ti)
+    hi = calls["end_us"].to_numpy(dtype="float64", na_value=np.nan)[ci]
+    del ci
+    hi -= _scaled(tasks["release_s"].to_numpy(dtype=float), ti)
     return ti, lo, hi, exact
+
+
+def _pairs_of(joined: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """The call and task rows of a join's pairs, as arrays of their own (the join's other
+    columns freed with it, not kept alive by a view of its block)."""
+    return joined["_ci"].to_numpy(dtype=np.int64, copy=True), joined["_ti"].to_numpy(dtype=np.int64, copy=True)
+
+
+def _scaled(seconds: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``seconds[rows] * 1e6`` (one array made, not two)."""
+    out = seconds[rows]
+    out *= 1e6
+    return out
 
 
 def _ints(col: pd.Series, rows: np.ndarray) -> np.ndarray:
@@ -150,13 +181,19 @@ def align(
 ) -> pd.DataFrame:
     """One row per server session: its clock offset (µs since the epoch, app clock) and how it was found."""
     rows = []
-    by_session: dict[int, np.ndarray] = {}
+    by_session: dict[int, np.ndarray | None] = {}  # each session's pairs (None: all of them)
     scode = np.zeros(len(sessions), dtype=np.int64)
     if calls is not None and len(calls) and len(tasks):
         ti, lo, hi, exact = _pair_arrays(tasks, calls)
+        usable = _usable(lo, hi)
         tcode, scode = key_codes([tasks, sessions], SESSION_KEY)
-        by_session = rows_by_group(tcode[ti], np.ones(len(ti), dtype=bool))  # each session's pairs
+        pcode = tcode[ti]
         del ti, tcode
+        if len(pcode) and (pcode == pcode[0]).all():  # one session (the usual case): no row lists
+            by_session = {int(pcode[0]): None}
+        else:
+            by_session = rows_by_group(pcode, np.ones(len(pcode), dtype=bool))
+        del pcode
     for i, (_, s) in enumerate(sessions.iterrows()):  # a handful of sessions, not a hot path
         key = (s["source"], s["port"], s["session"])
         wrapper = s.get("wall_offset_us")
@@ -164,13 +201,19 @@ def align(
         row = dict(zip(SESSION_KEY, key), method="none", offset_us=np.nan, support=0, spread_ms=np.nan,
                    wrapper_offset_us=wrapper, app_clock_skew_s=np.nan, warning="")
         vote = None
-        p = by_session.get(int(scode[i]))
-        if p is not None and len(p):
-            if exact[p].any():
-                p = p[exact[p]]
-            vote = best_interval(lo[p], hi[p])
+        if int(scode[i]) in by_session:
+            p = by_session[int(scode[i])]
+            timed = bool((exact if p is None else exact[p]).any())
+            if timed:  # the exact pairs alone
+                p = np.flatnonzero(exact) if p is None else p[exact[p]]
+            keep = usable if p is None else usable[p]
+            if p is None and keep.all():  # the only session's pairs, all usable: voted on as they are
+                vote = _vote(lo, hi)
+            else:
+                at = np.flatnonzero(keep) if p is None else p[keep]
+                vote = _vote(lo[at], hi[at])
             if vote is not None:
-                row.update(method="app-timings" if exact[p].any() else "app-tokens", offset_us=vote.offset,
+                row.update(method="app-timings" if timed else "app-tokens", offset_us=vote.offset,
                            support=vote.support, spread_ms=(vote.high - vote.low) / 1e3)
                 if vote.support < MIN_SUPPORT:
                     row["warning"] = f"weak evidence: only {vote.support} call(s) agree on this clock offset"
