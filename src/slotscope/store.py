@@ -36,17 +36,12 @@ class StoredTable:
         self.path = os.path.join(self._tmp.name, what)
         self._built: pd.DataFrame | None = None
         try:
-            with pa.OSFile(self.path, "wb") as sink:
-                schema = None
-                writer = None
-                for a in range(0, max(self.n, 1), ROWS_PER_BATCH):
-                    part = pa.Table.from_pandas(df.iloc[a:a + ROWS_PER_BATCH], preserve_index=False, schema=schema)
-                    if writer is None:
-                        schema = part.schema
-                        writer = pa.ipc.new_file(sink, schema)
-                    writer.write_table(part)
-                assert writer is not None
-                writer.close()
+            # The types from the whole table: a slice's own could differ (a text column of
+            # Python objects that is empty in the first slice would be typed null there).
+            schema = pa.Schema.from_pandas(df, preserve_index=False)
+            with pa.OSFile(self.path, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+                for a in range(0, self.n, ROWS_PER_BATCH):
+                    writer.write_table(pa.Table.from_pandas(df.iloc[a:a + ROWS_PER_BATCH], preserve_index=False, schema=schema))
         except OSError as e:  # a full or read-only temporary directory
             self._tmp.cleanup()
             raise SlotscopeError(getattr(e, "filename", None) or tempfile.gettempdir(), None,
@@ -61,16 +56,19 @@ class StoredTable:
         names = self.columns if columns is None else [c for c in self.columns if c in set(columns)]
         if self._built is not None:
             return self._built[names].copy(deep=False)
+        return pd.DataFrame({c: self._column(c) for c in names}, index=pd.RangeIndex(self.n), copy=False)
+
+    def _column(self, name: str) -> pd.Series:
+        """One column, as it was. Read a column at a time from the mapped file, unmapped after
+        each: only that column's pages are touched, and its Arrow and pandas copies are the
+        only two held (a table read whole held both of every column: 2x the table)."""
         with pa.memory_map(self.path) as source:
-            table = pa.ipc.open_file(source).read_all().select(names)
-            df = table.to_pandas()  # (copied out of the mapped file: writable arrays, the file unmapped after)
+            table = pa.ipc.open_file(source).read_all().select([name])
+            col = table.to_pandas()[name]  # (copied out of the mapped file: a writable array)
             del table
-        for c in names:  # what Arrow does not keep as pandas had it (e.g. the type of categories)
-            if df[c].dtype != self.dtypes[c]:
-                df[c] = df[c].astype(self.dtypes[c])
-        if not len(names):
-            df = pd.DataFrame(index=pd.RangeIndex(self.n))
-        return df
+        if col.dtype != self.dtypes[name]:  # what Arrow does not keep as pandas had it (e.g. the type of categories)
+            col = col.astype(self.dtypes[name])
+        return col
 
     def table(self) -> pd.DataFrame:
         """The whole table, built once and kept until :meth:`unload`."""
