@@ -156,3 +156,17 @@ def test_best_interval_is_the_most_covered_point_range(block: int, monkeypatch: 
         assert vote.high >= vote.low
         inside = (points >= vote.low) & (points <= vote.high)
         assert (cover[inside] == vote.support).all()
+
+
+@pytest.mark.parametrize("scenario", ["before", "restart"])
+def test_calls_a_block_at_a_time_give_the_same_matches(scenario: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launch-window pairs are made a block of calls at a time: any block size gives the
+    same matched calls and unlogged tasks."""
+    from slotscope import match as match_module
+
+    whole = load([REAL / scenario / "logs"]).matches
+    monkeypatch.setattr(match_module, "CALL_BLOCK", 3)
+    blocked = load([REAL / scenario / "logs"]).matches
+    assert len(whole.calls) > 3 * 3
+    pd.testing.assert_frame_equal(whole.calls, blocked.calls)
+    pd.testing.assert_frame_equal(whole.unlogged, blocked.unlogged)

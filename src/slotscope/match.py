@@ -56,11 +56,25 @@ def _window_pairs(cl: pd.DataFrame, launch: np.ndarray, release: np.ndarray, tol
     lo = np.searchsorted(sorted_launch, start - tol_us, side="left")
     hi = np.searchsorted(sorted_launch, end + tol_us, side="right")
     cnt = np.maximum(hi - lo, 0)
-    ci = np.repeat(np.arange(len(cl)), cnt)
-    ti = order[np.repeat(lo, cnt) + within_ranges(cnt)]
-    rel = release[ti]
-    release_ok = np.isnan(rel) | (rel <= end[ci] + tol_us)
-    return ci[release_ok], ti[release_ok]
+    del start, hi
+    # A block of calls at a time: the pairs of the launch window (~2x those kept) and their
+    # temporaries are held for one block, not for all calls (1.8M pairs at 1 GB of log).
+    parts = []
+    for a in range(0, len(cl), CALL_BLOCK):
+        n = cnt[a:a + CALL_BLOCK]
+        ci = np.repeat(np.arange(a, a + len(n)), n)
+        ti = order[np.repeat(lo[a:a + CALL_BLOCK], n) + within_ranges(n)]
+        rel = release[ti]
+        release_ok = np.isnan(rel) | (rel <= end[ci] + tol_us)
+        parts.append((ci[release_ok], ti[release_ok]))
+    if len(parts) == 1:
+        return parts[0]
+    if not parts:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+CALL_BLOCK = 1 << 16  # calls whose launch-window pairs are made at a time
 
 
 class _Pairs:

@@ -6,6 +6,9 @@ once to an Arrow IPC file in ``$TMPDIR`` (a slice of rows at a time, so the writ
 holds a second copy of it) and reads back just the columns asked for, with the dtypes the
 table had (categories with their categories, nullable integers, wall times with their zone).
 
+(A gap in a column of Python objects comes back as Arrow gives it, None. The tables slotscope
+stores have one such column, a task's status, under pandas < 3, and it has no gaps.)
+
 A dataclass field declared as :class:`StoredField` holds a DataFrame or a StoredTable:
 reading the field gives a DataFrame (built from disk on first read and kept until
 :func:`unload`), and :func:`columns_of` gives some of its columns without building it.
