@@ -170,3 +170,33 @@ def test_calls_a_block_at_a_time_give_the_same_matches(scenario: str, monkeypatc
     assert len(whole.calls) > 3 * 3
     pd.testing.assert_frame_equal(whole.calls, blocked.calls)
     pd.testing.assert_frame_equal(whole.unlogged, blocked.unlogged)
+
+
+@pytest.mark.parametrize("block", [1, 3, 1 << 16])
+def test_same_key_pairs_are_the_inner_merge_in_its_order(block: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """align pairs calls and tasks of equal token counts on one packed key, without a merge:
+    the merge's pairs, in the order of a loop over the calls and, in each, over the tasks
+    (pandas 3's merge order; 2.2's groups the calls by key); keys too wide to pack take the
+    merge."""
+    import numpy as np
+
+    from slotscope import align
+
+    monkeypatch.setattr(align, "PAIR_BLOCK", block)
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        nc, nt = int(rng.integers(0, 40)), int(rng.integers(0, 40))
+        calls = pd.DataFrame({"p": rng.integers(0, 4, nc), "n": rng.integers(-2, 3, nc),
+                              "_ci": rng.permutation(100)[:nc].astype(np.int32)})
+        tasks = pd.DataFrame({"p": rng.integers(0, 4, nt), "n": rng.integers(-2, 3, nt),
+                              "_ti": rng.permutation(100)[:nt].astype(np.int32)})
+        loop = [(c.ci, t.ti) for c in calls.rename(columns={"_ci": "ci"}).itertuples()
+                for t in tasks.rename(columns={"_ti": "ti"}).itertuples() if (c.p, c.n) == (t.p, t.n)]
+        merged = calls.merge(tasks, on=["p", "n"])
+        ci, ti = align._join(calls, tasks, ["p", "n"])
+        assert list(zip(ci.tolist(), ti.tolist())) == loop
+        assert sorted(loop) == sorted(zip(merged["_ci"].tolist(), merged["_ti"].tolist()))
+    wide = pd.DataFrame({"p": [0, 2**40, 5], "n": [1, 2**40, 1], "_ci": [0, 1, 2], "_ti": [2, 1, 0]})
+    assert align._packed([wide["p"].to_numpy(), wide["n"].to_numpy()], [wide["p"].to_numpy(), wide["n"].to_numpy()]) is None
+    ci, ti = align._join(wide[["p", "n", "_ci"]], wide[["p", "n", "_ti"]], ["p", "n"])
+    assert sorted(zip(ci.tolist(), ti.tolist())) == [(0, 2), (1, 1), (2, 0)]

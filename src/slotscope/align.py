@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .timeline import by_code, key_codes, rows_by_group
+from .timeline import by_code, key_codes, rows_by_group, within_ranges
 
 SESSION_KEY = ["source", "port", "session"]
 ALIGN_COLUMNS = [
@@ -104,8 +104,9 @@ def _pair_arrays(tasks: pd.DataFrame, calls: pd.DataFrame) -> tuple[np.ndarray, 
     """
     # Row positions and keys only: the pairs (~5 per call where token counts repeat, as with
     # replays) get their columns once, at the end, not through a merge of wide tables per part.
-    tr = np.flatnonzero((tasks["status"] == "complete").to_numpy(dtype=bool, na_value=False))
-    cr = np.flatnonzero((calls["prompt_tokens"].notna() & calls["completion_tokens"].notna()).to_numpy())
+    # (positions as int32 where they fit: every pair-long array of them is half the size)
+    tr = _positions(np.flatnonzero((tasks["status"] == "complete").to_numpy(dtype=bool, na_value=False)), len(tasks))
+    cr = _positions(np.flatnonzero((calls["prompt_tokens"].notna() & calls["completion_tokens"].notna()).to_numpy()), len(calls))
     key = ["prompt_tokens", "n_gen"]
     c = pd.DataFrame({"prompt_tokens": _ints(calls["prompt_tokens"], cr), "n_gen": _ints(calls["completion_tokens"], cr),
                       "_ci": cr})
@@ -116,7 +117,7 @@ def _pair_arrays(tasks: pd.DataFrame, calls: pd.DataFrame) -> tuple[np.ndarray, 
     n = n.merge(m.reset_index(), on=key)
     big = n[n["_m"] * n["_n"] > SMALL_KEY]
     small_t = t.merge(n[n["_m"] * n["_n"] <= SMALL_KEY][SESSION_KEY + key], on=SESSION_KEY + key)
-    parts = [_pairs_of(c.merge(small_t[key + ["_ti"]], on=key))]
+    parts = [_join(c, small_t[key + ["_ti"]], key)]
     del small_t
     if len(big):
         bt = t.merge(big[SESSION_KEY + key], on=SESSION_KEY + key)
@@ -127,8 +128,9 @@ def _pair_arrays(tasks: pd.DataFrame, calls: pd.DataFrame) -> tuple[np.ndarray, 
         bc = bc.iloc[np.argsort(calls["start_us"].to_numpy(dtype=float)[bc["_ci"].to_numpy()], kind="stable")]
         bc["_rank"] = bc.groupby(key, observed=True).cumcount()
         for d in (-2, -1, 0, 1, 2):
-            parts.append(_pairs_of(bc.assign(_rank=bc["_rank"] + d).merge(bt, on=key + ["_rank"])))
-    del c, t
+            parts.append(_join(bc.assign(_rank=bc["_rank"] + d), bt, key + ["_rank"]))
+        del bc, bt
+    del c, t, n, big
     ci, ti = (parts[0][k] if len(parts) == 1 else np.concatenate([p[k] for p in parts]) for k in (0, 1))
     del parts
     # What the vote reads (no ids: a string per pair): each pair's offset interval. A pair whose
@@ -154,10 +156,69 @@ def _pair_arrays(tasks: pd.DataFrame, calls: pd.DataFrame) -> tuple[np.ndarray, 
     return ti, lo, hi, exact
 
 
+def _positions(rows: np.ndarray, n: int) -> np.ndarray:
+    return rows.astype(np.int32) if n < 1 << 31 else rows
+
+
+def _join(calls: pd.DataFrame, tasks: pd.DataFrame, on: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The ``(_ci, _ti)`` pairs of ``calls.merge(tasks, on=on)``: on one packed integer key
+    where the key columns' ranges allow it (:func:`same_key_pairs`), else by the merge. (Their
+    order is the vote's no concern: it sorts.)"""
+    packed = _packed([calls[k].to_numpy() for k in on], [tasks[k].to_numpy() for k in on])
+    if packed is None:
+        return _pairs_of(calls.merge(tasks, on=on))
+    return same_key_pairs(packed[0], packed[1], calls["_ci"].to_numpy(), tasks["_ti"].to_numpy())
+
+
+def _packed(left: list[np.ndarray], right: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray] | None:
+    """Each row's integers (one per column) as one int64, the same way on both sides (None
+    where their ranges are too wide for one)."""
+    if not (len(left[0]) and len(right[0])):  # no pairs either way
+        return np.zeros(len(left[0]), dtype=np.int64), np.zeros(len(right[0]), dtype=np.int64)
+    lk = np.zeros(len(left[0]), dtype=np.int64)
+    rk = np.zeros(len(right[0]), dtype=np.int64)
+    room = 1
+    for a, b in zip(left, right):
+        low = min(int(a.min()), int(b.min()))
+        width = max(int(a.max()), int(b.max())) - low + 1
+        room *= width
+        if room >= 1 << 62:
+            return None
+        lk = lk * width + (a - low)
+        rk = rk * width + (b - low)
+    return lk, rk
+
+
+PAIR_BLOCK = 1 << 16  # left rows whose pairs are made at a time
+
+
+def same_key_pairs(lk: np.ndarray, rk: np.ndarray, lrows: np.ndarray, rrows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(lrows[i], rrows[j])`` for every ``lk[i] == rk[j]``: the left rows in their order, each
+    with the right rows of its key in theirs (pandas 3's order of an inner merge; 2.2's groups
+    the left rows by key). Made a block of left rows at a time into arrays sized once: no hash
+    table of the keys, no pair-long temporaries of the whole join (at 1 GB of log 2.8M pairs,
+    whose merge peaked at 156 MB)."""
+    ro = np.argsort(rk, kind="stable")
+    rs = rk[ro]
+    at = np.searchsorted(rs, lk, "left")
+    n = np.searchsorted(rs, lk, "right") - at
+    del rs
+    li = np.empty(int(n.sum()), dtype=lrows.dtype)
+    ri = np.empty(len(li), dtype=rrows.dtype)
+    k = 0
+    for b in range(0, len(lk), PAIR_BLOCK):
+        nb = n[b:b + PAIR_BLOCK]
+        m = int(nb.sum())
+        li[k:k + m] = np.repeat(lrows[b:b + PAIR_BLOCK], nb)
+        ri[k:k + m] = rrows[ro[np.repeat(at[b:b + PAIR_BLOCK], nb) + within_ranges(nb)]]
+        k += m
+    return li, ri
+
+
 def _pairs_of(joined: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     """The call and task rows of a join's pairs, as arrays of their own (the join's other
     columns freed with it, not kept alive by a view of its block)."""
-    return joined["_ci"].to_numpy(dtype=np.int64, copy=True), joined["_ti"].to_numpy(dtype=np.int64, copy=True)
+    return joined["_ci"].to_numpy(copy=True), joined["_ti"].to_numpy(copy=True)
 
 
 def _scaled(seconds: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -207,7 +268,10 @@ def align(
             if timed:  # the exact pairs alone
                 p = np.flatnonzero(exact) if p is None else p[exact[p]]
             keep = usable if p is None else usable[p]
-            if p is None and keep.all():  # the only session's pairs, all usable: voted on as they are
+            if p is None:  # the only session's pairs: voted on as they are (the unusable dropped)
+                if not keep.all():
+                    lo = lo[keep]
+                    hi = hi[keep]
                 vote = _vote(lo, hi)
             else:
                 at = np.flatnonzero(keep) if p is None else p[keep]
