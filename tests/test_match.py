@@ -124,6 +124,16 @@ def test_unlogged_tasks_are_counted(tmp_path: Path) -> None:
     ds = load([tmp_path])
     assert len(ds.matches.unlogged) == len(recs) - len(kept)
     assert (ds.matches.unlogged["busy_s"] > 0).all()
+    # load matched on the columns match reads of the tasks waiting on disk, and took the
+    # unlogged ones whole from there: as a match on the whole task table.
+    from slotscope import store
+    from slotscope.match import match
+
+    assert store.stored(ds.server, "tasks") is not None
+    whole = match(ds.app.calls, ds.server.tasks, ds.matches.aligned, ds.server.sessions)
+    assert list(ds.matches.unlogged.columns) == list(whole.unlogged.columns)
+    pd.testing.assert_frame_equal(ds.matches.unlogged, whole.unlogged)
+    pd.testing.assert_frame_equal(ds.matches.calls, whole.calls)
 
 
 @pytest.mark.parametrize("block", [2, 3, 1 << 18])

@@ -31,6 +31,8 @@ ALIGN_COLUMNS = [
     "wrapper_offset_us", "app_clock_skew_s", "warning",
 ]
 MIN_SUPPORT = 3
+# What align reads of the tasks (a caller may pass only these).
+TASK_COLUMNS = SESSION_KEY + ["status", "prompt_tokens", "n_gen", "launch_s", "release_s", "prompt_eval_ms", "eval_ms"]
 
 
 @dataclass(frozen=True)

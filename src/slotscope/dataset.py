@@ -15,9 +15,9 @@ import numpy as np
 import pandas as pd
 
 from .accounting import Accounting, FileAccount
-from .align import align, app_clock_us
+from .align import TASK_COLUMNS as ALIGN_TASK_COLUMNS, align, app_clock_us
 from .app_log import AppLog, read_app_log_stream
-from .match import Matches, match
+from .match import TASK_COLUMNS as MATCH_TASK_COLUMNS, Matches, match
 from .server_log import ServerLogs, read_server_logs
 from .tasks import release_memory  # noqa: F401 - used here and by the analyzers
 from .sources import STDIN, Inputs, collect, reopen
@@ -77,13 +77,17 @@ class Dataset:
         the columns asked for: a report table then holds those, not every table whole (at
         1 GB of log ~300 MB).
         """
-        if self._view is None:
-            self._view = store.StoredTable(_task_view(self), "task view")
-        store.keep_on_disk(self.server, "tasks", "tasks")
+        # The calls first (the view reads a few of their columns), the view then (the tasks whole
+        # and the calls' columns it adds), the tasks last: no two of them whole at once.
         if self.matches is not None:
             store.keep_on_disk(self.matches, "calls", "calls")
         if self.app is not None:
             store.keep_on_disk(self.app, "calls", "app calls")
+        release_memory()
+        if self._view is None:
+            self._view = store.StoredTable(_task_view(self), "task view")
+        store.keep_on_disk(self.server, "tasks", "tasks")
+        self.unload()
         release_memory()
 
     def unload(self) -> None:
@@ -168,6 +172,8 @@ def load(
                               samples_on_disk=bool(keep_samples))
     if inputs.app:
         say("reading app logs")
+        store.keep_on_disk(server, "tasks", "tasks")  # (not held while the app log is read: at 1 GB ~120 MB)
+        release_memory()
     app, app_accounts = read_app(inputs, columns=app_columns, tz=tz)
     release_memory()  # the records parsed from JSON
     acc = server.accounting
@@ -175,8 +181,13 @@ def load(
     matches = None
     if app is not None:
         say("aligning clocks and matching calls to tasks")
-        aligned = align(server.tasks, server.sessions, app.calls, server_start=server_start)
-        matches = match(app.calls, server.tasks, aligned, server.sessions)
+        aligned = align(store.columns_of(server, "tasks", ALIGN_TASK_COLUMNS), server.sessions, app.calls,
+                        server_start=server_start)
+        # Of the tasks on disk, the columns match reads, and all of the unlogged ones'.
+        stored = store.stored(server, "tasks")
+        matches = match(app.calls, stored.read(MATCH_TASK_COLUMNS) if stored is not None else server.tasks, aligned,
+                        server.sessions, unlogged_rows=stored.take if stored is not None else None)
+        del stored
         release_memory()  # the candidate pairs
     return Dataset(server=server, app=app, matches=matches, accounting=acc)
 
@@ -237,8 +248,8 @@ def _task_view(ds: Dataset) -> pd.DataFrame:
             t[c] = pd.NA
         return t
     keys = ["source", "port", "session", "task_id"]
-    calls = ds.matches.calls
     named = {"call_start_at": "start_at", "call_total_ms": "total_ms"}  # (the calls' names of two of them)
+    calls = calls_of(ds, keys + [named.get(c, c) for c in TASK_VIEW_EXTRA])  # (only these are read from disk)
     extra = [c for c in TASK_VIEW_EXTRA if named.get(c, c) in calls.columns]
     # The matched calls' columns read here (of their ~40), under the task view's names.
     m = calls.loc[calls["task_id"].notna().to_numpy(), keys + [named.get(c, c) for c in extra]]

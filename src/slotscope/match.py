@@ -16,6 +16,7 @@ the match is flagged ``:ambiguous`` with a lower confidence. A task is never ass
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import pandas as pd
@@ -153,9 +154,19 @@ def _pairs_table(found: list[_Found]) -> pd.DataFrame:
     })
 
 
+# What match reads of the tasks, beside the unlogged ones' rows (see ``unlogged_rows``).
+TASK_COLUMNS = SESSION_KEY + ["task_id", "slot", "status", "file", "line", "prompt_tokens", "prompt_tokens_new",
+                              "prompt_tokens_cached", "n_gen", "wait_before_prefill_ms", "prompt_eval_ms", "eval_ms",
+                              "launch_s", "prefill_start_s", "first_token_s", "release_s"]
+
+
 def match(calls: pd.DataFrame, tasks: pd.DataFrame, aligned: pd.DataFrame, sessions: pd.DataFrame,
-          *, tolerance_ms: float = TOLERANCE_MS) -> Matches:
-    """Join every call to at most one task (and every task to at most one call)."""
+          *, tolerance_ms: float = TOLERANCE_MS,
+          unlogged_rows: Callable[[np.ndarray], pd.DataFrame] | None = None) -> Matches:
+    """Join every call to at most one task (and every task to at most one call).
+
+    ``unlogged_rows(positions)``: the task table's rows at these positions, all its columns,
+    where ``tasks`` holds only :data:`TASK_COLUMNS` of it (a table waiting on disk)."""
     tol = tolerance_ms * 1000
     # Rows are addressed by position; neither table is copied (at 1 GB of log each is >100 MB).
     tk, cl = _positional(tasks), _positional(calls)
@@ -188,7 +199,7 @@ def match(calls: pd.DataFrame, tasks: pd.DataFrame, aligned: pd.DataFrame, sessi
     joined.fill_method(_unmatched_reason(cl, us["launch_us"], taken_t, aligned, sessions, tol))
     out = _derive(joined)
     rows = np.flatnonzero(~taken_t)
-    unlogged = tk.iloc[rows].reset_index(drop=True)
+    unlogged = (tk.iloc[rows] if unlogged_rows is None else unlogged_rows(rows)).reset_index(drop=True)
     for c, v in us.items():
         unlogged[c] = v[rows]
     unlogged["busy_s"] = (unlogged["release_s"] - unlogged["launch_s"]).round(6)

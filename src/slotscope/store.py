@@ -20,6 +20,7 @@ import os
 import tempfile
 from typing import Any, Sequence
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 
@@ -60,6 +61,11 @@ class StoredTable:
         if self._built is not None:
             return self._built[names].copy(deep=False)
         return pd.DataFrame({c: self._column(c) for c in names}, index=pd.RangeIndex(self.n), copy=False)
+
+    def take(self, rows: np.ndarray) -> pd.DataFrame:
+        """Every column at these row positions (a column read at a time)."""
+        index = pd.RangeIndex(len(rows))
+        return pd.DataFrame({c: self._column(c).take(rows).set_axis(index) for c in self.columns}, index=index, copy=False)
 
     def _column(self, name: str) -> pd.Series:
         """One column, as it was. Read a column at a time from the mapped file, unmapped after
