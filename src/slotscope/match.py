@@ -196,7 +196,7 @@ def match(calls: pd.DataFrame, tasks: pd.DataFrame, aligned: pd.DataFrame, sessi
     del p, agree, near_end, tokens, release
 
     joined = _Joined(cl, tk, us, _pairs_table(found))
-    joined.fill_method(_unmatched_reason(cl, us["launch_us"], taken_t, aligned, sessions, tol))
+    joined.fill_method(_unmatched_reason(cl, np.flatnonzero(~taken_c), us["launch_us"], taken_t, aligned, sessions, tol))
     out = _derive(joined)
     rows = np.flatnonzero(~taken_t)
     unlogged = (tk.iloc[rows] if unlogged_rows is None else unlogged_rows(rows)).reset_index(drop=True)
@@ -272,24 +272,26 @@ class _Joined:
         return self[name] if name in self else None
 
 
-def _unmatched_reason(cl: pd.DataFrame, launch_us: np.ndarray, taken_t: np.ndarray, aligned: pd.DataFrame,
+def _unmatched_reason(cl: pd.DataFrame, rows: np.ndarray, launch_us: np.ndarray, taken_t: np.ndarray, aligned: pd.DataFrame,
                       sessions: pd.DataFrame, tol: float) -> pd.Series:
-    """Why each call found no task (only read for unmatched calls)."""
+    """Why each call at ``rows`` (the unmatched ones) found no task, indexed as ``cl`` is (only
+    these calls: at 1 GB of log, done for every call, this was the peak of matching)."""
     span = sessions[SESSION_KEY + ["first_s", "last_s"]].merge(aligned[SESSION_KEY + ["offset_us"]], on=SESSION_KEY)
     a = (span["offset_us"] + span["first_s"] * 1e6).to_numpy(dtype=float)
     b = (span["offset_us"] + span["last_s"] * 1e6).to_numpy(dtype=float)
-    start = cl["start_us"].to_numpy(dtype=float)
-    covered = ((start[:, None] >= a[None, :] - tol) & (start[:, None] <= b[None, :] + tol)).any(axis=1) if len(a) else np.zeros(len(cl), bool)
+    start = cl["start_us"].to_numpy(dtype=float)[rows]
+    covered = ((start[:, None] >= a[None, :] - tol) & (start[:, None] <= b[None, :] + tol)).any(axis=1) if len(a) else np.zeros(len(rows), bool)
     launches = np.sort(launch_us[~taken_t])
-    end = cl["end_us"].astype("float64").fillna(cl["start_us"].astype("float64")).to_numpy()
+    end = cl["end_us"].to_numpy(dtype="float64", na_value=np.nan)[rows]
+    end = np.where(np.isnan(end), start, end)
     i0 = np.searchsorted(launches, start - tol)
     i1 = np.searchsorted(launches, end + tol, side="right")
     in_window = i1 > i0
-    failed = ~cl["ok"].to_numpy(dtype=bool) if "ok" in cl else np.zeros(len(cl), bool)
+    failed = ~cl["ok"].to_numpy(dtype=bool)[rows] if "ok" in cl else np.zeros(len(rows), bool)
     # A reason's place in _REASONS per call (the texts themselves as numpy strings took 108
     # bytes a call, twice: 170 MB at 1 GB of log).
     code = np.select([~covered, failed, in_window], [0, 1, 2], 3)
-    return pd.Series(np.asarray(_REASONS, dtype=object)[code], index=cl.index)
+    return pd.Series(np.asarray(_REASONS, dtype=object)[code], index=cl.index[rows])
 
 
 _REASONS = ["unmatched:no_server_log", "unmatched:call_failed", "unmatched:token_mismatch", "unmatched:no_task_in_window"]
