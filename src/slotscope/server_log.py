@@ -39,7 +39,7 @@ from .errors import InputError
 from .sources import (
     CHUNK_SIZE, STDIN, Inputs, LogFile, Span, collect, is_plain, iter_chunks, iter_spans, read_span, reopen, staged,
 )
-from .store import StoredField
+from .store import StoredField, table_itself
 from .workers import Pool
 from .scanner import COMP_BUILD, SRV_EVENT, Reading, Scan, scan
 from .tasks import (
@@ -564,28 +564,7 @@ class Samples:
             yield from p.batches(rows)
 
     def __reduce__(self) -> tuple:
-        return _table_itself, (self.table(),)  # pickled as its table: the files are this process'
-
-
-def _table_itself(df: pd.DataFrame) -> pd.DataFrame:
-    return df
-
-
-class _SampleTable:
-    """A :class:`ServerLogs` field holding a DataFrame, or :class:`Samples` that build one
-    when the field is read."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.key = "_" + name
-
-    def __get__(self, obj: object, owner: type | None = None) -> pd.DataFrame:
-        if obj is None:
-            raise AttributeError(self.key)  # (for dataclasses: the field has no default)
-        v = obj.__dict__[self.key] if self.key in obj.__dict__ else obj.__dict__[self.key[1:]]  # (pickled before it was one)
-        return v.table() if isinstance(v, Samples) else v
-
-    def __set__(self, obj: object, value: "pd.DataFrame | Samples") -> None:
-        obj.__dict__[self.key] = value
+        return table_itself, (self.table(),)  # pickled as its table: the files are this process'
 
 
 @dataclass
@@ -598,8 +577,8 @@ class ServerLogs:
     """
 
     tasks: pd.DataFrame = StoredField()  # type: ignore[assignment]
-    gen_samples: pd.DataFrame = _SampleTable()  # type: ignore[assignment]
-    prefill_samples: pd.DataFrame = _SampleTable()  # type: ignore[assignment]
+    gen_samples: pd.DataFrame = StoredField()  # type: ignore[assignment]
+    prefill_samples: pd.DataFrame = StoredField()  # type: ignore[assignment]
     sessions: pd.DataFrame
     accounting: Accounting
 

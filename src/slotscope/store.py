@@ -89,15 +89,18 @@ class StoredTable:
         self._built = None
 
     def __reduce__(self) -> tuple:
-        return _table_itself, (self.table(),)  # pickled as its table: the file is this process'
+        return table_itself, (self.table(),)  # pickled as its table: the file is this process'
 
 
-def _table_itself(df: pd.DataFrame) -> pd.DataFrame:
+def table_itself(df: pd.DataFrame) -> pd.DataFrame:
+    """(What a table kept on disk unpickles to: its table, in memory.)"""
     return df
 
 
 class StoredField:
-    """A dataclass field holding a DataFrame or a :class:`StoredTable`; read, it is a DataFrame."""
+    """A dataclass field holding a DataFrame (or None), or what builds one when the field is
+    read (its ``table()``: a :class:`StoredTable`, or the samples of
+    :class:`slotscope.server_log.Samples`); read, it is a DataFrame."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.key = "_" + name
@@ -106,9 +109,9 @@ class StoredField:
         if obj is None:
             raise AttributeError(self.key)  # (for dataclasses: the field has no default)
         v = obj.__dict__[self.key] if self.key in obj.__dict__ else obj.__dict__[self.key[1:]]  # (pickled before it was one)
-        return v.table() if isinstance(v, StoredTable) else v
+        return v if v is None or isinstance(v, pd.DataFrame) else v.table()
 
-    def __set__(self, obj: object, value: "pd.DataFrame | StoredTable") -> None:
+    def __set__(self, obj: object, value: Any) -> None:
         obj.__dict__[self.key] = value
 
 
