@@ -183,12 +183,13 @@ def load(
         say("aligning clocks and matching calls to tasks")
         aligned = align(store.columns_of(server, "tasks", ALIGN_TASK_COLUMNS), server.sessions, app.calls,
                         server_start=server_start)
+        release_memory()  # the candidate pairs, before match makes its own
         # Of the tasks on disk, the columns match reads, and all of the unlogged ones'.
         stored = store.stored(server, "tasks")
         matches = match(app.calls, stored.read(MATCH_TASK_COLUMNS) if stored is not None else server.tasks, aligned,
                         server.sessions, unlogged_rows=stored.take if stored is not None else None)
         del stored
-        release_memory()  # the candidate pairs
+        release_memory()  # what match made on the way
     return Dataset(server=server, app=app, matches=matches, accounting=acc)
 
 

@@ -23,6 +23,7 @@ import pandas as pd
 
 from .align import SESSION_KEY, app_clock_us
 from .store import StoredField
+from .tasks import release_memory
 from .timeline import within_ranges
 
 MATCH_COLUMNS = [
@@ -195,6 +196,7 @@ def match(calls: pd.DataFrame, tasks: pd.DataFrame, aligned: pd.DataFrame, sessi
     found += _assign(p.frame(agree & near_end), "time", 0.5, taken_c, taken_t)
     del p, agree, near_end, tokens, release
 
+    release_memory()
     joined = _Joined(cl, tk, us, _pairs_table(found))
     joined.fill_method(_unmatched_reason(cl, np.flatnonzero(~taken_c), us["launch_us"], taken_t, aligned, sessions, tol))
     out = _derive(joined)
@@ -331,9 +333,11 @@ def _derive(j: _Joined) -> pd.DataFrame:
     out["n_gen"] = j["n_gen"]
     out["port"] = j["port"].astype("Int64")
     out["task_status"] = task("status").astype("category")
+    release_memory()
     out["launch_at"] = pd.to_datetime(j["launch_us"].round().astype("Int64"), unit="us", utc=True)
     out["first_token_at"] = pd.to_datetime(j["first_token_us"].round().astype("Int64"), unit="us", utc=True)
     out["release_at"] = pd.to_datetime(j["release_us"].round().astype("Int64"), unit="us", utc=True)
+    release_memory()
     out["end_lag_ms"] = _ms(j["end_us"].astype("float64") - j["release_us"])
     out["call_file"] = j["file"]
     out["call_line"] = j["line"]
