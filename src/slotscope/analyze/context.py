@@ -102,6 +102,15 @@ def _windows(hb: pd.DataFrame, prompt: pd.DataFrame, tokens: np.ndarray, holding
     return w
 
 
+def _keep_windows(w: pd.DataFrame, kept: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]]) -> None:
+    """Of the windows ``w``: per basis, those in it with a context bin, as (bin, tg_3s, task)."""
+    bins = w["bin"].to_numpy()
+    tg, task = w["tg_3s_tps"].to_numpy(dtype=float), w["task"].to_numpy(dtype=np.int64)
+    for b in kept:
+        sel = w[b].to_numpy() & (bins >= 0)
+        kept[b].append((bins[sel], tg[sel], task[sel].astype(np.int32 if len(w) and task.max() < 1 << 31 else np.int64)))
+
+
 @register("context")
 def context(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Median tg_3s of unstalled heartbeat windows per context-length bin, alone and in any company."""
@@ -116,23 +125,26 @@ def context(ds: Dataset, opts: Options) -> pd.DataFrame:
     parts = lazy.batches() if lazy is not None else [ds.server.gen_samples]
     holding, prefilling = TasksDuring(tasks), TasksDuring(tasks, "prefill_start_s", "first_token_s")
     tokens = prompt["prompt_tokens"].astype("float64").to_numpy(na_value=np.nan)
-    w = pd.concat([_windows(hb, prompt, tokens, holding, prefilling) for hb in parts]
-                  or [_windows(ds.server.gen_samples, prompt, tokens, holding, prefilling)], ignore_index=True)
-    # Per basis and bin, on arrays (a table of the rows per basis, and a groupby nunique, held
-    # ~100 MB at 1 GB of log).
-    bins = w.pop("bin").to_numpy().astype(np.int64)
-    tg, task = w["tg_3s_tps"].to_numpy(dtype=float), w["task"].to_numpy(dtype=np.int64)
+    # Per basis, each part's windows of it kept as three arrays (bin, tg_3s, task), the part's
+    # table dropped: not every window's table, joined (at 1 GB of log this table was the peak).
+    kept: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {b: [] for b in BASES}
+    for hb in parts:
+        _keep_windows(_windows(hb, prompt, tokens, holding, prefilling), kept)
+    if not any(kept.values()):
+        _keep_windows(_windows(ds.server.gen_samples, prompt, tokens, holding, prefilling), kept)
+    del holding, prefilling, prompt, tokens
     per_basis = []
     for b in BASES:
-        sel = w[b].to_numpy() & (bins >= 0)
-        c, v = bins[sel], tg[sel]
+        got, kept[b] = kept[b], []
+        c, v, task = (np.concatenate([g[k] for g in got]) for k in range(3))
+        del got
+        c = c.astype(np.int64)  # (kept as the bins' one byte)
         per_basis.append(pd.DataFrame({
             "samples": np.bincount(c[~np.isnan(v)], minlength=len(LABELS)),
-            "tasks": tl.distinct_per_group(c, task[sel], len(LABELS)),
+            "tasks": tl.distinct_per_group(c, task, len(LABELS)),
             "median_tg_3s_tps": [tl.median(v[c == k]) for k in range(len(LABELS))],
         }, index=pd.Index(LABELS, name="bin")))
-        del sel, c, v
-    del w, bins, tg, task
+        del c, v, task
     table = pd.concat(per_basis, keys=list(BASES), names=["basis", "bin"])
     table = table.reindex(pd.MultiIndex.from_product([list(BASES), LABELS], names=["basis", "context_tokens"]))
     table = table.reset_index()
