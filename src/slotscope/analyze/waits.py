@@ -121,9 +121,12 @@ def deferred_launches(ds: Dataset, tv: pd.DataFrame | None = None) -> pd.DataFra
     iv = tv[tl.GROUP].assign(start_s=_f(tv["launch_s"]), end_s=ends)
     q = j[tl.GROUP].assign(start_s=j["release_s"] - 1e-6, end_s=j["release_s"])
     j["running_before"] = tl.overlaps(q, iv)["max_count"].to_numpy() if len(j) else np.zeros(0, dtype=np.int64)
+    # Each launch's session's slots, looked up by session code (a merge on the session keys
+    # made the source's text of every row: at 1 GB of log the peak of the waits tables).
     slots = ds.server.sessions[tl.GROUP + ["n_slots"]].drop_duplicates(tl.GROUP)
-    j = j.merge(slots, on=tl.GROUP, how="left")
-    j = j[pd.to_numeric(j["n_slots"], errors="coerce") <= j["running_before"]]
+    scode, jcode = tl.key_codes([slots, j], tl.GROUP)
+    n_slots = tl.by_code(scode, pd.to_numeric(slots["n_slots"], errors="coerce").to_numpy(dtype=float, na_value=np.nan), jcode, np.nan)
+    j = j[n_slots <= j["running_before"].to_numpy()]
     out = tv.loc[j["_row"].to_numpy()].copy()
     out["released_task_id"] = j["released_task_id"].to_numpy()
     out["release_s_before"] = j["release_s"].to_numpy()
@@ -143,7 +146,7 @@ def waits(ds: Dataset, opts: Options) -> pd.DataFrame:
     all_s = w["wait_s"].sum()
     stats["share"] = stats["total_s"] / all_s if all_s > 0 else np.nan
     stats["basis"] = f"wait before prefill >= {opts.wait_threshold_s:g} s"
-    d = deferred_launches(ds, tv)
+    d = deferred_launches(ds, tv[[c for c in _KEYS + tl.TIMES + ["queue_ms"] if c in tv.columns]])  # (its rows: these columns)
     qs = pd.Series(_f(d["queue_ms"]) / 1000 if "queue_ms" in d.columns else np.full(len(d), np.nan))
     has_q = qs.notna().any()
     stats.loc["deferred"] = {
