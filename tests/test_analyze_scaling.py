@@ -205,3 +205,16 @@ def test_task_ids_too_large_to_index_read_the_sample_tables(tmp_path, monkeypatc
         t["stalls-worst"] = t["stalls-worst"].drop(columns=["source", "file", "cause_file", "hb_file"])
     for name in names:
         pd.testing.assert_frame_equal(got[name], want[name])
+
+
+def test_distinct_per_group_counts_as_a_groupby_nunique() -> None:
+    """Both ways (a byte per possible item, for items a few per row; pairs made unique, for
+    sparse ones) give a groupby's nunique, groups without rows 0."""
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        n, groups = int(rng.integers(0, 60)), int(rng.integers(1, 7))
+        spread = int(rng.choice([3, 50, 10**9]))  # dense items, or sparse: past 4 per row
+        group = rng.integers(0, groups, n).astype(np.int8)
+        item = rng.integers(0, spread, n).astype(np.int64)
+        want = pd.Series(item).groupby(group).nunique().reindex(range(groups), fill_value=0).to_numpy()
+        assert tl.distinct_per_group(group, item, groups).tolist() == want.tolist()

@@ -536,9 +536,20 @@ def _typical(pre: pd.DataFrame, lines: Sequence[pd.DataFrame]) -> pd.DataFrame:
 
 def distinct_per_group(group: np.ndarray, item: np.ndarray, n_groups: int) -> np.ndarray:
     """How many distinct ``item`` values (non-negative integers, e.g. task rows) each group
-    ``0..n_groups-1`` has: one integer per (group, item) pair, not a table of the pairs (a
-    groupby ``nunique``)."""
+    ``0..n_groups-1`` has (a groupby ``nunique``). Where the items are at most a few per row
+    (task rows of heartbeats, pieces), a group at a time on a byte per possible item: no sort
+    of the pairs (at 1 GB of log the stalls table's pieces: a sorted copy and its temporaries
+    of ~5M int64 pairs); else one integer per (group, item) pair, made unique."""
     width = int(item.max(initial=0)) + 1
+    if width <= 4 * len(item) + 1024:
+        out = np.zeros(n_groups, dtype=np.int64)
+        seen = np.zeros(width, dtype=bool)
+        for g in np.unique(group):
+            if 0 <= g < n_groups:
+                seen[item[group == g]] = True
+                out[g] = np.count_nonzero(seen)
+                seen[:] = False
+        return out
     pairs = np.unique(group.astype(np.int64) * width + item)
     return np.bincount(pairs // width, minlength=n_groups)
 
