@@ -160,6 +160,8 @@ def load(
 
     The samples (``ds.server.gen_samples``, ``prefill_samples``) wait in ``$TMPDIR`` until
     read (see :class:`slotscope.server_log.ServerLogs`); ``keep_samples=False`` drops them.
+    With an app log the task table waits there too (``ds.server.tasks`` reads it back whole,
+    kept until :meth:`Dataset.unload`; see :mod:`slotscope.store`).
 
     ``progress(n)``: n more server-log bytes read; ``stage(text)``: what runs next (for a
     status line on long runs).
