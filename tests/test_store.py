@@ -62,3 +62,24 @@ def test_a_stored_field_is_built_only_when_read_whole() -> None:
     assert st._built is not None and ds.server.tasks is st._built
     store.unload(ds.server, "tasks")
     assert st._built is None
+
+
+def test_a_full_temporary_directory_is_one_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A table that cannot be written (disk full) is a SlotscopeError naming the directory and
+    what to do, and leaves no directory behind."""
+    import errno
+    import tempfile
+
+    from slotscope.errors import SlotscopeError
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def full(*a: object, **k: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store.pa, "OSFile", full)
+    with pytest.raises(SlotscopeError) as e:
+        store.StoredTable(_ds("before").server.tasks, "tasks")
+    assert "cannot write the tasks to the temporary directory (No space left on device)" in str(e.value)
+    assert "TMPDIR" in str(e.value)
+    assert list(tmp_path.iterdir()) == []
