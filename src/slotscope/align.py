@@ -276,8 +276,7 @@ def align(
                     hi = hi[keep]
                 vote = _vote(lo, hi)
             else:
-                at = np.flatnonzero(keep) if p is None else p[keep]
-                vote = _vote(lo[at], hi[at])
+                vote = _vote(lo[p[keep]], hi[p[keep]])
             if vote is not None:
                 row.update(method="app-timings" if timed else "app-tokens", offset_us=vote.offset,
                            support=vote.support, spread_ms=(vote.high - vote.low) / 1e3)

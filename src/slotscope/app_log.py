@@ -999,8 +999,8 @@ def _table(
 def _finish(frames: list[pd.DataFrame], tally: _Tally) -> AppLog:
     # The chunks' tables joined a column at a time, each sorted and cast to its dtype as it is
     # joined: the calls are held twice at most (the chunks and the result), not four times
-    # (joined, sorted, completed, cast; at 1 GB of log the peak of this step was 483 MB, now
-    # 406). A column is joined as a join of the whole tables makes it (gaps where a chunk lacks
+    # (joined, sorted, completed, cast; reading the 1 GB bench's app log peaked at 483 MB, now
+    # 385-412 in seven runs). A column is joined as a join of the whole tables makes it (gaps where a chunk lacks
     # it). (Deleting each column from the chunks once joined cost more: 441 MB, as a deleted
     # column's block is copied without it.)
     frames = frames or [pd.DataFrame(columns=list(CALL_COLUMNS))]
@@ -1009,9 +1009,11 @@ def _finish(frames: list[pd.DataFrame], tally: _Tally) -> AppLog:
         return pd.concat([f[[c]] if c in f.columns else f[[]] for f in frames], ignore_index=True)[c]
 
     # By start, then file (in reading order), then line: file order from each distinct name.
-    codes, names = pd.factorize(joined("file"))
+    # (The three sort keys, joined here, are the loop's below: not joined again.)
+    keys = {c: joined(c) for c in ("file", "line", "start_us")}
+    codes, names = pd.factorize(keys["file"])
     file_order = np.array([tally.files[n] for n in names], dtype=np.int64)[codes]
-    order = np.lexsort((joined("line").to_numpy(), file_order, joined("start_us").to_numpy()))
+    order = np.lexsort((keys["line"].to_numpy(), file_order, keys["start_us"].to_numpy()))
     del codes, file_order
     present = {c for f in frames for c in f.columns}
     extra = [c for c in ("session", "turn") if c in present]
@@ -1020,7 +1022,7 @@ def _finish(frames: list[pd.DataFrame], tally: _Tally) -> AppLog:
     for c in [*CALL_COLUMNS, *extra]:
         if c in ("start_at", "end_at"):
             continue
-        col = joined(c).take(order).set_axis(index) if c in present else pd.Series(np.nan, index=index)
+        col = (keys.pop(c) if c in keys else joined(c)).take(order).set_axis(index) if c in present else pd.Series(np.nan, index=index)
         if c in ("start_us", "end_us"):  # (the wall times from the values as read, before the cast)
             out[c[:-3] + "_at"] = pd.to_datetime(col, unit="us", utc=True).dt.as_unit("us")
         out[c] = col.astype(_DTYPES[c])

@@ -538,8 +538,8 @@ def distinct_per_group(group: np.ndarray, item: np.ndarray, n_groups: int) -> np
     """How many distinct ``item`` values (non-negative integers, e.g. task rows) each group
     ``0..n_groups-1`` has (a groupby ``nunique``). Where the items are at most a few per row
     (task rows of heartbeats, pieces), a group at a time on a byte per possible item: no sort
-    of the pairs (at 1 GB of log the stalls table's pieces: a sorted copy and its temporaries
-    of ~5M int64 pairs); else one integer per (group, item) pair, made unique."""
+    of the pairs (at 1 GB of log the stalls table's 3.1M pieces: a sorted copy of their int64
+    pairs and its temporaries); else one integer per (group, item) pair, made unique."""
     width = int(item.max(initial=0)) + 1
     if width <= 4 * len(item) + 1024:
         out = np.zeros(n_groups, dtype=np.int64)

@@ -106,9 +106,10 @@ def _keep_windows(w: pd.DataFrame, kept: dict[str, list[tuple[np.ndarray, np.nda
     """Of the windows ``w``: per basis, those in it with a context bin, as (bin, tg_3s, task)."""
     bins = w["bin"].to_numpy()
     tg, task = w["tg_3s_tps"].to_numpy(dtype=float), w["task"].to_numpy(dtype=np.int64)
+    narrow = np.int32 if len(w) and task.max() < 1 << 31 else np.int64  # (task rows: int32 where they fit)
     for b in kept:
         sel = w[b].to_numpy() & (bins >= 0)
-        kept[b].append((bins[sel], tg[sel], task[sel].astype(np.int32 if len(w) and task.max() < 1 << 31 else np.int64)))
+        kept[b].append((bins[sel], tg[sel], task[sel].astype(narrow)))
 
 
 @register("context")
