@@ -83,3 +83,69 @@ def test_a_full_temporary_directory_is_one_clear_error(monkeypatch: pytest.Monke
     assert "cannot write the tasks to the temporary directory (No space left on device)" in str(e.value)
     assert "TMPDIR" in str(e.value)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_table_written_in_parts_reads_back_as_the_parts_joined(monkeypatch: pytest.MonkeyPatch) -> None:
+    """of_parts and batches: parts of uneven sizes (categories, nullable integers, wall times)
+    read back whole, by columns and a stored batch at a time, as pd.concat joins them."""
+    monkeypatch.setattr(store, "ROWS_PER_BATCH", 7)
+    df = _ds("restart").matches.calls
+    parts = [df.iloc[:3], df.iloc[3:20], df.iloc[20:21], df.iloc[21:]]
+    st = store.StoredTable.of_parts(iter(parts), "calls")
+    assert len(st) == len(df)
+    pd.testing.assert_frame_equal(st.read(), df.reset_index(drop=True))
+    pd.testing.assert_frame_equal(st.read(["start_at", "purpose"]), df[["start_at", "purpose"]].reset_index(drop=True))
+    got = list(st.batches())
+    rest = len(df) - 21  # (each part is written in slices of ROWS_PER_BATCH rows)
+    assert [len(b) for b in got] == [3, 7, 7, 3, 1] + [7] * (rest // 7) + ([rest % 7] if rest % 7 else [])
+    pd.testing.assert_frame_equal(pd.concat(got), df.reset_index(drop=True))
+
+
+def test_parts_that_differ_in_dtypes_are_an_error_and_leave_nothing_behind(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    df = _ds("before").server.tasks[["task_id", "slot"]]
+    parts = [df.iloc[:5], df.iloc[5:].astype({"slot": "float64"})]
+    with pytest.raises(ValueError, match="dtypes differ"):
+        store.StoredTable.of_parts(iter(parts), "tasks")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("paths", [["before"], ["before", "wallclock", "restart"]])
+def test_the_task_table_written_as_it_is_finished_equals_the_one_built_whole(paths, monkeypatch) -> None:
+    """read_server_logs(tasks_on_disk=True) writes batches of TASK_ROWS tasks, from finished
+    rows spilled to disk; the tables (and samples, sessions, accounting) equal the whole build,
+    one server or three (categories joined as _concat joins them)."""
+    from slotscope import server_log
+
+    monkeypatch.setattr(server_log, "TASK_ROWS", 7)
+    monkeypatch.setattr(store, "ROWS_PER_BATCH", 5)
+    logs = [REAL / p / "logs" / "llama-server.log" for p in paths]
+    whole = server_log.read_server_logs(logs, samples_on_disk=True)
+    parts = server_log.read_server_logs(logs, samples_on_disk=True, tasks_on_disk=True)
+    assert store.stored(whole, "tasks") is None and store.stored(parts, "tasks") is not None
+    assert len(whole.tasks) > 3 * 7
+    pd.testing.assert_frame_equal(parts.tasks, whole.tasks)
+    pd.testing.assert_frame_equal(parts.gen_samples, whole.gen_samples)
+    pd.testing.assert_frame_equal(parts.prefill_samples, whole.prefill_samples)
+    pd.testing.assert_frame_equal(parts.sessions, whole.sessions)
+    assert parts.accounting == whole.accounting
+
+
+@pytest.mark.parametrize("paths", [["before"], ["before", "wallclock"], ["before", "wallclock/logs/llama-server.log"]])
+def test_the_task_view_written_in_parts_equals_the_one_built_whole(paths, monkeypatch) -> None:
+    """keep_on_disk builds the task view a stored batch of tasks at a time; equal to the view
+    built whole: one app log, two, and a server whose tasks have no calls (NA and the dtypes a
+    left merge gives, also in batches whose tasks all have calls)."""
+    from slotscope import server_log
+
+    monkeypatch.setattr(server_log, "TASK_ROWS", 7)
+    monkeypatch.setattr(store, "ROWS_PER_BATCH", 5)
+    ds = load([REAL / p if p.endswith(".log") else REAL / p / "logs" for p in paths])
+    whole = task_view(ds)
+    ds.keep_on_disk()
+    assert ds._view is not None and len(ds._view) == len(whole)
+    if len(paths) == 2 and paths[1].endswith(".log"):
+        assert whole["call_id"].isna().any() and whole["call_id"].notna().any()
+    pd.testing.assert_frame_equal(ds._view.read(), whole)

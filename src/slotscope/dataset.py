@@ -6,6 +6,7 @@ the same. Each stage stays importable on its own.
 
 from __future__ import annotations
 
+import gc
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from .server_log import ServerLogs, read_server_logs
 from .tasks import release_memory  # noqa: F401 - used here and by the analyzers
 from .sources import STDIN, Inputs, collect, reopen
 from . import store
-from .timeline import key_codes
+from .timeline import join_tasks, key_codes
 from .workers import Pool
 
 
@@ -83,12 +84,16 @@ class Dataset:
             store.keep_on_disk(self.matches, "calls", "calls")
         if self.app is not None:
             store.keep_on_disk(self.app, "calls", "app calls")
-        release_memory()
-        if self._view is None:
-            self._view = store.StoredTable(_task_view(self), "task view")
         store.keep_on_disk(self.server, "tasks", "tasks")
         self.unload()
+        gc.collect()  # (pandas objects hold one another in cycles: the tables wait for the collector)
         release_memory()
+        if self._view is None:
+            parts = _task_view_parts(self)
+            self._view = store.StoredTable.of_parts(parts, "task view") if parts is not None else \
+                store.StoredTable(_task_view(self), "task view")
+            self.unload()
+            release_memory()
 
     def unload(self) -> None:
         """Free the tables built from disk by reading a field (built again when read)."""
@@ -170,11 +175,12 @@ def load(
     inputs = collect(paths)
     say("reading server logs")
     # The samples wait on disk until an analyzer reads them (they are most of the rows).
+    # The tasks go to disk as they are finished too (at 1 GB of log the table is ~120 MB).
     server = read_server_logs(paths, keep_samples=keep_samples, tz=tz, progress=progress, inputs=inputs,
-                              samples_on_disk=bool(keep_samples))
+                              samples_on_disk=bool(keep_samples), tasks_on_disk=bool(keep_samples))
     if inputs.app:
         say("reading app logs")
-        store.keep_on_disk(server, "tasks", "tasks")  # (not held while the app log is read: at 1 GB ~120 MB)
+        store.keep_on_disk(server, "tasks", "tasks")  # (not held while the app log is read)
         release_memory()
     app, app_accounts = read_app(inputs, columns=app_columns, tz=tz)
     release_memory()  # the records parsed from JSON
@@ -242,6 +248,71 @@ def own_copy(df: pd.DataFrame) -> pd.DataFrame:
     return df.copy(deep=not _COPY_ON_WRITE)
 
 
+def _task_view_parts(ds: Dataset) -> Iterator[pd.DataFrame] | None:
+    """:func:`_task_view` a stored batch of tasks at a time (joined: its table), from the
+    task table on disk; None where it cannot (the tasks in memory, or a task with two calls)."""
+    tasks = store.stored(ds.server, "tasks")
+    if tasks is None or not len(tasks):
+        return None
+    if ds.matches is None:
+        return (t.assign(**{c: pd.NA for c in TASK_VIEW_EXTRA}).reset_index(drop=True) for t in tasks.batches())
+    keys = ["source", "port", "session", "task_id"]
+    # Each task's row among the calls (-1: none), found by the keys alone; then the other
+    # columns, taken a batch of tasks at a time (at 1 GB of log the calls' columns are ~50 MB).
+    calls = calls_of(ds, keys)
+    matched = np.flatnonzero(calls["task_id"].notna().to_numpy())
+    t, c = join_tasks(tasks.read(keys), calls.iloc[matched])  # (packed keys: no hash of every task id)
+    del calls
+    if len(np.unique(t)) < len(t):  # a task with two calls: as a merge lists it
+        return None
+    row = np.full(len(tasks), -1, dtype=np.int64)
+    row[t] = matched[c]
+    del t, c, matched
+    named = {"call_start_at": "start_at", "call_total_ms": "total_ms"}  # (the calls' names of two of them)
+    calls = calls_of(ds, [named.get(c, c) for c in TASK_VIEW_EXTRA])
+    extra = [c for c in TASK_VIEW_EXTRA if named.get(c, c) in calls.columns]
+    calls = calls[[named.get(c, c) for c in extra]]
+    calls.columns = extra
+    if not calls.index.equals(pd.RangeIndex(len(calls))):  # (rows are found by position)
+        calls = calls.reset_index(drop=True)
+    # A task without a call anywhere: every batch's columns get the NA and dtype a left merge
+    # gives them (one missing row more than the batch's own), also a batch whose tasks all have one.
+    missing = bool((row < 0).any())
+    aligned = ds.matches.aligned
+
+    def parts() -> Iterator[pd.DataFrame]:
+        for t in tasks.batches():
+            r = row[t.index[0]:t.index[-1] + 1]
+            part = calls.reindex(np.append(r, -1)).iloc[:-1] if missing else calls.iloc[r]
+            t = t.reset_index(drop=True)
+            for c in extra:
+                t[c] = part[c].array
+            del part
+            _add_app_clock(t, aligned)
+            yield t
+
+    return parts()
+
+
+def _matched_calls(ds: Dataset) -> tuple[pd.DataFrame, list[str]]:
+    """The matched calls' task keys and the task view's columns they give (under its names)."""
+    assert ds.matches is not None
+    keys = ["source", "port", "session", "task_id"]
+    named = {"call_start_at": "start_at", "call_total_ms": "total_ms"}  # (the calls' names of two of them)
+    calls = calls_of(ds, keys + [named.get(c, c) for c in TASK_VIEW_EXTRA])  # (only these are read from disk)
+    extra = [c for c in TASK_VIEW_EXTRA if named.get(c, c) in calls.columns]
+    # The matched calls' columns read here (of their ~40), under the task view's names.
+    m = calls.loc[calls["task_id"].notna().to_numpy(), keys + [named.get(c, c) for c in extra]]
+    m.columns = keys + extra
+    return m, extra
+
+
+def _add_app_clock(t: pd.DataFrame, aligned: pd.DataFrame) -> None:
+    """The ``*_at`` columns: the tasks' times on the app's clock."""
+    for c, us in app_clock_us(t, aligned).items():
+        t[c[:-3] + "_at"] = pd.to_datetime(pd.Series(us).round().astype("Int64"), unit="us", utc=True).array
+
+
 def _task_view(ds: Dataset) -> pd.DataFrame:
     # Columns are added to a (copy-on-write) copy of the task table, not to a merge's new
     # table: no copy of the ~30 task columns, at 1 GB of log ~100 MB, per step.
@@ -251,13 +322,7 @@ def _task_view(ds: Dataset) -> pd.DataFrame:
             t[c] = pd.NA
         return t
     keys = ["source", "port", "session", "task_id"]
-    named = {"call_start_at": "start_at", "call_total_ms": "total_ms"}  # (the calls' names of two of them)
-    calls = calls_of(ds, keys + [named.get(c, c) for c in TASK_VIEW_EXTRA])  # (only these are read from disk)
-    extra = [c for c in TASK_VIEW_EXTRA if named.get(c, c) in calls.columns]
-    # The matched calls' columns read here (of their ~40), under the task view's names.
-    m = calls.loc[calls["task_id"].notna().to_numpy(), keys + [named.get(c, c) for c in extra]]
-    m.columns = keys + extra
-    del calls
+    m, extra = _matched_calls(ds)
     tcode, mcode = key_codes([t, m], keys)
     order = np.argsort(mcode, kind="stable")
     sm = mcode[order]
@@ -270,6 +335,5 @@ def _task_view(ds: Dataset) -> pd.DataFrame:
         t = t.reset_index(drop=True)
         for c in extra:
             t[c] = calls[c].array
-    for c, us in app_clock_us(t, ds.matches.aligned).items():
-        t[c[:-3] + "_at"] = pd.to_datetime(pd.Series(us).round().astype("Int64"), unit="us", utc=True).array
+    _add_app_clock(t, ds.matches.aligned)
     return t

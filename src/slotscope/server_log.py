@@ -18,7 +18,9 @@ Each event row carries its file line so every figure can be traced back.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as _dt
+import itertools
 import os
 import re
 from dataclasses import dataclass, field
@@ -39,7 +41,7 @@ from .errors import InputError
 from .sources import (
     CHUNK_SIZE, STDIN, Inputs, LogFile, Span, collect, is_plain, iter_chunks, iter_spans, read_span, reopen, staged,
 )
-from .store import StoredField, table_itself
+from .store import StoredField, StoredTable, table_itself
 from .workers import Pool
 from .scanner import COMP_BUILD, SRV_EVENT, Reading, Scan, scan
 from .tasks import (
@@ -734,6 +736,7 @@ def read_server_logs(
     chunk_size: int | None = None,
     jobs: int | None = None,
     samples_on_disk: bool = False,
+    tasks_on_disk: bool = False,
 ) -> ServerLogs:
     """Read llama-server logs (files, directories, globs, ``-``) into task and sample tables.
 
@@ -744,11 +747,22 @@ def read_server_logs(
     processes (default: :func:`slotscope.workers.default_jobs`; 1: in this process) and
     assembled here in order; memory is bounded by a few blocks and the tables themselves.
     ``samples_on_disk``: the samples go to a temporary directory as they are read, and their
-    tables are built when first read (see :class:`ServerLogs`).
+    tables are built when first read (see :class:`ServerLogs`). ``tasks_on_disk`` (with
+    ``samples_on_disk``): the task table is written to one too, a batch at a time as the
+    tasks are finished (:class:`slotscope.store.StoredTable`), never whole in memory.
     """
     tasks, gens, prefills, sessions = [], [], [], []
+    on_disk = samples_on_disk and tasks_on_disk
     assemblers, acc = _read_all(paths, inputs, keep_samples=keep_samples, tz=tz, year=year, progress=progress,
-                                chunk_size=chunk_size, jobs=jobs, spill_samples=samples_on_disk)
+                                chunk_size=chunk_size, jobs=jobs, spill_samples=samples_on_disk,
+                                spill_rows=TASK_ROWS if on_disk else None)
+    if on_disk:
+        stored, gens, prefills, sessions, counts = _finish_on_disk(assemblers)
+        out = ServerLogs(tasks=stored, gen_samples=Samples(gens, GEN_COLUMNS), prefill_samples=Samples(prefills, PREFILL_COLUMNS),
+                         sessions=_concat(sessions, SESSION_COLUMNS), accounting=acc)
+        acc.tasks_complete, acc.tasks_cancelled, acc.tasks_incomplete = counts
+        acc.sessions = len(out.sessions)
+        return out
     for asm in assemblers:
         t, g, p, s = asm.finish_later() if samples_on_disk else asm.finish()
         tasks.append(t)
@@ -765,6 +779,49 @@ def read_server_logs(
     acc.tasks_complete, acc.tasks_cancelled, acc.tasks_incomplete = _status_counts(out.tasks)
     acc.sessions = len(out.sessions)
     return out
+
+
+TASK_ROWS = 1 << 16  # tasks held in memory at a time while they go to disk (tasks_on_disk)
+
+
+def _finish_on_disk(assemblers: list[TaskAssembler]) -> tuple[StoredTable, list[SampleSource], list[SampleSource], list[pd.DataFrame], tuple[int, int, int]]:
+    """What :func:`read_server_logs` returns with the task table on disk: the table (its
+    batches written in order, the streams one after the other as :func:`_concat` joins them),
+    each stream's gen and prefill samples and sessions, and the status counts."""
+    ends = [asm.finish_in_batches(TASK_ROWS) for asm in assemblers]
+    release_memory()  # the parse's freed blocks, before the batches
+    with_wall = any(a.has_wall_rows for a in assemblers if a.n_finished)
+    streams = [(asm, parts) for asm, (parts, _) in zip(assemblers, ends) if asm.n_finished]
+    # Two or more streams with tasks: each categorical column with one set of categories, as
+    # _concat gives them (taken from a one-row batch of each stream).
+    cats: dict[str, list[str]] = {}
+    if len(streams) > 1:
+        ones = [_task_batch((dataclasses.replace(parts[0], idx=parts[0].idx[:1]), 0, with_wall, None))[0] for _, parts in streams]
+        cats = {c: sorted(set().union(*(f[c].cat.categories for f in ones))) for c in ones[0].columns
+                if all(isinstance(f[c].dtype, pd.CategoricalDtype) for f in ones)}
+        del ones
+    counts = np.zeros(3, np.int64)
+    samples: dict[int, tuple[SampleSource, SampleSource]] = {}  # per stream (assembler) index
+    firsts: list[pd.DataFrame] = []  # a stream's tasks' first-token times (its gen samples' first windows)
+
+    def batches() -> Iterator[pd.DataFrame]:
+        for asm, parts in streams:
+            for part in parts:
+                table, n = _task_batch((part, 0, with_wall, None))
+                counts[:] += n
+                firsts.append(table[["port", "session", "task_id", "first_token_s"]])
+                yield table.assign(**{c: table[c].cat.set_categories(v) for c, v in cats.items()}) if cats else table
+            asm.discard()  # its finished rows, on disk
+            samples[id(asm)] = asm.samples_later(pd.concat(firsts, ignore_index=True))
+            firsts.clear()
+
+    stored = StoredTable.of_parts(itertools.chain(batches(), [] if streams else [_concat([], TASK_COLUMNS)]), "tasks")
+    for asm in assemblers:  # (a stream without tasks: its samples, if any, without first tokens)
+        if id(asm) not in samples:
+            samples[id(asm)] = asm.samples_later(None)
+    gens = [samples[id(asm)][0] for asm in assemblers]
+    prefills = [samples[id(asm)][1] for asm in assemblers]
+    return stored, gens, prefills, [s for _, s in ends], (int(counts[0]), int(counts[1]), int(counts[2]))
 
 
 def read_task_batches(

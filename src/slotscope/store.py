@@ -16,15 +16,17 @@ reading the field gives a DataFrame (built from disk on first read and kept unti
 
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
-from typing import Any, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 
 from .errors import SlotscopeError
+from .tasks import release_memory
 
 ROWS_PER_BATCH = 1 << 16  # rows converted to Arrow at a time while writing
 
@@ -33,24 +35,53 @@ class StoredTable:
     """One DataFrame (with the default index 0..n-1) in an Arrow IPC file of its own."""
 
     def __init__(self, df: pd.DataFrame, what: str = "table") -> None:
-        self.dtypes = df.dtypes
-        self.columns = list(df.columns)
-        self.n = len(df)
+        # The types from the whole table: a slice's own could differ (a text column of Python
+        # objects that is empty in the first slice would be typed null there).
+        self._write(iter([df]), what, df.dtypes, pa.Schema.from_pandas(df, preserve_index=False))
+
+    @classmethod
+    def of_parts(cls, parts: Iterable[pd.DataFrame], what: str = "table") -> StoredTable:
+        """The table the ``parts`` make joined (as ``pd.concat(parts, ignore_index=True)``),
+        written as they come: it is never whole in memory. Every part has the columns and
+        dtypes of the first (categories included); there is at least one (it may be empty).
+        The Arrow types are the first part's: a column of Python objects all missing there
+        must be so in every part (it is stored untyped)."""
+        it = iter(parts)
+        first = next(it)
+        schema = pa.Schema.from_pandas(first, preserve_index=False)
+        table = cls.__new__(cls)
+        table._write(itertools.chain([first], it), what, first.dtypes, schema)
+        return table
+
+    def _write(self, parts: Iterator[pd.DataFrame], what: str, dtypes: pd.Series, schema: pa.Schema) -> None:
+        self.dtypes = dtypes
+        self.columns = list(dtypes.index)
+        self.n = 0
         self._tmp = tempfile.TemporaryDirectory(prefix="slotscope-")
         self.path = os.path.join(self._tmp.name, what)
         self._built: pd.DataFrame | None = None
         try:
-            # The types from the whole table: a slice's own could differ (a text column of
-            # Python objects that is empty in the first slice would be typed null there).
-            schema = pa.Schema.from_pandas(df, preserve_index=False)
             with pa.OSFile(self.path, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
-                for a in range(0, self.n, ROWS_PER_BATCH):
-                    writer.write_table(pa.Table.from_pandas(df.iloc[a:a + ROWS_PER_BATCH], preserve_index=False, schema=schema))
+                for df in parts:
+                    if not df.dtypes.equals(dtypes):
+                        raise ValueError(f"{what}: a part's columns or dtypes differ from the first part's")
+                    for a in range(0, len(df), ROWS_PER_BATCH):
+                        writer.write_table(pa.Table.from_pandas(df.iloc[a:a + ROWS_PER_BATCH], preserve_index=False, schema=schema))
+                    self.n += len(df)
+                    del df
+                    if self.n >= ROWS_PER_BATCH:
+                        # Between parts: what the part freed, before the next is built (each
+                        # part's buffers otherwise stayed held: at 1 GB of log the task view's
+                        # nine parts grew RSS by ~110 MB).
+                        release_memory()
         except OSError as e:  # a full or read-only temporary directory
             self._tmp.cleanup()
             raise SlotscopeError(getattr(e, "filename", None) or tempfile.gettempdir(), None,
                                  f"cannot write the {what} to the temporary directory ({e.strerror or e}); "
                                  "set TMPDIR to a directory with room") from None
+        except BaseException:  # (e.g. an error in the input the parts are made from)
+            self._tmp.cleanup()
+            raise
 
     def __len__(self) -> int:
         return self.n
@@ -66,6 +97,23 @@ class StoredTable:
         """Every column at these row positions (a column read at a time)."""
         index = pd.RangeIndex(len(rows))
         return pd.DataFrame({c: self._column(c).take(rows).set_axis(index) for c in self.columns}, index=index, copy=False)
+
+    def batches(self) -> Iterator[pd.DataFrame]:
+        """Every column, a stored batch of rows at a time (their index: the rows' positions),
+        as they were; joined, :meth:`read`'s table."""
+        with pa.OSFile(self.path) as source:  # (read, not mapped: a map's pages would add up in RSS)
+            reader = pa.ipc.open_file(source)
+            at = 0
+            for i in range(reader.num_record_batches):
+                batch = reader.get_batch(i)
+                df = pa.Table.from_batches([batch]).to_pandas()
+                del batch
+                for c in self.columns:
+                    if df[c].dtype != self.dtypes[c]:
+                        df[c] = df[c].astype(self.dtypes[c])
+                df.index = pd.RangeIndex(at, at + len(df))
+                at += len(df)
+                yield df
 
     def _column(self, name: str) -> pd.Series:
         """One column, as it was. Read a column at a time from the mapped file, unmapped after

@@ -549,14 +549,20 @@ class TaskAssembler:
         sessions = self._sessions_table()
         tasks = _derive(raw, self.source, sessions)
         del raw
+        gen, prefill = self.samples_later(tasks if len(tasks) else None)
+        release_memory()
+        return tasks, gen, prefill, sessions
+
+    def samples_later(self, tasks: pd.DataFrame | None) -> tuple["SampleSource", "SampleSource"]:
+        """The gen and prefill samples as read, their tables built when asked (on disk with
+        ``spill_samples``). ``tasks``: the finished tasks' ``port``, ``session``, ``task_id``
+        and ``first_token_s`` (None: no tasks), for the gen samples' first windows."""
         files = list(self._sample_files)
         on_disk = self.spill_samples or self.spill_rows is not None
         self._gen.close(on_disk)
         self._prefill.close(on_disk)
-        gen = SampleSource(HEARTBEAT, self._gen, self.source, files, FirstTokens.of(tasks) if len(tasks) and len(self._gen) else None)
-        prefill = SampleSource(PROGRESS, self._prefill, self.source, files, None)
-        release_memory()
-        return tasks, gen, prefill, sessions
+        gen = SampleSource(HEARTBEAT, self._gen, self.source, files, FirstTokens.of(tasks) if tasks is not None and len(self._gen) else None)
+        return gen, SampleSource(PROGRESS, self._prefill, self.source, files, None)
 
     def finish_samples_in_batches(self, kind: int, rows: int, first_tokens: "FirstTokens | None",
                                   on_disk: bool = False) -> list["SampleBatch"]:
