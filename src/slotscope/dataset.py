@@ -263,7 +263,7 @@ def _task_view_parts(ds: Dataset) -> Iterator[pd.DataFrame] | None:
     matched = np.flatnonzero(calls["task_id"].notna().to_numpy())
     t, c = join_tasks(tasks.read(keys), calls.iloc[matched])  # (packed keys: no hash of every task id)
     del calls
-    if len(np.unique(t)) < len(t):  # a task with two calls: as a merge lists it
+    if len(t) and np.bincount(t, minlength=len(tasks)).max() > 1:  # a task with two calls: as a merge lists it
         return None
     row = np.full(len(tasks), -1, dtype=np.int64)
     row[t] = matched[c]

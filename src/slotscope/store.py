@@ -1,10 +1,12 @@
 """Tables kept on disk while the report is computed, read back a few columns at a time.
 
 At 1 GB of log the task table, the calls and the task view hold ~300 MB between them, and
-each report table reads a handful of their ~40 columns. :class:`StoredTable` writes a table
-once to an Arrow IPC file in ``$TMPDIR`` (a slice of rows at a time, so the write never
-holds a second copy of it) and reads back just the columns asked for, with the dtypes the
-table had (categories with their categories, nullable integers, wall times with their zone).
+each report table reads a handful of their ~40 columns. :class:`StoredTable` keeps a table
+in ``$TMPDIR``, an Arrow IPC file per column, and reads back just the columns asked for, with
+the dtypes the table had (categories with their categories, nullable integers, wall times
+with their zone). A table is written whole, a part of its rows at a time
+(:meth:`StoredTable.of_parts`: the tasks as they are finished) or a column at a time
+(:class:`ColumnWriter`: the calls as they are read): the last two never hold it whole.
 
 (A gap in a column of Python objects comes back as Arrow gives it, None. The tables slotscope
 stores have one such column, a task's status, under pandas < 3, and it has no gaps.)
@@ -16,7 +18,7 @@ reading the field gives a DataFrame (built from disk on first read and kept unti
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 import os
 import tempfile
 from typing import Any, Iterable, Iterator, Sequence
@@ -31,13 +33,116 @@ from .tasks import release_memory
 ROWS_PER_BATCH = 1 << 16  # rows converted to Arrow at a time while writing
 
 
+class ColumnWriter:
+    """Writes a table to disk a column at a time (:meth:`add`), or a part of its rows at a
+    time (:meth:`add_part`); :meth:`done` gives the :class:`StoredTable`. One Arrow IPC file
+    per column, in batches of :data:`ROWS_PER_BATCH` rows: a column is read back alone, and
+    a table made column by column (the calls, as they are read or matched) is never whole in
+    memory. On an error the files are removed."""
+
+    def __init__(self, what: str = "table") -> None:
+        self.what = what
+        self._tmp = tempfile.TemporaryDirectory(prefix="slotscope-")
+        self.files: dict[str, str] = {}
+        self.dtypes: dict[str, Any] = {}
+        self.n: int | None = None
+        self.schema: pa.Schema | None = None  # every column's (add_part)
+        self._open: dict[str, tuple[Any, Any, Any]] = {}  # per column: its file and writer (add_part)
+
+    def add(self, name: str, col: pd.Series, schema: pa.Schema | None = None) -> None:
+        """Column ``name`` of every row (its index is not kept). ``schema``: its Arrow type
+        (default: from the column)."""
+        if name in self.files:
+            raise ValueError(f"{self.what}: column {name} written twice")
+        if self.n is not None and len(col) != self.n:
+            raise ValueError(f"{self.what}: column {name} has {len(col)} rows, not {self.n}")
+        self.n = len(col)
+        frame = col.to_frame(name).reset_index(drop=True)
+        schema = schema or pa.Schema.from_pandas(frame, preserve_index=False)
+        with self._guard():
+            path = os.path.join(self._tmp.name, str(len(self.files)))
+            with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+                writer.write_table(pa.Table.from_pandas(frame, preserve_index=False, schema=schema), max_chunksize=ROWS_PER_BATCH)
+        self.files[name] = path
+        self.dtypes[name] = col.dtype
+
+    def add_part(self, df: pd.DataFrame) -> None:
+        """The next rows, every column (the first part's columns, dtypes and Arrow types: a
+        column of Python objects all missing there must be so in every part)."""
+        if self.n is None:
+            self.n = 0
+            self.schema = pa.Schema.from_pandas(df, preserve_index=False)
+            with self._guard():
+                for i, c in enumerate(df.columns):
+                    path = os.path.join(self._tmp.name, str(i))
+                    sink = pa.OSFile(path, "wb")
+                    self._open[c] = (sink, pa.ipc.new_file(sink, pa.schema([self.schema.field(i)], metadata=self.schema.metadata)), None)
+                    self.files[c], self.dtypes[c] = path, df[c].dtype
+        if list(df.columns) != list(self.files) or any(df[c].dtype != self.dtypes[c] for c in df.columns):
+            raise ValueError(f"{self.what}: a part's columns or dtypes differ from the first part's")
+        with self._guard():
+            table = pa.Table.from_pandas(df, preserve_index=False, schema=self.schema)  # (one conversion a part)
+            for i, c in enumerate(df.columns):
+                self._open[c][1].write_table(table.select([i]), max_chunksize=ROWS_PER_BATCH)
+        self.n += len(df)
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as e:  # a full or read-only temporary directory
+            self.discard()
+            raise SlotscopeError(getattr(e, "filename", None) or tempfile.gettempdir(), None,
+                                 f"cannot write the {self.what} to the temporary directory ({e.strerror or e}); "
+                                 "set TMPDIR to a directory with room") from None
+        except BaseException:
+            self.discard()
+            raise
+
+    def discard(self) -> None:
+        """Give up: close and remove what was written."""
+        for sink, writer, _ in self._open.values():
+            with contextlib.suppress(Exception):
+                writer.close()
+            sink.close()
+        self._open.clear()
+        self._tmp.cleanup()
+
+    def done(self) -> StoredTable:
+        with self._guard():
+            for sink, writer, _ in self._open.values():
+                writer.close()
+                sink.close()
+        self._open.clear()
+        return StoredTable._of(self)
+
+
 class StoredTable:
-    """One DataFrame (with the default index 0..n-1) in an Arrow IPC file of its own."""
+    """One DataFrame (with the default index 0..n-1) on disk, a file per column (see
+    :class:`ColumnWriter`)."""
 
     def __init__(self, df: pd.DataFrame, what: str = "table") -> None:
-        # The types from the whole table: a slice's own could differ (a text column of Python
-        # objects that is empty in the first slice would be typed null there).
-        self._write(iter([df]), what, df.dtypes, pa.Schema.from_pandas(df, preserve_index=False))
+        w = ColumnWriter(what)
+        with w._guard():
+            for c in df.columns:
+                w.add(c, df[c])
+        if not len(df.columns):
+            w.n = len(df)
+        self._take(w)
+
+    @classmethod
+    def _of(cls, w: ColumnWriter) -> StoredTable:
+        table = cls.__new__(cls)
+        table._take(w)
+        return table
+
+    def _take(self, w: ColumnWriter) -> None:
+        self._tmp, self.files = w._tmp, w.files
+        self.columns = list(w.files)
+        self.dtypes = pd.Series(w.dtypes, index=self.columns, dtype=object)
+        self.n = w.n or 0
+        self.schema = w.schema  # (when written a part at a time: the batches convert at once)
+        self._built: pd.DataFrame | None = None
 
     @classmethod
     def of_parts(cls, parts: Iterable[pd.DataFrame], what: str = "table") -> StoredTable:
@@ -46,42 +151,20 @@ class StoredTable:
         dtypes of the first (categories included); there is at least one (it may be empty).
         The Arrow types are the first part's: a column of Python objects all missing there
         must be so in every part (it is stored untyped)."""
-        it = iter(parts)
-        first = next(it)
-        schema = pa.Schema.from_pandas(first, preserve_index=False)
-        table = cls.__new__(cls)
-        table._write(itertools.chain([first], it), what, first.dtypes, schema)
-        return table
-
-    def _write(self, parts: Iterator[pd.DataFrame], what: str, dtypes: pd.Series, schema: pa.Schema) -> None:
-        self.dtypes = dtypes
-        self.columns = list(dtypes.index)
-        self.n = 0
-        self._tmp = tempfile.TemporaryDirectory(prefix="slotscope-")
-        self.path = os.path.join(self._tmp.name, what)
-        self._built: pd.DataFrame | None = None
-        try:
-            with pa.OSFile(self.path, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
-                for df in parts:
-                    if not df.dtypes.equals(dtypes):
-                        raise ValueError(f"{what}: a part's columns or dtypes differ from the first part's")
-                    for a in range(0, len(df), ROWS_PER_BATCH):
-                        writer.write_table(pa.Table.from_pandas(df.iloc[a:a + ROWS_PER_BATCH], preserve_index=False, schema=schema))
-                    self.n += len(df)
+        w = ColumnWriter(what)
+        with w._guard():
+            for df in parts:
+                w.add_part(df)
+                if w.n >= ROWS_PER_BATCH:
+                    # Between parts: what the part freed, before the next is built (each
+                    # part's buffers otherwise stayed held: at 1 GB of log the task view's
+                    # nine parts grew RSS by ~110 MB).
                     del df
-                    if self.n >= ROWS_PER_BATCH:
-                        # Between parts: what the part freed, before the next is built (each
-                        # part's buffers otherwise stayed held: at 1 GB of log the task view's
-                        # nine parts grew RSS by ~110 MB).
-                        release_memory()
-        except OSError as e:  # a full or read-only temporary directory
-            self._tmp.cleanup()
-            raise SlotscopeError(getattr(e, "filename", None) or tempfile.gettempdir(), None,
-                                 f"cannot write the {what} to the temporary directory ({e.strerror or e}); "
-                                 "set TMPDIR to a directory with room") from None
-        except BaseException:  # (e.g. an error in the input the parts are made from)
-            self._tmp.cleanup()
-            raise
+                    release_memory()
+        if w.n is None:
+            w.discard()
+            raise ValueError(f"{what}: no parts")
+        return w.done()
 
     def __len__(self) -> int:
         return self.n
@@ -101,31 +184,33 @@ class StoredTable:
     def batches(self) -> Iterator[pd.DataFrame]:
         """Every column, a stored batch of rows at a time (their index: the rows' positions),
         as they were; joined, :meth:`read`'s table."""
-        with pa.OSFile(self.path) as source:  # (read, not mapped: a map's pages would add up in RSS)
-            reader = pa.ipc.open_file(source)
+        with contextlib.ExitStack() as stack:  # (read, not mapped: a map's pages would add up in RSS)
+            readers = {c: pa.ipc.open_file(stack.enter_context(pa.OSFile(self.files[c]))) for c in self.columns}
+            n_batches = min((r.num_record_batches for r in readers.values()), default=0)
             at = 0
-            for i in range(reader.num_record_batches):
-                batch = reader.get_batch(i)
-                df = pa.Table.from_batches([batch]).to_pandas()
-                del batch
-                for c in self.columns:
-                    if df[c].dtype != self.dtypes[c]:
-                        df[c] = df[c].astype(self.dtypes[c])
-                df.index = pd.RangeIndex(at, at + len(df))
-                at += len(df)
-                yield df
+            for i in range(n_batches):
+                if self.schema is not None:
+                    df = pa.Table.from_arrays([r.get_batch(i).column(0) for r in readers.values()], schema=self.schema).to_pandas()
+                    cols = {c: self._restored(df[c], c) for c in self.columns}
+                    del df
+                else:
+                    cols = {c: self._restored(pa.Table.from_batches([r.get_batch(i)]).to_pandas()[c], c) for c, r in readers.items()}
+                size = len(next(iter(cols.values())))
+                yield pd.DataFrame(cols, copy=False).set_axis(pd.RangeIndex(at, at + size))
+                at += size
 
     def _column(self, name: str) -> pd.Series:
-        """One column, as it was. Read a column at a time from the mapped file, unmapped after
-        each: only that column's pages are touched, and its Arrow and pandas copies are the
-        only two held (a table read whole held both of every column: 2x the table)."""
-        with pa.memory_map(self.path) as source:
-            table = pa.ipc.open_file(source).read_all().select([name])
-            col = table.to_pandas()[name]  # (copied out of the mapped file: a writable array)
+        """One column, as it was. Read from its file mapped, unmapped after: its Arrow and
+        pandas copies are the only two held (a table read whole held both of every column)."""
+        with pa.memory_map(self.files[name]) as source:
+            table = pa.ipc.open_file(source).read_all()
+            col = table.to_pandas()[name] if len(table) else pd.Series([], dtype=self.dtypes[name], name=name)
             del table
-        if col.dtype != self.dtypes[name]:  # what Arrow does not keep as pandas had it (e.g. the type of categories)
-            col = col.astype(self.dtypes[name])
-        return col
+        return self._restored(col, name).set_axis(pd.RangeIndex(self.n))
+
+    def _restored(self, col: pd.Series, name: str) -> pd.Series:
+        """What Arrow does not keep as pandas had it (e.g. the type of categories)."""
+        return col.astype(self.dtypes[name]) if col.dtype != self.dtypes[name] else col
 
     def table(self) -> pd.DataFrame:
         """The whole table, built once and kept until :meth:`unload`."""
