@@ -17,7 +17,7 @@ from typing import Callable
 import pandas as pd
 import pytest
 
-from slotscope import app_log
+from slotscope import app_log, store
 from slotscope.app_log import read_app_logs
 
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"
@@ -229,10 +229,12 @@ def _finish_whole(frames: list[pd.DataFrame], tally: app_log._Tally) -> pd.DataF
 
 
 @pytest.mark.parametrize("arrow", [True, False])
+@pytest.mark.parametrize("on_disk", [False, True])
 def test_calls_joined_a_column_at_a_time_equal_the_chunks_joined_whole(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arrow: bool) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arrow: bool, on_disk: bool) -> None:
     """Chunks of one log can differ in columns (a field the first records lack, written out of
-    time order): the calls are the same as a join of the whole chunks gives them."""
+    time order): the calls are the same as a join of the whole chunks gives them, kept in
+    memory or written to disk a column at a time."""
     recs = _records()
     for i, r in enumerate(recs):
         if i < len(recs) // 2:  # the first chunks have no session, turn nor timings-like extras
@@ -248,12 +250,15 @@ def test_calls_joined_a_column_at_a_time_equal_the_chunks_joined_whole(
     seen = []
     finish = app_log._finish
 
-    def spy(frames: list[pd.DataFrame], tally: app_log._Tally) -> app_log.AppLog:
+    def spy(frames: list[pd.DataFrame], tally: app_log._Tally, disk: bool = False) -> app_log.AppLog:
         seen.append(([f.copy() for f in frames], tally))
-        return finish(frames, tally)
+        return finish(frames, tally, on_disk)
 
     monkeypatch.setattr(app_log, "_finish", spy)
-    got = read_app_logs([path]).calls
+    monkeypatch.setattr(store, "ROWS_PER_BATCH", 4)
+    log = read_app_logs([path])
+    assert (store.stored(log, "calls") is not None) == on_disk
+    got = log.calls
     (frames, tally), = seen
     assert len({tuple(f.columns) for f in frames}) > 1  # chunks with and without the columns
     pd.testing.assert_frame_equal(got, _finish_whole(frames, tally))

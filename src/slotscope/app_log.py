@@ -30,6 +30,7 @@ import pyarrow.json as pa_json
 
 from .errors import AppLogError
 from .sources import CHUNK_SIZE, Span, is_plain, iter_chunks, iter_spans, open_binary, read_span
+from . import store
 from .store import StoredField
 from .tasks import release_memory
 from .workers import Pool
@@ -299,25 +300,29 @@ def read_app_logs(
 
 def read_app_log_stream(
     name: str, stream: BinaryIO, *, columns: Mapping[str, str] | None = None, tz: str | None = None,
-    pool: Pool | None = None,
+    pool: Pool | None = None, on_disk: bool = False,
 ) -> AppLog:
     """Read one already-opened (and decompressed) stream, e.g. stdin, named ``name`` in messages.
 
     ``pool``: worker processes that read parts of a plain JSONL file at the same time (JSON
-    decoding is most of the time); the result is the same.
+    decoding is most of the time); the result is the same. ``on_disk``: the calls table is
+    written to ``$TMPDIR`` a column at a time as it is made (:class:`slotscope.store.StoredTable`;
+    ``calls`` reads it back), never whole in memory.
     """
     if pool is not None and pool.jobs > 1 and is_plain(stream) and _size(stream) > SPAN_BYTES and _starts_with_json(stream):
         tally = _Tally()
-        return _finish(_parse_spans(name, stream, columns, tz, tally, pool), tally)
-    return read_app_log_lines(name, _split_lines(stream, name), columns=columns, tz=tz)
+        return _finish(_parse_spans(name, stream, columns, tz, tally, pool), tally, on_disk)
+    return read_app_log_lines(name, _split_lines(stream, name), columns=columns, tz=tz, on_disk=on_disk)
 
 
 def read_app_log_lines(
-    name: str, lines: Iterable[bytes], *, columns: Mapping[str, str] | None = None, tz: str | None = None
+    name: str, lines: Iterable[bytes], *, columns: Mapping[str, str] | None = None, tz: str | None = None,
+    on_disk: bool = False,
 ) -> AppLog:
-    """Read one app call log given as lines of bytes (line endings optional)."""
+    """Read one app call log given as lines of bytes (line endings optional); ``on_disk``: as
+    in :func:`read_app_log_stream`."""
     tally = _Tally()
-    return _finish(_parse(name, lines, columns, tz, tally), tally)
+    return _finish(_parse(name, lines, columns, tz, tally), tally, on_disk)
 
 
 def _split_lines(stream: BinaryIO, name: str) -> Iterator[bytes]:
@@ -996,17 +1001,25 @@ def _table(
     return out[keep]
 
 
-def _finish(frames: list[pd.DataFrame], tally: _Tally) -> AppLog:
+def _finish(frames: list[pd.DataFrame], tally: _Tally, on_disk: bool = False) -> AppLog:
     # The chunks' tables joined a column at a time, each sorted and cast to its dtype as it is
-    # joined: the calls are held twice at most (the chunks and the result), not four times
-    # (joined, sorted, completed, cast; reading the 1 GB bench's app log peaked at 483 MB, now
-    # 385-412 in seven runs). A column is joined as a join of the whole tables makes it (gaps where a chunk lacks
-    # it). (Deleting each column from the chunks once joined cost more: 441 MB, as a deleted
-    # column's block is copied without it.)
+    # joined, and the chunks' column then dropped: the calls are held twice at most (the
+    # chunks and the result), not four times (joined, sorted, completed, cast). ``on_disk``:
+    # each finished column goes to disk, so only the chunks are held (reading the 1 GB bench's
+    # app log peaked at 483 MB, 385-412 with the columns joined one by one, ~300 on disk). A
+    # column is joined as a join of the whole tables makes it (gaps where a chunk lacks it).
     frames = frames or [pd.DataFrame(columns=list(CALL_COLUMNS))]
+    sizes = [len(f) for f in frames]
+    # Each chunk's columns apart (each is a block of its own as the chunks are made): a column
+    # popped once joined frees its memory.
+    chunks = [{c: f[c] for c in f.columns} for f in frames]
+    frames.clear()  # (the caller's list: its tables, now in ``chunks``)
+    present = {c for d in chunks for c in d}
 
     def joined(c: str) -> pd.Series:
-        return pd.concat([f[[c]] if c in f.columns else f[[]] for f in frames], ignore_index=True)[c]
+        parts = [d.pop(c).to_frame(c).set_axis(pd.RangeIndex(n)) if c in d else pd.DataFrame(index=pd.RangeIndex(n))
+                 for d, n in zip(chunks, sizes)]
+        return pd.concat(parts, ignore_index=True)[c]
 
     # By start, then file (in reading order), then line: file order from each distinct name.
     # (The three sort keys, joined here, are the loop's below: not joined again.)
@@ -1015,32 +1028,51 @@ def _finish(frames: list[pd.DataFrame], tally: _Tally) -> AppLog:
     file_order = np.array([tally.files[n] for n in names], dtype=np.int64)[codes]
     order = np.lexsort((keys["line"].to_numpy(), file_order, keys["start_us"].to_numpy()))
     del codes, file_order
-    present = {c for f in frames for c in f.columns}
     extra = [c for c in ("session", "turn") if c in present]
     index = pd.RangeIndex(len(order))
-    out = {}
-    for c in [*CALL_COLUMNS, *extra]:
+    out: dict[str, pd.Series] = {}
+    writer = store.ColumnWriter("app calls") if on_disk else None
+    dup = early = 0
+
+    def put(c: str, col: pd.Series) -> None:
+        nonlocal dup, early
+        if c == "call_id":
+            dup = int(col.duplicated().sum())
+        elif c == "start_us":
+            early = int((col < 946_684_800_000_000).sum())  # 2000-01-01
+        if writer is not None:
+            writer.add(c, col)
+        else:
+            out[c] = col
+
+    # The call ids last: their check for repeats (a hash of every id) then runs beside the
+    # last of the chunks, not all of them.
+    for c in sorted([*CALL_COLUMNS, *extra], key=lambda c: c == "call_id"):
         if c in ("start_at", "end_at"):
             continue
         col = (keys.pop(c) if c in keys else joined(c)).take(order).set_axis(index) if c in present else pd.Series(np.nan, index=index)
         if c in ("start_us", "end_us"):  # (the wall times from the values as read, before the cast)
-            out[c[:-3] + "_at"] = pd.to_datetime(col, unit="us", utc=True).dt.as_unit("us")
-        out[c] = col.astype(_DTYPES[c])
+            put(c[:-3] + "_at", pd.to_datetime(col, unit="us", utc=True).dt.as_unit("us"))
+        put(c, col.astype(_DTYPES[c]))
         if col.dtype.kind not in "biufcmM":  # a text column's temporaries wait in pyarrow's pool otherwise
             del col
             release_memory()
-    frames.clear()  # (the caller's list: the chunks' tables, now copied)
-    calls = pd.DataFrame({c: out.pop(c) for c in [*CALL_COLUMNS, *extra]}, copy=False)  # (not consolidated: no copy)
+    chunks.clear()
+    order_out = [*CALL_COLUMNS, *extra]
+    if writer is not None:
+        calls = writer.done(order_out)
+        n_calls = len(calls)
+    else:
+        calls = pd.DataFrame({c: out.pop(c) for c in order_out}, copy=False)  # (not consolidated: no copy)
+        n_calls = len(calls)
     for name, (n, zone) in tally.naive.items():
         tally.notes[f"{name}: {n} timestamp(s) without a zone read as {zone} (set --tz if wrong)"] = None
-    dup = int(calls["call_id"].duplicated().sum())
     if dup:
         tally.notes[f"{dup} call id(s) appear more than once"] = None
-    early = int((calls["start_us"] < 946_684_800_000_000).sum())  # 2000-01-01
     if early:
         tally.notes[f"{early} call(s) start before 2000: relative times rather than wall clock?"] = None
     accounting = AppAccounting(
-        lines_read=tally.lines_read, rows_loaded=len(calls), rows_with_problems=tally.problem_rows,
+        lines_read=tally.lines_read, rows_loaded=n_calls, rows_with_problems=tally.problem_rows,
         rows_dropped=tally.dropped, empty_lines=tally.empty_lines,
         problems=tuple(sorted(tally.examples, key=lambda p: (tally.files[p.file], p.line))[:MAX_EXAMPLES]),
         notes=tuple(tally.notes),

@@ -119,8 +119,11 @@ class Dataset:
         return self.matches.calls if self.matches is not None else None
 
 
-def read_app(inputs: Inputs, *, columns: dict[str, str] | None = None, tz: str = "UTC") -> tuple[AppLog | None, list[FileAccount]]:
-    """Read the app logs found among the inputs, with their line accounting."""
+def read_app(inputs: Inputs, *, columns: dict[str, str] | None = None, tz: str = "UTC",
+             on_disk: bool = False) -> tuple[AppLog | None, list[FileAccount]]:
+    """Read the app logs found among the inputs, with their line accounting. ``on_disk``: one
+    app log's calls go to ``$TMPDIR`` a column at a time as they are made (several logs' calls
+    are joined in memory)."""
     if not inputs.app:
         return None, []
     logs = []
@@ -130,7 +133,7 @@ def read_app(inputs: Inputs, *, columns: dict[str, str] | None = None, tz: str =
             stream = reopen(lf, inputs)
             try:
                 log = read_app_log_stream(lf.path if lf.path != STDIN else "<stdin>", stream, columns=columns, tz=tz,
-                                          pool=pool)
+                                          pool=pool, on_disk=on_disk and len(inputs.app) == 1)
             finally:
                 if lf.path != STDIN:
                     stream.close()
@@ -182,7 +185,7 @@ def load(
         say("reading app logs")
         store.keep_on_disk(server, "tasks", "tasks")  # (not held while the app log is read)
         release_memory()
-    app, app_accounts = read_app(inputs, columns=app_columns, tz=tz)
+    app, app_accounts = read_app(inputs, columns=app_columns, tz=tz, on_disk=True)
     release_memory()  # the records parsed from JSON
     acc = server.accounting
     acc.files.extend(app_accounts)

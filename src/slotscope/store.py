@@ -108,7 +108,13 @@ class ColumnWriter:
         self._open.clear()
         self._tmp.cleanup()
 
-    def done(self) -> StoredTable:
+    def done(self, columns: Sequence[str] | None = None) -> StoredTable:
+        """The table (``columns``: every column written, in this order)."""
+        if columns is not None:
+            if sorted(columns) != sorted(self.files):
+                self.discard()
+                raise ValueError(f"{self.what}: columns {sorted(columns)} are not those written, {sorted(self.files)}")
+            self.files = {c: self.files[c] for c in columns}
         with self._guard():
             for sink, writer, _ in self._open.values():
                 writer.close()
