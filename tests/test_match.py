@@ -210,3 +210,25 @@ def test_same_key_pairs_are_the_inner_merge_in_its_order(block: int, monkeypatch
     assert align._packed([wide["p"].to_numpy(), wide["n"].to_numpy()], [wide["p"].to_numpy(), wide["n"].to_numpy()]) is None
     ci, ti = align._join(wide[["p", "n", "_ci"]], wide[["p", "n", "_ti"]], ["p", "n"])
     assert sorted(zip(ci.tolist(), ti.tolist())) == [(0, 2), (1, 1), (2, 0)]
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_calls_read_from_disk_and_matched_to_disk_equal_a_match_in_memory(reverse: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """match(Columns of the stored calls, on_disk=True), as load runs it, gives the calls and
+    unlogged tasks of a match in memory; calls out of time order are sorted either way."""
+    from slotscope import store
+    from slotscope.match import match
+
+    monkeypatch.setattr(store, "ROWS_PER_BATCH", 6)
+    ds = load([REAL / "restart" / "logs"])
+    calls = ds.app.calls
+    if reverse:
+        calls = calls.iloc[::-1].reset_index(drop=True)
+    tasks, aligned, sessions = ds.server.tasks, ds.matches.aligned, ds.server.sessions
+    whole = match(calls, tasks, aligned, sessions)
+    assert store.stored(whole, "calls") is None
+    disk = match(store.Columns(store.StoredTable(calls)), tasks, aligned, sessions, on_disk=True)
+    assert store.stored(disk, "calls") is not None
+    assert whole.calls["task_id"].notna().sum() > 30
+    pd.testing.assert_frame_equal(disk.calls, whole.calls)
+    pd.testing.assert_frame_equal(disk.unlogged, whole.unlogged)

@@ -32,6 +32,7 @@ def test_real_tables_read_back_equal_whole_and_by_columns(scenario: str, monkeyp
         some = [c for c in df.columns[::3]]
         pd.testing.assert_frame_equal(st.read(some + ["no such column"]), df[some].reset_index(drop=True))
         assert list(st.read([]).columns) == [] and len(st.read([])) == len(df)
+        pd.testing.assert_frame_equal(pd.concat(st.batches()), df.reset_index(drop=True))
 
 
 def test_a_text_column_empty_in_the_first_slice_reads_back(monkeypatch: pytest.MonkeyPatch) -> None:

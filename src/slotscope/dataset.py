@@ -192,14 +192,17 @@ def load(
     matches = None
     if app is not None:
         say("aligning clocks and matching calls to tasks")
-        aligned = align(store.columns_of(server, "tasks", ALIGN_TASK_COLUMNS), server.sessions, app.calls,
+        # The calls on disk are read a column at a time, as align and match ask for them.
+        calls = store.stored(app, "calls")
+        app_calls = store.Columns(calls) if calls is not None else app.calls
+        aligned = align(store.columns_of(server, "tasks", ALIGN_TASK_COLUMNS), server.sessions, app_calls,  # type: ignore[arg-type]
                         server_start=server_start)
         release_memory()  # the candidate pairs, before match makes its own
         # Of the tasks on disk, the columns match reads, and all of the unlogged ones'.
         stored = store.stored(server, "tasks")
-        matches = match(app.calls, stored.read(MATCH_TASK_COLUMNS) if stored is not None else server.tasks, aligned,
-                        server.sessions, unlogged_rows=stored.take if stored is not None else None)
-        del stored
+        matches = match(app_calls, stored.read(MATCH_TASK_COLUMNS) if stored is not None else server.tasks, aligned,
+                        server.sessions, unlogged_rows=stored.take if stored is not None else None, on_disk=True)
+        del stored, calls, app_calls
         release_memory()  # what match made on the way
     return Dataset(server=server, app=app, matches=matches, accounting=acc)
 

@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from .align import SESSION_KEY, app_clock_us
-from .store import StoredField
+from .store import ColumnWriter, Columns, StoredField, StoredTable
 from .tasks import release_memory
 from .timeline import within_ranges
 
@@ -161,13 +161,15 @@ TASK_COLUMNS = SESSION_KEY + ["task_id", "slot", "status", "file", "line", "prom
                               "launch_s", "prefill_start_s", "first_token_s", "release_s"]
 
 
-def match(calls: pd.DataFrame, tasks: pd.DataFrame, aligned: pd.DataFrame, sessions: pd.DataFrame,
+def match(calls: pd.DataFrame | Columns, tasks: pd.DataFrame, aligned: pd.DataFrame, sessions: pd.DataFrame,
           *, tolerance_ms: float = TOLERANCE_MS,
-          unlogged_rows: Callable[[np.ndarray], pd.DataFrame] | None = None) -> Matches:
+          unlogged_rows: Callable[[np.ndarray], pd.DataFrame] | None = None, on_disk: bool = False) -> Matches:
     """Join every call to at most one task (and every task to at most one call).
 
-    ``unlogged_rows(positions)``: the task table's rows at these positions, all its columns,
-    where ``tasks`` holds only :data:`TASK_COLUMNS` of it (a table waiting on disk)."""
+    ``calls``: a table, or the columns of one on disk (:class:`slotscope.store.Columns`:
+    read as they are needed). ``unlogged_rows(positions)``: the task table's rows at these
+    positions, all its columns, where ``tasks`` holds only :data:`TASK_COLUMNS` of it (a
+    table waiting on disk). ``on_disk``: the matched calls go to disk as they are made."""
     tol = tolerance_ms * 1000
     # Rows are addressed by position; neither table is copied (at 1 GB of log each is >100 MB).
     tk, cl = _positional(tasks), _positional(calls)
@@ -199,7 +201,7 @@ def match(calls: pd.DataFrame, tasks: pd.DataFrame, aligned: pd.DataFrame, sessi
     release_memory()
     joined = _Joined(cl, tk, us, _pairs_table(found))
     joined.fill_method(_unmatched_reason(cl, np.flatnonzero(~taken_c), us["launch_us"], taken_t, aligned, sessions, tol))
-    out = _derive(joined)
+    out = _derive(joined, on_disk)
     rows = np.flatnonzero(~taken_t)
     unlogged = (tk.iloc[rows] if unlogged_rows is None else unlogged_rows(rows)).reset_index(drop=True)
     for c, v in us.items():
@@ -303,48 +305,64 @@ def _ms(us: pd.Series) -> pd.Series:
     return (us / 1000).round(3)
 
 
-def _derive(j: _Joined) -> pd.DataFrame:
+def _derive(j: _Joined, on_disk: bool = False) -> pd.DataFrame | StoredTable:
+    """The matched calls table. ``on_disk``: each column goes to disk as it is made (a
+    :class:`slotscope.store.StoredTable`; at 1 GB of log the table is ~140 MB), unless the
+    calls are not in time order (then it is sorted whole first)."""
+    start_at = j["start_at"] if "start_at" in j else None
+    in_order = start_at is None or start_at.is_monotonic_increasing  # app logs are read in time order
+    del start_at
+    writer = ColumnWriter("calls") if on_disk and in_order else None
+    out = pd.DataFrame(index=j.index)
+
+    def put(c: str, col: object) -> None:
+        if writer is None:
+            out[c] = col
+        else:
+            writer.add(c, col if isinstance(col, pd.Series) else pd.Series(col, index=j.index))
+
     def task(name: str) -> pd.Series:
         return j[f"{name}_task"] if f"{name}_task" in j else j[name]
 
-    out = pd.DataFrame(index=j.index)
     for c in ("call_id", "start_at", "purpose", "user", "lora", "prompt_tokens", "completion_tokens", "source"):
-        out[c] = j[c] if c in j else pd.NA
-    out["session"] = task("session").astype("Int64")
-    out["task_id"] = j["task_id"].astype("Int64")
-    out["slot"] = j["slot"].astype("Int64")
-    out["match_method"] = j["match_method"].astype("category")  # (a few texts, one per call)
-    out["confidence"] = j["confidence"]
+        put(c, j[c] if c in j else pd.NA)
+    put("session", task("session").astype("Int64"))
+    put("task_id", j["task_id"].astype("Int64"))
+    put("slot", j["slot"].astype("Int64"))
+    put("match_method", j["match_method"].astype("category"))  # (a few texts, one per call)
+    put("confidence", j["confidence"])
     start = j["start_us"].astype("float64")
-    out["queue_ms"] = _ms(j["launch_us"] - start)
-    out["wait_before_prefill_ms"] = j["wait_before_prefill_ms"]
-    out["prefill_ms"] = j["prompt_eval_ms"]
-    out["generation_ms"] = j["eval_ms"]
-    out["ttft_ms"] = _ms(j["first_token_us"] - start)
+    put("queue_ms", _ms(j["launch_us"] - start))
+    put("wait_before_prefill_ms", j["wait_before_prefill_ms"])
+    put("prefill_ms", j["prompt_eval_ms"])
+    put("generation_ms", j["eval_ms"])
+    put("ttft_ms", _ms(j["first_token_us"] - start))
     dur = j["duration_ms"] if "duration_ms" in j else pd.Series(np.nan, index=j.index)
-    out["total_ms"] = dur.fillna(_ms(j["release_us"] - start))
+    put("total_ms", dur.fillna(_ms(j["release_us"] - start)))
     # More than the stable set: enough to trace every figure back to both logs.
-    out["end_at"] = j.get("end_at")
-    out["cached_tokens"] = j.get("cached_tokens")
-    out["status"] = j.get("status")
-    out["ok"] = j.get("ok")
-    out["prompt_tokens_new"] = j["prompt_tokens_new"]
-    out["prompt_tokens_cached"] = j["prompt_tokens_cached"]
-    out["n_gen"] = j["n_gen"]
-    out["port"] = j["port"].astype("Int64")
-    out["task_status"] = task("status").astype("category")
+    put("end_at", j.get("end_at"))
+    put("cached_tokens", j.get("cached_tokens"))
+    put("status", j.get("status"))
+    put("ok", j.get("ok"))
+    put("prompt_tokens_new", j["prompt_tokens_new"])
+    put("prompt_tokens_cached", j["prompt_tokens_cached"])
+    put("n_gen", j["n_gen"])
+    put("port", j["port"].astype("Int64"))
+    put("task_status", task("status").astype("category"))
     release_memory()
-    out["launch_at"] = pd.to_datetime(j["launch_us"].round().astype("Int64"), unit="us", utc=True)
-    out["first_token_at"] = pd.to_datetime(j["first_token_us"].round().astype("Int64"), unit="us", utc=True)
-    out["release_at"] = pd.to_datetime(j["release_us"].round().astype("Int64"), unit="us", utc=True)
+    put("launch_at", pd.to_datetime(j["launch_us"].round().astype("Int64"), unit="us", utc=True))
+    put("first_token_at", pd.to_datetime(j["first_token_us"].round().astype("Int64"), unit="us", utc=True))
+    put("release_at", pd.to_datetime(j["release_us"].round().astype("Int64"), unit="us", utc=True))
     release_memory()
-    out["end_lag_ms"] = _ms(j["end_us"].astype("float64") - j["release_us"])
-    out["call_file"] = j["file"]
-    out["call_line"] = j["line"]
-    out["task_file"] = task("file")
-    out["task_line"] = task("line").astype("Int64")
+    put("end_lag_ms", _ms(j["end_us"].astype("float64") - j["release_us"]))
+    put("call_file", j["file"])
+    put("call_line", j["line"])
+    put("task_file", task("file"))
+    put("task_line", task("line").astype("Int64"))
     if "session" in j and "session_task" in j:
-        out["app_session"] = j["session"]
-    if out["start_at"].is_monotonic_increasing:  # app logs are read in time order: no copy to sort
-        return out
-    return out.sort_values("start_at", kind="stable").reset_index(drop=True)
+        put("app_session", j["session"])
+    if writer is not None:
+        return writer.done()
+    if not in_order:
+        out = out.sort_values("start_at", kind="stable").reset_index(drop=True)
+    return StoredTable(out, "calls") if on_disk else out

@@ -62,7 +62,10 @@ class ColumnWriter:
         with self._guard():
             path = os.path.join(self._tmp.name, str(len(self.files)))
             with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
-                writer.write_table(pa.Table.from_pandas(frame, preserve_index=False, schema=schema), max_chunksize=ROWS_PER_BATCH)
+                # (one chunk first: an Arrow-backed column keeps its own chunks, and every
+                # column's batches must be the same rows for batches())
+                writer.write_table(pa.Table.from_pandas(frame, preserve_index=False, schema=schema).combine_chunks(),
+                                   max_chunksize=ROWS_PER_BATCH)
         self.files[name] = path
         self.dtypes[name] = col.dtype
 
@@ -81,7 +84,8 @@ class ColumnWriter:
         if list(df.columns) != list(self.files) or any(df[c].dtype != self.dtypes[c] for c in df.columns):
             raise ValueError(f"{self.what}: a part's columns or dtypes differ from the first part's")
         with self._guard():
-            table = pa.Table.from_pandas(df, preserve_index=False, schema=self.schema)  # (one conversion a part)
+            # One conversion a part, in one chunk (see add).
+            table = pa.Table.from_pandas(df, preserve_index=False, schema=self.schema).combine_chunks()
             for i, c in enumerate(df.columns):
                 self._open[c][1].write_table(table.select([i]), max_chunksize=ROWS_PER_BATCH)
         self.n += len(df)
@@ -229,6 +233,28 @@ class StoredTable:
 
     def __reduce__(self) -> tuple:
         return table_itself, (self.table(),)  # pickled as its table: the file is this process'
+
+
+class Columns:
+    """A stored table's columns for code that reads a table a column at a time: ``df[c]``
+    reads column ``c`` from disk (each time: nothing is kept), and ``c in df``, ``df.columns``,
+    ``df.index`` (0..n-1) and ``len(df)`` answer as the table would."""
+
+    def __init__(self, table: StoredTable) -> None:
+        self.table = table
+        self.columns = pd.Index(table.columns)
+        self.index = pd.RangeIndex(len(table))
+
+    def __getitem__(self, name: str) -> pd.Series:
+        if name not in self.table.files:
+            raise KeyError(name)
+        return self.table.read([name])[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.table.files
+
+    def __len__(self) -> int:
+        return len(self.table)
 
 
 def table_itself(df: pd.DataFrame) -> pd.DataFrame:
