@@ -198,9 +198,9 @@ def load(
         aligned = align(store.columns_of(server, "tasks", ALIGN_TASK_COLUMNS), server.sessions, app_calls,  # type: ignore[arg-type]
                         server_start=server_start)
         release_memory()  # the candidate pairs, before match makes its own
-        # Of the tasks on disk, the columns match reads, and all of the unlogged ones'.
+        # Of the tasks on disk, the columns match reads (a column at a time), and all of the unlogged ones'.
         stored = store.stored(server, "tasks")
-        matches = match(app_calls, stored.read(MATCH_TASK_COLUMNS) if stored is not None else server.tasks, aligned,
+        matches = match(app_calls, store.Columns(stored, MATCH_TASK_COLUMNS) if stored is not None else server.tasks, aligned,  # type: ignore[arg-type]
                         server.sessions, unlogged_rows=stored.take if stored is not None else None, on_disk=True)
         del stored, calls, app_calls
         release_memory()  # what match made on the way

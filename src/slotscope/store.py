@@ -240,18 +240,19 @@ class Columns:
     reads column ``c`` from disk (each time: nothing is kept), and ``c in df``, ``df.columns``,
     ``df.index`` (0..n-1) and ``len(df)`` answer as the table would."""
 
-    def __init__(self, table: StoredTable) -> None:
+    def __init__(self, table: StoredTable, columns: Sequence[str] | None = None) -> None:
+        """``columns``: only those of the table's (in its order) are there."""
         self.table = table
-        self.columns = pd.Index(table.columns)
+        self.columns = pd.Index([c for c in table.columns if columns is None or c in set(columns)])
         self.index = pd.RangeIndex(len(table))
 
     def __getitem__(self, name: str) -> pd.Series:
-        if name not in self.table.files:
+        if name not in self.columns:
             raise KeyError(name)
         return self.table.read([name])[name]
 
     def __contains__(self, name: object) -> bool:
-        return name in self.table.files
+        return name in self.columns
 
     def __len__(self) -> int:
         return len(self.table)
