@@ -248,3 +248,40 @@ def test_samples_on_disk_by_task_and_in_parts(scenario) -> None:
         want = logs.tasks[keys].merge(t, left_on=keys, right_index=True, how="left")
         assert (pd.Series(lo).equals(want["min"].reset_index(drop=True)) and pd.Series(hi).equals(want["max"].reset_index(drop=True)))
         assert not samples.built  # none of it built the table
+
+
+@pytest.mark.parametrize("case", ["as read", "a time going back", "a missing time"])
+def test_sample_index_by_task_and_time(case: str) -> None:
+    """The index of sample rows by task: the rows by (port, session, task) then time, each
+    task's first and last time. As read (time order within a task: a stable sort by key), a
+    heartbeat's time earlier than the one before it in its task, or one missing (-1): the same
+    as a sort by key and time and a min/max of the times that are there."""
+    import numpy as np
+
+    from slotscope.tasks import FinishedRows, _SampleIndex
+
+    lazy = read_server_logs([REAL / "before" / "logs"], samples_on_disk=True)
+    src = lazy.__dict__["_gen_samples"].parts[0].store
+    cols = src.gather(np.arange(len(src)))
+    ts = cols["ts_us"].copy()
+    task = cols["task"]
+    rows = np.flatnonzero(task == task[len(task) // 2])
+    assert len(rows) >= 3
+    if case == "a time going back":
+        ts[rows[2]] = ts[rows[0]] - 5
+    elif case == "a missing time":
+        ts[rows[1]] = -1
+    cols["ts_us"] = ts
+    store = FinishedRows(spill_rows=None)
+    store.append({c: v[:40] for c, v in cols.items()})  # (in two chunks)
+    store.append({c: v[40:] for c, v in cols.items()})
+    store.close()
+    ix = _SampleIndex.of(store)
+    key = cols["port"].astype(np.int64) * 10**12 + cols["session"].astype(np.int64) * 10**9 + cols["task"].astype(np.int64)
+    order = np.lexsort((ts, key))
+    assert ix.order.tolist() == order.tolist()
+    t = pd.Series(np.where(ts >= 0, ts, np.nan) / 1e6)
+    want = t.groupby(key).agg(["min", "max"])
+    assert np.array_equal(ix.t_min, want["min"].to_numpy(), equal_nan=True)
+    assert np.array_equal(ix.t_max, want["max"].to_numpy(), equal_nan=True)
+    assert (np.diff(ix.starts) == pd.Series(key).value_counts().sort_index().to_numpy()).all()

@@ -930,11 +930,34 @@ class _SampleIndex:
 
     @classmethod
     def of(cls, store: FinishedRows) -> "_SampleIndex | None":
-        # One key column, built a chunk at a time (not three int64 columns of every row), and
-        # sorted with the times: the key sorts as (port, session, task) do (_sample_order).
+        # One key column, built a chunk at a time (not three int64 columns of every row): the
+        # key sorts as (port, session, task) do (_sample_order).
         key = np.concatenate([packed_task_keys(*cols) for cols in store.by_chunk("port", "session", "task")] or [np.zeros(0, np.int64)])
         if (key < 0).any():
             return None
+        # Rows are read in log order, so a task's rows are in time order already: a stable
+        # sort by key alone is the sort by key and time, and a task's first and last rows hold
+        # its first and last times (the gen samples of 1 GB of log: peak +171 -> +106 MB, kept
+        # 40.5 -> 29 MB with int32 positions).
+        # Else (a time going back within a task, or missing) the rows are sorted by both.
+        order = np.argsort(key, kind="stable")
+        order = order.astype(np.int32) if len(order) < 2**31 else order
+        key = key[order]
+        first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+        keys = key[first]
+        del key
+        ts = store.column("ts_us")[order]
+        last = np.r_[first[1:] - 1, len(ts) - 1] if len(ts) else first
+        back = ts[1:] < ts[:-1]
+        back[first[1:] - 1] = False  # (a task's first row may be earlier than the previous task's last)
+        if len(ts) and not back.any() and ts.min() >= 0:
+            return cls(order, keys, np.r_[first, len(ts)], _seconds(ts[first]), _seconds(ts[last]))
+        del ts, back, keys, order
+        return cls._sorted_by_time(store)
+
+    @classmethod
+    def _sorted_by_time(cls, store: FinishedRows) -> "_SampleIndex":
+        key = np.concatenate([packed_task_keys(*cols) for cols in store.by_chunk("port", "session", "task")] or [np.zeros(0, np.int64)])
         ts = store.column("ts_us")
         order = np.lexsort((ts, key))
         key = key[order]
