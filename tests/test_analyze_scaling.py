@@ -43,6 +43,12 @@ def test_tables_do_not_depend_on_block_sizes(scenario: str, monkeypatch: pytest.
     blocked = analyze.run(ds, Options(), names, strict=True)
     for name in names:
         pd.testing.assert_frame_equal(whole[name], blocked[name])
+    # (run() reads each block's rows of the task view from disk; a dataset in memory, its rows)
+    fresh = load([REAL / scenario / "logs"])
+    assert fresh._view is None
+    for name in ("stalls", "stalls-worst"):
+        pd.testing.assert_frame_equal(whole[name], analyze.TABLES[name](fresh, Options()))
+    assert fresh._view is None
     pd.testing.assert_frame_equal(pieces, st.segment_pieces(ds, Options()))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -33,6 +34,11 @@ def test_real_tables_read_back_equal_whole_and_by_columns(scenario: str, monkeyp
         pd.testing.assert_frame_equal(st.read(some + ["no such column"]), df[some].reset_index(drop=True))
         assert list(st.read([]).columns) == [] and len(st.read([])) == len(df)
         pd.testing.assert_frame_equal(pd.concat(st.batches()), df.reset_index(drop=True))
+        # Rows of a few stored batches, in any order, of some columns (or all)
+        for rows in ([3, 1, 2], [9, 8, 20, 15], [len(df) - 1, 0], list(range(len(df)))[::-5], []):
+            want = df.reset_index(drop=True).iloc[rows].reset_index(drop=True)
+            pd.testing.assert_frame_equal(st.take(np.array(rows, dtype=np.int64), some), want[some])
+            pd.testing.assert_frame_equal(st.take(np.array(rows, dtype=np.int64)), want)
 
 
 def test_a_text_column_empty_in_the_first_slice_reads_back(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -153,6 +153,7 @@ class StoredTable:
         self.n = w.n or 0
         self.schema = w.schema  # (when written a part at a time: the batches convert at once)
         self._built: pd.DataFrame | None = None
+        self._ends: np.ndarray | None = None  # where the stored batches end (see take)
 
     @classmethod
     def of_parts(cls, parts: Iterable[pd.DataFrame], what: str = "table") -> StoredTable:
@@ -186,10 +187,31 @@ class StoredTable:
             return self._built[names].copy(deep=False)
         return pd.DataFrame({c: self._column(c) for c in names}, index=pd.RangeIndex(self.n), copy=False)
 
-    def take(self, rows: np.ndarray) -> pd.DataFrame:
-        """Every column at these row positions (a column read at a time)."""
+    def take(self, rows: np.ndarray, columns: Sequence[str] | None = None) -> pd.DataFrame:
+        """These columns (all: None) at these row positions, a column at a time, each read only
+        over the stored batches the rows are in (rows close together: a few of them)."""
+        names = self.columns if columns is None else [c for c in self.columns if c in set(columns)]
         index = pd.RangeIndex(len(rows))
-        return pd.DataFrame({c: self._column(c).take(rows).set_axis(index) for c in self.columns}, index=index, copy=False)
+        rows = np.asarray(rows, dtype=np.int64)
+        if self._built is not None:
+            return self._built[names].take(rows).set_axis(index)
+        if not len(rows):  # (the columns of no batch: an empty slice of a whole column would keep it)
+            return pd.DataFrame({c: self._column(c, 0, 0) for c in names}, index=index, copy=False)
+        if not names:
+            return pd.DataFrame(index=index)
+        ends = self._batch_ends()
+        first, last = np.searchsorted(ends, rows.min(), "right"), np.searchsorted(ends, rows.max(), "right")
+        at = int(ends[first - 1]) if first else 0
+        return pd.DataFrame({c: self._column(c, first, last + 1).take(rows - at).set_axis(index) for c in names},
+                            index=index, copy=False)
+
+    def _batch_ends(self) -> np.ndarray:
+        """Where each stored batch ends (row positions; every column's file has the same)."""
+        if self._ends is None:
+            with pa.memory_map(self.files[self.columns[0]]) as source:
+                reader = pa.ipc.open_file(source)
+                self._ends = np.cumsum([reader.get_batch(i).num_rows for i in range(reader.num_record_batches)], dtype=np.int64)
+        return self._ends
 
     def batches(self) -> Iterator[pd.DataFrame]:
         """Every column, a stored batch of rows at a time (their index: the rows' positions),
@@ -209,14 +231,20 @@ class StoredTable:
                 yield pd.DataFrame(cols, copy=False).set_axis(pd.RangeIndex(at, at + size))
                 at += size
 
-    def _column(self, name: str) -> pd.Series:
-        """One column, as it was. Read from its file mapped, unmapped after: its Arrow and
-        pandas copies are the only two held (a table read whole held both of every column)."""
+    def _column(self, name: str, first: int = 0, stop: int | None = None) -> pd.Series:
+        """One column, as it was (only the stored batches ``first`` to ``stop`` - 1: their
+        rows, from 0). Read from its file mapped, unmapped after: its Arrow and pandas copies
+        are the only two held (a table read whole held both of every column)."""
         with pa.memory_map(self.files[name]) as source:
-            table = pa.ipc.open_file(source).read_all()
+            reader = pa.ipc.open_file(source)
+            if first == 0 and stop is None:
+                table = reader.read_all()
+            else:
+                table = pa.Table.from_batches([reader.get_batch(i) for i in range(first, reader.num_record_batches if stop is None else stop)],
+                                              schema=reader.schema)
             col = table.to_pandas()[name] if len(table) else pd.Series([], dtype=self.dtypes[name], name=name)
             del table
-        return self._restored(col, name).set_axis(pd.RangeIndex(self.n))
+        return self._restored(col, name).set_axis(pd.RangeIndex(len(col)))
 
     def _restored(self, col: pd.Series, name: str) -> pd.Series:
         """What Arrow does not keep as pandas had it (e.g. the type of categories)."""

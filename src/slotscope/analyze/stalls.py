@@ -30,7 +30,7 @@ during the whole segment, a slight bias away from ``alone``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -424,10 +424,12 @@ def _rows_with(index: tuple[np.ndarray, np.ndarray], codes: np.ndarray) -> np.nd
     return np.sort(order[np.repeat(lo, cnt) + tl.within_ranges(cnt)])
 
 
-def _blockwise(ds: Dataset, tv: pd.DataFrame) -> Iterator[tuple[np.ndarray, Dataset, pd.DataFrame]]:
-    """Per block of :func:`_task_blocks`: its rows in ``tv``, a dataset of only its samples, and
-    its part of ``tv``. One block: the dataset and ``tv`` themselves."""
-    blocks = _task_blocks(ds, tv)
+def _blockwise(ds: Dataset, tv: pd.DataFrame, blocks: list[np.ndarray],
+               block_view: Callable[[np.ndarray], pd.DataFrame] | None = None) -> Iterator[tuple[np.ndarray, Dataset, pd.DataFrame]]:
+    """Per block of :func:`_task_blocks`: its rows in the task view, a dataset of only its
+    samples, and its part of the view (``block_view(rows)``; default ``tv.iloc[rows]``, then
+    ``tv`` has every column the pieces read, else the task keys at least). One block: the
+    dataset and ``tv`` themselves."""
     if len(blocks) == 1:
         yield blocks[0], ds, tv
         return
@@ -448,7 +450,7 @@ def _blockwise(ds: Dataset, tv: pd.DataFrame) -> Iterator[tuple[np.ndarray, Data
             found.append((samples, None, None))
     for rows in blocks:
         part = []
-        tvb = tv.iloc[rows]
+        tvb = tv.iloc[rows] if block_view is None else block_view(rows)
         for samples, index, tcode in found:
             if isinstance(samples, Samples):
                 part.append(samples.of_tasks(tvb))
@@ -475,23 +477,57 @@ class _Summary:
     worst: pd.DataFrame
 
 
+# What the blocks are cut by (:func:`_task_blocks`), and what the sessions' typical prefill
+# steps are read from (:func:`slotscope.timeline.typical_steps`).
+_BLOCK_VIEW = _TASK_KEYS + tl.TIMES
+_PREFILL_VIEW = _TASK_KEYS + ["slot", "prompt_tokens_new", "line", "prefill_start_s", "first_token_s"]
+
+
 def _summary(ds: Dataset, opts: Options) -> _Summary:
-    tv = task_view(ds, _VIEW)
-    task_code = tl.key_codes([tv], _TASK_KEYS)[0]
+    stored = ds._view is not None  # (after Dataset.keep_on_disk: columns and rows read as needed)
+    if stored:
+        # The samples' indexes by task first: the peak of making them is not on top of the
+        # task view's columns (at 1 GB of log, with the view whole: ~450 MB).
+        for kind in ("gen_samples", "prefill_samples"):
+            lazy = ds.server.on_disk(kind)
+            if lazy is not None:
+                lazy.indexed
+        release_memory()
+    tv = task_view(ds, _BLOCK_VIEW if stored else _VIEW)
+    n_tasks = len(tv)
+    blocks = _task_blocks(ds, tv)
+    block_view = None
+    typical = None  # a prefill without progress lines is read with its whole session's typical step
+    if len(blocks) > 1:
+        # Several blocks (task keys unique): a task is its row in the view. Where the view is
+        # on disk each block reads its rows of it; the whole view is never held.
+        task_code = None
+        if stored:
+            view = ds._view
+            assert view is not None
+            block_view = lambda rows: view.take(rows, _VIEW).set_axis(pd.Index(rows))  # noqa: E731
+            if all(ds.server.on_disk(k) is not None and ds.server.on_disk(k).indexed or not len(getattr(ds.server, k))
+                   for k in ("gen_samples", "prefill_samples")):  # (else _blockwise looks samples up by key)
+                tv = tv[_TASK_KEYS].iloc[:0]
+            release_memory()
+        lazy = ds.server.on_disk("prefill_samples")  # (then read in parts, not built)
+        typical = tl.typical_steps(task_view(ds, _PREFILL_VIEW) if stored else tv,
+                                   lazy.batches() if lazy is not None else ds.server.prefill_samples)
+        release_memory()
+    else:
+        tv = task_view(ds, _VIEW) if stored else tv
+        task_code = tl.key_codes([tv], _TASK_KEYS)[0]
     long_enough: list[list[np.ndarray]] = []
     tokens, seconds = np.zeros(len(CLASSES)), np.zeros(len(CLASSES))
     worst, keys = [], []
     group = np.array([0, 1, 2, 2])  # pieces are listed long_prefill, other_prefill, then the rest
-    typical = None  # a prefill without progress lines is read with its whole session's typical step
-    for b, (rows, sub, tvb) in enumerate(_blockwise(ds, tv)):
-        if typical is None and sub is not ds:
-            lazy = ds.server.on_disk("prefill_samples")  # (then read in parts, not built)
-            typical = tl.typical_steps(tv, lazy.batches() if lazy is not None else ds.server.prefill_samples)
-            release_memory()
+    for b, (rows, sub, tvb) in enumerate(_blockwise(ds, tv, blocks, block_view)):
         pc = _pieces(sub, opts, tvb, typical)
         sel = np.flatnonzero(pc.seconds >= MIN_PIECE_S)
         seg = pc.seg[sel]
-        long_enough.append([pc.cls[sel], pc.tok_per_s[sel], pc.split[seg], task_code[rows[pc.segments.row[seg]]]])
+        task = rows[pc.segments.row[seg]]
+        long_enough.append([pc.cls[sel], pc.tok_per_s[sel], pc.split[seg],
+                            (task if task_code is None else task_code[task]).astype(_positions(n_tasks))])
         tokens += np.bincount(pc.cls, weights=pc.tokens, minlength=len(CLASSES))
         seconds += np.bincount(pc.cls, weights=pc.seconds, minlength=len(CLASSES))
         # This block's slowest long-enough pieces (tok/s up, seconds down, then piece order).
