@@ -256,31 +256,30 @@ def own_copy(df: pd.DataFrame) -> pd.DataFrame:
 
 def _task_view_parts(ds: Dataset) -> Iterator[pd.DataFrame] | None:
     """:func:`_task_view` a stored batch of tasks at a time (joined: its table), from the
-    task table on disk; None where it cannot (the tasks in memory, or a task with two calls)."""
+    tasks and calls on disk; None where it cannot (either in memory, or a task with two calls)."""
     tasks = store.stored(ds.server, "tasks")
     if tasks is None or not len(tasks):
         return None
     if ds.matches is None:
         return (t.assign(**{c: pd.NA for c in TASK_VIEW_EXTRA}).reset_index(drop=True) for t in tasks.batches())
+    calls = store.stored(ds.matches, "calls")
+    if calls is None:
+        return None
     keys = ["source", "port", "session", "task_id"]
     # Each task's row among the calls (-1: none), found by the keys alone; then the other
-    # columns, taken a batch of tasks at a time (at 1 GB of log the calls' columns are ~50 MB).
-    calls = calls_of(ds, keys)
-    matched = np.flatnonzero(calls["task_id"].notna().to_numpy())
-    t, c = join_tasks(tasks.read(keys), calls.iloc[matched])  # (packed keys: no hash of every task id)
-    del calls
+    # columns, read a batch of tasks at a time (at 1 GB of log the calls' columns are ~50 MB).
+    call_keys = calls.read(keys)
+    matched = np.flatnonzero(call_keys["task_id"].notna().to_numpy())
+    t, c = join_tasks(tasks.read(keys), call_keys.iloc[matched])  # (packed keys: no hash of every task id)
+    del call_keys
     if len(t) and np.bincount(t, minlength=len(tasks)).max() > 1:  # a task with two calls: as a merge lists it
         return None
     row = np.full(len(tasks), -1, dtype=np.int64)
     row[t] = matched[c]
     del t, c, matched
     named = {"call_start_at": "start_at", "call_total_ms": "total_ms"}  # (the calls' names of two of them)
-    calls = calls_of(ds, [named.get(c, c) for c in TASK_VIEW_EXTRA])
     extra = [c for c in TASK_VIEW_EXTRA if named.get(c, c) in calls.columns]
-    calls = calls[[named.get(c, c) for c in extra]]
-    calls.columns = extra
-    if not calls.index.equals(pd.RangeIndex(len(calls))):  # (rows are found by position)
-        calls = calls.reset_index(drop=True)
+    names = [named.get(c, c) for c in extra]
     # A task without a call anywhere: every batch's columns get the NA and dtype a left merge
     # gives them (one missing row more than the batch's own), also a batch whose tasks all have one.
     missing = bool((row < 0).any())
@@ -289,11 +288,15 @@ def _task_view_parts(ds: Dataset) -> Iterator[pd.DataFrame] | None:
     def parts() -> Iterator[pd.DataFrame]:
         for t in tasks.batches():
             r = row[t.index[0]:t.index[-1] + 1]
-            part = calls.reindex(np.append(r, -1)).iloc[:-1] if missing else calls.iloc[r]
+            got = calls.take(r[r >= 0], names)  # (the stored batches of the same times, mostly)
+            if missing:
+                pos = np.full(len(r) + 1, -1, dtype=np.int64)
+                pos[:-1][r >= 0] = np.arange(len(got))
+                got = got.reindex(pos).iloc[:-1]
             t = t.reset_index(drop=True)
             for c in extra:
-                t[c] = part[c].array
-            del part
+                t[c] = got[named.get(c, c)].array
+            del got
             _add_app_clock(t, aligned)
             yield t
 
