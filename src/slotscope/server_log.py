@@ -802,17 +802,19 @@ def _finish_on_disk(assemblers: list[TaskAssembler]) -> tuple[StoredTable, list[
         del ones
     counts = np.zeros(3, np.int64)
     samples: dict[int, tuple[SampleSource, SampleSource]] = {}  # per stream (assembler) index
-    firsts: list[pd.DataFrame] = []  # a stream's tasks' first-token times (its gen samples' first windows)
+    firsts: list[list[np.ndarray]] = []  # a stream's tasks' keys and first-token times (its gen samples' first windows)
 
     def batches() -> Iterator[pd.DataFrame]:
         for asm, parts in streams:
             for part in parts:
                 table, n = _task_batch((part, 0, with_wall, None))
                 counts[:] += n
-                firsts.append(table[["port", "session", "task_id", "first_token_s"]])
+                firsts.append([table[c].to_numpy(dtype=np.int64) for c in ("port", "session", "task_id")]
+                              + [table["first_token_s"].to_numpy(dtype=np.float64, na_value=np.nan)])
                 yield table.assign(**{c: table[c].cat.set_categories(v) for c, v in cats.items()}) if cats else table
             asm.discard()  # its finished rows, on disk
-            samples[id(asm)] = asm.samples_later(pd.concat(firsts, ignore_index=True))
+            samples[id(asm)] = asm.samples_later(lambda: FirstTokens.of_arrays(*(np.concatenate([f.pop(0) for f in firsts])
+                                                                                 for _ in range(4))))
             firsts.clear()
 
     stored = StoredTable.of_parts(itertools.chain(batches(), [] if streams else [_concat([], TASK_COLUMNS)]), "tasks")

@@ -15,7 +15,7 @@ import os
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 import numpy as np
 import pandas as pd
@@ -553,16 +553,21 @@ class TaskAssembler:
         release_memory()
         return tasks, gen, prefill, sessions
 
-    def samples_later(self, tasks: pd.DataFrame | None) -> tuple["SampleSource", "SampleSource"]:
+    def samples_later(self, tasks: "pd.DataFrame | Callable[[], FirstTokens] | None") -> tuple["SampleSource", "SampleSource"]:
         """The gen and prefill samples as read, their tables built when asked (on disk with
         ``spill_samples``). ``tasks``: the finished tasks' ``port``, ``session``, ``task_id``
-        and ``first_token_s`` (None: no tasks), for the gen samples' first windows."""
+        and ``first_token_s``, or what makes their :class:`FirstTokens` (None: no tasks), for
+        the gen samples' first windows."""
         files = list(self._sample_files)
         on_disk = self.spill_samples or self.spill_rows is not None
         self._gen.close(on_disk)
         self._prefill.close(on_disk)
-        gen = SampleSource(HEARTBEAT, self._gen, self.source, files, FirstTokens.of(tasks) if tasks is not None and len(self._gen) else None)
-        return gen, SampleSource(PROGRESS, self._prefill, self.source, files, None)
+        if on_disk:
+            release_memory()  # (the last rows, just written: not under the first tokens' making)
+        first = None
+        if tasks is not None and len(self._gen):
+            first = FirstTokens.of(tasks) if isinstance(tasks, pd.DataFrame) else tasks()
+        return SampleSource(HEARTBEAT, self._gen, self.source, files, first), SampleSource(PROGRESS, self._prefill, self.source, files, None)
 
     def finish_samples_in_batches(self, kind: int, rows: int, first_tokens: "FirstTokens | None",
                                   on_disk: bool = False) -> list["SampleBatch"]:
@@ -1003,13 +1008,18 @@ class FirstTokens:
 
     @classmethod
     def of(cls, tasks: pd.DataFrame) -> "FirstTokens":
-        port, session = tasks["port"].to_numpy(dtype=np.int64), tasks["session"].to_numpy(dtype=np.int64)
-        task = tasks["task_id"].to_numpy(dtype=np.int64)
+        return cls.of_arrays(tasks["port"].to_numpy(dtype=np.int64), tasks["session"].to_numpy(dtype=np.int64),
+                             tasks["task_id"].to_numpy(dtype=np.int64),
+                             tasks["first_token_s"].to_numpy(dtype=np.float64, na_value=np.nan))
+
+    @classmethod
+    def of_arrays(cls, port: np.ndarray, session: np.ndarray, task: np.ndarray, first_token_s: np.ndarray) -> "FirstTokens":
+        """:meth:`of` the columns as arrays (int64, and float64 with NaN)."""
         ft = cls(np.unique(cls._pair(port, session)), np.unique(task), np.zeros(0, np.int64), np.zeros(0))
         keys = ft._keys(port, session, task)
         order = np.argsort(keys, kind="stable")
         ft.keys, first = np.unique(keys[order], return_index=True)  # a task twice: its first row
-        ft.values = tasks["first_token_s"].to_numpy(dtype=np.float64, na_value=np.nan)[order][first]
+        ft.values = first_token_s[order][first]
         return ft
 
     @staticmethod
