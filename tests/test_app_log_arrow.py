@@ -250,16 +250,23 @@ def test_calls_joined_a_column_at_a_time_equal_the_chunks_joined_whole(
     seen = []
     finish = app_log._finish
 
-    def spy(frames: list[pd.DataFrame], tally: app_log._Tally, disk: bool = False) -> app_log.AppLog:
-        seen.append(([f.copy() for f in frames], tally))
+    def spy(frames: list, tally: app_log._Tally, disk: bool = False) -> app_log.AppLog:
+        assert disk == on_disk  # (on disk: so are the chunks' tables, read back here as they were)
+        seen.append(([f.read() if isinstance(f, store.StoredTable) else f.copy() for f in frames], tally))
+        assert all(isinstance(f, store.StoredTable) for f in frames) == on_disk
         return finish(frames, tally, on_disk)
 
     monkeypatch.setattr(app_log, "_finish", spy)
     monkeypatch.setattr(store, "ROWS_PER_BATCH", 4)
-    log = read_app_logs([path])
+    with open(path, "rb") as stream:
+        log = app_log.read_app_log_stream(str(path), stream, on_disk=on_disk)
     assert (store.stored(log, "calls") is not None) == on_disk
     got = log.calls
     (frames, tally), = seen
     assert len({tuple(f.columns) for f in frames}) > 1  # chunks with and without the columns
     pd.testing.assert_frame_equal(got, _finish_whole(frames, tally))
     assert got["session"].notna().any() and got["session"].isna().any()
+    if on_disk:  # (and the chunks on disk changed nothing: the calls of a read in memory)
+        monkeypatch.setattr(app_log, "_finish", finish)
+        with open(path, "rb") as stream:
+            pd.testing.assert_frame_equal(got, app_log.read_app_log_stream(str(path), stream).calls)

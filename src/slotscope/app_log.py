@@ -15,7 +15,7 @@ import math
 import os
 import re
 import tomllib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, islice, repeat
 from os import PathLike, fspath
@@ -311,7 +311,7 @@ def read_app_log_stream(
     """
     if pool is not None and pool.jobs > 1 and is_plain(stream) and _size(stream) > SPAN_BYTES and _starts_with_json(stream):
         tally = _Tally()
-        return _finish(_parse_spans(name, stream, columns, tz, tally, pool), tally, on_disk)
+        return _finish(_parse_spans(name, stream, columns, tz, tally, pool, _keep(on_disk)), tally, on_disk)
     return read_app_log_lines(name, _split_lines(stream, name), columns=columns, tz=tz, on_disk=on_disk)
 
 
@@ -322,7 +322,13 @@ def read_app_log_lines(
     """Read one app call log given as lines of bytes (line endings optional); ``on_disk``: as
     in :func:`read_app_log_stream`."""
     tally = _Tally()
-    return _finish(_parse(name, lines, columns, tz, tally), tally, on_disk)
+    return _finish(_parse(name, lines, columns, tz, tally, _keep(on_disk)), tally, on_disk)
+
+
+def _keep(on_disk: bool) -> Callable[[pd.DataFrame], "pd.DataFrame | store.StoredTable"]:
+    """How a chunk's table waits for :func:`_finish`: as it is, or on disk (the chunks of the
+    1 GB bench's app log are ~117 MB; :func:`_finish` then reads them a column at a time)."""
+    return (lambda f: store.StoredTable(f, "app log chunk")) if on_disk else (lambda f: f)
 
 
 def _split_lines(stream: BinaryIO, name: str) -> Iterator[bytes]:
@@ -353,18 +359,20 @@ def _start_file(name: str, columns: Mapping[str, str] | None, tz: str | None, ta
 
 
 def _parse(
-    name: str, lines: Iterable[bytes], columns: Mapping[str, str] | None, tz: str | None, tally: _Tally
-) -> list[pd.DataFrame]:
+    name: str, lines: Iterable[bytes], columns: Mapping[str, str] | None, tz: str | None, tally: _Tally,
+    keep: Callable[[pd.DataFrame], Any] = lambda f: f,
+) -> list[Any]:
+    """The chunks' tables of one log (each as ``keep`` makes it, e.g. on disk)."""
     zone, override = _start_file(name, columns, tz, tally)
     lines = iter(lines)
     batch = list(islice(lines, CHUNK_ROWS))
     if not _json_first(batch):
-        frames = _frames(name, _rows(name, chain(batch, lines), tally), override, zone, tally)
+        frames = [keep(f) for f in _frames(name, _rows(name, chain(batch, lines), tally), override, zone, tally)]
     else:  # JSONL: blocks of lines, each read by pyarrow where it can be (see _arrow_fields)
         frames, first = [], 1
         while batch:
             block = b"".join(ln if ln.endswith(b"\n") else ln + b"\n" for ln in batch)
-            frames += _json_block_frames(name, block, first, override, zone, tally, bom=first == 1, lines=len(batch))
+            frames += [keep(f) for f in _json_block_frames(name, block, first, override, zone, tally, bom=first == 1, lines=len(batch))]
             first += len(batch)
             batch = list(islice(lines, CHUNK_ROWS))
     tally.check_start_found(name, frames)
@@ -419,9 +427,11 @@ def _starts_with_json(stream: BinaryIO) -> bool:
 
 
 def _parse_spans(
-    name: str, stream: BinaryIO, columns: Mapping[str, str] | None, tz: str | None, tally: _Tally, pool: Pool
-) -> list[pd.DataFrame]:
-    """A plain JSONL file read in byte spans by the pool's workers, joined in order."""
+    name: str, stream: BinaryIO, columns: Mapping[str, str] | None, tz: str | None, tally: _Tally, pool: Pool,
+    keep: Callable[[pd.DataFrame], Any] = lambda f: f,
+) -> list[Any]:
+    """A plain JSONL file read in byte spans by the pool's workers, joined in order (each
+    chunk's table as ``keep`` makes it)."""
     zone, override = _start_file(name, columns, tz, tally)
     jobs = ((span, name, override, zone, i == 0) for i, span in enumerate(iter_spans(stream, name, SPAN_BYTES)))
     frames: list[pd.DataFrame] = []
@@ -429,7 +439,8 @@ def _parse_spans(
         offset = tally.lines_read
         for f in part_frames:
             f["line"] += offset
-        frames += part_frames
+        frames += [keep(f) for f in part_frames]
+        del part_frames
         tally.absorb(part, offset)
     tally.check_start_found(name, frames)
     return frames
@@ -1001,7 +1012,24 @@ def _table(
     return out[keep]
 
 
-def _finish(frames: list[pd.DataFrame], tally: _Tally, on_disk: bool = False) -> AppLog:
+class _StoredChunk:
+    """A chunk's table on disk as :func:`_finish` reads it: its columns, each read when popped."""
+
+    def __init__(self, table: store.StoredTable) -> None:
+        self.table, self.names = table, list(table.columns)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __contains__(self, c: object) -> bool:
+        return c in self.names
+
+    def pop(self, c: str) -> pd.Series:
+        self.names.remove(c)
+        return self.table.read([c])[c]
+
+
+def _finish(frames: list[Any], tally: _Tally, on_disk: bool = False) -> AppLog:
     # The chunks' tables joined a column at a time, each sorted and cast to its dtype as it is
     # joined, and the chunks' column then dropped: the calls are held twice at most (the
     # chunks and the result), not four times (joined, sorted, completed, cast). ``on_disk``:
@@ -1012,7 +1040,7 @@ def _finish(frames: list[pd.DataFrame], tally: _Tally, on_disk: bool = False) ->
     sizes = [len(f) for f in frames]
     # Each chunk's columns apart (each is a block of its own as the chunks are made): a column
     # popped once joined frees its memory.
-    chunks = [{c: f[c] for c in f.columns} for f in frames]
+    chunks = [_StoredChunk(f) if isinstance(f, store.StoredTable) else {c: f[c] for c in f.columns} for f in frames]
     frames.clear()  # (the caller's list: its tables, now in ``chunks``)
     present = {c for d in chunks for c in d}
 
@@ -1022,12 +1050,17 @@ def _finish(frames: list[pd.DataFrame], tally: _Tally, on_disk: bool = False) ->
         return pd.concat(parts, ignore_index=True)[c]
 
     # By start, then file (in reading order), then line: file order from each distinct name.
-    # (The three sort keys, joined here, are the loop's below: not joined again.)
+    # (The sort keys, joined here, are the loop's below: not joined again.)
     keys = {c: joined(c) for c in ("file", "line", "start_us")}
-    codes, names = pd.factorize(keys["file"])
+    codes, names = pd.factorize(keys.pop("file"))
     file_order = np.array([tally.files[n] for n in names], dtype=np.int64)[codes]
     order = np.lexsort((keys["line"].to_numpy(), file_order, keys["start_us"].to_numpy()))
-    del codes, file_order
+    del file_order
+    # The file names (a name per call: as read, the largest column) as the category column
+    # their cast gives, from their codes: categories sorted, in the names' own type.
+    cats = names.sort_values()
+    file = pd.Series(pd.Categorical.from_codes(np.argsort(names.argsort())[codes[order]], dtype=pd.CategoricalDtype(cats)))
+    del codes, names
     extra = [c for c in ("session", "turn") if c in present]
     index = pd.RangeIndex(len(order))
     out: dict[str, pd.Series] = {}
@@ -1050,11 +1083,14 @@ def _finish(frames: list[pd.DataFrame], tally: _Tally, on_disk: bool = False) ->
     for c in sorted([*CALL_COLUMNS, *extra], key=lambda c: c == "call_id"):
         if c in ("start_at", "end_at"):
             continue
+        if c == "file":
+            put(c, file)
+            continue
         col = (keys.pop(c) if c in keys else joined(c)).take(order).set_axis(index) if c in present else pd.Series(np.nan, index=index)
         if c in ("start_us", "end_us"):  # (the wall times from the values as read, before the cast)
             put(c[:-3] + "_at", pd.to_datetime(col, unit="us", utc=True).dt.as_unit("us"))
         put(c, col.astype(_DTYPES[c]))
-        if col.dtype.kind not in "biufcmM":  # a text column's temporaries wait in pyarrow's pool otherwise
+        if on_disk or col.dtype.kind not in "biufcmM":  # a text column's temporaries wait in pyarrow's pool otherwise
             del col
             release_memory()
     chunks.clear()
