@@ -195,11 +195,12 @@ def load(
         # The calls on disk are read a column at a time, as align and match ask for them.
         calls = store.stored(app, "calls")
         app_calls = store.Columns(calls) if calls is not None else app.calls
-        aligned = align(store.columns_of(server, "tasks", ALIGN_TASK_COLUMNS), server.sessions, app_calls,  # type: ignore[arg-type]
-                        server_start=server_start)
-        release_memory()  # the candidate pairs, before match makes its own
-        # Of the tasks on disk, the columns match reads (a column at a time), and all of the unlogged ones'.
+        # Of the tasks on disk, the columns align and match read (a column at a time), and all
+        # of the unlogged ones'.
         stored = store.stored(server, "tasks")
+        aligned = align(store.Columns(stored, ALIGN_TASK_COLUMNS) if stored is not None else server.tasks,  # type: ignore[arg-type]
+                        server.sessions, app_calls, server_start=server_start)
+        release_memory()  # the candidate pairs, before match makes its own
         matches = match(app_calls, store.Columns(stored, MATCH_TASK_COLUMNS) if stored is not None else server.tasks, aligned,  # type: ignore[arg-type]
                         server.sessions, unlogged_rows=stored.take if stored is not None else None, on_disk=True)
         del stored, calls, app_calls
