@@ -643,16 +643,31 @@ def stalls(ds: Dataset, opts: Options) -> pd.DataFrame:
     return out[STALL_COLUMNS]
 
 
+def _rows_of_tasks(ds: Dataset, keys: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:
+    """The task view's ``columns`` of the rows whose task keys are in one of ``keys`` (in the
+    view's order): what a left merge of those keys with the view finds. Read from disk
+    where the view is there."""
+    tk = task_view(ds, _TASK_KEYS)
+    found = [tl.join_tasks(k[k["task_id"].notna().to_numpy()].astype({"task_id": tk["task_id"].dtype}), tk)[1]
+             for k in keys if len(k)]
+    rows = np.unique(np.concatenate(found)) if found else np.zeros(0, dtype=np.int64)
+    del tk
+    if ds._view is not None:
+        return ds._view.take(rows, columns)
+    return task_view(ds, columns).iloc[rows].reset_index(drop=True)
+
+
 @register("stalls-worst")
 def worst_stalls(ds: Dataset, opts: Options) -> pd.DataFrame:
     """The slowest pieces of generation at least ``WORST_MIN_S`` long, with the stalled task and
     the largest other-slot prefill running during it (``cause_*``, NA when no prefill ran)."""
     who = ["slot", "purpose", "user", "lora", "line", "file"]
-    tv = task_view(ds, _TASK_KEYS + who + ["prompt_tokens_new"])
     p = _shared_summary(ds, opts).worst
+    ckeys = p[tl.GROUP + ["cause_task_id"]].rename(columns={"cause_task_id": "task_id"})
+    # Only the view's rows of these tasks (a merge on the whole view copied its columns).
+    tv = _rows_of_tasks(ds, [p[_TASK_KEYS], ckeys], _TASK_KEYS + who + ["prompt_tokens_new"])
     stalled = p[_TASK_KEYS].merge(tv[_TASK_KEYS + who], on=_TASK_KEYS, how="left").drop(columns="slot")
     cause_cols = ["slot", "purpose", "user", "lora", "prompt_tokens_new", "line", "file"]
-    ckeys = p[tl.GROUP + ["cause_task_id"]].rename(columns={"cause_task_id": "task_id"})
     cinfo = tv[_TASK_KEYS + cause_cols].astype({"task_id": "Int64"})
     cause = ckeys.merge(cinfo, on=_TASK_KEYS, how="left")
     out = pd.DataFrame({
