@@ -480,7 +480,8 @@ class _Summary:
 # What the blocks are cut by (:func:`_task_blocks`), and what the sessions' typical prefill
 # steps are read from (:func:`slotscope.timeline.typical_steps`).
 _BLOCK_VIEW = _TASK_KEYS + tl.TIMES
-_PREFILL_VIEW = _TASK_KEYS + ["slot", "prompt_tokens_new", "line", "prefill_start_s", "first_token_s"]
+_PREFILL_VIEW = _TASK_KEYS + ["prefill_start_s", "first_token_s"]
+TYPICAL_ROWS = 1 << 16  # prefill samples read at a time for the typical steps (a part: ~10 MB)
 
 
 def _summary(ds: Dataset, opts: Options) -> _Summary:
@@ -508,11 +509,11 @@ def _summary(ds: Dataset, opts: Options) -> _Summary:
             block_view = lambda rows: view.take(rows, _VIEW).set_axis(pd.Index(rows))  # noqa: E731
             if all(ds.server.on_disk(k) is not None and ds.server.on_disk(k).indexed or not len(getattr(ds.server, k))
                    for k in ("gen_samples", "prefill_samples")):  # (else _blockwise looks samples up by key)
-                tv = tv[_TASK_KEYS].iloc[:0]
+                tv = tv[_TASK_KEYS].iloc[:0].copy()  # (a slice would keep the columns alive)
             release_memory()
         lazy = ds.server.on_disk("prefill_samples")  # (then read in parts, not built)
         typical = tl.typical_steps(task_view(ds, _PREFILL_VIEW) if stored else tv,
-                                   lazy.batches() if lazy is not None else ds.server.prefill_samples)
+                                   lazy.batches(TYPICAL_ROWS) if lazy is not None else ds.server.prefill_samples)
         release_memory()
     else:
         tv = task_view(ds, _VIEW) if stored else tv
