@@ -156,3 +156,32 @@ def test_the_task_view_written_in_parts_equals_the_one_built_whole(paths, monkey
     if len(paths) == 2 and paths[1].endswith(".log"):
         assert whole["call_id"].isna().any() and whole["call_id"].notna().any()
     pd.testing.assert_frame_equal(ds._view.read(), whole)
+
+
+def test_columns_read_each_column_when_asked_and_show_only_those_given() -> None:
+    calls = _ds("before").matches.calls.reset_index(drop=True)
+    st = store.StoredTable(calls)
+    cols = store.Columns(st, ["call_id", "task_id", "no such column"])
+    assert list(cols.columns) == ["call_id", "task_id"] and len(cols) == len(calls)
+    assert "task_id" in cols and "purpose" not in cols and cols.index.equals(pd.RangeIndex(len(calls)))
+    pd.testing.assert_series_equal(cols["task_id"], calls["task_id"])
+    with pytest.raises(KeyError):
+        cols["purpose"]  # (in the table, not among the columns given)
+    assert st._built is None  # nothing read whole
+
+
+def test_a_column_writer_refuses_a_column_of_another_length_and_removes_its_files(monkeypatch, tmp_path) -> None:
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    w = store.ColumnWriter("calls")
+    w.add("a", pd.Series([1, 2, 3]))
+    with pytest.raises(ValueError, match="has 2 rows, not 3"):
+        w.add("b", pd.Series([1.0, 2.0]))
+    w.discard()
+    assert list(tmp_path.iterdir()) == []
+    w = store.ColumnWriter("calls")
+    w.add("a", pd.Series([1, 2, 3]))
+    w.add("b", pd.Series(["x", None, "z"], dtype="string"))
+    t = w.done(["b", "a"])
+    pd.testing.assert_frame_equal(t.read(), pd.DataFrame({"b": pd.Series(["x", None, "z"], dtype="string"), "a": [1, 2, 3]}))
