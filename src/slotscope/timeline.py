@@ -503,13 +503,15 @@ def _prefill_times(tv: pd.DataFrame) -> pd.DataFrame:
     return pre
 
 
-def _progress_lines(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None, pre: pd.DataFrame | None = None,
+def _progress_lines(tv: pd.DataFrame | None, prefill_samples: pd.DataFrame | None, pre: pd.DataFrame | None = None,
                     join: Callable[[pd.DataFrame], tuple[np.ndarray, np.ndarray]] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The prefills of ``tv`` (:func:`_prefills`, unless given) and their progress lines inside
     them (``pid``, ``t_s``, ``n_tokens``, ``step_tokens``, ``step_s``; by prefill, then time).
     ``join``: :func:`join_tasks` of a frame with ``pre`` (see :func:`_joiner`)."""
     keys = GROUP + ["task_id"]
-    pre = _prefills(tv) if pre is None else pre
+    if pre is None:
+        assert tv is not None
+        pre = _prefills(tv)
     cols = ["t_s", "n_tokens", "step_tokens", "step_s"]
     samples = prefill_samples if prefill_samples is not None and len(prefill_samples) else pd.DataFrame(columns=keys + cols)
     # Each progress line with its prefill (an inner join on the task keys, in line order).
@@ -594,12 +596,13 @@ def typical_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | Iterable[pd.
     ``prefill_samples``: the table, or its parts (each row whole, in any grouping)."""
     parts = [prefill_samples] if prefill_samples is None or isinstance(prefill_samples, pd.DataFrame) else prefill_samples
     pre = _prefill_times(tv)  # (what the lines are joined and cut by)
+    del tv  # (freed here if the caller keeps no other reference)
     join = _joiner(pre)
     # Only the lines' prefill and steps are kept from each part, as arrays of their own (a
     # selection of the lines' columns kept all five alive: at 1 GB of log +64 MB, not +31).
     kept = []
     for p in parts:
-        lines = _progress_lines(tv, p, pre, join)[1]
+        lines = _progress_lines(None, p, pre, join)[1]
         kept.append(pd.DataFrame({c: lines[c].to_numpy(copy=True) for c in ("pid", "step_tokens", "step_s")}))
         del lines
     return _typical(pre, kept)
