@@ -136,11 +136,11 @@ class _Tally:
         return pd.DataFrame({
             "samples": self.samples[b],
             "tasks": self.tasks[b].sum(axis=1),
-            "median_tg_3s_tps": [_median_of_counts(*self.values[b][k]) for k in range(len(LABELS))],
+            "median_tg_3s_tps": [median_of_counts(*self.values[b][k]) for k in range(len(LABELS))],
         }, index=pd.Index(LABELS, name="bin"))
 
 
-def _median_of_counts(values: np.ndarray, counts: np.ndarray) -> float:
+def median_of_counts(values: np.ndarray, counts: np.ndarray) -> float:
     """The median of ``counts[i]`` times each of the sorted ``values`` (NaN: none), to the bit
     numpy's of the values one by one: the middle one, or the mean of the middle two."""
     n = int(counts.sum())
