@@ -18,13 +18,13 @@ counted in ``left out`` rows with the reason.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import pandas as pd
 
 from .. import timeline as tl
-from ..dataset import Dataset, calls_of
+from ..dataset import Dataset, calls_of, release_memory
 from . import Options, register
 
 CHAT = "chat"
@@ -88,6 +88,18 @@ def _by_count(codes: np.ndarray, texts: pd.Series) -> list[tuple[int, str]]:
     return [(int(k), texts.iloc[k]) for k in by.index]
 
 
+def _left_out(left: pd.DataFrame) -> pd.DataFrame:
+    """The ``left out`` rows of the calls not measured (``ok`` and ``match_method`` of each)."""
+    failed = ~left["ok"].fillna(False).astype(bool).to_numpy()
+    method = left["match_method"].astype("string").fillna("unmatched").to_numpy()
+    rows = pd.DataFrame({
+        "group": np.where(failed, "call failed", "no server task matched"),
+        "note": np.where(failed, "not in the times above: the app log marks the call failed",
+                         np.char.add("not in the times above: ", method.astype(str))),
+    }).groupby(["group", "note"], sort=True, observed=True).size().rename("count").reset_index()
+    return rows.assign(by="left out", ttft_count=0, few_samples=False)
+
+
 def needs_app_log(columns: Sequence[str]) -> pd.DataFrame:
     """The table an app-log analyzer returns without an app log: one row, only the note."""
     row = pd.DataFrame({c: pd.Series([pd.NA], dtype="object") for c in columns})
@@ -100,7 +112,7 @@ def measured_calls(calls: pd.DataFrame) -> pd.Series:
     return calls["ok"].fillna(False).astype(bool) & calls["task_id"].notna()
 
 
-def _stats(subsets: list[tuple[str, str, np.ndarray, np.ndarray]], min_samples: int) -> pd.DataFrame:
+def _stats(subsets: Iterable[tuple[str, str, np.ndarray, np.ndarray]], min_samples: int) -> pd.DataFrame:
     """One row per ``(by, group, total_s, ttft_s)`` subset, in their order: counts and median,
     p95 and max of each (empty subsets still get their row, count 0, so "none" is visible).
     On each subset's arrays, as a groupby of them stacked gives them (timeline.median,
@@ -132,6 +144,7 @@ def turns(ds: Dataset, opts: Options) -> pd.DataFrame:
     # Dataset.keep_on_disk only the column asked for is read): at 1 GB of log the eight columns
     # whole, their cut copies and the purposes as text took +146 MB.
     ok = measured_calls(calls_of(ds, ["ok", "task_id"])).to_numpy()
+    left_out = _left_out(calls_of(ds, ["ok", "match_method"]).loc[~ok]) if not ok.all() else None
 
     def used(name: str) -> pd.Series:
         return calls_of(ds, [name])[name][ok]
@@ -142,31 +155,27 @@ def turns(ds: Dataset, opts: Options) -> pd.DataFrame:
     # Each purpose's text by its code ("(no purpose)" for none, as fillna would name it).
     codes, texts = text_codes(purpose)
     codes, texts = fill_missing(codes, texts, NO_PURPOSE)
-    subsets = [("purpose", p, total[m], ttft[m]) for k, p in _by_count(codes, texts) for m in [codes == k]]
-
     chat = is_chat_turn(purpose).to_numpy()
-    del purpose, codes
+    del purpose
     cached = used("prompt_tokens_cached").astype("float64").to_numpy(na_value=np.nan)
     new = used("prompt_tokens_new").astype("float64").to_numpy(na_value=np.nan)
     prompt = cached + new
     with np.errstate(divide="ignore", invalid="ignore"):
         rate = cached / np.where(prompt > 0, prompt, np.nan)
-    for label, m in (("all", chat), (f"cache rate >= {opts.cache_rate:.0%}", chat & (rate >= opts.cache_rate)),
-                     (f">= {opts.uncached_tokens:,} new tokens", chat & (new >= opts.uncached_tokens))):
-        subsets.append(("chat turns", label, total[m], ttft[m]))
-    del total, ttft, cached, new, prompt, rate
-    table = _stats(subsets, opts.min_samples)
-    table.loc[(table["by"] == "chat turns") & (table["group"] == "all"), "note"] = "purposes chat and chat_*"
+    del cached, prompt
+    release_memory()  # (the columns read whole to cut them)
 
-    if not ok.all():
-        left = calls_of(ds, ["ok", "match_method"]).loc[~ok]
-        failed = ~left["ok"].fillna(False).astype(bool).to_numpy()
-        method = left["match_method"].astype("string").fillna("unmatched").to_numpy()
-        rows = pd.DataFrame({
-            "group": np.where(failed, "call failed", "no server task matched"),
-            "note": np.where(failed, "not in the times above: the app log marks the call failed",
-                             np.char.add("not in the times above: ", method.astype(str))),
-        }).groupby(["group", "note"], sort=True, observed=True).size().rename("count").reset_index()
-        rows = rows.assign(by="left out", ttft_count=0, few_samples=False)
-        table = pd.concat([table, rows], ignore_index=True)
+    def subsets() -> Iterator[tuple[str, str, np.ndarray, np.ndarray]]:
+        """Each subset's times, taken as its statistics are made (not every subset's at once)."""
+        for k, p in _by_count(codes, texts):
+            m = codes == k
+            yield "purpose", p, total[m], ttft[m]
+        for label, m in (("all", chat), (f"cache rate >= {opts.cache_rate:.0%}", chat & (rate >= opts.cache_rate)),
+                         (f">= {opts.uncached_tokens:,} new tokens", chat & (new >= opts.uncached_tokens))):
+            yield "chat turns", label, total[m], ttft[m]
+
+    table = _stats(subsets(), opts.min_samples)
+    table.loc[(table["by"] == "chat turns") & (table["group"] == "all"), "note"] = "purposes chat and chat_*"
+    if left_out is not None:
+        table = pd.concat([table, left_out], ignore_index=True)
     return table[COLUMNS]
