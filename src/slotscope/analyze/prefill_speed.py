@@ -29,6 +29,7 @@ EDGES = [1, 64, 256, 600, 1500, 2100, np.inf]
 LABELS = ["1-64", "64-256", "256-600", "600-1500", "1500-2100", "2100+"]
 LARGE_STEP = 64
 RECUR_SHARE = 0.05
+PART_ROWS = 1 << 17  # samples a part (at 1 << 18 a part and its gathering were the peak)
 COLUMNS = ["step_tokens", "steps", "median_tps", "median_step_tokens", "effective_chunk_tokens", "chunk_steps", "few_samples"]
 
 
@@ -45,7 +46,7 @@ def _steps(ds: Dataset) -> pd.DataFrame:
         release_memory()
     counted = _pairs(np.zeros(0), np.zeros(0), np.zeros(0, dtype=np.int64))
     n_parts = 0
-    for p in (lazy.batches() if lazy is not None else []):
+    for p in (lazy.batches(PART_ROWS) if lazy is not None else []):
         counted = _add(counted, _steps_of(p))
         n_parts += 1
     return counted if n_parts else _add(counted, _steps_of(ds.server.prefill_samples))
