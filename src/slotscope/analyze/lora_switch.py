@@ -18,9 +18,9 @@ import pandas as pd
 import numpy as np
 
 from .. import timeline as tl
-from ..dataset import Dataset, task_view, tasks_of
+from ..dataset import Dataset, release_memory, task_view, tasks_of
 from . import Options, register
-from .context import SESSION, tasks_during
+from .context import SESSION, TasksDuring
 from .turns import needs_app_log, text_codes
 
 SHORT_PROMPT_TOKENS = 1_000
@@ -41,6 +41,9 @@ def lora_switch(ds: Dataset, opts: Options) -> pd.DataFrame:
     def column(name: str) -> pd.Series:
         return task_view(ds, [name])[name]
 
+    # Which tasks held a slot when, per session, first (its making does not stack on the rest).
+    holding = TasksDuring(tasks_of(ds, SESSION + ["launch_s", "release_s"]))
+    release_memory()
     keys = task_view(ds, SESSION)
     session = tl.key_codes([keys], SESSION)[0]
     no_session = keys.isna().any(axis=1).to_numpy()  # (no session: no previous task, as a groupby drops it)
@@ -59,12 +62,13 @@ def lora_switch(ds: Dataset, opts: Options) -> pd.DataFrame:
     known = short[order] & (lora >= 0) & (prev >= 0)
     rows, lora, prev = order[known], lora[known], prev[known]  # (the short tasks with both labels, in launch order)
     del order, short, known
+    release_memory()  # (the columns read whole)
 
     # Their prefills' company, their times, and their group: (change, label), as sorted text.
     at = pd.DataFrame({c: task_view(ds, [c])[c].iloc[rows].reset_index(drop=True)
                        for c in SESSION + ["prefill_start_s", "first_token_s"]})
-    others = tasks_during(tasks_of(ds, SESSION + ["launch_s", "release_s"]), at, "prefill_start_s", "first_token_s") - 1
-    del at
+    others = holding.count(at, "prefill_start_s", "first_token_s") - 1
+    del at, holding
     ms = column("prompt_eval_ms").iloc[rows].reset_index(drop=True)
     rank = np.argsort(np.argsort(np.asarray(texts.astype(object), dtype=object), kind="stable"), kind="stable")
     group = (lora != prev).astype(np.int64) * (len(texts) + 1) + rank[lora]  # ("same" before "to", labels as text)
