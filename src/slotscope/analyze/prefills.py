@@ -93,7 +93,7 @@ def _text_rank(col: pd.Series) -> np.ndarray:
         codes, uniq = pd.factorize(col, use_na_sentinel=True)
         texts = np.asarray(pd.Index(uniq).astype(str), dtype=object)
     rank = np.unique(texts, return_inverse=True)[1].reshape(-1) if len(texts) else np.zeros(0, np.int64)
-    return np.where(codes < 0, len(texts), rank[np.maximum(codes, 0)] if len(texts) else 0).astype(np.int64)
+    return np.where(codes < 0, len(texts), rank[np.maximum(codes, 0)] if len(texts) else 0).astype(np.int32)
 
 
 def _is(col: pd.Series, text: str) -> np.ndarray:
@@ -103,7 +103,8 @@ def _is(col: pd.Series, text: str) -> np.ndarray:
 
 def _sorted_causes(calls: pd.DataFrame, opts: Options, pairs: pd.DataFrame | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The cause of each app call's prompt, calls by user and start: (their positions in
-    ``calls``, their causes). On integer codes per call (users as text took 40 MB at 1 GB)."""
+    ``calls``, their causes). On integer codes per call (users as text took 40 MB at 1 GB),
+    each array dropped once read (at 1 GB of log held to the end they were prefills' peak)."""
     user = _text_rank(calls["user"])
     start = calls["start_at"]
     at_us = start.dt.tz_convert("UTC") if start.dt.tz is not None else start
@@ -112,27 +113,37 @@ def _sorted_causes(calls: pd.DataFrame, opts: Options, pairs: pd.DataFrame | Non
     # By user, then start (stable; missing users and times last), as sort_values orders them.
     order = np.lexsort((np.where(nat, np.iinfo(np.int64).max, us), nat, user))
     u = user[order]
+    del user
     new_user = np.r_[True, u[1:] != u[:-1]] if len(u) else np.zeros(0, dtype=bool)
     # The calendar day (UTC): its number; the user's first call of a day starts a run of them.
-    day = np.where(nat, np.iinfo(np.int64).min, us // 86_400_000_000)[order]
+    day = us // 86_400_000_000
+    del us
+    day[nat] = np.iinfo(np.int64).min
+    day = day[order]
     first_of_day = new_user | np.r_[True, day[1:] != day[:-1]] if len(u) else new_user
+    del day
     if "app_session" in calls:
         sess = pd.factorize(calls["app_session"], use_na_sentinel=True)[0][order]
-        pair = u * (int(sess.max(initial=0)) + 2) + (sess + 1)
+        pair = u.astype(np.int64) * (int(sess.max(initial=0)) + 2) + (sess + 1)
         first_of_session = np.zeros(len(u), dtype=bool)
         first_of_session[np.unique(pair, return_index=True)[1]] = True
+        del pair
         first_of_session &= sess >= 0
+        del sess
     else:
         first_of_session = np.zeros(len(u), dtype=bool)
+    del u
     summary = _is(calls["purpose"], SUMMARY)[order]
-    after_summary = np.r_[False, summary[:-1]] & ~new_user if len(u) else new_user
+    after_summary = np.r_[False, summary[:-1]] & ~new_user if len(summary) else new_user
     pairs = turn_pairs(slim_calls(calls), opts) if pairs is None else pairs
     missed = np.zeros(len(calls), dtype=bool)
     hit = _rows_in(calls, pairs.loc[pairs["miss"].to_numpy(), _KEY])
     missed[hit[hit >= 0]] = True
-    # Each cause as its place in CAUSES (one byte a call, not a text)
-    cause = np.select([first_of_day, first_of_session, summary, after_summary, missed[order]],
-                      list(range(len(CAUSES) - 1)), default=len(CAUSES) - 1).astype(np.int8)
+    # Each cause as its place in CAUSES (one byte a call, not a text): the first that holds,
+    # as np.select picks it (set last to first: the first one set last).
+    cause = np.full(len(order), len(CAUSES) - 1, dtype=np.int8)
+    for k, holds in reversed(list(enumerate([first_of_day, first_of_session, summary, after_summary, missed[order]]))):
+        cause[holds] = k
     return order, cause
 
 
