@@ -98,7 +98,7 @@ def pair_core(column: Callable[[str], pd.Series | None], opts: Options) -> pd.Da
     # The latest summary of the same user started before each turn. A summary's key is its
     # user and the rank of its time among the summaries' times; a turn's, its user and how many
     # of those times are before its start: the summaries before a turn are the keys below its
-    # key, of its user. (Summaries and turns sorted together by user and time took ~40 MB more.)
+    # key, of its user. (Summaries and turns sorted together by user and time took ~20 MB more.)
     sums = np.flatnonzero(is_summary & (user >= 0) & ~nat)
     del is_summary
     times = np.unique(start[sums])
