@@ -169,7 +169,7 @@ def _harder_calls(calls, variant: int):
 @pytest.mark.parametrize("scenario", ["before", "restart", "wallclock"])
 def test_pairs_on_codes_equal_the_sort_and_merge(datasets: dict, scenario: str, variant: int) -> None:
     """The turns paired on integer codes and positions give the pairs the sort and the as-of
-    merge gave, column for column, and so the cache tables."""
+    merge gave, column for column, and so the cache tables (users grouped by code, not text)."""
     import pandas as pd
 
     from slotscope.analyze.cache import slim_calls, turn_pairs
@@ -183,10 +183,30 @@ def test_pairs_on_codes_equal_the_sort_and_merge(datasets: dict, scenario: str, 
     pairs = _pairs_by_sort_and_merge(slim_calls(calls), Options())
     misses = cache_misses(ds, Options())
     assert list(zip(misses["call_id"], misses["prev_call_id"])) == list(zip(*pairs.loc[pairs["miss"], ["call_id", "prev_call_id"]].T.to_numpy()))
-    table = cache(ds, Options()).set_index("user")
-    assert table.loc["all", "consecutive_turns"] == len(pairs) and table.loc["all", "misses"] == pairs["miss"].sum()
-    counted = pairs.groupby("user")["miss"].agg(["size", "sum"])
-    assert table.drop(index="all")[["consecutive_turns", "misses"]].to_numpy().tolist() == counted.to_numpy().tolist()
+    pd.testing.assert_frame_equal(cache(ds, Options()), _cache_by_texts(pairs, Options()))
+
+
+def _cache_by_texts(pairs, opts: Options):
+    """The cache table as it was made: a groupby on the pairs' users as text."""
+    import pandas as pd
+
+    from slotscope.analyze.cache import COLUMNS, MISS_SHARE
+
+    pairs = pairs.assign(other_slot=pairs["miss"] & (pairs["slot"] != pairs["prev_slot"]).fillna(False))
+    by_user = pairs.groupby("user", sort=True, observed=True).agg(
+        consecutive_turns=("miss", "size"), misses=("miss", "sum"), misses_on_other_slot=("other_slot", "sum"))
+    total = pd.DataFrame({"consecutive_turns": [len(pairs)], "misses": [int(pairs["miss"].sum())],
+                          "misses_on_other_slot": [int(pairs["other_slot"].sum())]}, index=pd.Index(["all"], name="user"))
+    table = pd.concat([by_user, total]).reset_index(names="user")
+    counts = ["consecutive_turns", "misses", "misses_on_other_slot"]
+    table[counts] = table[counts].astype("int64")
+    table["miss_share"] = (table["misses"] / table["consecutive_turns"].where(table["consecutive_turns"] > 0)).round(3)
+    table["few_samples"] = table["consecutive_turns"] < opts.min_samples
+    table["note"] = ""
+    table.loc[table["user"] == "all", "note"] = (
+        f"chat turns <= {opts.cache_window_s:g} s after the user's previous one; "
+        f"miss = reused < {MISS_SHARE:.0%} of what the previous turn left")
+    return table[COLUMNS]
 
 
 def test_pairs_of_no_turns_and_of_a_turn_with_no_start(datasets: dict) -> None:
@@ -199,6 +219,9 @@ def test_pairs_of_no_turns_and_of_a_turn_with_no_start(datasets: dict) -> None:
     calls = datasets["before"].matches.calls.copy()
     none = calls.assign(purpose=pd.Categorical(["translation"] * len(calls)))
     pd.testing.assert_frame_equal(turn_pairs(slim_calls(none), Options()), _pairs_by_sort_and_merge(slim_calls(none), Options()))
+    ds = load([REAL / "before" / "logs"])
+    ds.matches.calls = none
+    pd.testing.assert_frame_equal(cache(ds, Options()), _cache_by_texts(_pairs_by_sort_and_merge(slim_calls(none), Options()), Options()))
     calls.loc[calls.index[5], "start_at"] = pd.NaT
     for pair in (turn_pairs, _pairs_by_sort_and_merge):
         with pytest.raises(ValueError, match="null values on left"):
