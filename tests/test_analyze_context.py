@@ -83,3 +83,34 @@ def test_tasks_during_counts_overlaps_per_session() -> None:
                        "a": [0.0, 6.0, 8.0, 20.0, 50.0, 0.0], "b": [1.0, 7.0, 9.0, 30.0, 60.0, 1.0]})
     # [0,1]: task 0. [6,7]: task 1 (task 0 released at 6). [8,9]: none. [20,30]: task 2, never released.
     assert tasks_during(tasks, at, "a", "b").tolist() == [1, 1, 0, 1, 1, 0]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tally_by_part_equals_the_windows_kept_whole(seed: int) -> None:
+    """The windows tallied a part at a time (counts, tasks, medians read off each value's
+    count) give what the windows kept whole give: bincount, distinct tasks and the median of
+    the values, to the bit; with repeated and missing speeds, odd and even counts, empty bins
+    and parts, and windows of no bin."""
+    from slotscope import timeline as tl
+    from slotscope.analyze.context import BASES, _Tally
+
+    rng = np.random.default_rng(seed)
+    n, n_tasks = 5000, 300
+    w = pd.DataFrame({
+        "tg_3s_tps": np.round(rng.gamma(5, 8, n), 1 + seed % 3),  # (from 0.1 to 0.001 apart: many or few repeats)
+        "alone": rng.random(n) < 0.3, "no_prefill": rng.random(n) < 0.7,
+        "bin": rng.choice(np.array([-1, 0, 1, 2, 4], dtype=np.int8), n),  # (bin 3 empty, -1: no bin)
+        "task": rng.integers(0, n_tasks, n)})
+    w.loc[rng.random(n) < 0.05, "tg_3s_tps"] = np.nan
+    tally = _Tally(n_tasks)
+    for lo, hi in ((0, 0), (0, 1), (1, 1700), (1700, 1700), (1700, n)):  # (empty parts too)
+        tally.add(w.iloc[lo:hi])
+    for b in BASES:
+        kept = w[w[b].to_numpy() & (w["bin"].to_numpy() >= 0)]
+        c, v, task = kept["bin"].to_numpy().astype(np.int64), kept["tg_3s_tps"].to_numpy(), kept["task"].to_numpy()
+        expected = pd.DataFrame({
+            "samples": np.bincount(c[~np.isnan(v)], minlength=len(LABELS)),
+            "tasks": tl.distinct_per_group(c, task, len(LABELS)),
+            "median_tg_3s_tps": [tl.median(v[c == k]) for k in range(len(LABELS))],
+        }, index=pd.Index(LABELS, name="bin"))
+        pd.testing.assert_frame_equal(tally.table(b), expected)

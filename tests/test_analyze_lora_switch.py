@@ -77,3 +77,62 @@ def test_sessions_do_not_chain_across_a_restart(datasets: dict) -> None:
 def test_without_app_log_only_the_note() -> None:
     table = lora_switch(load([REAL / "before" / "logs" / "llama-server.log"]), Options())
     assert table["note"].tolist() == [NEEDS_APP_LOG]
+
+
+def _lora_switch_by_texts(ds, opts: Options):
+    """The table as it was made: the task view sorted whole, the labels as text, a groupby
+    shift and a groupby on (change, label). The reference for the edge cases below."""
+    import pandas as pd
+
+    from slotscope.analyze.context import SESSION, tasks_during
+    from slotscope.analyze.lora_switch import COLUMNS, SHORT_PROMPT_TOKENS
+    from slotscope.dataset import tasks_of
+
+    tv = task_view(ds).sort_values(SESSION + ["launch_s", "task_id"], kind="stable").reset_index(drop=True)
+    tv["lora"] = tv["lora"].astype("string")
+    tv["prev_lora"] = tv.groupby(SESSION, sort=False, observed=True)["lora"].shift(1)
+    tv["others"] = tasks_during(tasks_of(ds, SESSION + ["launch_s", "release_s"]), tv, "prefill_start_s", "first_token_s") - 1
+    short = (tv["prompt_tokens_new"] < SHORT_PROMPT_TOKENS).fillna(False) & tv["prompt_eval_ms"].notna()
+    t = tv.loc[(short & tv["lora"].notna() & tv["prev_lora"].notna()).to_numpy()].copy()
+    t["change"] = (t["lora"] != t["prev_lora"]).map({True: "to", False: "same"})
+    t["alone_ms"] = t["prompt_eval_ms"].where(t["others"] <= 0)
+    g = t.groupby(["change", "lora"], sort=True, observed=True)
+    table = pd.DataFrame({"count": g["prompt_eval_ms"].count(), "prefill_median_ms": g["prompt_eval_ms"].median(),
+                          "alone_count": g["alone_ms"].count(), "alone_prefill_median_ms": g["alone_ms"].median()}).reset_index()
+    table = table.sort_values(["change", "lora"], ascending=[False, True], kind="stable").reset_index(drop=True)
+    table["setting"] = table["change"] + " " + table["lora"]
+    table[["count", "alone_count"]] = table[["count", "alone_count"]].astype("int64")
+    table[["prefill_median_ms", "alone_prefill_median_ms"]] = table[["prefill_median_ms", "alone_prefill_median_ms"]].round(1)
+    table["few_samples"] = table["count"] < opts.min_samples
+    return table[COLUMNS]
+
+
+@pytest.mark.parametrize("case", ["labels shuffled", "labels as text", "launch ties and gaps", "no known label"])
+@pytest.mark.parametrize("scenario", ["before", "restart"])
+def test_on_codes_as_on_texts(scenario: str, case: str) -> None:
+    """Sorted, shifted and grouped on integer codes, the table is the one the texts gave: with
+    labels shuffled among four (some missing, categories out of text order), labels as plain
+    text, tasks launched at one time or with no launch time, and no task with both labels."""
+    import numpy as np
+    import pandas as pd
+
+    ds = load([REAL / scenario / "logs"])
+    calls, tasks = ds.matches.calls.copy(), ds.server.tasks.copy()
+    rng = np.random.default_rng(len(case))
+    n = len(calls)
+    names = np.array(["none", "style-a@1.0", "Style-b@0.5", "ä@1"], dtype=object)
+    lora = pd.Series(names[rng.integers(0, len(names), n)], dtype=object)
+    lora[rng.random(n) < 0.15] = None
+    if case == "labels shuffled":
+        calls["lora"] = pd.Categorical(lora, categories=["ä@1", "none", "Style-b@0.5", "style-a@1.0"])
+    elif case == "labels as text":
+        calls["lora"] = lora.astype("string")
+    elif case == "launch ties and gaps":
+        calls["lora"] = lora.astype("category")
+        tasks = tasks.sample(frac=1, random_state=1).reset_index(drop=True)  # (ties: by task id, not row)
+        tasks["launch_s"] = tasks["launch_s"].round(-1)
+        tasks.loc[rng.random(len(tasks)) < 0.1, "launch_s"] = np.nan
+    else:
+        calls["lora"] = pd.Categorical([None] * n, categories=["none"])
+    ds.matches.calls, ds.server.tasks = calls, tasks
+    pd.testing.assert_frame_equal(lora_switch(ds, Options()), _lora_switch_by_texts(ds, Options()))

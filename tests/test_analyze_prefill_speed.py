@@ -88,3 +88,42 @@ def test_no_progress_lines_no_chunk(datasets: dict) -> None:
     assert effective_chunk_tokens(quiet) is None
     table = prefill_speed(quiet, Options())
     assert (table["steps"] == 0).all() and table["effective_chunk_tokens"].isna().all()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pairs_counted_by_part_give_the_table_of_every_step(seed: int) -> None:
+    """Steps counted as distinct (tokens, seconds) pairs a part at a time give the table the
+    steps one by one gave (a groupby median per bin, value_counts for the chunk): with
+    repeated and unique pairs, odd and even counts, empty bins, an empty part, steps that did
+    not advance, and no recurring size (seed 3)."""
+    import numpy as np
+
+    from slotscope.analyze.prefill_speed import COLUMNS, EDGES, _add, _chunk, _pairs, _steps_of, _table
+
+    rng = np.random.default_rng(seed)
+    n = 3000
+    sizes = np.array([1, 7, 63, 64, 300, 509, 510, 512, 2048]) if seed < 3 else np.arange(64, 64 + n)
+    tokens = pd.array(rng.choice(sizes, n), dtype="Int64")
+    tokens[rng.random(n) < 0.05] = 0  # (did not advance)
+    seconds = np.round(rng.gamma(2, 0.3, n), 2 + seed % 3)  # (0.01 to 0.0001 apart)
+    p = pd.DataFrame({"step_tokens": tokens, "step_s": seconds})
+    counted = _pairs(np.zeros(0), np.zeros(0), np.zeros(0, dtype=np.int64))
+    for lo, hi in ((0, 0), (0, 1000), (1000, n)):
+        counted = _add(counted, _steps_of(p.iloc[lo:hi]))
+    # The table of every step, as it was made.
+    t, s = p["step_tokens"].astype("float64").to_numpy(), p["step_s"].to_numpy()
+    steps = pd.DataFrame({"tokens": t[(t >= 1) & (s > 0)], "seconds": s[(t >= 1) & (s > 0)]})
+    large = steps.loc[steps["tokens"] >= 64, "tokens"].astype("int64")
+    counts = large.value_counts()
+    recurring = counts[(counts >= 2) & (counts >= 0.05 * len(large))]
+    size = int(recurring.index.max()) if len(recurring) else int(counts[counts == counts.max()].index.max())
+    assert _chunk(counted) == (size, int(counts[size]))
+    steps = steps.assign(tps=steps["tokens"] / steps["seconds"], bin=pd.cut(steps["tokens"], EDGES, right=False, labels=LABELS))
+    g = steps.groupby("bin", observed=False)
+    want = pd.DataFrame({"steps": g["tps"].count().astype("int64"), "median_tps": g["tps"].median().round(1),
+                         "median_step_tokens": g["tokens"].median()}).rename_axis("step_tokens").reset_index()
+    want["step_tokens"] = want["step_tokens"].astype("string")
+    want["effective_chunk_tokens"] = pd.array([size] * len(want), dtype="Int64")
+    want["chunk_steps"] = int(counts[size])
+    want["few_samples"] = want["steps"] < 10
+    pd.testing.assert_frame_equal(_table(counted, Options()), want[COLUMNS])

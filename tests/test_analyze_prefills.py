@@ -165,3 +165,86 @@ def test_causes_on_integer_codes_equal_a_sort_and_groupby(datasets: dict, users:
     got = list(zip(order.tolist(), np.asarray(CAUSES, dtype=object)[cause].tolist()))
     assert got == _causes_by_sort_and_groupby(calls, missed_rows)
     assert {c for _, c in got} >= {"first_of_day", "first_of_session", "summary", "after_summary"}
+
+
+def _prefills_by_texts(ds, opts: Options) -> pd.DataFrame:
+    """The prefills table as it was made: each big prefill's cause and purpose as text, the
+    calls found by key codes of (file, line), groupbys on the texts; the turn pairs by the sort
+    and as-of merge. The reference for the edge cases the real logs lack."""
+    import numpy as np
+
+    from slotscope import timeline as tl
+    from slotscope.analyze.cache import slim_calls
+    from slotscope.analyze.prefills import UNLOGGED, _sorted_causes
+    from slotscope.dataset import task_view
+
+    from .test_analyze_cache import _pairs_by_sort_and_merge
+
+    def rows_in(calls: pd.DataFrame, rows: pd.DataFrame) -> np.ndarray:
+        ccode, rcode = tl.key_codes([calls[["call_file", "call_line"]], rows[["call_file", "call_line"]]], ["call_file", "call_line"])
+        found = tl.by_code(ccode, np.arange(len(ccode), dtype=np.int64), rcode, -1)
+        return np.where(rows["call_file"].isna().to_numpy() | rows["call_line"].isna().to_numpy(), -1, found)
+
+    tv = task_view(ds)
+    big = tv.loc[(tv["prompt_tokens_new"] >= opts.big_prefill_tokens).fillna(False).to_numpy(),
+                 ["task_id", "purpose", "prompt_tokens_new", "prompt_eval_ms", "call_file", "call_line"]]
+    calls = ds.matches.calls
+    order, cause = _sorted_causes(calls, opts, _pairs_by_sort_and_merge(slim_calls(calls), opts))
+    by_row = np.empty(len(calls), dtype=np.int8)
+    by_row[order] = cause
+    at = rows_in(calls, big)
+    names = np.asarray(CAUSES + [None], dtype=object)
+    big["cause"] = pd.array(names[np.where(at >= 0, by_row[np.maximum(at, 0)], -1)], dtype="string").fillna(UNLOGGED)
+    big["purpose"] = big["purpose"].astype("string").fillna(UNLOGGED)
+    label = f">= {opts.big_prefill_tokens:,} new tokens"
+    big["all"] = label
+    big["seconds"] = big["prompt_eval_ms"] / 1000
+    rows = {"all": [label], "cause": CAUSES + ([UNLOGGED] if (big["cause"] == UNLOGGED).any() else [])}
+    parts = []
+    for by in ("all", "purpose", "cause"):
+        g = big.groupby(by, sort=False, observed=True).agg(
+            count=("task_id", "size"), new_tokens_total=("prompt_tokens_new", "sum"), seconds_total=("seconds", "sum"))
+        g = g.reindex(rows[by]) if by in rows else g.sort_values("count", ascending=False, kind="stable")
+        parts.append(g.rename_axis("value").reset_index().assign(by=by))
+    table = pd.concat(parts, ignore_index=True)
+    table["count"] = table["count"].fillna(0).astype("int64")
+    table["new_tokens_total"] = table["new_tokens_total"].fillna(0).astype("int64")
+    table["seconds_total"] = table["seconds_total"].astype("float64").fillna(0.0).round(3)
+    table["few_samples"] = table["count"] < opts.min_samples
+    table["note"] = ""
+    if "app_session" not in calls or calls["app_session"].isna().all():
+        table.loc[table["value"] == "first_of_session", "note"] = "the app log names no sessions"
+    return table[["by", "value", "count", "new_tokens_total", "seconds_total", "few_samples", "note"]]
+
+
+@pytest.mark.parametrize("case", ["as read", "purposes tied, missing, '(unlogged)'", "no big prefill", "no sessions",
+                                  "lines repeated", "lines with gaps", "harder calls"])
+def test_table_on_codes_equals_the_texts(case: str) -> None:
+    """The table made on integer codes (causes, purposes, packed (file, line) keys) is the one
+    the texts gave: purposes tied in count, missing or named "(unlogged)"; no big prefill; no
+    sessions; calls sharing a (file, line) key; lines with gaps; users, sessions, summaries and
+    starts shuffled."""
+    import numpy as np
+
+    from .test_analyze_cache import _harder_calls
+
+    ds = load([REAL / "before" / "logs"])
+    calls = ds.matches.calls.copy()
+    rng = np.random.default_rng(3)
+    n = len(calls)
+    opts = Options(big_prefill_tokens=10**9 if case == "no big prefill" else 2000)
+    if case.startswith("purposes"):
+        names = np.array([f"p{i}" for i in range(12)] + ["(unlogged)", "chat", "summary"], dtype=object)
+        purpose = pd.Series(names[rng.integers(0, len(names), n)], dtype="object")
+        purpose[rng.random(n) < 0.15] = None
+        calls["purpose"] = purpose.astype("category")
+    elif case == "no sessions":
+        calls = calls.drop(columns=["app_session"])
+    elif case == "lines repeated":
+        calls["call_line"] = calls["call_line"] // 3
+    elif case == "lines with gaps":
+        calls["call_line"] = calls["call_line"].astype("Int64").mask(pd.Series(rng.random(n) < 0.2))
+    elif case == "harder calls":
+        calls = _harder_calls(calls, 4)
+    ds.matches.calls = calls
+    pd.testing.assert_frame_equal(prefills(ds, opts), _prefills_by_texts(ds, opts))

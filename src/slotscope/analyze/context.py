@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from .. import timeline as tl
-from ..dataset import Dataset, tasks_of
+from ..dataset import Dataset, release_memory, tasks_of
 from . import Options, register
 
 EDGES = [0, 2_000, 5_000, 10_000, 15_000, np.inf]
@@ -102,50 +102,88 @@ def _windows(hb: pd.DataFrame, prompt: pd.DataFrame, tokens: np.ndarray, holding
     return w
 
 
-def _keep_windows(w: pd.DataFrame, kept: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]]) -> None:
-    """Of the windows ``w``: per basis, those in it with a context bin, as (bin, tg_3s, task)."""
-    bins = w["bin"].to_numpy()
-    tg, task = w["tg_3s_tps"].to_numpy(dtype=float), w["task"].to_numpy(dtype=np.int64)
-    narrow = np.int32 if len(w) and task.max() < 1 << 31 else np.int64  # (task rows: int32 where they fit)
-    for b in kept:
-        sel = w[b].to_numpy() & (bins >= 0)
-        kept[b].append((bins[sel], tg[sel], task[sel].astype(narrow)))
+class _Tally:
+    """Per basis and context bin, what the table needs of the windows seen so far, summed a
+    part of the heartbeats at a time: how many windows, which tasks (a byte per task and bin),
+    and how many windows had each tg_3s value (its distinct values, sorted: the speeds are
+    printed with two decimals, at 1 GB of log 855 of them for 2.9M heartbeats). Each bin's
+    median is read off its counts (as :func:`slotscope.timeline.median` of the values gives it).
+    (Every window was kept as three arrays until the end: memory that grew with the log.)"""
+
+    def __init__(self, n_tasks: int) -> None:
+        self.samples = {b: np.zeros(len(LABELS), dtype=np.int64) for b in BASES}
+        self.tasks = {b: np.zeros((len(LABELS), n_tasks), dtype=bool) for b in BASES}
+        self.values = {b: [(np.zeros(0), np.zeros(0, dtype=np.int64)) for _ in LABELS] for b in BASES}
+
+    def add(self, w: pd.DataFrame) -> None:
+        """The windows ``w`` (:func:`_windows`): per basis, those in it with a context bin."""
+        bins = w["bin"].to_numpy()
+        tg, task = w["tg_3s_tps"].to_numpy(dtype=float), w["task"].to_numpy(dtype=np.int64)
+        for b in BASES:
+            sel = w[b].to_numpy() & (bins >= 0)
+            for k in np.unique(bins[sel]):
+                at = sel & (bins == k)
+                self.tasks[b][k, task[at]] = True
+                v = tg[at]
+                v = v[~np.isnan(v)]
+                self.samples[b][k] += len(v)
+                seen, counts = self.values[b][k]
+                values, inverse = np.unique(np.concatenate([seen, v]), return_inverse=True)
+                self.values[b][k] = values, np.bincount(inverse.reshape(-1), np.r_[counts, np.ones(len(v), dtype=np.int64)],
+                                                        minlength=len(values)).astype(np.int64)
+
+    def table(self, b: str) -> pd.DataFrame:
+        return pd.DataFrame({
+            "samples": self.samples[b],
+            "tasks": self.tasks[b].sum(axis=1),
+            "median_tg_3s_tps": [median_of_counts(*self.values[b][k]) for k in range(len(LABELS))],
+        }, index=pd.Index(LABELS, name="bin"))
+
+
+def median_of_counts(values: np.ndarray, counts: np.ndarray) -> float:
+    """The median of ``counts[i]`` times each of the sorted ``values`` (NaN: none), to the bit
+    numpy's of the values one by one: the middle one, or the mean of the middle two."""
+    n = int(counts.sum())
+    if not n:
+        return np.nan
+    upto = np.cumsum(counts)
+    middle = values[np.searchsorted(upto, [(n - 1) // 2, n // 2], side="right")]
+    return float(middle[0]) if n % 2 else float(np.median(middle))
 
 
 @register("context")
 def context(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Median tg_3s of unstalled heartbeat windows per context-length bin, alone and in any company."""
     keys = SESSION + ["task_id"]
-    tasks = tasks_of(ds, keys + ["prompt_tokens", "launch_s", "release_s", "prefill_start_s", "first_token_s"])
-    prompt = tasks[keys + ["prompt_tokens"]]
+    lazy = ds.server.on_disk("gen_samples")
+    if lazy is not None:  # the heartbeats' index by task first: its making does not stack on the tasks' columns
+        for part in lazy.parts:
+            part.index()
+        release_memory()
+    # The tasks' columns a few at a time: each count's times, then the prompts.
+    holding = TasksDuring(tasks_of(ds, SESSION + ["launch_s", "release_s"]))
+    prefilling = TasksDuring(tasks_of(ds, SESSION + ["prefill_start_s", "first_token_s"]), "prefill_start_s", "first_token_s")
+    prompt = tasks_of(ds, keys + ["prompt_tokens"])
     first = tl.first_of_each_task(prompt)
     if first is not None:  # a task listed twice: its first row
         prompt = prompt.iloc[first]
-    # The heartbeats a part at a time where they wait on disk (the table is never built).
-    lazy = ds.server.on_disk("gen_samples")
+    tokens = prompt.pop("prompt_tokens").astype("float64").to_numpy(na_value=np.nan)
+    release_memory()  # (the columns read whole for the counts' times)
+    # The heartbeats a part at a time where they wait on disk (the table is never built), each
+    # part's windows tallied and dropped.
     parts = lazy.batches() if lazy is not None else [ds.server.gen_samples]
-    holding, prefilling = TasksDuring(tasks), TasksDuring(tasks, "prefill_start_s", "first_token_s")
-    tokens = prompt["prompt_tokens"].astype("float64").to_numpy(na_value=np.nan)
-    # Per basis, each part's windows of it kept as three arrays (bin, tg_3s, task), the part's
-    # table dropped: not every window's table, joined (at 1 GB of log this table was the peak).
-    kept: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {b: [] for b in BASES}
+    tally = _Tally(len(prompt))
+    n_parts = 0
     for hb in parts:
-        _keep_windows(_windows(hb, prompt, tokens, holding, prefilling), kept)
-    if not any(kept.values()):
-        _keep_windows(_windows(ds.server.gen_samples, prompt, tokens, holding, prefilling), kept)
+        w = _windows(hb, prompt, tokens, holding, prefilling)
+        del hb
+        tally.add(w)
+        del w
+        n_parts += 1
+    if not n_parts:
+        tally.add(_windows(ds.server.gen_samples, prompt, tokens, holding, prefilling))
     del holding, prefilling, prompt, tokens
-    per_basis = []
-    for b in BASES:
-        got, kept[b] = kept[b], []
-        c, v, task = (np.concatenate([g[k] for g in got]) for k in range(3))
-        del got
-        c = c.astype(np.int64)  # (kept as the bins' one byte)
-        per_basis.append(pd.DataFrame({
-            "samples": np.bincount(c[~np.isnan(v)], minlength=len(LABELS)),
-            "tasks": tl.distinct_per_group(c, task, len(LABELS)),
-            "median_tg_3s_tps": [tl.median(v[c == k]) for k in range(len(LABELS))],
-        }, index=pd.Index(LABELS, name="bin")))
-        del c, v, task
+    per_basis = [tally.table(b) for b in BASES]
     table = pd.concat(per_basis, keys=list(BASES), names=["basis", "bin"])
     table = table.reindex(pd.MultiIndex.from_product([list(BASES), LABELS], names=["basis", "context_tokens"]))
     table = table.reset_index()

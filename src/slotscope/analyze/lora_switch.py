@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ..dataset import Dataset, task_view, tasks_of
+import numpy as np
+
+from .. import timeline as tl
+from ..dataset import Dataset, release_memory, task_view, tasks_of
 from . import Options, register
-from .context import SESSION, tasks_during
-from .turns import needs_app_log
+from .context import SESSION, TasksDuring
+from .turns import needs_app_log, text_codes
 
 SHORT_PROMPT_TOKENS = 1_000
 COLUMNS = [
@@ -32,25 +35,55 @@ def lora_switch(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Median prefill time of short prompts right after a LoRA change and after the same setting, by target setting."""
     if ds.matches is None:
         return needs_app_log(COLUMNS)
-    # Only the columns read here are read and sorted (the task view has ~50).
-    tv = task_view(ds, SESSION + ["launch_s", "task_id", "lora", "prompt_tokens_new", "prompt_eval_ms",
-                                  "prefill_start_s", "first_token_s"])
-    tv = tv.sort_values(SESSION + ["launch_s", "task_id"], kind="stable").reset_index(drop=True)
-    tv["lora"] = tv["lora"].astype("string")
-    tv["prev_lora"] = tv.groupby(SESSION, sort=False, observed=True)["lora"].shift(1)
-    tv["others"] = tasks_during(tasks_of(ds, SESSION + ["launch_s", "release_s"]), tv, "prefill_start_s", "first_token_s") - 1
-    short = (tv["prompt_tokens_new"] < SHORT_PROMPT_TOKENS).fillna(False) & tv["prompt_eval_ms"].notna()
-    known = tv["lora"].notna() & tv["prev_lora"].notna()
-    t = tv.loc[(short & known).to_numpy()].copy()
-    t["change"] = (t["lora"] != t["prev_lora"]).map({True: "to", False: "same"})
-    t["alone_ms"] = t["prompt_eval_ms"].where(t["others"] <= 0)
-    g = t.groupby(["change", "lora"], sort=True, observed=True)
+    # On integer codes, a column of the task view read at a time: each task's session, its
+    # place in the session's launch order, its LoRA label's code. (The ten columns sorted
+    # whole, the labels as text and a groupby shift on them took +156 MB at 1 GB of log.)
+    def column(name: str) -> pd.Series:
+        return task_view(ds, [name])[name]
+
+    # Which tasks held a slot when, per session, first (its making does not stack on the rest).
+    holding = TasksDuring(tasks_of(ds, SESSION + ["launch_s", "release_s"]))
+    release_memory()
+    keys = task_view(ds, SESSION)
+    session = tl.key_codes([keys], SESSION)[0]
+    no_session = keys.isna().any(axis=1).to_numpy()  # (no session: no previous task, as a groupby drops it)
+    del keys
+    task_id = column("task_id")
+    # (ids as codes that sort as they do, gaps last, where a gap makes them not numbers)
+    task = task_id.to_numpy(dtype=np.int64) if not task_id.isna().any() else tl.key_codes([task_id.to_frame()], ["task_id"])[0]
+    order = np.lexsort((task, column("launch_s").to_numpy(dtype=float, na_value=np.nan), session))  # (NaN last, as sort_values)
+    del task_id, task
+    lora, texts = text_codes(column("lora"))
+    lora, same = lora[order], session[order]
+    first = np.r_[True, same[1:] != same[:-1]] if len(same) else np.zeros(0, dtype=bool)
+    prev = np.where(first | no_session[order], -1, np.r_[-1, lora[:-1]] if len(lora) else lora)
+    del session, same, first
+    short = ((column("prompt_tokens_new") < SHORT_PROMPT_TOKENS).fillna(False) & column("prompt_eval_ms").notna()).to_numpy()
+    known = short[order] & (lora >= 0) & (prev >= 0)
+    rows, lora, prev = order[known], lora[known], prev[known]  # (the short tasks with both labels, in launch order)
+    del order, short, known
+    release_memory()  # (the columns read whole)
+
+    # Their prefills' company, their times, and their group: (change, label), as sorted text.
+    at = pd.DataFrame({c: task_view(ds, [c])[c].iloc[rows].reset_index(drop=True)
+                       for c in SESSION + ["prefill_start_s", "first_token_s"]})
+    others = holding.count(at, "prefill_start_s", "first_token_s") - 1
+    del at, holding
+    ms = column("prompt_eval_ms").iloc[rows].reset_index(drop=True)
+    rank = np.argsort(np.argsort(np.asarray(texts.astype(object), dtype=object), kind="stable"), kind="stable")
+    group = (lora != prev).astype(np.int64) * (len(texts) + 1) + rank[lora]  # ("same" before "to", labels as text)
+    g = pd.DataFrame({"ms": ms, "alone_ms": ms.where(others <= 0)}).groupby(group, sort=True)
     table = pd.DataFrame({
-        "count": g["prompt_eval_ms"].count(),
-        "prefill_median_ms": g["prompt_eval_ms"].median(),
+        "count": g["ms"].count(),
+        "prefill_median_ms": g["ms"].median(),
         "alone_count": g["alone_ms"].count(),
         "alone_prefill_median_ms": g["alone_ms"].median(),
-    }).reset_index()
+    })
+    code = table.index.to_numpy()
+    label = np.argsort(rank)[code % (len(texts) + 1)] if len(code) else code
+    table.insert(0, "change", pd.Series(code >= len(texts) + 1).map({True: "to", False: "same"}).array)
+    table.insert(1, "lora", texts.iloc[label].array)
+    table = table.reset_index(drop=True)
     # Switches first, then the same-setting baselines.
     table = table.sort_values(["change", "lora"], ascending=[False, True], kind="stable").reset_index(drop=True)
     table["setting"] = table["change"] + " " + table["lora"]

@@ -18,13 +18,13 @@ counted in ``left out`` rows with the reason.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import pandas as pd
 
 from .. import timeline as tl
-from ..dataset import Dataset, calls_of
+from ..dataset import Dataset, calls_of, release_memory
 from . import Options, register
 
 CHAT = "chat"
@@ -36,9 +36,68 @@ COLUMNS = [
 
 
 def is_chat_turn(purpose: pd.Series) -> pd.Series:
-    """Whether each purpose names a chat turn: ``chat`` itself or ``chat_<anything>``."""
+    """Whether each purpose names a chat turn: ``chat`` itself or ``chat_<anything>``.
+
+    A category column is told by its categories: each call's text made was the turns table's
+    peak at 1 GB of log."""
+    if isinstance(purpose.dtype, pd.CategoricalDtype):
+        per_text = is_chat_turn(pd.Series(purpose.cat.categories)).to_numpy()
+        return pd.Series(np.append(per_text, False)[purpose.cat.codes.to_numpy()], index=purpose.index)  # (-1: none)
     p = purpose.astype("string")
     return ((p == CHAT) | p.str.startswith(CHAT + "_")).fillna(False).astype(bool)
+
+
+def text_codes(col: pd.Series) -> tuple[np.ndarray, pd.Series]:
+    """Each value as the place of its text (``astype("string")``) among the column's distinct
+    texts (int32, -1: missing), and those texts in the order of their first category (of a
+    category column) or first row. A category column's codes are reused: no text per row."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        codes, values = col.cat.codes.to_numpy(), pd.Series(col.cat.categories)
+    else:
+        codes, uniq = pd.factorize(col, use_na_sentinel=True)
+        values = pd.Series(uniq)
+    # Two values may read as one text (the categories 1 and "1"): one code for both.
+    merged, texts = pd.factorize(values.astype("string"), use_na_sentinel=True)
+    lookup = np.append(merged, -1).astype(np.int32)  # (code -1, missing: the last)
+    return lookup[codes], pd.Series(texts, dtype="string")
+
+
+NO_PURPOSE = "(no purpose)"
+
+
+def fill_missing(codes: np.ndarray, texts: pd.Series, name: str) -> tuple[np.ndarray, pd.Series]:
+    """:func:`text_codes` with the missing values named ``name`` (as ``fillna`` names them:
+    one code with a value of that text, if there is one)."""
+    if not (codes < 0).any():
+        return codes, texts
+    at = np.flatnonzero((texts == name).to_numpy(dtype=bool, na_value=False))
+    if not len(at):
+        at, texts = np.array([len(texts)]), pd.concat([texts, pd.Series([name], dtype=texts.dtype)], ignore_index=True)
+    return np.where(codes < 0, int(at[0]), codes), texts
+
+
+def _by_count(codes: np.ndarray, texts: pd.Series) -> list[tuple[int, str]]:
+    """The codes present (none missing), with their texts, most common first, as
+    ``value_counts`` of the texts orders them: first seen first, then sorted by count with that
+    dtype's own sort (so ties fall as they did on the per-call texts), without those texts."""
+    seen, first = np.unique(codes, return_index=True)
+    seen = seen[np.argsort(first, kind="stable")]
+    counts = np.bincount(codes, minlength=len(texts))[seen]
+    dtype = texts.iloc[:0].value_counts().dtype  # (int64, Int64 or an Arrow integer: each sorts its own way)
+    by = pd.Series(pd.array(counts, dtype=dtype), index=seen).sort_values(ascending=False)
+    return [(int(k), texts.iloc[k]) for k in by.index]
+
+
+def _left_out(left: pd.DataFrame) -> pd.DataFrame:
+    """The ``left out`` rows of the calls not measured (``ok`` and ``match_method`` of each)."""
+    failed = ~left["ok"].fillna(False).astype(bool).to_numpy()
+    method = left["match_method"].astype("string").fillna("unmatched").to_numpy()
+    rows = pd.DataFrame({
+        "group": np.where(failed, "call failed", "no server task matched"),
+        "note": np.where(failed, "not in the times above: the app log marks the call failed",
+                         np.char.add("not in the times above: ", method.astype(str))),
+    }).groupby(["group", "note"], sort=True, observed=True).size().rename("count").reset_index()
+    return rows.assign(by="left out", ttft_count=0, few_samples=False)
 
 
 def needs_app_log(columns: Sequence[str]) -> pd.DataFrame:
@@ -53,7 +112,7 @@ def measured_calls(calls: pd.DataFrame) -> pd.Series:
     return calls["ok"].fillna(False).astype(bool) & calls["task_id"].notna()
 
 
-def _stats(subsets: list[tuple[str, str, np.ndarray, np.ndarray]], min_samples: int) -> pd.DataFrame:
+def _stats(subsets: Iterable[tuple[str, str, np.ndarray, np.ndarray]], min_samples: int) -> pd.DataFrame:
     """One row per ``(by, group, total_s, ttft_s)`` subset, in their order: counts and median,
     p95 and max of each (empty subsets still get their row, count 0, so "none" is visible).
     On each subset's arrays, as a groupby of them stacked gives them (timeline.median,
@@ -81,40 +140,42 @@ def turns(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Count, median, p95 and max of call duration and time to first token, per purpose and for chat turns."""
     if ds.matches is None:
         return needs_app_log(COLUMNS)
-    # Only the columns read here (the calls table has ~40; after Dataset.keep_on_disk only they are read).
-    calls = calls_of(ds, ["ok", "task_id", "purpose", "total_ms", "ttft_ms", "prompt_tokens_cached",
-                          "prompt_tokens_new", "match_method"])
-    ok = measured_calls(calls)
-    # Only the columns read here, of the measured calls (the calls table has ~40).
-    used = calls.loc[ok, ["purpose", "total_ms", "ttft_ms", "prompt_tokens_cached", "prompt_tokens_new"]]
-    total = used["total_ms"].to_numpy(dtype="float64", na_value=np.nan) / 1000
-    ttft = used["ttft_ms"].to_numpy(dtype="float64", na_value=np.nan) / 1000
-    purpose = used["purpose"].astype("string").fillna("(no purpose)")
-    subsets = [("purpose", p, total[m], ttft[m]) for p in purpose.value_counts(sort=True).index
-               for m in [(purpose == p).to_numpy(dtype=bool)]]
+    # A column at a time, cut to the measured calls at once (the calls table has ~40; after
+    # Dataset.keep_on_disk only the column asked for is read): at 1 GB of log the eight columns
+    # whole, their cut copies and the purposes as text took +146 MB.
+    ok = measured_calls(calls_of(ds, ["ok", "task_id"])).to_numpy()
+    left_out = _left_out(calls_of(ds, ["ok", "match_method"]).loc[~ok]) if not ok.all() else None
 
-    chat = is_chat_turn(used["purpose"]).to_numpy()
-    cached = used["prompt_tokens_cached"].astype("float64").to_numpy(na_value=np.nan)
-    prompt = cached + used["prompt_tokens_new"].astype("float64").to_numpy(na_value=np.nan)
+    def used(name: str) -> pd.Series:
+        return calls_of(ds, [name])[name][ok]
+
+    total = used("total_ms").to_numpy(dtype="float64", na_value=np.nan) / 1000
+    ttft = used("ttft_ms").to_numpy(dtype="float64", na_value=np.nan) / 1000
+    purpose = used("purpose")
+    # Each purpose's text by its code ("(no purpose)" for none, as fillna would name it).
+    codes, texts = text_codes(purpose)
+    codes, texts = fill_missing(codes, texts, NO_PURPOSE)
+    chat = is_chat_turn(purpose).to_numpy()
+    del purpose
+    cached = used("prompt_tokens_cached").astype("float64").to_numpy(na_value=np.nan)
+    new = used("prompt_tokens_new").astype("float64").to_numpy(na_value=np.nan)
+    prompt = cached + new
     with np.errstate(divide="ignore", invalid="ignore"):
         rate = cached / np.where(prompt > 0, prompt, np.nan)
-    new = used["prompt_tokens_new"].astype("float64").to_numpy(na_value=np.nan)
-    for label, m in (("all", chat), (f"cache rate >= {opts.cache_rate:.0%}", chat & (rate >= opts.cache_rate)),
-                     (f">= {opts.uncached_tokens:,} new tokens", chat & (new >= opts.uncached_tokens))):
-        subsets.append(("chat turns", label, total[m], ttft[m]))
-    del used, total, ttft, purpose
-    table = _stats(subsets, opts.min_samples)
-    table.loc[(table["by"] == "chat turns") & (table["group"] == "all"), "note"] = "purposes chat and chat_*"
+    del cached, prompt
+    release_memory()  # (the columns read whole to cut them)
 
-    left = calls.loc[~ok]
-    if len(left):
-        failed = ~left["ok"].fillna(False).astype(bool).to_numpy()
-        method = left["match_method"].astype("string").fillna("unmatched").to_numpy()
-        rows = pd.DataFrame({
-            "group": np.where(failed, "call failed", "no server task matched"),
-            "note": np.where(failed, "not in the times above: the app log marks the call failed",
-                             np.char.add("not in the times above: ", method.astype(str))),
-        }).groupby(["group", "note"], sort=True, observed=True).size().rename("count").reset_index()
-        rows = rows.assign(by="left out", ttft_count=0, few_samples=False)
-        table = pd.concat([table, rows], ignore_index=True)
+    def subsets() -> Iterator[tuple[str, str, np.ndarray, np.ndarray]]:
+        """Each subset's times, taken as its statistics are made (not every subset's at once)."""
+        for k, p in _by_count(codes, texts):
+            m = codes == k
+            yield "purpose", p, total[m], ttft[m]
+        for label, m in (("all", chat), (f"cache rate >= {opts.cache_rate:.0%}", chat & (rate >= opts.cache_rate)),
+                         (f">= {opts.uncached_tokens:,} new tokens", chat & (new >= opts.uncached_tokens))):
+            yield "chat turns", label, total[m], ttft[m]
+
+    table = _stats(subsets(), opts.min_samples)
+    table.loc[(table["by"] == "chat turns") & (table["group"] == "all"), "note"] = "purposes chat and chat_*"
+    if left_out is not None:
+        table = pd.concat([table, left_out], ignore_index=True)
     return table[COLUMNS]
