@@ -225,3 +225,23 @@ def test_distinct_per_group_counts_as_a_groupby_nunique() -> None:
         item = rng.integers(0, spread, n).astype(np.int64)
         want = pd.Series(item).groupby(group).nunique().reindex(range(groups), fill_value=0).to_numpy()
         assert tl.distinct_per_group(group, item, groups).tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("kind", ["gen_samples", "prefill_samples"])
+def test_tables_not_listed_as_readers_of_a_sample_kind_never_read_it(kind: str) -> None:
+    """run() drops a kind's index by task once no table still to run reads that kind
+    (analyze.READERS_OF): every other table computes with those samples unreadable."""
+
+    class Unreadable:
+        def table(self) -> pd.DataFrame:
+            raise AssertionError(f"{kind} read")
+
+    ds = load([REAL / "before" / "logs"])
+    others = [n for n in analyze.table_names() if n != "findings" and n not in analyze.READERS_OF[kind]]
+    want = analyze.run(ds, Options(), others, strict=True)
+    ds.server.__dict__["_" + kind] = Unreadable()
+    got = analyze.run(ds, Options(), others, strict=True)
+    for name in others:
+        pd.testing.assert_frame_equal(want[name], got[name])
+    with pytest.raises(AssertionError, match="read"):
+        analyze.run(ds, Options(), sorted(analyze.READERS_OF[kind])[:1], strict=True)

@@ -590,13 +590,14 @@ class ServerLogs:
         v = self.__dict__.get("_" + kind)
         return v if isinstance(v, Samples) and not v.built else None
 
-    def unload_samples(self, indexes: bool = False) -> None:
+    def unload_samples(self, indexes: bool | Sequence[str] = False) -> None:
         """Free the sample tables that were built from disk (they are built again when read);
-        ``indexes``: their indexes by task too (built again when a task's rows are asked for)."""
-        for key in ("_gen_samples", "_prefill_samples"):
-            v = self.__dict__.get(key)
+        ``indexes``: their indexes by task too (built again when a task's rows are asked for),
+        all of them or those of these kinds (``gen_samples``, ``prefill_samples``)."""
+        for kind in ("gen_samples", "prefill_samples"):
+            v = self.__dict__.get("_" + kind)
             if isinstance(v, Samples):
-                v.unload(index=indexes)
+                v.unload(index=indexes if isinstance(indexes, bool) else kind in indexes)
 
 
 @dataclass

@@ -72,6 +72,8 @@ def table_names() -> list[str]:
 SHARED = "shared"  # memo keys ``(SHARED, ...)``: intermediates tables of several modules read
 SHARED_READERS = {"prefills", "cache", "cache-misses"}  # the tables that read them (the turn pairs)
 SAMPLE_READERS = {"stalls", "stalls-worst", "prefill-speed", "context"}  # the tables that read the samples
+READERS_OF = {"gen_samples": {"stalls", "stalls-worst", "context"},  # ... of each kind (stalls-worst: stalls' pieces)
+              "prefill_samples": {"stalls", "stalls-worst", "prefill-speed"}}
 
 
 def _compute_order(names: list[str]) -> list[str]:
@@ -127,8 +129,9 @@ def run(ds: Dataset, opts: Options | None = None, names: list[str] | None = None
             step(name, i + 1, len(todo))
             ds.forget(keep=_shared_with(TABLES[name].__module__, any(n in SHARED_READERS for n in todo[i:])))
             if TABLES[name].__module__ != module:  # sample tables built for the last module's tables
-                # (and their indexes by task once no table still to run reads samples)
-                ds.server.unload_samples(indexes=not any(n in SAMPLE_READERS for n in todo[i:]))
+                # (and the index by task of a kind no table still to run reads: at 1 GB of log
+                # the gen samples' is ~30 MB, the prefill samples' ~11)
+                ds.server.unload_samples(indexes=[k for k, readers in READERS_OF.items() if not readers & set(todo[i:])])
                 module = TABLES[name].__module__
             ds.unload()  # tables a previous one read whole
             gc.collect()  # (pandas objects hold one another in cycles: their arrays wait for the collector)
