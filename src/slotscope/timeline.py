@@ -193,26 +193,54 @@ def concurrency_parts(tv: pd.DataFrame, sessions: pd.DataFrame | None = None, ru
     code = tv.reset_index(drop=True).groupby(GROUP, dropna=False, sort=True, observed=True).ngroup().to_numpy()
     used = spans[0][2] | spans[1][2] | spans[2][2]
     for g, rows in sorted(rows_by_group(code, used).items()):
-        ends = [(np.sort(a[rows][ok[rows]]), np.sort(b[rows][ok[rows]])) for a, b, ok in spans]
-        # A step per distinct event time; a count after every event at time u is the intervals
-        # begun by u minus those ended by u (what a running sum of +1/-1 events gives).
-        t = np.unique(np.concatenate([x for pair in ends for x in pair]))
-        yield int(rows[0]), t, [sorted_right(s0, t[:-1]) - sorted_right(e0, t[:-1]) for s0, e0 in (ends[:1] if running_only else ends)]
+        # A step per distinct event time (of all three kinds of interval, whichever levels are
+        # asked for); a count after every event at time u is the intervals begun by u minus
+        # those ended by u (what a running sum of +1/-1 events gives). The times are gathered
+        # into one array, a kind at a time, and sorted in place (a 1 GB log has 2.2M steps:
+        # the six sorted arrays, their concatenation and its sorted copy were ~100 MB at once).
+        picks = [rows[ok[rows]] for _, _, ok in spans]
+        t = _distinct_times([(v, r) for (a, z, _), r in zip(spans, picks) for v in (a, z)])
+        levels = []
+        for (a, z, _), r in zip(spans[:1] if running_only else spans, picks):
+            s0, e0 = a[r], z[r]
+            s0.sort()
+            e0.sort()
+            levels.append(_step_counts(s0, e0, t[:-1]))
+            del s0, e0
+        del picks
+        yield int(rows[0]), t, levels
 
 
-QUERY_BLOCK = 1 << 18  # overlap queries answered at a time (bounds their temporaries)
+def _distinct_times(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """The distinct values of ``values[rows]`` over the ``(values, rows)`` parts, sorted: the
+    ``np.unique`` of their concatenation (the same sort of the same array), gathered straight
+    into one array, its only temporary besides the result."""
+    x = np.empty(sum(len(r) for _, r in parts))
+    at = 0
+    for v, r in parts:
+        np.take(v, r, out=x[at:at + len(r)])
+        at += len(r)
+    x.sort()
+    keep = np.empty(len(x), dtype=bool)
+    keep[:1] = True
+    np.not_equal(x[1:], x[:-1], out=keep[1:])
+    return x[keep]
+
+
+QUERY_BLOCK = 1 << 16  # overlap queries answered at a time (bounds their temporaries: ~0.5 MB each)
+SEARCH_BLOCK = 1 << 16  # step starts searched at a time (see :func:`_step_counts`)
 
 
 class _SparseTable:
     """Range queries by sparse table: level k picks (``pick``) between two entries of level k-1
     2**(k-1) apart, and a range is answered from two overlapping power-of-two spans. ``log2(n)``
-    arrays of the base's type: keep it narrow."""
+    arrays of the base's type (``top``: levels 0..top only, for ranges up to 2**(top+1) - 1 long)."""
 
-    def __init__(self, base: np.ndarray, pick: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> None:
+    def __init__(self, base: np.ndarray, pick: Callable[[np.ndarray, np.ndarray], np.ndarray], top: int | None = None) -> None:
         self.pick = pick
         self.levels = [base]
         k = 1
-        while (1 << k) <= len(base):
+        while (1 << k) <= len(base) and (top is None or k <= top):
             prev, half = self.levels[-1], 1 << (k - 1)
             self.levels.append(pick(prev[:-half], prev[half:]))
             k += 1
@@ -221,31 +249,83 @@ class _SparseTable:
         """The pick over [lo, hi] (inclusive); ``empty`` where the range is empty."""
         out = np.full(len(lo), empty, dtype=np.int64)
         ok = hi >= lo
-        if not ok.any():
-            return out
-        lo_ok, hi_ok = lo[ok], hi[ok]
-        k = np.floor(np.log2(hi_ok - lo_ok + 1)).astype(np.int64)
-        res = np.empty(len(lo_ok), dtype=np.int64)
+        if ok.any():
+            out[ok] = self.pick_of(lo[ok], hi[ok])
+        return out
+
+    def pick_of(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """The pick over [lo, hi] for ranges that are not empty (in the levels' type)."""
+        k = np.floor(np.log2(hi - lo + 1)).astype(np.int64)
+        res = np.empty(len(lo), dtype=self.levels[0].dtype)
         for kk in np.unique(k):
             m = k == kk
             lev = self.levels[kk]
-            res[m] = self.pick(lev[lo_ok[m]], lev[hi_ok[m] - (1 << kk) + 1])
-        out[ok] = res
+            res[m] = self.pick(lev[lo[m]], lev[hi[m] - (1 << kk) + 1])
+        return res
+
+
+class _BlockRange:
+    """Range queries (a pick: max, or leftmost argmax) in ~BLOCK_LEVELS + 2 entries per element,
+    not a sparse table's log2(n): a sparse table of levels 0..BLOCK_LEVELS answers ranges shorter
+    than two blocks (2 * 2**BLOCK_LEVELS) and the partial blocks at the ends of longer ones, a
+    sparse table over the blocks' picks the whole blocks between. (At 1 GB of log an overlap
+    query has ~1.1M steps: a full sparse table of their int8/int16 counts was 31-40 MB.)"""
+
+    def __init__(self, base: np.ndarray, pick: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> None:
+        self.small = _SparseTable(base, pick, top=BLOCK_LEVELS)
+        self.block = 1 << BLOCK_LEVELS
+        n = len(base)
+        first = np.arange(0, n, self.block)
+        last = np.minimum(first + self.block - 1, n - 1)
+        self.blocks = _SparseTable(self.small.pick_of(first, last) if n else base[:0], pick)
+        self.pick = pick
+
+    def query(self, lo: np.ndarray, hi: np.ndarray, empty: int) -> np.ndarray:
+        """The pick over [lo, hi] (inclusive); ``empty`` where the range is empty."""
+        out = np.full(len(lo), empty, dtype=np.int64)
+        length = hi - lo + 1
+        short = (length >= 1) & (length < 2 * self.block)
+        if short.any():
+            out[short] = self.small.pick_of(lo[short], hi[short])
+        long_ = length >= 2 * self.block
+        if long_.any():
+            lo_, hi_ = lo[long_], hi[long_]
+            b0, b1 = lo_ // self.block, hi_ // self.block  # (b1 > b0; whole blocks between unless two blocks exactly)
+            left = self.small.pick_of(lo_, (b0 + 1) * self.block - 1)
+            mid = b1 - b0 >= 2
+            if mid.any():
+                left[mid] = self.pick(left[mid], self.blocks.pick_of(b0[mid] + 1, b1[mid] - 1))
+            right = self.small.pick_of(b1 * self.block, hi_)
+            out[long_] = self.pick(left, right)  # (left to right: ties keep the left one)
         return out
 
 
-def _range_argmax(v: np.ndarray) -> _SparseTable:
+BLOCK_LEVELS = 4  # blocks of 16 elements in :class:`_BlockRange`
+
+
+def _range_argmax(v: np.ndarray) -> _BlockRange:
     """Position of the maximum of ``v`` over ranges (ties: the left one); int32 positions."""
-    return _SparseTable(np.arange(len(v), dtype=np.int32 if len(v) < 2**31 else np.int64),
-                        lambda a, b: np.where(v[b] > v[a], b, a))
+    return _BlockRange(np.arange(len(v), dtype=np.int32 if len(v) < 2**31 else np.int64),
+                       lambda a, b: np.where(v[b] > v[a], b, a))
 
 
-def _range_max_count(count: np.ndarray) -> _SparseTable:
+def _range_max_count(count: np.ndarray) -> _BlockRange:
     """The maximum of small non-negative counts over ranges, kept in the counts' narrowest
     type (for counts under 128, a quarter of the memory of int32 positions)."""
     top = int(count.max(initial=0))
     dtype = next(t for t in (np.int8, np.int16, np.int32, np.int64) if top <= np.iinfo(t).max)
-    return _SparseTable(count.astype(dtype), np.maximum)
+    return _BlockRange(count.astype(dtype), np.maximum)
+
+
+def _step_counts(s_sorted: np.ndarray, e_sorted: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Intervals begun by each ``t`` minus those ended by it (sorted starts and ends), as int32,
+    :data:`SEARCH_BLOCK` times at a time (two int64 searches as long as ``t`` were ~18 MB at
+    1 GB of log)."""
+    out = np.empty(len(t), dtype=np.int32)
+    for at in range(0, len(t), SEARCH_BLOCK):
+        x = t[at:at + SEARCH_BLOCK]
+        out[at:at + SEARCH_BLOCK] = np.searchsorted(s_sorted, x, "right") - np.searchsorted(e_sorted, x, "right")
+    return out
 
 
 def _group_codes(queries: pd.DataFrame, intervals: pd.DataFrame, by: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -335,29 +415,32 @@ def overlap_arrays(
         q_all = query_groups.get(code)
         if q_all is None:
             continue
-        # The group's step function: breakpoints b, intervals active on [b[i], b[i+1]).
-        s, e = ivs[grp], ive[grp]
-        b = np.unique(np.concatenate([s, e]))
+        # The group's step function: breakpoints b, intervals active on [b[i], b[i+1]). Built
+        # one array at a time (at 1 GB of log each is 4.5-9 MB; the group's sorted starts and
+        # ends and ``b``'s sort are the only ones held together).
+        b = _distinct_times([(ivs, grp), (ive, grp)])
         starts = b[:-1]
-        count = sorted_right(np.sort(s), starts) - sorted_right(np.sort(e), starts)
-        if "covered" in need or has_own:
-            width = np.diff(b)
-            f1 = np.concatenate([[0.0], np.cumsum((count >= 1) * width)])
-            f2 = np.concatenate([[0.0], np.cumsum((count >= 2) * width)]) if has_own else f1
-            del width
+        s_sorted = ivs[grp]
+        s_sorted.sort()
+        e_sorted = ive[grp]
+        e_sorted.sort()
+        count = _step_counts(s_sorted, e_sorted, starts)
+        del s_sorted, e_sorted
+        if "covered" in need:
+            f1, f2 = _covered_by_step(b, count, has_own)
         rmc = _range_max_count(count) if "max_count" in need else None
+        del count
         if vals is not None:
-            ev_val, ev_row = _largest_per_step(b, s, e, vals[grp], grp)
+            ev_val, ev_row = _largest_per_step(b, ivs[grp], ive[grp], vals[grp], grp)
             rmv = _range_argmax(ev_val)
+        del grp
 
         def cover(a: np.ndarray, z: np.ndarray, f: np.ndarray) -> np.ndarray:
             return np.interp(z, b, f) - np.interp(a, b, f)
 
-        at_b = np.arange(len(b), dtype=np.float64)
-
         def places(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             """``searchsorted(b, x)`` with side "right" and "left", from one search (b is unique)."""
-            right = _right_of(b, at_b, x)
+            right = np.searchsorted(b, x, "right")
             return right, right - (b[np.maximum(right - 1, 0)] == x)
 
         def rng_max(a: tuple[np.ndarray, np.ndarray, np.ndarray], z: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
@@ -399,6 +482,23 @@ def overlap_arrays(
                     mv = ev_val[pos[got]]
                     max_value[sel] = np.where(np.isinf(mv), np.nan, mv)
     return covered, max_count, max_value, max_pos
+
+
+def _covered_by_step(b: np.ndarray, count: np.ndarray, has_own: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds covered by at least one interval (``f1``) and, with an own interval to leave out,
+    by at least two (``f2``) from ``b[0]`` to each breakpoint: cumulative sums written in
+    place (the same sums as ``concatenate([[0], cumsum((count >= 1) * diff(b))])``, without
+    its three temporaries as long as ``b``)."""
+    width = np.diff(b)
+    part = np.empty_like(width)
+    sums = []
+    for least in (1, 2) if has_own else (1,):
+        f = np.empty(len(b))
+        f[:1] = 0.0
+        np.multiply(count >= least, width, out=part)
+        np.cumsum(part, out=f[1:])
+        sums.append(f)
+    return sums[0], sums[-1]
 
 
 def _right_of(b: np.ndarray, at_b: np.ndarray, x: np.ndarray) -> np.ndarray:
