@@ -34,20 +34,20 @@ BREAKDOWN_COLUMNS = [
 _KEYS = tl.GROUP + ["task_id"]
 
 
-def _f(s: pd.Series) -> np.ndarray:
-    return pd.to_numeric(s, errors="coerce").to_numpy(dtype="float64", na_value=np.nan)
+_f = tl._f  # (a float64 column's own values, not a copy)
 
-
-def _floats(s: pd.Series) -> np.ndarray:
-    """:func:`_f`, but a float64 column's own values (read-only), not a copy of them."""
-    return s.to_numpy() if s.dtype == np.float64 else _f(s)
+def _narrow(code: np.ndarray) -> np.ndarray:
+    """Session codes (0..n-1) in the narrowest integer type that holds them (one session, the
+    usual case: a byte a task, not eight)."""
+    top = int(code.max(initial=0))
+    return code.astype(next(t for t in (np.int8, np.int16, np.int32, np.int64) if top <= np.iinfo(t).max))
 
 
 def ran_alone(tv: pd.DataFrame) -> pd.DataFrame:
     """Per task: whether no other task was prefilling or generating during its whole prefill
     (``alone_prefill``) and its whole generation (``alone_generation``)."""
-    ps, ft, rel = (_floats(tv[c]) for c in ("prefill_start_s", "first_token_s", "release_s"))
-    code = tl.key_codes([tv], tl.GROUP)[0]
+    ps, ft, rel = (_f(tv[c]) for c in ("prefill_start_s", "first_token_s", "release_s"))
+    code = _narrow(tl.key_codes([tv], tl.GROUP)[0])
     # Every task's prefill [ps, ft) and generation [ft, rel) (each where the log gives it and
     # it lasts), as intervals of its session; the two touch at ft, so one interval per task
     # from the first's start to the last's end has the same number active at every moment,
@@ -77,7 +77,7 @@ def solo_speeds(ds: Dataset, tv: pd.DataFrame, opts: Options, *, tv_is_task_view
         ("gen", "gen_tps", "alone_generation", opts.solo_gen_tps),
         ("prefill", "prefill_tps", "alone_prefill", opts.solo_prefill_tps),
     ):
-        v = pd.Series(_f(tv[col]), index=tv.index)
+        v = pd.Series(_f(tv[col] if col in tv.columns or not tv_is_task_view else task_view(ds, [col])[col]), index=tv.index)
         sample = v[alone[flag] & v.notna() & (v > 0)]
         if override is not None:
             res[kind] = (float(override), pd.NA, "option")
@@ -124,11 +124,11 @@ def breakdown(ds: Dataset, opts: Options) -> pd.DataFrame:
     (``unlogged`` for tasks no app call matched; ``unknown`` when there is no app log)."""
     # Read in two rounds, each only its columns: what the solo speeds ask (ran_alone's
     # overlap queries), then what the components ask, the first dropped before the second is read.
-    solo = solo_speeds(ds, task_view(ds, tl.GROUP + tl.TIMES[1:] + ["gen_tps", "prefill_tps"]), opts, tv_is_task_view=True)
+    solo = solo_speeds(ds, task_view(ds, tl.GROUP + tl.TIMES[1:]), opts, tv_is_task_view=True)
     gen_tps, gen_n, gen_basis = solo["gen"]  # type: ignore[misc]
     pre_tps, pre_n, pre_basis = solo["prefill"]  # type: ignore[misc]
     tv = task_view(ds, tl.TIMES + ["prompt_tokens_new", "n_gen", "queue_ms", "purpose"])
-    launch, ps, ft, rel = (_floats(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))
+    launch, ps, ft, rel = (_f(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))
     has = ~np.isnan(launch) & ~np.isnan(rel) & (rel >= launch)
     split = has & ~np.isnan(ps) & ~np.isnan(ft) & (ps >= launch) & (ft >= ps) & (rel >= ft)
     has_queue = "queue_ms" in tv.columns and bool(tv["queue_ms"].notna().any())
