@@ -26,8 +26,7 @@ DEFERRED_S = 0.005
 _KEYS = tl.GROUP + ["task_id"]
 
 
-def _f(s: pd.Series) -> np.ndarray:
-    return pd.to_numeric(s, errors="coerce").to_numpy(dtype="float64", na_value=np.nan)
+_f = tl._f
 
 
 def _running(tv: pd.DataFrame, sessions: pd.DataFrame | None) -> pd.DataFrame:
@@ -107,29 +106,55 @@ def deferred_launches(ds: Dataset, tv: pd.DataFrame | None = None) -> pd.DataFra
     """Tasks launched within ``DEFERRED_S`` after another task's release while every slot of
     their session was busy just before that release, with the release that let them in."""
     tv = task_view(ds) if tv is None else tv
-    launch = tv[_KEYS + ["launch_s"]].dropna(subset=["launch_s"]).assign(_row=lambda d: d.index)
-    rel = tv[_KEYS + ["release_s"]].dropna(subset=["release_s"]).rename(columns={"task_id": "released_task_id"})
-    if launch.empty or rel.empty:
+    launch_s, release_s = _f(tv["launch_s"]), _f(tv["release_s"])
+    # Launches and releases in time order, as a sort of their rows by that column orders them
+    # (numpy's default sort of the same values: ties in the same order).
+    lrow = np.flatnonzero(~np.isnan(launch_s))
+    rrow = np.flatnonzero(~np.isnan(release_s))
+    if not len(lrow) or not len(rrow):
         return tv.iloc[0:0].assign(released_task_id=pd.Series(dtype="int64"), release_s_before=pd.Series(dtype="float64"))
-    launch = launch.sort_values("launch_s")
-    rel = rel.sort_values("release_s")
-    j = pd.merge_asof(launch, rel, left_on="launch_s", right_on="release_s", by=tl.GROUP,
-                      direction="backward", tolerance=DEFERRED_S, allow_exact_matches=True)
-    j = j[j["release_s"].notna() & (j["released_task_id"] != j["task_id"])]
+    lrow = lrow[np.argsort(launch_s[lrow], kind="quicksort")]
+    rrow = rrow[np.argsort(release_s[rrow], kind="quicksort")]
+    # Each launch's release: the last one of its session, in that order, at or before it and
+    # at most DEFERRED_S before it (what a backward as-of merge by session picks), found by a
+    # sorted search per session on arrays (the merge's tables of every launch and release,
+    # and their sorted copies, rose ~70 MB at 1 GB of log).
+    code = tl.key_codes([tv], tl.GROUP)[0]
+    lt, rt = launch_s[lrow], release_s[rrow]
+    lcode, rcode = code[lrow], code[rrow]
+    if (lcode == lcode[0]).all() and (rcode == lcode[0]).all():  # (one session, the usual case)
+        found = np.searchsorted(rt, lt, "right") - 1  # (a position in rrow; -1: none)
+    else:
+        found = np.full(len(lrow), -1, dtype=np.int64)
+        for g in np.unique(lcode):
+            li, ri = np.flatnonzero(lcode == g), np.flatnonzero(rcode == g)
+            at = np.searchsorted(rt[ri], lt[li], "right") - 1
+            found[li[at >= 0]] = ri[at[at >= 0]]
+    del lcode, rcode, lt, rt
+    hit = found >= 0
+    rel_t = np.where(hit, release_s[rrow[np.maximum(found, 0)]], np.nan)
+    hit &= ~(launch_s[lrow] - rel_t > DEFERRED_S)  # (the merge's tolerance)
+    # The released task's id as the merge gives it (a numpy integer column with a launch left
+    # unmatched becomes float64).
+    released = pd.api.extensions.take(tv["task_id"].to_numpy(), np.where(hit, rrow[np.maximum(found, 0)], -1), allow_fill=True)
+    own = tv["task_id"].to_numpy()[lrow]
+    keep = hit & (released != own)
+    del found, hit, own
+    lrow, rel_t, released = lrow[keep], rel_t[keep], released[keep]
     # Tasks running just before that release: launched before it, ending at or after it.
     ends = tl.task_ends(tv, ds.server.sessions)
-    iv = tv[tl.GROUP].assign(start_s=_f(tv["launch_s"]), end_s=ends)
-    q = j[tl.GROUP].assign(start_s=j["release_s"] - 1e-6, end_s=j["release_s"])
-    j["running_before"] = tl.overlaps(q, iv)["max_count"].to_numpy() if len(j) else np.zeros(0, dtype=np.int64)
+    running_before = (tl.overlap_arrays(code[lrow], rel_t - 1e-6, rel_t, code, launch_s, ends, need=("max_count",))[1]
+                      if len(lrow) else np.zeros(0, dtype=np.int64))
+    del ends
     # Each launch's session's slots, looked up by session code (a merge on the session keys
     # made the source's text of every row: at 1 GB of log the peak of the waits tables).
     slots = ds.server.sessions[tl.GROUP + ["n_slots"]].drop_duplicates(tl.GROUP)
-    scode, jcode = tl.key_codes([slots, j], tl.GROUP)
-    n_slots = tl.by_code(scode, pd.to_numeric(slots["n_slots"], errors="coerce").to_numpy(dtype=float, na_value=np.nan), jcode, np.nan)
-    j = j[n_slots <= j["running_before"].to_numpy()]
-    out = tv.loc[j["_row"].to_numpy()].copy()
-    out["released_task_id"] = j["released_task_id"].to_numpy()
-    out["release_s_before"] = j["release_s"].to_numpy()
+    scode, tcode = tl.key_codes([slots, tv], tl.GROUP)
+    n_slots = tl.by_code(scode, pd.to_numeric(slots["n_slots"], errors="coerce").to_numpy(dtype=float, na_value=np.nan), tcode[lrow], np.nan)
+    full = n_slots <= running_before
+    out = tv.loc[tv.index[lrow[full]]].copy()
+    out["released_task_id"] = released[full]
+    out["release_s_before"] = rel_t[full]
     return out.reset_index(drop=True)
 
 
