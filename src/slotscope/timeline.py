@@ -123,6 +123,13 @@ def key_codes(frames: Sequence[pd.DataFrame], by: Sequence[str]) -> list[np.ndar
     return np.split(code, np.cumsum(sizes)[:-1])
 
 
+def narrow(code: np.ndarray) -> np.ndarray:
+    """Codes (0..n-1, as :func:`key_codes` gives) in the narrowest integer type that holds them
+    (one session, the usual case: a byte a row, not eight)."""
+    top = int(code.max(initial=0))
+    return code.astype(next(t for t in (np.int8, np.int16, np.int32, np.int64) if top <= np.iinfo(t).max))
+
+
 def by_code(src: np.ndarray, values: np.ndarray, dst: np.ndarray, missing: Any) -> np.ndarray:
     """For each code of ``dst``, the value of the row of ``src`` with that code (``missing``
     where none; codes of one :func:`key_codes` call, unique in ``src``): a lookup by key
@@ -508,13 +515,13 @@ def _covered_by_step(b: np.ndarray, count: np.ndarray, has_own: bool) -> tuple[n
     by at least two (``f2``) from ``b[0]`` to each breakpoint: cumulative sums written in
     place (the same sums as ``concatenate([[0], cumsum((count >= 1) * diff(b))])``, without
     its three temporaries as long as ``b``)."""
-    width = np.diff(b)
-    part = np.empty_like(width)
+    part = np.empty(len(b) - 1)
     sums = []
     for least in (1, 2) if has_own else (1,):
         f = np.empty(len(b))
         f[:1] = 0.0
-        np.multiply(count >= least, width, out=part)
+        np.subtract(b[1:], b[:-1], out=part)  # (np.diff(b))
+        np.multiply(count >= least, part, out=part)
         np.cumsum(part, out=f[1:])
         sums.append(f)
     return sums[0], sums[-1]

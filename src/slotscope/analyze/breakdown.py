@@ -17,13 +17,14 @@ prefill, from the 90th percentile over all tasks (``solo_*_basis`` says which).
 
 from __future__ import annotations
 
+import gc
 from typing import Iterator
 
 import numpy as np
 import pandas as pd
 
 from .. import timeline as tl
-from ..dataset import Dataset, task_view
+from ..dataset import Dataset, release_memory, task_view
 from . import Options, register
 
 COMPONENTS = ["own_generation", "own_prefill", "contention", "wait", "queue", "unsplit"]
@@ -34,20 +35,21 @@ BREAKDOWN_COLUMNS = [
 _KEYS = tl.GROUP + ["task_id"]
 
 
+def _free() -> None:
+    """Free the frames just dropped now, not at the next table: pandas objects hold one another
+    in cycles (their arrays wait for the collector), and the Arrow pool and glibc keep freed
+    pages (see :func:`release_memory`)."""
+    gc.collect()
+    release_memory()
+
+
 _f = tl._f  # (a float64 column's own values, not a copy)
-
-def _narrow(code: np.ndarray) -> np.ndarray:
-    """Session codes (0..n-1) in the narrowest integer type that holds them (one session, the
-    usual case: a byte a task, not eight)."""
-    top = int(code.max(initial=0))
-    return code.astype(next(t for t in (np.int8, np.int16, np.int32, np.int64) if top <= np.iinfo(t).max))
-
 
 def ran_alone(tv: pd.DataFrame) -> pd.DataFrame:
     """Per task: whether no other task was prefilling or generating during its whole prefill
     (``alone_prefill``) and its whole generation (``alone_generation``)."""
     ps, ft, rel = (_f(tv[c]) for c in ("prefill_start_s", "first_token_s", "release_s"))
-    code = _narrow(tl.key_codes([tv], tl.GROUP)[0])
+    code = tl.narrow(tl.key_codes([tv], tl.GROUP)[0])
     # Every task's prefill [ps, ft) and generation [ft, rel) (each where the log gives it and
     # it lasts), as intervals of its session; the two touch at ft, so one interval per task
     # from the first's start to the last's end has the same number active at every moment,
@@ -127,6 +129,7 @@ def breakdown(ds: Dataset, opts: Options) -> pd.DataFrame:
     solo = solo_speeds(ds, task_view(ds, tl.GROUP + tl.TIMES[1:]), opts, tv_is_task_view=True)
     gen_tps, gen_n, gen_basis = solo["gen"]  # type: ignore[misc]
     pre_tps, pre_n, pre_basis = solo["prefill"]  # type: ignore[misc]
+    _free()
     tv = task_view(ds, tl.TIMES + ["prompt_tokens_new", "n_gen", "queue_ms", "purpose"])
     launch, ps, ft, rel = (_f(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))
     has = ~np.isnan(launch) & ~np.isnan(rel) & (rel >= launch)

@@ -8,14 +8,24 @@ UTC by default; a day with a daylight-saving change is 23 or 25 hours long).
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pandas as pd
 
 from .. import timeline as tl
-from ..dataset import Dataset, task_view
+from ..dataset import Dataset, release_memory, task_view
 from . import Options, register
 
 LOAD_COLUMNS = ["scope", "running", "seconds", "share", "scope_seconds", "max_running", "n_slots"]
+
+
+def _free() -> None:
+    """Free the frames just dropped now, not at the next table: pandas objects hold one another
+    in cycles (their arrays wait for the collector), and the Arrow pool and glibc keep freed
+    pages (see :func:`release_memory`)."""
+    gc.collect()
+    release_memory()
 
 
 def _wall_offsets(tv: pd.DataFrame) -> pd.DataFrame:
@@ -128,6 +138,7 @@ def load_table(ds: Dataset, opts: Options) -> pd.DataFrame:
     width = max(int(levels[0].max(initial=0)) for _, _, levels in parts) + 1
     for c in tl.TIMES[1:]:  # (what the wall offsets read stays, and the wall times join it)
         del tv[c]
+    _free()
     wall = task_view(ds, ["launch_at"])
     if "launch_at" in wall.columns:
         tv["launch_at"] = wall["launch_at"]

@@ -13,11 +13,13 @@ log line. Their time is the app's ``queue_ms`` when an app log gives it.
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pandas as pd
 
 from .. import timeline as tl
-from ..dataset import Dataset, own_copy, task_view
+from ..dataset import Dataset, own_copy, release_memory, task_view
 from . import Options, register
 
 CAUSES = ["different_lora", "same_lora", "nothing", "deferred"]
@@ -26,62 +28,101 @@ DEFERRED_S = 0.005
 _KEYS = tl.GROUP + ["task_id"]
 
 
+def _free() -> None:
+    """Free the frames just dropped now, not at the next table: pandas objects hold one another
+    in cycles (their arrays wait for the collector), and the Arrow pool and glibc keep freed
+    pages (see :func:`release_memory`)."""
+    gc.collect()
+    release_memory()
+
+
 _f = tl._f
+
+
+# What a holder of the batch shows of its task (``worst_waits``; ``_row`` rows of the view).
+_HOLDER = _KEYS + ["slot", "purpose", "user", "prompt_tokens_new", "line", "file", "first_token_s"]
 
 
 def _running(tv: pd.DataFrame, sessions: pd.DataFrame | None) -> pd.DataFrame:
     """What holds the batch: each task from its prefill start to its release. A task whose
-    prefill start the log does not give (cut off) counts from its launch."""
+    prefill start the log does not give (cut off) counts from its launch. Its row in ``tv``
+    (``_row``), ``start_s``, ``end_s`` and ``lora``: the rest of its columns (``_HOLDER``) are
+    read for the few that :func:`worst_waits` lists (at 1 GB of log a copy of them for every
+    task was ~30 MB held by both waits tables)."""
     end = tl.task_ends(tv, sessions)
     ps = _f(tv["prefill_start_s"])
     start = np.where(np.isnan(ps), _f(tv["launch_s"]), ps)
     lora = tv["lora"].astype("object") if "lora" in tv.columns else pd.Series(pd.NA, index=tv.index, dtype="object")
-    r = tv[_KEYS + ["slot", "purpose", "user", "prompt_tokens_new", "line", "file", "first_token_s"]].assign(start_s=start, end_s=end, lora=lora.to_numpy())
+    # (the lora column made from every task's, as its type is inferred from all of them)
+    r = pd.DataFrame({"_row": np.arange(len(tv))}, index=tv.index).assign(start_s=start, end_s=end, lora=lora.to_numpy())
     return r[r["end_s"] > r["start_s"]].reset_index(drop=True)
+
+
+def _holders(tv: pd.DataFrame, run: pd.DataFrame) -> pd.DataFrame:
+    """Rows of :func:`_running` with their tasks' columns (``tv``: a view with ``_HOLDER``)."""
+    rows = tv.iloc[run["_row"].to_numpy()][_HOLDER].reset_index(drop=True)
+    return rows.assign(start_s=run["start_s"].to_numpy(), end_s=run["end_s"].to_numpy(), lora=run["lora"].reset_index(drop=True))
 
 
 def classify_waits(ds: Dataset, opts: Options, tv: pd.DataFrame | None = None) -> pd.DataFrame:
     """Waits before prefill of at least ``opts.wait_threshold_s``, one row each, with ``cause``
     and the seconds of the wait covered by different-/same-/unknown-LoRA work."""
     tv = task_view(ds) if tv is None else tv
-    return _classify(tv, _running(tv, ds.server.sessions), opts)
+    run = _running(tv, ds.server.sessions)
+    return _classify(*_select(tv, run, opts), run)
 
 
-def _shared(ds: Dataset, opts: Options) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """The task view, what ran and the classified waits, computed once for the waits tables."""
-    def make() -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+def _shared(ds: Dataset, opts: Options) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """What ran and the classified waits, computed once for the waits tables."""
+    def make() -> tuple[pd.DataFrame, pd.DataFrame]:
         tv = task_view(ds, _VIEW)
         run = _running(tv, ds.server.sessions)
-        return tv, run, _classify(tv, run, opts, _TABLE_COLUMNS)
+        waits, wcode, rcode = _select(tv, run, opts, _TABLE_COLUMNS)
+        del tv  # (before the overlap queries: only the waits' rows of it are read after)
+        _free()
+        return run, _classify(waits, wcode, rcode, run)
 
-    tv, run, w = ds.memo((__name__, "classified", opts.wait_threshold_s), make)
-    return own_copy(tv), own_copy(run), own_copy(w)
+    run, w = ds.memo((__name__, "classified", opts.wait_threshold_s), make)
+    return own_copy(run), own_copy(w)
 
 
-def _covered(waits: pd.DataFrame, wcode: np.ndarray, run: pd.DataFrame, rcode: np.ndarray, sel: np.ndarray) -> np.ndarray:
-    """Seconds of each wait covered by the ``sel`` rows of ``run`` (as :func:`tl.overlaps`' ``covered_s``)."""
-    r = np.flatnonzero(sel)
-    return tl.overlap_arrays(wcode, _f(waits["start_s"]), _f(waits["end_s"]), rcode[r], _f(run["start_s"])[r],
-                             _f(run["end_s"])[r], need=("covered",))[0].round(6)
+def _covered(wcode: np.ndarray, ws: np.ndarray, we: np.ndarray, rcode: np.ndarray, rs: np.ndarray, re_: np.ndarray,
+             sel: np.ndarray | None) -> np.ndarray:
+    """Seconds of each wait [ws, we] covered by the ``sel`` rows of what ran (None: all), as
+    :func:`tl.overlaps`' ``covered_s``."""
+    if sel is not None:
+        r = np.flatnonzero(sel)
+        rcode, rs, re_ = rcode[r], rs[r], re_[r]
+        del r
+    return tl.overlap_arrays(wcode, ws, we, rcode, rs, re_, need=("covered",))[0].round(6)
 
 
 # The waits' own columns that the waits tables read (the task view has ~50).
 _TABLE_COLUMNS = _KEYS + ["slot", "purpose", "user", "lora", "line", "file", "launch_s", "prefill_start_s"]
-# What the waits tables read of the task view: the waits, what ran meanwhile, the deferred launches.
-_VIEW = _TABLE_COLUMNS + ["prompt_tokens_new", "wait_before_prefill_ms", "queue_ms"] + tl.TIMES
+# What the waits are classified from: the waits and what ran meanwhile.
+_VIEW = _TABLE_COLUMNS + ["wait_before_prefill_ms"] + tl.TIMES
 
 
-def _classify(tv: pd.DataFrame, run: pd.DataFrame, opts: Options, columns: list[str] | None = None) -> pd.DataFrame:
-    """:func:`classify_waits` (``columns``: only those of the task view, else all)."""
+def _select(tv: pd.DataFrame, run: pd.DataFrame, opts: Options, columns: list[str] | None = None,
+            ) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
+    """The waits to classify (``columns``: only those of the task view, else all) and the
+    session codes of them and of ``run``."""
     w_ms = _f(tv["wait_before_prefill_ms"])
     waits = tv.loc[w_ms >= opts.wait_threshold_s * 1000, [c for c in tv.columns if columns is None or c in columns]]
     waits["start_s"] = waits["launch_s"]
     waits["end_s"] = waits["prefill_start_s"]
     waits["wait_s"] = waits["end_s"] - waits["start_s"]
     waits = waits.reset_index(drop=True)
-    wcode, rcode = tl.key_codes([waits, run], tl.GROUP)
+    wcode, tcode = tl.key_codes([waits, tv], tl.GROUP)
+    return waits, wcode, tl.narrow(tcode)[run["_row"].to_numpy()]
+
+
+def _classify(waits: pd.DataFrame, wcode: np.ndarray, rcode: np.ndarray, run: pd.DataFrame) -> pd.DataFrame:
+    """:func:`classify_waits` of the :func:`_select`-ed waits."""
     wl = waits["lora"].astype("object") if "lora" in waits.columns else pd.Series(pd.NA, index=waits.index, dtype="object")
     rl = run["lora"]
+    # On arrays, not on a table of the waits per label (each held until the collector ran).
+    ws, we, rs, re_ = _f(waits["start_s"]), _f(waits["end_s"]), _f(run["start_s"]), _f(run["end_s"])
     diff_s = np.zeros(len(waits))
     same_s = np.zeros(len(waits))
     for label in pd.unique(wl.dropna()):
@@ -89,11 +130,11 @@ def _classify(tv: pd.DataFrame, run: pd.DataFrame, opts: Options, columns: list[
         if not q.any():
             continue
         qi = np.flatnonzero(q)
-        diff_s[q] = _covered(waits.iloc[qi], wcode[qi], run, rcode, (rl.notna() & (rl != label)).to_numpy())
-        same_s[q] = _covered(waits.iloc[qi], wcode[qi], run, rcode, (rl == label).to_numpy())
+        diff_s[q] = _covered(wcode[qi], ws[qi], we[qi], rcode, rs, re_, (rl.notna() & (rl != label)).to_numpy())
+        same_s[q] = _covered(wcode[qi], ws[qi], we[qi], rcode, rs, re_, (rl == label).to_numpy())
     # Unknown: what ran had no label, or the waiting task has none (then anything that ran).
-    unk_s = _covered(waits, wcode, run, rcode, rl.isna().to_numpy())
-    any_s = _covered(waits, wcode, run, rcode, np.ones(len(run), dtype=bool))
+    unk_s = _covered(wcode, ws, we, rcode, rs, re_, rl.isna().to_numpy())
+    any_s = _covered(wcode, ws, we, rcode, rs, re_, None)
     unk_s = np.where(wl.isna().to_numpy(), any_s, unk_s)
     waits["different_lora_s"] = diff_s
     waits["same_lora_s"] = same_s
@@ -162,7 +203,14 @@ def deferred_launches(ds: Dataset, tv: pd.DataFrame | None = None) -> pd.DataFra
 def waits(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Count, total, longest and median wait per cause; ``share`` of all waits' seconds for the
     wait causes. ``deferred``'s seconds are the app's queue time (NA without an app log)."""
-    tv, _, w = _shared(ds, opts)
+    # The deferred launches first, from their own columns, before the classified waits are
+    # made (or while they are not: only this table's arrays at once, not both).
+    d = deferred_launches(ds, task_view(ds, _KEYS + tl.TIMES + ["queue_ms"]))
+    qs = pd.Series(_f(d["queue_ms"]) / 1000 if "queue_ms" in d.columns else np.full(len(d), np.nan))
+    n_deferred = len(d)
+    del d
+    _free()
+    _, w = _shared(ds, opts)
     causes = CAUSES[:3] + (["unknown_lora"] if (w["cause"] == "unknown_lora").any() else [])
     g = w.groupby("cause", observed=True)["wait_s"]
     stats = pd.DataFrame({"count": g.size(), "total_s": g.sum(), "max_s": g.max(), "median_s": g.median()}).reindex(causes)
@@ -171,11 +219,9 @@ def waits(ds: Dataset, opts: Options) -> pd.DataFrame:
     all_s = w["wait_s"].sum()
     stats["share"] = stats["total_s"] / all_s if all_s > 0 else np.nan
     stats["basis"] = f"wait before prefill >= {opts.wait_threshold_s:g} s"
-    d = deferred_launches(ds, tv[[c for c in _KEYS + tl.TIMES + ["queue_ms"] if c in tv.columns]])  # (its rows: these columns)
-    qs = pd.Series(_f(d["queue_ms"]) / 1000 if "queue_ms" in d.columns else np.full(len(d), np.nan))
     has_q = qs.notna().any()
     stats.loc["deferred"] = {
-        "count": len(d), "total_s": qs.sum() if has_q else np.nan, "max_s": qs.max() if has_q else np.nan,
+        "count": n_deferred, "total_s": qs.sum() if has_q else np.nan, "max_s": qs.max() if has_q else np.nan,
         "median_s": qs.median() if has_q else np.nan, "share": np.nan,
         "basis": "launch <= 5 ms after a release, all slots busy; seconds = app queue_ms" if has_q
         else "launch <= 5 ms after a release, all slots busy; no app queue time",
@@ -194,17 +240,21 @@ def worst_waits(ds: Dataset, opts: Options) -> pd.DataFrame:
     """The longest waits before prefill, with the task that held the batch meanwhile: the
     different-LoRA task that overlapped the wait most, else the largest prefill that ran during
     it, else whatever ran longest during it (``holder_*``; NA when nothing ran)."""
-    tv, run, w = _shared(ds, opts)
+    run, w = _shared(ds, opts)
     w = w.sort_values("wait_s", ascending=False, kind="stable").head(opts.worst).reset_index(drop=True)
     w["_w"] = np.arange(len(w))
     # Only the few listed waits are paired with the tasks of their session that overlap them
     # (a pair of every task would hold worst x tasks rows).
-    wcode, rcode = tl.key_codes([w, run], tl.GROUP)
+    tv = task_view(ds, _HOLDER)
+    wcode, tcode = tl.key_codes([w, tv], tl.GROUP)
+    rcode = tcode[run["_row"].to_numpy()]
+    del tcode
     rs, re_ = _f(run["start_s"]), _f(run["end_s"])
     near = np.zeros(len(run), dtype=bool)
     for code, a, z in zip(wcode, _f(w["start_s"]), _f(w["end_s"])):
         near |= (rcode == code) & (rs < z) & (re_ > a)
-    run = run[near]
+    run = _holders(tv, run[near])
+    del tv
     pair = w[tl.GROUP + ["_w", "task_id", "start_s", "end_s", "lora"]].merge(
         run.rename(columns={c: "h_" + c for c in run.columns if c not in tl.GROUP}), on=tl.GROUP, how="inner")
     pair = pair[pair["h_task_id"] != pair["task_id"]]
