@@ -437,7 +437,10 @@ def overlap_arrays(
     if not (n and valid_iv.any()):
         return covered, max_count, max_value, max_pos
     query_groups = rows_by_group(qcode, ~np.isnan(qs) & ~np.isnan(qe) & (qe > qs))
-    for code, grp in rows_by_group(icode, valid_iv).items():
+    # The intervals of each group: positions, or with one group (the usual case) a mask (not
+    # an array of positions as long as the intervals).
+    one = bool((icode == icode[0]).all())
+    for code, grp in ({int(icode[0]): valid_iv} if one else rows_by_group(icode, valid_iv)).items():
         q_all = query_groups.get(code)
         if q_all is None:
             continue
@@ -457,7 +460,7 @@ def overlap_arrays(
         rmc = _range_max_count(count) if "max_count" in need else None
         del count
         if vals is not None:
-            ev_val, ev_row = _largest_per_step(b, ivs[grp], ive[grp], vals[grp], grp)
+            ev_val, ev_row = _largest_per_step(b, ivs[grp], ive[grp], vals[grp], np.flatnonzero(grp) if one else grp)
             rmv = _range_argmax(ev_val)
         del grp
 

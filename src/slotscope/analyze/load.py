@@ -136,27 +136,28 @@ def load_table(ds: Dataset, opts: Options) -> pd.DataFrame:
     if not sum(len(t) - 1 for _, t, _ in parts):
         return pd.DataFrame({c: pd.Series(dtype="float64") for c in LOAD_COLUMNS})
     width = max(int(levels[0].max(initial=0)) for _, _, levels in parts) + 1
+    # (the running counts in the narrowest type that holds them: a byte or two a step)
+    parts = [(row, t, tl.narrow(levels[0])) for row, t, levels in parts]
     for c in tl.TIMES[1:]:  # (what the wall offsets read stays, and the wall times join it)
         del tv[c]
-    _free()
     wall = task_view(ds, ["launch_at"])
     if "launch_at" in wall.columns:
         tv["launch_at"] = wall["launch_at"]
     del wall
-    seconds = _cat([t[1:] - t[:-1] for _, t, _ in parts])
-    rows = [_share_rows(_cat([levels[0] for _, _, levels in parts]), seconds, width, np.array(["overall"], dtype=object))]
-    del seconds
     off = _wall_offsets(tv)
     if len(off):
         # Each session's offset (NaN: none; its steps have no calendar day).
         tcode, ocode = tl.key_codes([tv, off], tl.GROUP)
         offset = tl.by_code(ocode, off["offset_us"].to_numpy(dtype=np.float64), tcode[[row for row, _, _ in parts]], np.nan)
         del tcode, ocode
-        dated = [(o, t, levels[0]) for o, (_, t, levels) in zip(offset, parts) if not np.isnan(o) and len(t) > 1]
-        del parts
+        dated = [(o, t, running) for o, (_, t, running) in zip(offset, parts) if not np.isnan(o) and len(t) > 1]
     else:
         dated = []
-    del tv
+    del tv, off
+    _free()  # (the view's columns, before the steps are summed)
+    seconds = _cat([t[1:] - t[:-1] for _, t, _ in parts])
+    rows = [_share_rows(_cat([running for _, _, running in parts]), seconds, width, np.array(["overall"], dtype=object))]
+    del seconds, parts
     if dated:
         # Cut steps at midnights: one piece per day each step touches; the pieces, in step
         # order, summed at once. (Steps are in time order: a session's first and last bound them.)

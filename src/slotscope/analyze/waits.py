@@ -52,10 +52,14 @@ def _running(tv: pd.DataFrame, sessions: pd.DataFrame | None) -> pd.DataFrame:
     end = tl.task_ends(tv, sessions)
     ps = _f(tv["prefill_start_s"])
     start = np.where(np.isnan(ps), _f(tv["launch_s"]), ps)
-    lora = tv["lora"].astype("object") if "lora" in tv.columns else pd.Series(pd.NA, index=tv.index, dtype="object")
-    # (the lora column made from every task's, as its type is inferred from all of them)
-    r = pd.DataFrame({"_row": np.arange(len(tv))}, index=tv.index).assign(start_s=start, end_s=end, lora=lora.to_numpy())
-    return r[r["end_s"] > r["start_s"]].reset_index(drop=True)
+    lora = (tv["lora"].astype("object") if "lora" in tv.columns else pd.Series(pd.NA, index=tv.index, dtype="object")).to_numpy()
+    keep = np.flatnonzero(end > start)
+    # Taken before the table is made (not a table of every task and its copy). The LoRA column
+    # gets the type a column of every task's label gets (inferred from the distinct values:
+    # the same values, the same type), as when it was made whole.
+    kind = pd.Series(pd.unique(lora)).dtype
+    return pd.DataFrame({"_row": keep.astype(np.int32) if len(tv) < 2**31 else keep, "start_s": start[keep], "end_s": end[keep],
+                         "lora": pd.Series(lora[keep], dtype=kind)})
 
 
 def _holders(tv: pd.DataFrame, run: pd.DataFrame) -> pd.DataFrame:
@@ -160,7 +164,7 @@ def deferred_launches(ds: Dataset, tv: pd.DataFrame | None = None) -> pd.DataFra
     # at most DEFERRED_S before it (what a backward as-of merge by session picks), found by a
     # sorted search per session on arrays (the merge's tables of every launch and release,
     # and their sorted copies, rose ~70 MB at 1 GB of log).
-    code = tl.key_codes([tv], tl.GROUP)[0]
+    code = tl.narrow(tl.key_codes([tv], tl.GROUP)[0])
     lt, rt = launch_s[lrow], release_s[rrow]
     lcode, rcode = code[lrow], code[rrow]
     if (lcode == lcode[0]).all() and (rcode == lcode[0]).all():  # (one session, the usual case)
