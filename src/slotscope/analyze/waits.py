@@ -14,6 +14,7 @@ log line. Their time is the app's ``queue_ms`` when an app log gives it.
 from __future__ import annotations
 
 import gc
+from typing import Any, Callable
 
 import numpy as np
 import pandas as pd
@@ -46,26 +47,31 @@ _HOLDER = _KEYS + ["slot", "purpose", "user", "prompt_tokens_new", "line", "file
 def _running(tv: pd.DataFrame, sessions: pd.DataFrame | None) -> pd.DataFrame:
     """What holds the batch: each task from its prefill start to its release. A task whose
     prefill start the log does not give (cut off) counts from its launch. Its row in ``tv``
-    (``_row``), ``start_s``, ``end_s`` and ``lora``: the rest of its columns (``_HOLDER``) are
-    read for the few that :func:`worst_waits` lists (at 1 GB of log a copy of them for every
-    task was ~30 MB held by both waits tables)."""
+    (``_row``), ``start_s``, ``end_s`` and ``lora`` (the view's column: categories, compared as
+    the labels are): the rest of its columns (``_HOLDER``) are read for the few that
+    :func:`worst_waits` lists (at 1 GB of log a copy of them for every task was ~30 MB held by
+    both waits tables, a column of its labels as text ~20 MB)."""
     end = tl.task_ends(tv, sessions)
     ps = _f(tv["prefill_start_s"])
     start = np.where(np.isnan(ps), _f(tv["launch_s"]), ps)
-    lora = (tv["lora"].astype("object") if "lora" in tv.columns else pd.Series(pd.NA, index=tv.index, dtype="object")).to_numpy()
     keep = np.flatnonzero(end > start)
-    # Taken before the table is made (not a table of every task and its copy). The LoRA column
-    # gets the type a column of every task's label gets (inferred from the distinct values:
-    # the same values, the same type), as when it was made whole.
-    kind = pd.Series(pd.unique(lora)).dtype
+    lora = tv["lora"] if "lora" in tv.columns else pd.Series(pd.NA, index=tv.index, dtype="object")
     return pd.DataFrame({"_row": keep.astype(np.int32) if len(tv) < 2**31 else keep, "start_s": start[keep], "end_s": end[keep],
-                         "lora": pd.Series(lora[keep], dtype=kind)})
+                         "lora": lora.iloc[keep].reset_index(drop=True)})
 
 
-def _holders(tv: pd.DataFrame, run: pd.DataFrame) -> pd.DataFrame:
+def _lora_type(tv: pd.DataFrame) -> Any:
+    """The type of a column of every task's LoRA label as a Python object (what the holders'
+    labels had: inferred from the distinct values, the same values give the same type)."""
+    lora = tv["lora"].astype("object") if "lora" in tv.columns else pd.Series(pd.NA, index=tv.index, dtype="object")
+    return pd.Series(pd.unique(lora.to_numpy())).dtype
+
+
+def _holders(tv: pd.DataFrame, run: pd.DataFrame, lora_type: Any) -> pd.DataFrame:
     """Rows of :func:`_running` with their tasks' columns (``tv``: a view with ``_HOLDER``)."""
     rows = tv.iloc[run["_row"].to_numpy()][_HOLDER].reset_index(drop=True)
-    return rows.assign(start_s=run["start_s"].to_numpy(), end_s=run["end_s"].to_numpy(), lora=run["lora"].reset_index(drop=True))
+    lora = pd.Series(run["lora"].astype("object").to_numpy(), dtype=lora_type)
+    return rows.assign(start_s=run["start_s"].to_numpy(), end_s=run["end_s"].to_numpy(), lora=lora)
 
 
 def classify_waits(ds: Dataset, opts: Options, tv: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -76,18 +82,22 @@ def classify_waits(ds: Dataset, opts: Options, tv: pd.DataFrame | None = None) -
     return _classify(*_select(tv, run, opts), run)
 
 
-def _shared(ds: Dataset, opts: Options) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """What ran and the classified waits, computed once for the waits tables."""
-    def make() -> tuple[pd.DataFrame, pd.DataFrame]:
-        tv = task_view(ds, _VIEW)
+def _shared(ds: Dataset, opts: Options) -> tuple[pd.DataFrame, pd.DataFrame, Any]:
+    """What ran, the classified waits and the type of the holders' labels, computed once for
+    the waits tables."""
+    def make() -> tuple[pd.DataFrame, pd.DataFrame, Any]:
+        # What the waits are chosen and classified by first; the waits' own columns (most of
+        # the view's that are read) then, for their rows alone.
+        tv = task_view(ds, tl.GROUP + tl.TIMES + ["wait_before_prefill_ms", "lora"])
         run = _running(tv, ds.server.sessions)
-        waits, wcode, rcode = _select(tv, run, opts, _TABLE_COLUMNS)
+        lora_type = _lora_type(tv)
+        waits, wcode, rcode = _select(tv, run, opts, _TABLE_COLUMNS, lambda: task_view(ds, _TABLE_COLUMNS))
         del tv  # (before the overlap queries: only the waits' rows of it are read after)
         _free()
-        return run, _classify(waits, wcode, rcode, run)
+        return run, _classify(waits, wcode, rcode, run), lora_type
 
-    run, w = ds.memo((__name__, "classified", opts.wait_threshold_s), make)
-    return own_copy(run), own_copy(w)
+    run, w, lora_type = ds.memo((__name__, "classified", opts.wait_threshold_s), make)
+    return own_copy(run), own_copy(w), lora_type
 
 
 def _covered(wcode: np.ndarray, ws: np.ndarray, we: np.ndarray, rcode: np.ndarray, rs: np.ndarray, re_: np.ndarray,
@@ -103,16 +113,17 @@ def _covered(wcode: np.ndarray, ws: np.ndarray, we: np.ndarray, rcode: np.ndarra
 
 # The waits' own columns that the waits tables read (the task view has ~50).
 _TABLE_COLUMNS = _KEYS + ["slot", "purpose", "user", "lora", "line", "file", "launch_s", "prefill_start_s"]
-# What the waits are classified from: the waits and what ran meanwhile.
-_VIEW = _TABLE_COLUMNS + ["wait_before_prefill_ms"] + tl.TIMES
 
 
 def _select(tv: pd.DataFrame, run: pd.DataFrame, opts: Options, columns: list[str] | None = None,
-            ) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
-    """The waits to classify (``columns``: only those of the task view, else all) and the
-    session codes of them and of ``run``."""
+            table: Callable[[], pd.DataFrame] | None = None) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
+    """The waits to classify (``columns``: only those of the task view, else all; ``table``:
+    what gives the view's columns when ``tv`` has not all of them) and the session codes of
+    them and of ``run``."""
     w_ms = _f(tv["wait_before_prefill_ms"])
-    waits = tv.loc[w_ms >= opts.wait_threshold_s * 1000, [c for c in tv.columns if columns is None or c in columns]]
+    full = tv if table is None else table()
+    waits = full.loc[w_ms >= opts.wait_threshold_s * 1000, [c for c in full.columns if columns is None or c in columns]]
+    del full
     waits["start_s"] = waits["launch_s"]
     waits["end_s"] = waits["prefill_start_s"]
     waits["wait_s"] = waits["end_s"] - waits["start_s"]
@@ -214,7 +225,7 @@ def waits(ds: Dataset, opts: Options) -> pd.DataFrame:
     n_deferred = len(d)
     del d
     _free()
-    _, w = _shared(ds, opts)
+    _, w, _ = _shared(ds, opts)
     causes = CAUSES[:3] + (["unknown_lora"] if (w["cause"] == "unknown_lora").any() else [])
     g = w.groupby("cause", observed=True)["wait_s"]
     stats = pd.DataFrame({"count": g.size(), "total_s": g.sum(), "max_s": g.max(), "median_s": g.median()}).reindex(causes)
@@ -244,7 +255,7 @@ def worst_waits(ds: Dataset, opts: Options) -> pd.DataFrame:
     """The longest waits before prefill, with the task that held the batch meanwhile: the
     different-LoRA task that overlapped the wait most, else the largest prefill that ran during
     it, else whatever ran longest during it (``holder_*``; NA when nothing ran)."""
-    run, w = _shared(ds, opts)
+    run, w, lora_type = _shared(ds, opts)
     w = w.sort_values("wait_s", ascending=False, kind="stable").head(opts.worst).reset_index(drop=True)
     w["_w"] = np.arange(len(w))
     # Only the few listed waits are paired with the tasks of their session that overlap them
@@ -257,7 +268,7 @@ def worst_waits(ds: Dataset, opts: Options) -> pd.DataFrame:
     near = np.zeros(len(run), dtype=bool)
     for code, a, z in zip(wcode, _f(w["start_s"]), _f(w["end_s"])):
         near |= (rcode == code) & (rs < z) & (re_ > a)
-    run = _holders(tv, run[near])
+    run = _holders(tv, run[near], lora_type)
     del tv
     pair = w[tl.GROUP + ["_w", "task_id", "start_s", "end_s", "lora"]].merge(
         run.rename(columns={c: "h_" + c for c in run.columns if c not in tl.GROUP}), on=tl.GROUP, how="inner")
