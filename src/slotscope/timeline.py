@@ -436,7 +436,10 @@ def overlap_arrays(
     valid_iv = ~np.isnan(ivs) & ~np.isnan(ive) & (ive > ivs)
     if not (n and valid_iv.any()):
         return covered, max_count, max_value, max_pos
-    query_groups = rows_by_group(qcode, ~np.isnan(qs) & ~np.isnan(qe) & (qe > qs))
+    q_ok = ~np.isnan(qs) & ~np.isnan(qe) & (qe > qs)
+    # The queries of each group: positions, or with one group (the usual case) a mask, whose
+    # positions are taken a block at a time.
+    query_groups = {int(qcode[0]): q_ok} if bool((qcode == qcode[0]).all()) else rows_by_group(qcode, q_ok)
     # The intervals of each group: positions, or with one group (the usual case) a mask (not
     # an array of positions as long as the intervals).
     one = bool((icode == icode[0]).all())
@@ -481,7 +484,7 @@ def overlap_arrays(
 
         # Queries in blocks: their temporaries stay bounded however many there are.
         for at in range(0, len(q_all), QUERY_BLOCK):
-            qi = q_all[at:at + QUERY_BLOCK]
+            qi = np.flatnonzero(q_all[at:at + QUERY_BLOCK]) + at if q_all.dtype == bool else q_all[at:at + QUERY_BLOCK]
             a, z = qs[qi], qe[qi]
             pa_ = pz = None
             if "max_count" in need or vals is not None:
@@ -517,15 +520,14 @@ def _covered_by_step(b: np.ndarray, count: np.ndarray, has_own: bool) -> tuple[n
     """Seconds covered by at least one interval (``f1``) and, with an own interval to leave out,
     by at least two (``f2``) from ``b[0]`` to each breakpoint: cumulative sums written in
     place (the same sums as ``concatenate([[0], cumsum((count >= 1) * diff(b))])``, without
-    its three temporaries as long as ``b``)."""
-    part = np.empty(len(b) - 1)
+    its four temporaries as long as ``b``)."""
     sums = []
     for least in (1, 2) if has_own else (1,):
         f = np.empty(len(b))
         f[:1] = 0.0
-        np.subtract(b[1:], b[:-1], out=part)  # (np.diff(b))
-        np.multiply(count >= least, part, out=part)
-        np.cumsum(part, out=f[1:])
+        np.subtract(b[1:], b[:-1], out=f[1:])  # (np.diff(b))
+        np.multiply(count >= least, f[1:], out=f[1:])
+        np.cumsum(f[1:], out=f[1:])
         sums.append(f)
     return sums[0], sums[-1]
 
