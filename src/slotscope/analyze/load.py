@@ -48,10 +48,16 @@ def _share_rows(key: np.ndarray, seconds: np.ndarray, width: int, names: np.ndar
     costs several arrays as long as the steps more), and not copied into a table first. The
     integers are the codes of a categorical (in their narrowest type): the groupby sums them
     as it sums integer keys (the same sums, in the same order) without factorizing them (at
-    1 GB of log an integer key's factorization rose ~50 MB, this one ~18 MB)."""
+    1 GB of log an integer key's factorization rose ~50 MB, this one ~18 MB): codes of the
+    integers that occur (the groupby recodes others into a copy as wide as a position)."""
     n_keys = len(names) * width
     codes = key.astype(next(t for t in (np.int8, np.int16, np.int32, np.int64) if n_keys <= np.iinfo(t).max), copy=False)
-    by = pd.Categorical.from_codes(codes, categories=np.arange(n_keys, dtype=np.int64))
+    seen = np.unique(codes)
+    if len(seen) < n_keys:
+        rank = np.zeros(n_keys, dtype=codes.dtype)
+        rank[seen] = np.arange(len(seen))
+        codes = np.concatenate([rank[codes[at:at + STEP_BLOCK]] for at in range(0, len(codes), STEP_BLOCK)] or [codes])
+    by = pd.Categorical.from_codes(codes, categories=seen.astype(np.int64))
     del codes
     g = pd.Series(seconds, copy=False).groupby(by, observed=True).sum()
     del by
