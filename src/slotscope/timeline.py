@@ -259,17 +259,21 @@ SEARCH_BLOCK = 1 << 16  # step starts searched at a time (see :func:`_step_count
 
 class _SparseTable:
     """Range queries by sparse table: level k picks (``pick``) between two entries of level k-1
-    2**(k-1) apart, and a range is answered from two overlapping power-of-two spans. ``log2(n)``
-    arrays of the base's type (``top``: levels 0..top only, for ranges up to 2**(top+1) - 1 long)."""
+    2**(k-1) apart, and a range is answered from two overlapping power-of-two spans. Up to
+    ``log2(n)`` arrays of the base's type, each made when a range first needs it (ranges up to
+    2**(k+1) - 1 long need levels 0..k)."""
 
-    def __init__(self, base: np.ndarray, pick: Callable[[np.ndarray, np.ndarray], np.ndarray], top: int | None = None) -> None:
+    def __init__(self, base: np.ndarray, pick: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> None:
         self.pick = pick
         self.levels = [base]
-        k = 1
-        while (1 << k) <= len(base) and (top is None or k <= top):
-            prev, half = self.levels[-1], 1 << (k - 1)
-            self.levels.append(pick(prev[:-half], prev[half:]))
-            k += 1
+
+    def level(self, k: int) -> np.ndarray:
+        """Level ``k``, made (with those below it) when first asked for: queries that are all
+        short (e.g. the instants before each release) never make the upper ones."""
+        while len(self.levels) <= k:
+            prev, half = self.levels[-1], 1 << (len(self.levels) - 1)
+            self.levels.append(self.pick(prev[:-half], prev[half:]))
+        return self.levels[k]
 
     def query(self, lo: np.ndarray, hi: np.ndarray, empty: int) -> np.ndarray:
         """The pick over [lo, hi] (inclusive); ``empty`` where the range is empty."""
@@ -285,7 +289,7 @@ class _SparseTable:
         res = np.empty(len(lo), dtype=self.levels[0].dtype)
         for kk in np.unique(k):
             m = k == kk
-            lev = self.levels[kk]
+            lev = self.level(int(kk))
             res[m] = self.pick(lev[lo[m]], lev[hi[m] - (1 << kk) + 1])
         return res
 
@@ -298,13 +302,20 @@ class _BlockRange:
     query has ~1.1M steps: a full sparse table of their int8/int16 counts was 31-40 MB.)"""
 
     def __init__(self, base: np.ndarray, pick: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> None:
-        self.small = _SparseTable(base, pick, top=BLOCK_LEVELS)
+        self.small = _SparseTable(base, pick)  # (asked only for levels 0..BLOCK_LEVELS)
         self.block = 1 << BLOCK_LEVELS
-        n = len(base)
-        first = np.arange(0, n, self.block)
-        last = np.minimum(first + self.block - 1, n - 1)
-        self.blocks = _SparseTable(self.small.pick_of(first, last) if n else base[:0], pick)
         self.pick = pick
+        self._blocks: _SparseTable | None = None
+
+    @property
+    def blocks(self) -> _SparseTable:
+        """The sparse table over the blocks' picks, made when a long range first asks for it."""
+        if self._blocks is None:
+            n = len(self.small.levels[0])
+            first = np.arange(0, n, self.block)
+            last = np.minimum(first + self.block - 1, n - 1)
+            self._blocks = _SparseTable(self.small.pick_of(first, last) if n else self.small.levels[0][:0], self.pick)
+        return self._blocks
 
     def query(self, lo: np.ndarray, hi: np.ndarray, empty: int) -> np.ndarray:
         """The pick over [lo, hi] (inclusive); ``empty`` where the range is empty."""

@@ -14,7 +14,7 @@ log line. Their time is the app's ``queue_ms`` when an app log gives it.
 from __future__ import annotations
 
 import gc
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -79,25 +79,43 @@ def classify_waits(ds: Dataset, opts: Options, tv: pd.DataFrame | None = None) -
     and the seconds of the wait covered by different-/same-/unknown-LoRA work."""
     tv = task_view(ds) if tv is None else tv
     run = _running(tv, ds.server.sessions)
-    return _classify(*_select(tv, run, opts), run)
+    is_wait, tcode = _wait_rows(tv, opts)
+    return _classify(_waits(tv, is_wait), tcode[is_wait], tcode[run["_row"].to_numpy()], run)
 
 
 def _shared(ds: Dataset, opts: Options) -> tuple[pd.DataFrame, pd.DataFrame, Any]:
     """What ran, the classified waits and the type of the holders' labels, computed once for
     the waits tables."""
     def make() -> tuple[pd.DataFrame, pd.DataFrame, Any]:
-        # What the waits are chosen and classified by first; the waits' own columns (most of
-        # the view's that are read) then, for their rows alone.
+        # What the waits are chosen and classified by first, then (that dropped) the waits' own
+        # columns for their rows: at 1 GB of log both sets of columns at once were ~30 MB more.
         tv = task_view(ds, tl.GROUP + tl.TIMES + ["wait_before_prefill_ms", "lora"])
         run = _running(tv, ds.server.sessions)
         lora_type = _lora_type(tv)
-        waits, wcode, rcode = _select(tv, run, opts, _TABLE_COLUMNS, lambda: task_view(ds, _TABLE_COLUMNS))
-        del tv  # (before the overlap queries: only the waits' rows of it are read after)
+        is_wait, tcode = _wait_rows(tv, opts)
+        del tv
         _free()
-        return run, _classify(waits, wcode, rcode, run), lora_type
+        waits = _waits(task_view(ds, _TABLE_COLUMNS), is_wait, _TABLE_COLUMNS)
+        _free()  # (the columns of every task, before the overlap queries)
+        return run, _classify(waits, tcode[is_wait], tcode[run["_row"].to_numpy()], run), lora_type
 
     run, w, lora_type = ds.memo((__name__, "classified", opts.wait_threshold_s), make)
     return own_copy(run), own_copy(w), lora_type
+
+
+def _wait_rows(tv: pd.DataFrame, opts: Options) -> tuple[np.ndarray, np.ndarray]:
+    """Which tasks waited at least ``opts.wait_threshold_s`` before prefill, and every task's
+    session code (in a byte, with one session)."""
+    return _f(tv["wait_before_prefill_ms"]) >= opts.wait_threshold_s * 1000, tl.narrow(tl.key_codes([tv], tl.GROUP)[0])
+
+
+def _waits(tv: pd.DataFrame, is_wait: np.ndarray, columns: list[str] | None = None) -> pd.DataFrame:
+    """The waits to classify (``columns``: only those of the task view, else all)."""
+    waits = tv.loc[is_wait, [c for c in tv.columns if columns is None or c in columns]]
+    waits["start_s"] = waits["launch_s"]
+    waits["end_s"] = waits["prefill_start_s"]
+    waits["wait_s"] = waits["end_s"] - waits["start_s"]
+    return waits.reset_index(drop=True)
 
 
 def _covered(wcode: np.ndarray, ws: np.ndarray, we: np.ndarray, rcode: np.ndarray, rs: np.ndarray, re_: np.ndarray,
@@ -115,25 +133,9 @@ def _covered(wcode: np.ndarray, ws: np.ndarray, we: np.ndarray, rcode: np.ndarra
 _TABLE_COLUMNS = _KEYS + ["slot", "purpose", "user", "lora", "line", "file", "launch_s", "prefill_start_s"]
 
 
-def _select(tv: pd.DataFrame, run: pd.DataFrame, opts: Options, columns: list[str] | None = None,
-            table: Callable[[], pd.DataFrame] | None = None) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
-    """The waits to classify (``columns``: only those of the task view, else all; ``table``:
-    what gives the view's columns when ``tv`` has not all of them) and the session codes of
-    them and of ``run``."""
-    w_ms = _f(tv["wait_before_prefill_ms"])
-    full = tv if table is None else table()
-    waits = full.loc[w_ms >= opts.wait_threshold_s * 1000, [c for c in full.columns if columns is None or c in columns]]
-    del full
-    waits["start_s"] = waits["launch_s"]
-    waits["end_s"] = waits["prefill_start_s"]
-    waits["wait_s"] = waits["end_s"] - waits["start_s"]
-    waits = waits.reset_index(drop=True)
-    wcode, tcode = tl.key_codes([waits, tv], tl.GROUP)
-    return waits, wcode, tl.narrow(tcode)[run["_row"].to_numpy()]
-
-
 def _classify(waits: pd.DataFrame, wcode: np.ndarray, rcode: np.ndarray, run: pd.DataFrame) -> pd.DataFrame:
-    """:func:`classify_waits` of the :func:`_select`-ed waits."""
+    """:func:`classify_waits` of the :func:`_waits` (``wcode``, ``rcode``: the session codes of
+    them and of ``run``)."""
     wl = waits["lora"].astype("object") if "lora" in waits.columns else pd.Series(pd.NA, index=waits.index, dtype="object")
     rl = run["lora"]
     # On arrays, not on a table of the waits per label (each held until the collector ran).
@@ -154,7 +156,9 @@ def _classify(waits: pd.DataFrame, wcode: np.ndarray, rcode: np.ndarray, run: pd
     waits["different_lora_s"] = diff_s
     waits["same_lora_s"] = same_s
     waits["unknown_lora_s"] = unk_s
-    waits["cause"] = np.select([diff_s > 0, unk_s > 0, same_s > 0], ["different_lora", "unknown_lora", "same_lora"], "nothing")
+    # (the causes as Python texts, not a numpy array of fixed-width text, 4 bytes a character)
+    causes = np.array(["different_lora", "unknown_lora", "same_lora", "nothing"], dtype=object)
+    waits["cause"] = causes[np.select([diff_s > 0, unk_s > 0, same_s > 0], [0, 1, 2], 3)]
     return waits
 
 
@@ -193,6 +197,7 @@ def deferred_launches(ds: Dataset, tv: pd.DataFrame | None = None) -> pd.DataFra
     # The released task's id as the merge gives it (a numpy integer column with a launch left
     # unmatched becomes float64).
     released = pd.api.extensions.take(tv["task_id"].to_numpy(), np.where(hit, rrow[np.maximum(found, 0)], -1), allow_fill=True)
+    del rrow
     own = tv["task_id"].to_numpy()[lrow]
     keep = hit & (released != own)
     del found, hit, own
