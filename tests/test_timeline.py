@@ -280,12 +280,16 @@ def test_step_counts_and_distinct_times_agree_with_numpy() -> None:
     s = np.round(rng.uniform(0, 50, 20000), 1)
     e = s + np.round(rng.uniform(0, 5, len(s)), 1)
     rows = np.flatnonzero(rng.random(len(s)) < 0.7)
-    b = tl._distinct_times([(s, rows), (e, rows)])
-    np.testing.assert_array_equal(b, np.unique(np.concatenate([s[rows], e[rows]])))
+    mask = rng.random(len(s)) < 0.5
+    want = np.unique(np.concatenate([s[rows], e[rows], s[mask]]))
+    b = tl._distinct_times([(s, rows), (e, rows), (s, mask)])
+    np.testing.assert_array_equal(b, want)
     ss, se = np.sort(s[rows]), np.sort(e[rows])
     old = tl.SEARCH_BLOCK
     try:
-        tl.SEARCH_BLOCK = 77
+        tl.SEARCH_BLOCK = 77  # (the distinct values compacted in place over many blocks)
+        np.testing.assert_array_equal(tl._distinct_times([(s, rows), (e, rows), (s, mask)]), want)
+        b = tl._distinct_times([(s, rows), (e, rows)])
         got = tl._step_counts(ss, se, b[:-1])
     finally:
         tl.SEARCH_BLOCK = old

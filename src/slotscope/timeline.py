@@ -236,7 +236,7 @@ def concurrency_parts(tv: pd.DataFrame, sessions: pd.DataFrame | None = None, ru
 def _distinct_times(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
     """The distinct values of ``values[rows]`` over the ``(values, rows)`` parts (``rows``:
     positions, or a mask), sorted: the ``np.unique`` of their concatenation, gathered straight
-    into one array, its only temporary besides the result."""
+    into one array, which holds the result."""
     sizes = [int(np.count_nonzero(r)) if r.dtype == bool else len(r) for _, r in parts]
     x = np.empty(sum(sizes))
     at = 0
@@ -250,7 +250,15 @@ def _distinct_times(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> np.ndarra
     keep = np.empty(len(x), dtype=bool)
     keep[:1] = True
     np.not_equal(x[1:], x[:-1], out=keep[1:])
-    return x[keep]
+    # The distinct values moved to the front in place, a block at a time (a block's are written
+    # at or before where they were read, after it was read), not copied out: the result is the
+    # front of the gathered array (at 1 GB of log a second array of 2.2M times was 18 MB).
+    w = 0
+    for at in range(0, len(x), SEARCH_BLOCK):
+        part = x[at:at + SEARCH_BLOCK][keep[at:at + SEARCH_BLOCK]]
+        x[w:w + len(part)] = part
+        w += len(part)
+    return x[:w]
 
 
 QUERY_BLOCK = 1 << 16  # overlap queries answered at a time (bounds their temporaries: ~0.5 MB each)
