@@ -86,7 +86,7 @@ def _midnights(first_us: float, last_us: float, tz: str) -> tuple[np.ndarray, np
     return starts, np.asarray(dates[:-1].strftime("%Y-%m-%d"), dtype=object)
 
 
-STEP_BLOCK = 1 << 18  # steps cut at midnights at a time
+STEP_BLOCK = 1 << 16  # steps cut at midnights at a time
 
 
 def _day_pieces(a: np.ndarray, z: np.ndarray, running: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
