@@ -103,7 +103,7 @@ def _alone_stretches(ds: Dataset, tv: pd.DataFrame, opts: Options, tv_is_task_vi
 def _components(tv: pd.DataFrame, launch: np.ndarray, ps: np.ndarray, ft: np.ndarray, rel: np.ndarray,
                 has: np.ndarray, split: np.ndarray, pre_tps: float, gen_tps: float) -> Iterator[tuple[str, np.ndarray]]:
     """Each component's seconds per task (``COMPONENTS``, in order), one array at a time (six
-    arrays as long as the tasks, a table of them and its copy for the tasks kept were ~60 MB
+    arrays as long as the tasks, a table of them and its copy for the tasks kept rose ~70 MB
     at 1 GB of log)."""
     prefill = np.where(split, ft - ps, 0.0)
     generation = np.where(split, rel - ft, 0.0)

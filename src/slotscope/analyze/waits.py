@@ -49,8 +49,8 @@ def _running(tv: pd.DataFrame, sessions: pd.DataFrame | None) -> pd.DataFrame:
     prefill start the log does not give (cut off) counts from its launch. Its row in ``tv``
     (``_row``), ``start_s``, ``end_s`` and ``lora`` (the view's column: categories, compared as
     the labels are): the rest of its columns (``_HOLDER``) are read for the few that
-    :func:`worst_waits` lists (at 1 GB of log a copy of them for every task was ~30 MB held by
-    both waits tables, a column of its labels as text ~20 MB)."""
+    :func:`worst_waits` lists (at 1 GB of log a copy of them for every task rose ~25 MB, held by
+    both waits tables; a column of its labels as text ~20 MB)."""
     end = tl.task_ends(tv, sessions)
     ps = _f(tv["prefill_start_s"])
     start = np.where(np.isnan(ps), _f(tv["launch_s"]), ps)
@@ -88,7 +88,7 @@ def _shared(ds: Dataset, opts: Options) -> tuple[pd.DataFrame, pd.DataFrame, Any
     the waits tables."""
     def make() -> tuple[pd.DataFrame, pd.DataFrame, Any]:
         # What the waits are chosen and classified by first, then (that dropped) the waits' own
-        # columns for their rows: at 1 GB of log both sets of columns at once were ~30 MB more.
+        # columns for their rows (not both sets of columns of every task at once).
         tv = task_view(ds, tl.GROUP + tl.TIMES + ["wait_before_prefill_ms", "lora"])
         run = _running(tv, ds.server.sessions)
         lora_type = _lora_type(tv)
