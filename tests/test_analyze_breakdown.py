@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -86,3 +87,58 @@ def test_restart_cancelled_task_without_release_is_left_out() -> None:
     df = breakdown(ds, Options())
     _components_sum_to_total(df)
     assert df[df["purpose"] == "all"]["tasks"].iloc[0] == ds.tasks["release_s"].notna().sum()
+
+
+def _alone_by_brute_force(tv: pd.DataFrame) -> pd.DataFrame:
+    """ran_alone by its definition: per task and phase, another task's prefill or generation
+    (of positive length, in the same session) overlapping the phase for a positive time."""
+    def f(c: str) -> np.ndarray:
+        return pd.to_numeric(tv[c], errors="coerce").to_numpy(dtype=float, na_value=np.nan)
+
+    ps, ft, rel = f("prefill_start_s"), f("first_token_s"), f("release_s")
+    sess = tv[["source", "port", "session"]].astype(str).agg("|".join, axis=1).to_numpy()
+    iv = [(i, a, z) for i in range(len(tv)) for a, z in ((ps[i], ft[i]), (ft[i], rel[i])) if z > a]
+    out = {}
+    for name, qa, qz in (("alone_prefill", ps, ft), ("alone_generation", ft, rel)):
+        alone = np.zeros(len(tv), dtype=bool)
+        for q in range(len(tv)):
+            if not qz[q] > qa[q]:
+                continue
+            own = (ps[q], rel[q]) if not (np.isnan(ps[q]) or np.isnan(rel[q])) else None
+            hit = False
+            for i, a, z in iv:
+                if sess[i] != sess[q] or not (min(z, qz[q]) > max(a, qa[q])):
+                    continue
+                if own is not None and i == q and a >= own[0] and z <= own[1]:
+                    continue  # (the task's own phases, inside its own span)
+                hit = True
+                break
+            alone[q] = not hit
+        out[name] = alone
+    return pd.DataFrame(out, index=tv.index)
+
+
+@pytest.mark.parametrize("scenario", ["before", "restart", "b2048-unified"])
+def test_ran_alone_agrees_with_brute_force(scenario: str) -> None:
+    # One interval per task (its prefill and generation joined) must give what the two
+    # phases as separate intervals give, cut tasks (no release, no prefill) included.
+    tv = task_view(_ds(f"{scenario}/logs"))
+    tv = tv.iloc[:400].reset_index(drop=True)
+    pd.testing.assert_frame_equal(ran_alone(tv), _alone_by_brute_force(tv))
+
+
+def test_ran_alone_agrees_with_brute_force_on_random_tasks() -> None:
+    rng = np.random.default_rng(3)
+    n = 300
+    ps = np.round(rng.uniform(0, 2000, n), 1)
+    ft = ps + np.round(rng.choice([0.0, 0.5, 2.0, 5.0], n), 1)
+    rel = ft + np.round(rng.choice([0.0, 1.0, 4.0, 9.0], n), 1)
+    ps[rng.random(n) < 0.1] = np.nan
+    rel[rng.random(n) < 0.1] = np.nan
+    swap = rng.random(n) < 0.05
+    rel[swap] = ft[swap] - 1  # (a release before the first token: no generation phase)
+    tv = pd.DataFrame({"source": "x", "port": -1, "session": rng.integers(1, 3, n), "launch_s": ps - 1,
+                       "prefill_start_s": ps, "first_token_s": ft, "release_s": rel})
+    got = ran_alone(tv)
+    pd.testing.assert_frame_equal(got, _alone_by_brute_force(tv))
+    assert got.to_numpy().any() and not got.to_numpy().all()

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import numpy as np
 import pandas as pd
+import pytest
 
+from slotscope import timeline as tl
 from slotscope.analyze import TABLES, Options
 from slotscope.analyze.waits import CAUSES, WAIT_COLUMNS, classify_waits, deferred_launches, waits, worst_waits
 from slotscope.dataset import Dataset, load, task_view
@@ -82,3 +85,42 @@ def test_works_without_app_log() -> None:
     assert pd.isna(df.set_index("cause").loc["deferred", "total_s"])
     w = worst_waits(ds, Options())
     assert w["holder_task_id"].notna().all()
+
+
+def _deferred_by_merge(ds: Dataset, tv: pd.DataFrame) -> pd.DataFrame:
+    """deferred_launches as a backward as-of merge by session (how it was first written)."""
+    keys = tl.GROUP + ["task_id"]
+    launch = tv[keys + ["launch_s"]].dropna(subset=["launch_s"]).assign(_row=lambda d: d.index).sort_values("launch_s")
+    rel = tv[keys + ["release_s"]].dropna(subset=["release_s"]).rename(columns={"task_id": "released_task_id"}).sort_values("release_s")
+    j = pd.merge_asof(launch, rel, left_on="launch_s", right_on="release_s", by=tl.GROUP,
+                      direction="backward", tolerance=0.005, allow_exact_matches=True)
+    j = j[j["release_s"].notna() & (j["released_task_id"] != j["task_id"])]
+    iv = tv[tl.GROUP].assign(start_s=tv["launch_s"].astype(float), end_s=tl.task_ends(tv, ds.server.sessions))
+    q = j[tl.GROUP].assign(start_s=j["release_s"] - 1e-6, end_s=j["release_s"])
+    running = tl.overlaps(q, iv)["max_count"].to_numpy()
+    slots = ds.server.sessions.drop_duplicates(tl.GROUP).set_index(tl.GROUP)["n_slots"].astype(float)
+    n_slots = np.array([slots.get(tuple(k), np.nan) for k in j[tl.GROUP].itertuples(index=False)])
+    j = j[n_slots <= running]
+    out = tv.loc[j["_row"].to_numpy()].copy()
+    out["released_task_id"] = j["released_task_id"].to_numpy()
+    out["release_s_before"] = j["release_s"].to_numpy()
+    return out.reset_index(drop=True)
+
+
+@pytest.mark.parametrize("scenario", ["before/logs", "restart/logs", "wallclock/logs"])
+def test_deferred_launches_agree_with_an_asof_merge(scenario: str) -> None:
+    ds = _ds(scenario)
+    tv = task_view(ds)
+    pd.testing.assert_frame_equal(deferred_launches(ds, tv), _deferred_by_merge(ds, tv))
+    # Crowded: launches moved onto releases of other tasks (ties, exact matches, within and
+    # beyond the tolerance), in two sessions.
+    rng = np.random.default_rng(7)
+    busy = tv.copy()
+    rel = busy["release_s"].dropna().to_numpy()
+    pick = rng.random(len(busy)) < 0.5
+    shift = rng.choice([0.0, 0.001, 0.005, 0.0051, -0.001], len(busy))
+    moved = rng.choice(rel, len(busy)) + shift
+    busy["launch_s"] = np.where(pick, moved, busy["launch_s"].to_numpy())
+    got = deferred_launches(ds, busy)
+    pd.testing.assert_frame_equal(got, _deferred_by_merge(ds, busy))
+    assert len(got) > len(deferred_launches(ds, tv))

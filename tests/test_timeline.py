@@ -257,3 +257,40 @@ def test_median_and_quantile_on_arrays_equal_a_groupbys() -> None:
             x = v[g == k]
             for got, want in ((tl.median(x), med[k]), (tl.quantile(x, 0.1), q10[k]), (tl.quantile(x, 0.95), q95[k])):
                 assert got == want or (np.isnan(got) and np.isnan(want))
+
+
+@pytest.mark.parametrize("n", [1, 2, 15, 16, 17, 31, 32, 33, 100, 1000, 5000])
+def test_block_range_max_and_argmax_agree_with_brute_force(n: int) -> None:
+    # The O(n) range structure answers what a scan of each range gives: the maximum, and the
+    # leftmost position of the maximum (ties are common: small counts, few distinct values).
+    rng = np.random.default_rng(n)
+    for values in (rng.integers(0, 4, n), rng.integers(0, 300, n), np.repeat(rng.integers(0, 9, n // 7 + 1), 7)[:n]):
+        lo = np.concatenate([rng.integers(-2, n + 2, 3000), np.arange(n), np.zeros(n, dtype=np.int64)])
+        hi = np.concatenate([lo[:3000] + rng.integers(-3, n + 1, 3000), np.arange(n), np.arange(n)])
+        lo, hi = np.clip(lo, 0, n - 1), np.minimum(hi, n - 1)
+        want_max = np.array([values[a:b + 1].max() if b >= a else 0 for a, b in zip(lo, hi)])
+        want_pos = np.array([a + int(np.argmax(values[a:b + 1])) if b >= a else -1 for a, b in zip(lo, hi)])
+        np.testing.assert_array_equal(tl._range_max_count(values).query(lo, hi, 0), want_max)
+        fv = values.astype(float)
+        np.testing.assert_array_equal(tl._range_argmax(fv).query(lo, hi, -1), want_pos)
+
+
+def test_step_counts_and_distinct_times_agree_with_numpy() -> None:
+    rng = np.random.default_rng(5)
+    s = np.round(rng.uniform(0, 50, 20000), 1)
+    e = s + np.round(rng.uniform(0, 5, len(s)), 1)
+    rows = np.flatnonzero(rng.random(len(s)) < 0.7)
+    mask = rng.random(len(s)) < 0.5
+    want = np.unique(np.concatenate([s[rows], e[rows], s[mask]]))
+    b = tl._distinct_times([(s, rows), (e, rows), (s, mask)])
+    np.testing.assert_array_equal(b, want)
+    ss, se = np.sort(s[rows]), np.sort(e[rows])
+    old = tl.SEARCH_BLOCK
+    try:
+        tl.SEARCH_BLOCK = 77  # (the distinct values compacted in place over many blocks)
+        np.testing.assert_array_equal(tl._distinct_times([(s, rows), (e, rows), (s, mask)]), want)
+        b = tl._distinct_times([(s, rows), (e, rows)])
+        got = tl._step_counts(ss, se, b[:-1])
+    finally:
+        tl.SEARCH_BLOCK = old
+    np.testing.assert_array_equal(got, np.searchsorted(ss, b[:-1], "right") - np.searchsorted(se, b[:-1], "right"))

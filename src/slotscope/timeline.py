@@ -33,6 +33,11 @@ def _col(tv: pd.DataFrame, name: str) -> pd.Series:
 
 
 def _f(s: pd.Series) -> np.ndarray:
+    """A column as float64 (NaN for gaps and what is not a number). A float64 column gives
+    its own values, not a copy (read-only under copy-on-write; pandas 2 gave them already):
+    a copy of each time column read was ~4.5 MB at 1 GB of log."""
+    if isinstance(s.dtype, np.dtype) and s.dtype == np.float64:
+        return s.to_numpy()
     return pd.to_numeric(s, errors="coerce").to_numpy(dtype="float64", na_value=np.nan)
 
 
@@ -49,8 +54,15 @@ def task_ends(tv: pd.DataFrame, sessions: pd.DataFrame | None = None) -> np.ndar
         fallback = by_code(scode, _f(first["last_s"]), code, np.nan)
     else:
         code = key_codes([tv], GROUP)[0]
-    t = np.fmax.reduce([_f(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s")])
-    latest = pd.Series(t).groupby(code, observed=True).transform("max").to_numpy(dtype="float64", na_value=np.nan)
+    # The latest of a task's four times (NaN: none), a column at a time (not a stack of four).
+    t = np.fmax(_f(tv["launch_s"]), _f(tv["prefill_start_s"]))
+    np.fmax(t, _f(tv["first_token_s"]), out=t)
+    np.fmax(t, end, out=t)
+    if not len(code) or (code == code[0]).all():  # (one session, the usual case: its latest, no groupby)
+        latest = np.fmax.reduce(t) if len(t) else np.nan
+    else:
+        latest = pd.Series(t).groupby(code, observed=True).transform("max").to_numpy(dtype="float64", na_value=np.nan)
+    del t, code
     fallback = np.where(np.isnan(fallback), latest, fallback)
     return np.where(np.isnan(end), fallback, end)
 
@@ -109,6 +121,13 @@ def key_codes(frames: Sequence[pd.DataFrame], by: Sequence[str]) -> list[np.ndar
         else:
             code, combined = k.astype(np.int64, copy=False), True
     return np.split(code, np.cumsum(sizes)[:-1])
+
+
+def narrow(code: np.ndarray) -> np.ndarray:
+    """Codes (0..n-1, as :func:`key_codes` gives) in the narrowest integer type that holds them
+    (one session, the usual case: a byte a row, not eight)."""
+    top = int(code.max(initial=0))
+    return code.astype(next(t for t in (np.int8, np.int16, np.int32, np.int64) if top <= np.iinfo(t).max))
 
 
 def by_code(src: np.ndarray, values: np.ndarray, dst: np.ndarray, missing: Any) -> np.ndarray:
@@ -188,64 +207,170 @@ def concurrency_parts(tv: pd.DataFrame, sessions: pd.DataFrame | None = None, ru
     ``row`` the position in ``tv`` of one of its tasks, its steps from ``t[:-1]`` to ``t[1:]``."""
     launch, ps, ft, rel = (_f(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))
     end = task_ends(tv, sessions)
-    spans = [(a, b, ~np.isnan(a) & ~np.isnan(b) & (b >= a)) for a, b in ((launch, end), (ps, ft), (ft, rel))]
-    # Sessions in sorted key order (NA last).
-    code = tv.reset_index(drop=True).groupby(GROUP, dropna=False, sort=True, observed=True).ngroup().to_numpy()
-    used = spans[0][2] | spans[1][2] | spans[2][2]
-    for g, rows in sorted(rows_by_group(code, used).items()):
-        ends = [(np.sort(a[rows][ok[rows]]), np.sort(b[rows][ok[rows]])) for a, b, ok in spans]
-        # A step per distinct event time; a count after every event at time u is the intervals
-        # begun by u minus those ended by u (what a running sum of +1/-1 events gives).
-        t = np.unique(np.concatenate([x for pair in ends for x in pair]))
-        yield int(rows[0]), t, [sorted_right(s0, t[:-1]) - sorted_right(e0, t[:-1]) for s0, e0 in (ends[:1] if running_only else ends)]
+    ok0, ok1, ok2 = (~np.isnan(a) & ~np.isnan(b) & (b >= a) for a, b in ((launch, end), (ps, ft), (ft, rel)))
+    # Sessions in sorted key order (NA last), numbered as a groupby numbers them.
+    code = key_codes([tv], GROUP)[0]
+    used = ok0 | ok1 | ok2
+    one = not len(code) or bool((code == code[0]).all())  # (one session, the usual case: no masks per session)
+    for g in np.unique(code[used]):
+        in_g = None if one else code == g
+        m0, m1, m2 = (ok if in_g is None else ok & in_g for ok in (ok0, ok1, ok2))
+        # A step per distinct event time (of all three kinds of interval, whichever levels are
+        # asked for); a count after every event at time u is the intervals begun by u minus
+        # those ended by u (what a running sum of +1/-1 events gives). The distinct times are
+        # gathered into one array and sorted in place, each kind of time once (a first token
+        # ends one span and starts the next; a release is the running span's end where that
+        # span is there): at 1 GB of log, 2.2M steps from ~2.2M times, where the six sorted
+        # arrays, their concatenation, its sorted copy and the searches rose ~90 MB at once.
+        t = _distinct_times([(launch, m0), (end, m0), (ps, m1), (ft, m1 | m2), (rel, m2 & ~m0)])
+        levels = []
+        for a, z, m in ((launch, end, m0), (ps, ft, m1), (ft, rel, m2))[:1 if running_only else 3]:
+            s0, e0 = a[m], z[m]
+            s0.sort()
+            e0.sort()
+            levels.append(_step_counts(s0, e0, t[:-1]))
+            del s0, e0
+        yield int(np.argmax(used if in_g is None else used & in_g)), t, levels
 
 
-QUERY_BLOCK = 1 << 18  # overlap queries answered at a time (bounds their temporaries)
+def _distinct_times(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """The distinct values of ``values[rows]`` over the ``(values, rows)`` parts (``rows``:
+    positions, or a mask), sorted: the ``np.unique`` of their concatenation, gathered straight
+    into one array, which holds the result."""
+    sizes = [int(np.count_nonzero(r)) if r.dtype == bool else len(r) for _, r in parts]
+    x = np.empty(sum(sizes))
+    at = 0
+    for (v, r), k in zip(parts, sizes):
+        if r.dtype == bool:
+            np.compress(r, v, out=x[at:at + k])
+        else:
+            np.take(v, r, out=x[at:at + k])
+        at += k
+    x.sort()
+    keep = np.empty(len(x), dtype=bool)
+    keep[:1] = True
+    np.not_equal(x[1:], x[:-1], out=keep[1:])
+    # The distinct values moved to the front in place, a block at a time (a block's are written
+    # at or before where they were read, after it was read), not copied out: the result is the
+    # front of the gathered array (at 1 GB of log a second array of 2.2M times was 18 MB).
+    w = 0
+    for at in range(0, len(x), SEARCH_BLOCK):
+        part = x[at:at + SEARCH_BLOCK][keep[at:at + SEARCH_BLOCK]]
+        x[w:w + len(part)] = part
+        w += len(part)
+    return x[:w]
+
+
+QUERY_BLOCK = 1 << 16  # overlap queries answered at a time (bounds their temporaries: ~0.5 MB each)
+SEARCH_BLOCK = 1 << 16  # step starts searched at a time (see :func:`_step_counts`)
 
 
 class _SparseTable:
     """Range queries by sparse table: level k picks (``pick``) between two entries of level k-1
-    2**(k-1) apart, and a range is answered from two overlapping power-of-two spans. ``log2(n)``
-    arrays of the base's type: keep it narrow."""
+    2**(k-1) apart, and a range is answered from two overlapping power-of-two spans. Up to
+    ``log2(n)`` arrays of the base's type, each made when a range first needs it (ranges up to
+    2**(k+1) - 1 long need levels 0..k)."""
 
     def __init__(self, base: np.ndarray, pick: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> None:
         self.pick = pick
         self.levels = [base]
-        k = 1
-        while (1 << k) <= len(base):
-            prev, half = self.levels[-1], 1 << (k - 1)
-            self.levels.append(pick(prev[:-half], prev[half:]))
-            k += 1
+
+    def level(self, k: int) -> np.ndarray:
+        """Level ``k``, made (with those below it) when first asked for: queries that are all
+        short (e.g. the instants before each release) never make the upper ones."""
+        while len(self.levels) <= k:
+            prev, half = self.levels[-1], 1 << (len(self.levels) - 1)
+            self.levels.append(self.pick(prev[:-half], prev[half:]))
+        return self.levels[k]
 
     def query(self, lo: np.ndarray, hi: np.ndarray, empty: int) -> np.ndarray:
         """The pick over [lo, hi] (inclusive); ``empty`` where the range is empty."""
         out = np.full(len(lo), empty, dtype=np.int64)
         ok = hi >= lo
-        if not ok.any():
-            return out
-        lo_ok, hi_ok = lo[ok], hi[ok]
-        k = np.floor(np.log2(hi_ok - lo_ok + 1)).astype(np.int64)
-        res = np.empty(len(lo_ok), dtype=np.int64)
+        if ok.any():
+            out[ok] = self.pick_of(lo[ok], hi[ok])
+        return out
+
+    def pick_of(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """The pick over [lo, hi] for ranges that are not empty (in the levels' type)."""
+        k = np.floor(np.log2(hi - lo + 1)).astype(np.int64)
+        res = np.empty(len(lo), dtype=self.levels[0].dtype)
         for kk in np.unique(k):
             m = k == kk
-            lev = self.levels[kk]
-            res[m] = self.pick(lev[lo_ok[m]], lev[hi_ok[m] - (1 << kk) + 1])
-        out[ok] = res
+            lev = self.level(int(kk))
+            res[m] = self.pick(lev[lo[m]], lev[hi[m] - (1 << kk) + 1])
+        return res
+
+
+class _BlockRange:
+    """Range queries (a pick: max, or leftmost argmax) in ~BLOCK_LEVELS + 2 entries per element,
+    not a sparse table's log2(n): a sparse table of levels 0..BLOCK_LEVELS answers ranges shorter
+    than two blocks (2 * 2**BLOCK_LEVELS) and the partial blocks at the ends of longer ones, a
+    sparse table over the blocks' picks the whole blocks between. (At 1 GB of log an overlap
+    query has ~1.1M steps: a full sparse table of their int8/int16 counts was 31-40 MB.)"""
+
+    def __init__(self, base: np.ndarray, pick: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> None:
+        self.small = _SparseTable(base, pick)  # (asked only for levels 0..BLOCK_LEVELS)
+        self.block = 1 << BLOCK_LEVELS
+        self.pick = pick
+        self._blocks: _SparseTable | None = None
+
+    @property
+    def blocks(self) -> _SparseTable:
+        """The sparse table over the blocks' picks, made when a long range first asks for it."""
+        if self._blocks is None:
+            n = len(self.small.levels[0])
+            first = np.arange(0, n, self.block)
+            last = np.minimum(first + self.block - 1, n - 1)
+            self._blocks = _SparseTable(self.small.pick_of(first, last) if n else self.small.levels[0][:0], self.pick)
+        return self._blocks
+
+    def query(self, lo: np.ndarray, hi: np.ndarray, empty: int) -> np.ndarray:
+        """The pick over [lo, hi] (inclusive); ``empty`` where the range is empty."""
+        out = np.full(len(lo), empty, dtype=np.int64)
+        length = hi - lo + 1
+        short = (length >= 1) & (length < 2 * self.block)
+        if short.any():
+            out[short] = self.small.pick_of(lo[short], hi[short])
+        long_ = length >= 2 * self.block
+        if long_.any():
+            lo_, hi_ = lo[long_], hi[long_]
+            b0, b1 = lo_ // self.block, hi_ // self.block  # (b1 > b0; whole blocks between unless two blocks exactly)
+            left = self.small.pick_of(lo_, (b0 + 1) * self.block - 1)
+            mid = b1 - b0 >= 2
+            if mid.any():
+                left[mid] = self.pick(left[mid], self.blocks.pick_of(b0[mid] + 1, b1[mid] - 1))
+            right = self.small.pick_of(b1 * self.block, hi_)
+            out[long_] = self.pick(left, right)  # (left to right: ties keep the left one)
         return out
 
 
-def _range_argmax(v: np.ndarray) -> _SparseTable:
+BLOCK_LEVELS = 4  # blocks of 16 elements in :class:`_BlockRange`
+
+
+def _range_argmax(v: np.ndarray) -> _BlockRange:
     """Position of the maximum of ``v`` over ranges (ties: the left one); int32 positions."""
-    return _SparseTable(np.arange(len(v), dtype=np.int32 if len(v) < 2**31 else np.int64),
-                        lambda a, b: np.where(v[b] > v[a], b, a))
+    return _BlockRange(np.arange(len(v), dtype=np.int32 if len(v) < 2**31 else np.int64),
+                       lambda a, b: np.where(v[b] > v[a], b, a))
 
 
-def _range_max_count(count: np.ndarray) -> _SparseTable:
+def _range_max_count(count: np.ndarray) -> _BlockRange:
     """The maximum of small non-negative counts over ranges, kept in the counts' narrowest
     type (for counts under 128, a quarter of the memory of int32 positions)."""
     top = int(count.max(initial=0))
     dtype = next(t for t in (np.int8, np.int16, np.int32, np.int64) if top <= np.iinfo(t).max)
-    return _SparseTable(count.astype(dtype), np.maximum)
+    return _BlockRange(count.astype(dtype), np.maximum)
+
+
+def _step_counts(s_sorted: np.ndarray, e_sorted: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Intervals begun by each ``t`` minus those ended by it (sorted starts and ends), as int32,
+    :data:`SEARCH_BLOCK` times at a time (not two int64 searches as long as ``t``: 16 bytes a
+    step)."""
+    out = np.empty(len(t), dtype=np.int32)
+    for at in range(0, len(t), SEARCH_BLOCK):
+        x = t[at:at + SEARCH_BLOCK]
+        out[at:at + SEARCH_BLOCK] = np.searchsorted(s_sorted, x, "right") - np.searchsorted(e_sorted, x, "right")
+    return out
 
 
 def _group_codes(queries: pd.DataFrame, intervals: pd.DataFrame, by: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -330,34 +455,43 @@ def overlap_arrays(
     valid_iv = ~np.isnan(ivs) & ~np.isnan(ive) & (ive > ivs)
     if not (n and valid_iv.any()):
         return covered, max_count, max_value, max_pos
-    query_groups = rows_by_group(qcode, ~np.isnan(qs) & ~np.isnan(qe) & (qe > qs))
-    for code, grp in rows_by_group(icode, valid_iv).items():
+    q_ok = ~np.isnan(qs) & ~np.isnan(qe) & (qe > qs)
+    # The queries of each group: positions, or with one group (the usual case) a mask, whose
+    # positions are taken a block at a time.
+    query_groups = {int(qcode[0]): q_ok} if bool((qcode == qcode[0]).all()) else rows_by_group(qcode, q_ok)
+    # The intervals of each group: positions, or with one group (the usual case) a mask (not
+    # an array of positions as long as the intervals).
+    one = bool((icode == icode[0]).all())
+    for code, grp in ({int(icode[0]): valid_iv} if one else rows_by_group(icode, valid_iv)).items():
         q_all = query_groups.get(code)
         if q_all is None:
             continue
-        # The group's step function: breakpoints b, intervals active on [b[i], b[i+1]).
-        s, e = ivs[grp], ive[grp]
-        b = np.unique(np.concatenate([s, e]))
+        # The group's step function: breakpoints b, intervals active on [b[i], b[i+1]). Built
+        # one array at a time (at 1 GB of log each is 4.5-9 MB; the group's sorted starts and
+        # ends and ``b``'s sort are the only ones held together).
+        b = _distinct_times([(ivs, grp), (ive, grp)])
         starts = b[:-1]
-        count = sorted_right(np.sort(s), starts) - sorted_right(np.sort(e), starts)
-        if "covered" in need or has_own:
-            width = np.diff(b)
-            f1 = np.concatenate([[0.0], np.cumsum((count >= 1) * width)])
-            f2 = np.concatenate([[0.0], np.cumsum((count >= 2) * width)]) if has_own else f1
-            del width
+        s_sorted = ivs[grp]
+        s_sorted.sort()
+        e_sorted = ive[grp]
+        e_sorted.sort()
+        count = _step_counts(s_sorted, e_sorted, starts)
+        del s_sorted, e_sorted
+        if "covered" in need:
+            f1, f2 = _covered_by_step(b, count, has_own)
         rmc = _range_max_count(count) if "max_count" in need else None
+        del count
         if vals is not None:
-            ev_val, ev_row = _largest_per_step(b, s, e, vals[grp], grp)
+            ev_val, ev_row = _largest_per_step(b, ivs[grp], ive[grp], vals[grp], np.flatnonzero(grp) if one else grp)
             rmv = _range_argmax(ev_val)
+        del grp
 
         def cover(a: np.ndarray, z: np.ndarray, f: np.ndarray) -> np.ndarray:
             return np.interp(z, b, f) - np.interp(a, b, f)
 
-        at_b = np.arange(len(b), dtype=np.float64)
-
         def places(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             """``searchsorted(b, x)`` with side "right" and "left", from one search (b is unique)."""
-            right = _right_of(b, at_b, x)
+            right = np.searchsorted(b, x, "right")
             return right, right - (b[np.maximum(right - 1, 0)] == x)
 
         def rng_max(a: tuple[np.ndarray, np.ndarray, np.ndarray], z: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
@@ -369,7 +503,7 @@ def overlap_arrays(
 
         # Queries in blocks: their temporaries stay bounded however many there are.
         for at in range(0, len(q_all), QUERY_BLOCK):
-            qi = q_all[at:at + QUERY_BLOCK]
+            qi = np.flatnonzero(q_all[at:at + QUERY_BLOCK]) + at if q_all.dtype == bool else q_all[at:at + QUERY_BLOCK]
             a, z = qs[qi], qe[qi]
             pa_ = pz = None
             if "max_count" in need or vals is not None:
@@ -399,6 +533,22 @@ def overlap_arrays(
                     mv = ev_val[pos[got]]
                     max_value[sel] = np.where(np.isinf(mv), np.nan, mv)
     return covered, max_count, max_value, max_pos
+
+
+def _covered_by_step(b: np.ndarray, count: np.ndarray, has_own: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds covered by at least one interval (``f1``) and, with an own interval to leave out,
+    by at least two (``f2``) from ``b[0]`` to each breakpoint: cumulative sums written in
+    place (the same sums as ``concatenate([[0], cumsum((count >= 1) * diff(b))])``, without
+    its four temporaries as long as ``b``)."""
+    sums = []
+    for least in (1, 2) if has_own else (1,):
+        f = np.empty(len(b))
+        f[:1] = 0.0
+        np.subtract(b[1:], b[:-1], out=f[1:])  # (np.diff(b))
+        np.multiply(count >= least, f[1:], out=f[1:])
+        np.cumsum(f[1:], out=f[1:])
+        sums.append(f)
+    return sums[0], sums[-1]
 
 
 def _right_of(b: np.ndarray, at_b: np.ndarray, x: np.ndarray) -> np.ndarray:

@@ -8,14 +8,24 @@ UTC by default; a day with a daylight-saving change is 23 or 25 hours long).
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pandas as pd
 
 from .. import timeline as tl
-from ..dataset import Dataset, task_view
+from ..dataset import Dataset, release_memory, task_view
 from . import Options, register
 
 LOAD_COLUMNS = ["scope", "running", "seconds", "share", "scope_seconds", "max_running", "n_slots"]
+
+
+def _free() -> None:
+    """Free the frames just dropped now, not at the next table: pandas objects hold one another
+    in cycles (their arrays wait for the collector), and the Arrow pool and glibc keep freed
+    pages (see :func:`release_memory`)."""
+    gc.collect(1)  # (the young generations: the frames were made in this table; a full collection took ~0.1 s)
+    release_memory()
 
 
 def _wall_offsets(tv: pd.DataFrame) -> pd.DataFrame:
@@ -35,9 +45,24 @@ def _share_rows(key: np.ndarray, seconds: np.ndarray, width: int, names: np.ndar
     """Seconds per (scope, running), each row's pair given as one integer ``scope * width +
     running``, scopes as codes into ``names`` (in their sort order): grouped by one integer per
     row, not by a text per step (a 1 GB log has 2.2M steps) nor by two keys (whose group index
-    costs several arrays as long as the steps more), and not copied into a table first."""
-    g = pd.Series(seconds).groupby(key).sum().rename("seconds").rename_axis("key").reset_index()
-    key = g.pop("key").to_numpy()
+    costs several arrays as long as the steps more), and not copied into a table first. The
+    integers are the codes of a categorical (in their narrowest type): the groupby sums them
+    as it sums integer keys (the same sums, in the same order) without factorizing them (at
+    2.2M steps, as many as at 1 GB of log, an integer key's groupby rose ~50 MB, this one ~19 MB):
+    codes of the integers that occur (the groupby recodes others into a copy as wide as a position)."""
+    n_keys = len(names) * width
+    codes = key.astype(next(t for t in (np.int8, np.int16, np.int32, np.int64) if n_keys <= np.iinfo(t).max), copy=False)
+    seen = np.unique(codes)
+    if len(seen) < n_keys:
+        rank = np.zeros(n_keys, dtype=codes.dtype)
+        rank[seen] = np.arange(len(seen))
+        codes = np.concatenate([rank[codes[at:at + STEP_BLOCK]] for at in range(0, len(codes), STEP_BLOCK)] or [codes])
+    by = pd.Categorical.from_codes(codes, categories=seen.astype(np.int64))
+    del codes
+    g = pd.Series(seconds, copy=False).groupby(by, observed=True).sum()
+    del by
+    key = np.asarray(g.index.categories)[g.index.codes]
+    g = g.rename("seconds").reset_index(drop=True).to_frame()
     g.insert(0, "scope", key // width)
     g.insert(1, "running", key % width)
     tot = g.groupby("scope", observed=True)["seconds"].transform("sum")
@@ -61,7 +86,7 @@ def _midnights(first_us: float, last_us: float, tz: str) -> tuple[np.ndarray, np
     return starts, np.asarray(dates[:-1].strftime("%Y-%m-%d"), dtype=object)
 
 
-STEP_BLOCK = 1 << 18  # steps cut at midnights at a time
+STEP_BLOCK = 1 << 16  # steps cut at midnights at a time
 
 
 def _day_pieces(a: np.ndarray, z: np.ndarray, running: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -85,15 +110,24 @@ def _cat(arrays: list[np.ndarray]) -> np.ndarray:
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
-def _day_keys(a: np.ndarray, z: np.ndarray, running: np.ndarray, starts: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`_day_pieces` of every step, a block of steps at a time (their temporaries stay
-    bounded): each piece's ``day * width + running`` and seconds, in step order."""
-    keys, seconds = [], []
-    for i in range(0, len(a), STEP_BLOCK):
-        run, secs, day = _day_pieces(a[i:i + STEP_BLOCK], z[i:i + STEP_BLOCK], running[i:i + STEP_BLOCK], starts)
-        keys.append(day.astype(np.int64) * width + run)
-        seconds.append(secs)
-    return _cat(keys), _cat(seconds)
+def _day_keys(o: float, t: np.ndarray, running: np.ndarray, starts: np.ndarray, width: int, dtype: type) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_day_pieces` of a session's steps (``t``, on its clock; ``o`` its offset in µs), a
+    block of steps at a time (their temporaries stay bounded), written into two arrays: each
+    piece's ``day * width + running`` (in ``dtype``) and seconds, in step order. Steps tile
+    the session's time, so each midnight cuts at most one of them: there are at most as many
+    pieces as steps and midnights (a list of blocks and its concatenation were twice that)."""
+    n = len(t) - 1
+    keys = np.empty(n + len(starts), dtype=dtype)
+    seconds = np.empty(n + len(starts))
+    at = 0
+    for i in range(0, n, STEP_BLOCK):
+        j = min(i + STEP_BLOCK, n)
+        run, secs, day = _day_pieces(o + t[i:j] * 1e6, o + t[i + 1:j + 1] * 1e6, running[i:j], starts)
+        k = len(secs)
+        keys[at:at + k] = day.astype(np.int64) * width + run
+        seconds[at:at + k] = secs
+        at += k
+    return keys[:at], seconds[:at]
 
 
 @register("load")
@@ -101,30 +135,41 @@ def load_table(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Seconds and share of the observed span with each number of tasks running, overall and
     per calendar day (in ``opts.tz``); ``max_running`` is the scope's highest concurrency, ``n_slots`` the most slots
     any session had."""
-    tv = task_view(ds, tl.GROUP + tl.TIMES + ["launch_at"])
+    tv = task_view(ds, tl.GROUP + tl.TIMES)
     # A session at a time (its steps' arrays, not ones as long as all steps for the session of
     # each step and its offset): only the running count is read here.
     parts = list(tl.concurrency_parts(tv, ds.server.sessions, running_only=True))
     if not sum(len(t) - 1 for _, t, _ in parts):
         return pd.DataFrame({c: pd.Series(dtype="float64") for c in LOAD_COLUMNS})
     width = max(int(levels[0].max(initial=0)) for _, _, levels in parts) + 1
-    rows = [_share_rows(_cat([levels[0].astype(np.int64, copy=False) for _, _, levels in parts]),
-                        _cat([t[1:] - t[:-1] for _, t, _ in parts]), width, np.array(["overall"], dtype=object))]
+    # (the running counts in the narrowest type that holds them: a byte or two a step)
+    parts = [(row, t, tl.narrow(levels[0])) for row, t, levels in parts]
+    for c in tl.TIMES[1:]:  # (what the wall offsets read stays, and the wall times join it)
+        del tv[c]
+    wall = task_view(ds, ["launch_at"])
+    if "launch_at" in wall.columns:
+        tv["launch_at"] = wall["launch_at"]
+    del wall
     off = _wall_offsets(tv)
     if len(off):
         # Each session's offset (NaN: none; its steps have no calendar day).
         tcode, ocode = tl.key_codes([tv, off], tl.GROUP)
         offset = tl.by_code(ocode, off["offset_us"].to_numpy(dtype=np.float64), tcode[[row for row, _, _ in parts]], np.nan)
         del tcode, ocode
-        dated = [(o, t, levels[0]) for o, (_, t, levels) in zip(offset, parts) if not np.isnan(o) and len(t) > 1]
-        del parts
+        dated = [(o, t, running) for o, (_, t, running) in zip(offset, parts) if not np.isnan(o) and len(t) > 1]
     else:
         dated = []
+    del tv, off
+    _free()  # (the view's columns, before the steps are summed)
+    seconds = _cat([t[1:] - t[:-1] for _, t, _ in parts])
+    rows = [_share_rows(_cat([running for _, _, running in parts]), seconds, width, np.array(["overall"], dtype=object))]
+    del seconds, parts
     if dated:
         # Cut steps at midnights: one piece per day each step touches; the pieces, in step
         # order, summed at once. (Steps are in time order: a session's first and last bound them.)
         starts, names = _midnights(min(o + t[0] * 1e6 for o, t, _ in dated), max(o + t[-1] * 1e6 for o, t, _ in dated), opts.tz)
-        pieces = [_day_keys(o + t[:-1] * 1e6, o + t[1:] * 1e6, running, starts, width) for o, t, running in dated]
+        dtype = next(t for t in (np.int8, np.int16, np.int32, np.int64) if len(names) * width <= np.iinfo(t).max)
+        pieces = [_day_keys(o, t, running, starts, width, dtype) for o, t, running in dated]
         del dated
         rows.append(_share_rows(_cat([k for k, _ in pieces]), _cat([v for _, v in pieces]), width, names))
     out = pd.concat(rows, ignore_index=True)

@@ -13,11 +13,14 @@ log line. Their time is the app's ``queue_ms`` when an app log gives it.
 
 from __future__ import annotations
 
+import gc
+from typing import Any
+
 import numpy as np
 import pandas as pd
 
 from .. import timeline as tl
-from ..dataset import Dataset, own_copy, task_view
+from ..dataset import Dataset, own_copy, release_memory, task_view
 from . import Options, register
 
 CAUSES = ["different_lora", "same_lora", "nothing", "deferred"]
@@ -26,63 +29,117 @@ DEFERRED_S = 0.005
 _KEYS = tl.GROUP + ["task_id"]
 
 
-def _f(s: pd.Series) -> np.ndarray:
-    return pd.to_numeric(s, errors="coerce").to_numpy(dtype="float64", na_value=np.nan)
+def _free() -> None:
+    """Free the frames just dropped now, not at the next table: pandas objects hold one another
+    in cycles (their arrays wait for the collector), and the Arrow pool and glibc keep freed
+    pages (see :func:`release_memory`)."""
+    gc.collect(1)  # (the young generations: the frames were made in this table; a full collection took ~0.1 s)
+    release_memory()
+
+
+_f = tl._f
+
+
+# What a holder of the batch shows of its task (``worst_waits``; ``_row`` rows of the view).
+_HOLDER = _KEYS + ["slot", "purpose", "user", "prompt_tokens_new", "line", "file", "first_token_s"]
 
 
 def _running(tv: pd.DataFrame, sessions: pd.DataFrame | None) -> pd.DataFrame:
     """What holds the batch: each task from its prefill start to its release. A task whose
-    prefill start the log does not give (cut off) counts from its launch."""
+    prefill start the log does not give (cut off) counts from its launch. Its row in ``tv``
+    (``_row``), ``start_s``, ``end_s`` and ``lora`` (the view's column: categories, compared as
+    the labels are): the rest of its columns (``_HOLDER``) are read for the few that
+    :func:`worst_waits` lists (at 1 GB of log a copy of them for every task rose ~25 MB, held by
+    both waits tables; a column of its labels as text ~20 MB)."""
     end = tl.task_ends(tv, sessions)
     ps = _f(tv["prefill_start_s"])
     start = np.where(np.isnan(ps), _f(tv["launch_s"]), ps)
+    keep = np.flatnonzero(end > start)
+    lora = tv["lora"] if "lora" in tv.columns else pd.Series(pd.NA, index=tv.index, dtype="object")
+    return pd.DataFrame({"_row": keep.astype(np.int32) if len(tv) < 2**31 else keep, "start_s": start[keep], "end_s": end[keep],
+                         "lora": lora.iloc[keep].reset_index(drop=True)})
+
+
+def _lora_type(tv: pd.DataFrame) -> Any:
+    """The type of a column of every task's LoRA label as a Python object (what the holders'
+    labels had: inferred from the distinct values, the same values give the same type)."""
     lora = tv["lora"].astype("object") if "lora" in tv.columns else pd.Series(pd.NA, index=tv.index, dtype="object")
-    r = tv[_KEYS + ["slot", "purpose", "user", "prompt_tokens_new", "line", "file", "first_token_s"]].assign(start_s=start, end_s=end, lora=lora.to_numpy())
-    return r[r["end_s"] > r["start_s"]].reset_index(drop=True)
+    return pd.Series(pd.unique(lora.to_numpy())).dtype
+
+
+def _holders(tv: pd.DataFrame, run: pd.DataFrame, lora_type: Any) -> pd.DataFrame:
+    """Rows of :func:`_running` with their tasks' columns (``tv``: a view with ``_HOLDER``)."""
+    rows = tv.iloc[run["_row"].to_numpy()][_HOLDER].reset_index(drop=True)
+    lora = pd.Series(run["lora"].astype("object").to_numpy(), dtype=lora_type)
+    return rows.assign(start_s=run["start_s"].to_numpy(), end_s=run["end_s"].to_numpy(), lora=lora)
 
 
 def classify_waits(ds: Dataset, opts: Options, tv: pd.DataFrame | None = None) -> pd.DataFrame:
     """Waits before prefill of at least ``opts.wait_threshold_s``, one row each, with ``cause``
     and the seconds of the wait covered by different-/same-/unknown-LoRA work."""
     tv = task_view(ds) if tv is None else tv
-    return _classify(tv, _running(tv, ds.server.sessions), opts)
+    run = _running(tv, ds.server.sessions)
+    is_wait, tcode = _wait_rows(tv, opts)
+    return _classify(_waits(tv, is_wait), tcode[is_wait], tcode[run["_row"].to_numpy()], run)
 
 
-def _shared(ds: Dataset, opts: Options) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """The task view, what ran and the classified waits, computed once for the waits tables."""
-    def make() -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-        tv = task_view(ds, _VIEW)
+def _shared(ds: Dataset, opts: Options) -> tuple[pd.DataFrame, pd.DataFrame, Any]:
+    """What ran, the classified waits and the type of the holders' labels, computed once for
+    the waits tables."""
+    def make() -> tuple[pd.DataFrame, pd.DataFrame, Any]:
+        # What the waits are chosen and classified by first, then (that dropped) the waits' own
+        # columns for their rows (not both sets of columns of every task at once).
+        tv = task_view(ds, tl.GROUP + tl.TIMES + ["wait_before_prefill_ms", "lora"])
         run = _running(tv, ds.server.sessions)
-        return tv, run, _classify(tv, run, opts, _TABLE_COLUMNS)
+        lora_type = _lora_type(tv)
+        is_wait, tcode = _wait_rows(tv, opts)
+        del tv
+        _free()
+        waits = _waits(task_view(ds, _TABLE_COLUMNS), is_wait, _TABLE_COLUMNS)
+        _free()  # (the columns of every task, before the overlap queries)
+        return run, _classify(waits, tcode[is_wait], tcode[run["_row"].to_numpy()], run), lora_type
 
-    tv, run, w = ds.memo((__name__, "classified", opts.wait_threshold_s), make)
-    return own_copy(tv), own_copy(run), own_copy(w)
+    run, w, lora_type = ds.memo((__name__, "classified", opts.wait_threshold_s), make)
+    return own_copy(run), own_copy(w), lora_type
 
 
-def _covered(waits: pd.DataFrame, wcode: np.ndarray, run: pd.DataFrame, rcode: np.ndarray, sel: np.ndarray) -> np.ndarray:
-    """Seconds of each wait covered by the ``sel`` rows of ``run`` (as :func:`tl.overlaps`' ``covered_s``)."""
-    r = np.flatnonzero(sel)
-    return tl.overlap_arrays(wcode, _f(waits["start_s"]), _f(waits["end_s"]), rcode[r], _f(run["start_s"])[r],
-                             _f(run["end_s"])[r], need=("covered",))[0].round(6)
+def _wait_rows(tv: pd.DataFrame, opts: Options) -> tuple[np.ndarray, np.ndarray]:
+    """Which tasks waited at least ``opts.wait_threshold_s`` before prefill, and every task's
+    session code (in a byte, with one session)."""
+    return _f(tv["wait_before_prefill_ms"]) >= opts.wait_threshold_s * 1000, tl.narrow(tl.key_codes([tv], tl.GROUP)[0])
+
+
+def _waits(tv: pd.DataFrame, is_wait: np.ndarray, columns: list[str] | None = None) -> pd.DataFrame:
+    """The waits to classify (``columns``: only those of the task view, else all)."""
+    waits = tv.loc[is_wait, [c for c in tv.columns if columns is None or c in columns]]
+    waits["start_s"] = waits["launch_s"]
+    waits["end_s"] = waits["prefill_start_s"]
+    waits["wait_s"] = waits["end_s"] - waits["start_s"]
+    return waits.reset_index(drop=True)
+
+
+def _covered(wcode: np.ndarray, ws: np.ndarray, we: np.ndarray, rcode: np.ndarray, rs: np.ndarray, re_: np.ndarray,
+             sel: np.ndarray | None) -> np.ndarray:
+    """Seconds of each wait [ws, we] covered by the ``sel`` rows of what ran (None: all), as
+    :func:`tl.overlaps`' ``covered_s``."""
+    if sel is not None:
+        r = np.flatnonzero(sel)
+        rcode, rs, re_ = rcode[r], rs[r], re_[r]
+        del r
+    return tl.overlap_arrays(wcode, ws, we, rcode, rs, re_, need=("covered",))[0].round(6)
 
 
 # The waits' own columns that the waits tables read (the task view has ~50).
 _TABLE_COLUMNS = _KEYS + ["slot", "purpose", "user", "lora", "line", "file", "launch_s", "prefill_start_s"]
-# What the waits tables read of the task view: the waits, what ran meanwhile, the deferred launches.
-_VIEW = _TABLE_COLUMNS + ["prompt_tokens_new", "wait_before_prefill_ms", "queue_ms"] + tl.TIMES
 
 
-def _classify(tv: pd.DataFrame, run: pd.DataFrame, opts: Options, columns: list[str] | None = None) -> pd.DataFrame:
-    """:func:`classify_waits` (``columns``: only those of the task view, else all)."""
-    w_ms = _f(tv["wait_before_prefill_ms"])
-    waits = tv.loc[w_ms >= opts.wait_threshold_s * 1000, [c for c in tv.columns if columns is None or c in columns]]
-    waits["start_s"] = waits["launch_s"]
-    waits["end_s"] = waits["prefill_start_s"]
-    waits["wait_s"] = waits["end_s"] - waits["start_s"]
-    waits = waits.reset_index(drop=True)
-    wcode, rcode = tl.key_codes([waits, run], tl.GROUP)
+def _classify(waits: pd.DataFrame, wcode: np.ndarray, rcode: np.ndarray, run: pd.DataFrame) -> pd.DataFrame:
+    """:func:`classify_waits` of the :func:`_waits` (``wcode``, ``rcode``: the session codes of
+    them and of ``run``)."""
     wl = waits["lora"].astype("object") if "lora" in waits.columns else pd.Series(pd.NA, index=waits.index, dtype="object")
     rl = run["lora"]
+    # On arrays, not on a table of the waits per label (each held until the collector ran).
+    ws, we, rs, re_ = _f(waits["start_s"]), _f(waits["end_s"]), _f(run["start_s"]), _f(run["end_s"])
     diff_s = np.zeros(len(waits))
     same_s = np.zeros(len(waits))
     for label in pd.unique(wl.dropna()):
@@ -90,16 +147,18 @@ def _classify(tv: pd.DataFrame, run: pd.DataFrame, opts: Options, columns: list[
         if not q.any():
             continue
         qi = np.flatnonzero(q)
-        diff_s[q] = _covered(waits.iloc[qi], wcode[qi], run, rcode, (rl.notna() & (rl != label)).to_numpy())
-        same_s[q] = _covered(waits.iloc[qi], wcode[qi], run, rcode, (rl == label).to_numpy())
+        diff_s[q] = _covered(wcode[qi], ws[qi], we[qi], rcode, rs, re_, (rl.notna() & (rl != label)).to_numpy())
+        same_s[q] = _covered(wcode[qi], ws[qi], we[qi], rcode, rs, re_, (rl == label).to_numpy())
     # Unknown: what ran had no label, or the waiting task has none (then anything that ran).
-    unk_s = _covered(waits, wcode, run, rcode, rl.isna().to_numpy())
-    any_s = _covered(waits, wcode, run, rcode, np.ones(len(run), dtype=bool))
+    unk_s = _covered(wcode, ws, we, rcode, rs, re_, rl.isna().to_numpy())
+    any_s = _covered(wcode, ws, we, rcode, rs, re_, None)
     unk_s = np.where(wl.isna().to_numpy(), any_s, unk_s)
     waits["different_lora_s"] = diff_s
     waits["same_lora_s"] = same_s
     waits["unknown_lora_s"] = unk_s
-    waits["cause"] = np.select([diff_s > 0, unk_s > 0, same_s > 0], ["different_lora", "unknown_lora", "same_lora"], "nothing")
+    # (the causes as Python texts, not a numpy array of fixed-width text, 4 bytes a character)
+    causes = np.array(["different_lora", "unknown_lora", "same_lora", "nothing"], dtype=object)
+    waits["cause"] = causes[np.select([diff_s > 0, unk_s > 0, same_s > 0], [0, 1, 2], 3)]
     return waits
 
 
@@ -107,29 +166,56 @@ def deferred_launches(ds: Dataset, tv: pd.DataFrame | None = None) -> pd.DataFra
     """Tasks launched within ``DEFERRED_S`` after another task's release while every slot of
     their session was busy just before that release, with the release that let them in."""
     tv = task_view(ds) if tv is None else tv
-    launch = tv[_KEYS + ["launch_s"]].dropna(subset=["launch_s"]).assign(_row=lambda d: d.index)
-    rel = tv[_KEYS + ["release_s"]].dropna(subset=["release_s"]).rename(columns={"task_id": "released_task_id"})
-    if launch.empty or rel.empty:
+    launch_s, release_s = _f(tv["launch_s"]), _f(tv["release_s"])
+    # Launches and releases in time order, as a sort of their rows by that column orders them
+    # (numpy's default sort of the same values: ties in the same order).
+    lrow = np.flatnonzero(~np.isnan(launch_s))
+    rrow = np.flatnonzero(~np.isnan(release_s))
+    if not len(lrow) or not len(rrow):
         return tv.iloc[0:0].assign(released_task_id=pd.Series(dtype="int64"), release_s_before=pd.Series(dtype="float64"))
-    launch = launch.sort_values("launch_s")
-    rel = rel.sort_values("release_s")
-    j = pd.merge_asof(launch, rel, left_on="launch_s", right_on="release_s", by=tl.GROUP,
-                      direction="backward", tolerance=DEFERRED_S, allow_exact_matches=True)
-    j = j[j["release_s"].notna() & (j["released_task_id"] != j["task_id"])]
+    lrow = lrow[np.argsort(launch_s[lrow], kind="quicksort")]
+    rrow = rrow[np.argsort(release_s[rrow], kind="quicksort")]
+    # Each launch's release: the last one of its session, in that order, at or before it and
+    # at most DEFERRED_S before it (what a backward as-of merge by session picks), found by a
+    # sorted search per session on arrays (the merge's tables of every launch and release,
+    # and their sorted copies, rose ~70 MB at 1 GB of log).
+    code = tl.narrow(tl.key_codes([tv], tl.GROUP)[0])
+    lt, rt = launch_s[lrow], release_s[rrow]
+    lcode, rcode = code[lrow], code[rrow]
+    if (lcode == lcode[0]).all() and (rcode == lcode[0]).all():  # (one session, the usual case)
+        found = np.searchsorted(rt, lt, "right") - 1  # (a position in rrow; -1: none)
+    else:
+        found = np.full(len(lrow), -1, dtype=np.int64)
+        for g in np.unique(lcode):
+            li, ri = np.flatnonzero(lcode == g), np.flatnonzero(rcode == g)
+            at = np.searchsorted(rt[ri], lt[li], "right") - 1
+            found[li[at >= 0]] = ri[at[at >= 0]]
+    del lcode, rcode, lt, rt
+    hit = found >= 0
+    rel_t = np.where(hit, release_s[rrow[np.maximum(found, 0)]], np.nan)
+    hit &= ~(launch_s[lrow] - rel_t > DEFERRED_S)  # (the merge's tolerance)
+    # The released task's id as the merge gives it (a numpy integer column with a launch left
+    # unmatched becomes float64).
+    released = pd.api.extensions.take(tv["task_id"].to_numpy(), np.where(hit, rrow[np.maximum(found, 0)], -1), allow_fill=True)
+    del rrow
+    own = tv["task_id"].to_numpy()[lrow]
+    keep = hit & (released != own)
+    del found, hit, own
+    lrow, rel_t, released = lrow[keep], rel_t[keep], released[keep]
     # Tasks running just before that release: launched before it, ending at or after it.
     ends = tl.task_ends(tv, ds.server.sessions)
-    iv = tv[tl.GROUP].assign(start_s=_f(tv["launch_s"]), end_s=ends)
-    q = j[tl.GROUP].assign(start_s=j["release_s"] - 1e-6, end_s=j["release_s"])
-    j["running_before"] = tl.overlaps(q, iv)["max_count"].to_numpy() if len(j) else np.zeros(0, dtype=np.int64)
+    running_before = (tl.overlap_arrays(code[lrow], rel_t - 1e-6, rel_t, code, launch_s, ends, need=("max_count",))[1]
+                      if len(lrow) else np.zeros(0, dtype=np.int64))
+    del ends
     # Each launch's session's slots, looked up by session code (a merge on the session keys
     # made the source's text of every row: at 1 GB of log the peak of the waits tables).
     slots = ds.server.sessions[tl.GROUP + ["n_slots"]].drop_duplicates(tl.GROUP)
-    scode, jcode = tl.key_codes([slots, j], tl.GROUP)
-    n_slots = tl.by_code(scode, pd.to_numeric(slots["n_slots"], errors="coerce").to_numpy(dtype=float, na_value=np.nan), jcode, np.nan)
-    j = j[n_slots <= j["running_before"].to_numpy()]
-    out = tv.loc[j["_row"].to_numpy()].copy()
-    out["released_task_id"] = j["released_task_id"].to_numpy()
-    out["release_s_before"] = j["release_s"].to_numpy()
+    scode, tcode = tl.key_codes([slots, tv], tl.GROUP)
+    n_slots = tl.by_code(scode, pd.to_numeric(slots["n_slots"], errors="coerce").to_numpy(dtype=float, na_value=np.nan), tcode[lrow], np.nan)
+    full = n_slots <= running_before
+    out = tv.loc[tv.index[lrow[full]]].copy()
+    out["released_task_id"] = released[full]
+    out["release_s_before"] = rel_t[full]
     return out.reset_index(drop=True)
 
 
@@ -137,7 +223,14 @@ def deferred_launches(ds: Dataset, tv: pd.DataFrame | None = None) -> pd.DataFra
 def waits(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Count, total, longest and median wait per cause; ``share`` of all waits' seconds for the
     wait causes. ``deferred``'s seconds are the app's queue time (NA without an app log)."""
-    tv, _, w = _shared(ds, opts)
+    # The deferred launches first, from their own columns, before the classified waits are
+    # made (or while they are not: only this table's arrays at once, not both).
+    d = deferred_launches(ds, task_view(ds, _KEYS + tl.TIMES + ["queue_ms"]))
+    qs = pd.Series(_f(d["queue_ms"]) / 1000 if "queue_ms" in d.columns else np.full(len(d), np.nan))
+    n_deferred = len(d)
+    del d
+    _free()
+    _, w, _ = _shared(ds, opts)
     causes = CAUSES[:3] + (["unknown_lora"] if (w["cause"] == "unknown_lora").any() else [])
     g = w.groupby("cause", observed=True)["wait_s"]
     stats = pd.DataFrame({"count": g.size(), "total_s": g.sum(), "max_s": g.max(), "median_s": g.median()}).reindex(causes)
@@ -146,11 +239,9 @@ def waits(ds: Dataset, opts: Options) -> pd.DataFrame:
     all_s = w["wait_s"].sum()
     stats["share"] = stats["total_s"] / all_s if all_s > 0 else np.nan
     stats["basis"] = f"wait before prefill >= {opts.wait_threshold_s:g} s"
-    d = deferred_launches(ds, tv[[c for c in _KEYS + tl.TIMES + ["queue_ms"] if c in tv.columns]])  # (its rows: these columns)
-    qs = pd.Series(_f(d["queue_ms"]) / 1000 if "queue_ms" in d.columns else np.full(len(d), np.nan))
     has_q = qs.notna().any()
     stats.loc["deferred"] = {
-        "count": len(d), "total_s": qs.sum() if has_q else np.nan, "max_s": qs.max() if has_q else np.nan,
+        "count": n_deferred, "total_s": qs.sum() if has_q else np.nan, "max_s": qs.max() if has_q else np.nan,
         "median_s": qs.median() if has_q else np.nan, "share": np.nan,
         "basis": "launch <= 5 ms after a release, all slots busy; seconds = app queue_ms" if has_q
         else "launch <= 5 ms after a release, all slots busy; no app queue time",
@@ -169,17 +260,21 @@ def worst_waits(ds: Dataset, opts: Options) -> pd.DataFrame:
     """The longest waits before prefill, with the task that held the batch meanwhile: the
     different-LoRA task that overlapped the wait most, else the largest prefill that ran during
     it, else whatever ran longest during it (``holder_*``; NA when nothing ran)."""
-    tv, run, w = _shared(ds, opts)
+    run, w, lora_type = _shared(ds, opts)
     w = w.sort_values("wait_s", ascending=False, kind="stable").head(opts.worst).reset_index(drop=True)
     w["_w"] = np.arange(len(w))
     # Only the few listed waits are paired with the tasks of their session that overlap them
     # (a pair of every task would hold worst x tasks rows).
-    wcode, rcode = tl.key_codes([w, run], tl.GROUP)
+    tv = task_view(ds, _HOLDER)
+    wcode, tcode = tl.key_codes([w, tv], tl.GROUP)
+    rcode = tcode[run["_row"].to_numpy()]
+    del tcode
     rs, re_ = _f(run["start_s"]), _f(run["end_s"])
     near = np.zeros(len(run), dtype=bool)
     for code, a, z in zip(wcode, _f(w["start_s"]), _f(w["end_s"])):
         near |= (rcode == code) & (rs < z) & (re_ > a)
-    run = run[near]
+    run = _holders(tv, run[near], lora_type)
+    del tv
     pair = w[tl.GROUP + ["_w", "task_id", "start_s", "end_s", "lora"]].merge(
         run.rename(columns={c: "h_" + c for c in run.columns if c not in tl.GROUP}), on=tl.GROUP, how="inner")
     pair = pair[pair["h_task_id"] != pair["task_id"]]
