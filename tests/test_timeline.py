@@ -294,3 +294,18 @@ def test_step_counts_and_distinct_times_agree_with_numpy() -> None:
     finally:
         tl.SEARCH_BLOCK = old
     np.testing.assert_array_equal(got, np.searchsorted(ss, b[:-1], "right") - np.searchsorted(se, b[:-1], "right"))
+
+
+def test_median_and_quantile_from_one_sort_equal_median_and_quantile() -> None:
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    for n in (0, 1, 2, 3, 10, 11, 1000, 1001):
+        for gaps in (False, True):
+            v = rng.lognormal(2, 1, n).round(rng.integers(0, 4))  # (ties too)
+            if gaps and n:
+                v[rng.integers(0, n, max(1, n // 5))] = np.nan
+            for q in (0.1, 0.5, 0.9):
+                got = tl.median_and_quantile(v.copy(), q)
+                want = (tl.median(v), tl.quantile(v, q))
+                assert np.array_equal(got, want, equal_nan=True), (n, gaps, q, got, want)

@@ -739,6 +739,23 @@ def quantile(v: np.ndarray, q: float) -> float:
     return float(s[i]) if frac == 0.0 else float(s[i] + (s[i + 1] - s[i]) * frac)
 
 
+def median_and_quantile(v: np.ndarray, q: float) -> tuple[float, float]:
+    """:func:`median` and :func:`quantile` of ``v`` (the same floats) from one sort of ``v``
+    itself, which is changed: the caller's own copy (at 1 GB of log, stalls' 3.1M pieces: one
+    copy of a class's values, not three)."""
+    if np.isnan(v).any():
+        v = v[~np.isnan(v)]
+    v.sort()
+    n = len(v)
+    if not n:
+        return np.nan, np.nan
+    h = n // 2
+    med = float(v[h]) if n % 2 else float(np.mean(v[h - 1:h + 1]))  # (as np.median takes the middle two)
+    at = q * (n - 1)
+    i, frac = int(at), at % 1
+    return med, float(v[i]) if frac == 0.0 else float(v[i] + (v[i + 1] - v[i]) * frac)
+
+
 def typical_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | Iterable[pd.DataFrame] | None) -> pd.DataFrame:
     """Per session (``GROUP``): the median step of its prefills' progress lines in tokens
     (``s_chunk``) and seconds (``s_pass``), what :func:`prefill_steps` assumes for a prefill
