@@ -33,6 +33,9 @@ BASES = {
     "alone": "tg_3s, 2.5-4 s windows, no other task on the server",
     "no_prefill": "tg_3s, 2.5-4 s windows, no other task prefilling",
 }
+# Heartbeats read at a time: at 1 GB of log the table's peak was its parts of 1<<18 (306 MB),
+# 1<<16 gave 268-271 in about the same time (one run each; 2.0-2.8 s, was 2.5).
+HEARTBEAT_ROWS = 1 << 16
 COLUMNS = ["basis", "context_tokens", "samples", "tasks", "median_tg_3s_tps", "few_samples", "note"]
 
 
@@ -171,7 +174,7 @@ def context(ds: Dataset, opts: Options) -> pd.DataFrame:
     release_memory()  # (the columns read whole for the counts' times)
     # The heartbeats a part at a time where they wait on disk (the table is never built), each
     # part's windows tallied and dropped.
-    parts = lazy.batches() if lazy is not None else [ds.server.gen_samples]
+    parts = lazy.batches(HEARTBEAT_ROWS) if lazy is not None else [ds.server.gen_samples]
     tally = _Tally(len(prompt))
     n_parts = 0
     for hb in parts:
