@@ -58,8 +58,7 @@ _VIEW = _TASK_KEYS + ["slot", "line", "n_gen", "prompt_tokens_new"] + tl.TIMES
 _SEGMENT_COLUMNS = _TASK_KEYS + ["slot", "start_s", "end_s", "tokens", "kind", "hb_line", "tg_3s_tps", "hb_file"]
 
 
-def _f(s: pd.Series) -> np.ndarray:
-    return pd.to_numeric(s, errors="coerce").to_numpy(dtype="float64", na_value=np.nan)
+_f = tl._f  # (a float64 column's own values, not a copy)
 
 
 def _positions(n: int) -> type:
