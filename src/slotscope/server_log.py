@@ -353,7 +353,17 @@ def parse_chunk(
         lg = pd.DataFrame(legacy_rows)
         lg = lg[lg["kind"] != 0]
         if len(lg):
-            ev = pd.concat([ev, lg.reindex(columns=ev.columns)], ignore_index=True).sort_values("line", kind="stable")
+            lg = lg.reindex(columns=ev.columns)
+            # A column all missing on one side takes the other side's type where that holds
+            # gaps (what pandas < 3 did, with a FutureWarning, and pandas 3 does not).
+            for c in ev.columns:
+                a, b = ev[c], lg[c]
+                if a.dtype != b.dtype:
+                    if b.isna().all() and a.dtype.kind in "fO":
+                        lg[c] = b.astype(a.dtype)
+                    elif a.isna().all() and b.dtype.kind in "fO":
+                        ev[c] = a.astype(b.dtype)
+            ev = pd.concat([ev, lg], ignore_index=True).sort_values("line", kind="stable")
             ev["cont"] = ev["cont"].fillna(False).astype(bool)
             ev["port"] = ev["port"].fillna(-1).astype(np.int64)
             ev["ts_us"] = ev["ts_us"].fillna(-1).astype(np.int64)
