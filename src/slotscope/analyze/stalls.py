@@ -350,7 +350,7 @@ def _split_segments(
     return out
 
 
-BLOCK_TASKS = 1 << 15  # tasks whose generation is split into pieces at a time (bounds memory)
+BLOCK_TASKS = 1 << 14  # tasks whose generation is split into pieces at a time (bounds memory)
 # A block ends only where nothing of its session ran for this long: no segment, prefill or
 # pass end of one block then reaches into another, so a block's pieces are the whole log's.
 QUIET_S = 5.0
