@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -39,6 +41,7 @@ import pandas as pd
 
 from .. import store, timeline as tl
 from ..dataset import Dataset, release_memory, task_view
+from ..errors import SlotscopeError
 from ..server_log import Samples
 from . import Options, register
 
@@ -466,17 +469,41 @@ def _blockwise(ds: Dataset, tv: pd.DataFrame, blocks: list[np.ndarray],
         yield rows, sub, tvb
 
 
+class _PieceParts:
+    """The long-enough pieces' class, tok/s, split flag and task (its row in the task view), a
+    block's at a time in files of a temporary directory, read back a few columns at a time (at
+    1 GB of log 3.1M pieces, 44 MB, were held under the later blocks' work)."""
+
+    def __init__(self) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="slotscope-")
+        self.paths: list[str] = []
+
+    def add(self, cls: np.ndarray, tok_per_s: np.ndarray, split: np.ndarray, task: np.ndarray) -> None:
+        path = os.path.join(self._tmp.name, f"{len(self.paths)}.npz")
+        try:
+            np.savez(path, cls=cls, tok_per_s=tok_per_s, split=split, task=task)
+        except OSError as e:
+            raise SlotscopeError(getattr(e, "filename", None) or tempfile.gettempdir(), None,
+                                 f"cannot write the stalls' pieces to the temporary directory ({e.strerror or e}); "
+                                 "set TMPDIR to a directory with room") from None
+        self.paths.append(path)
+
+    def columns(self, *names: str) -> Iterator[tuple[np.ndarray, ...]]:
+        """These columns of each block's pieces, a block at a time."""
+        for path in self.paths:
+            with np.load(path) as z:
+                yield tuple(z[n] for n in names)
+
+
 @dataclass
 class _Summary:
     """What the stalls tables read of the pieces, gathered block by block: per piece of at
-    least ``MIN_PIECE_S``, its class, tok/s, split flag and task (code in the task view);
-    per class, the tokens and seconds of all pieces; the slowest pieces of at least
-    ``WORST_MIN_S`` (rows as :func:`_pieces_frame` gives them) with their sort keys."""
+    least ``MIN_PIECE_S``, its class, tok/s, split flag and task (:class:`_PieceParts`; tasks
+    are rows of a view of ``n_tasks``); per class, the tokens and seconds of all pieces; the
+    slowest pieces of at least ``WORST_MIN_S`` (rows as :func:`_pieces_frame` gives them)."""
 
-    cls: np.ndarray
-    tok_per_s: np.ndarray
-    split: np.ndarray
-    task: np.ndarray
+    pieces: _PieceParts
+    n_tasks: int
     tokens: np.ndarray
     seconds: np.ndarray
     worst: pd.DataFrame
@@ -532,7 +559,7 @@ def _summary(ds: Dataset, opts: Options) -> _Summary:
     else:
         tv = task_view(ds, _VIEW) if stored else tv
         task_code = tl.key_codes([tv], _TASK_KEYS)[0]
-    long_enough: list[list[np.ndarray]] = []
+    long_enough = _PieceParts()
     tokens, seconds = np.zeros(len(CLASSES)), np.zeros(len(CLASSES))
     worst, keys = [], []
     group = np.array([0, 1, 2, 2])  # pieces are listed long_prefill, other_prefill, then the rest
@@ -541,8 +568,8 @@ def _summary(ds: Dataset, opts: Options) -> _Summary:
         sel = np.flatnonzero(pc.seconds >= MIN_PIECE_S)
         seg = pc.seg[sel]
         task = rows[pc.segments.row[seg]]
-        long_enough.append([pc.cls[sel], pc.tok_per_s[sel], pc.split[seg],
-                            (task if task_code is None else task_code[task]).astype(_positions(n_tasks))])
+        long_enough.add(pc.cls[sel], pc.tok_per_s[sel], pc.split[seg],
+                        (task if task_code is None else task_code[task]).astype(_positions(n_tasks)))
         tokens += np.bincount(pc.cls, weights=pc.tokens, minlength=len(CLASSES))
         seconds += np.bincount(pc.cls, weights=pc.seconds, minlength=len(CLASSES))
         # This block's slowest long-enough pieces (tok/s up, seconds down, then piece order).
@@ -552,12 +579,12 @@ def _summary(ds: Dataset, opts: Options) -> _Summary:
         keys.append(np.c_[pc.tok_per_s[cand], -pc.seconds[cand], group[pc.cls[cand]], np.full(len(cand), b), cand])
         del pc, sel, seg, cand
         release_memory()
-    cols = [np.concatenate([p[k] for p in long_enough]) for k in range(4)]
     key = np.concatenate(keys)
     # Over all blocks: the slowest, ties in the whole log's piece order (class group, then block).
     top = np.lexsort(key.T[::-1])[: opts.worst]
     w = pd.concat(worst, ignore_index=True).iloc[top].reset_index(drop=True) if len(worst) > 1 else worst[0]
-    return _Summary(cls=cols[0], tok_per_s=cols[1], split=cols[2], task=cols[3], tokens=tokens, seconds=seconds, worst=w)
+    return _Summary(pieces=long_enough, n_tasks=n_tasks if task_code is None else int(task_code.max(initial=-1)) + 1,
+                    tokens=tokens, seconds=seconds, worst=w)
 
 
 def _shared_summary(ds: Dataset, opts: Options) -> _Summary:
@@ -627,17 +654,29 @@ def stalls(ds: Dataset, opts: Options) -> pd.DataFrame:
     sm = _shared_summary(ds, opts)
     gc.collect()
     release_memory()  # what making the summary left: not under the statistics
-    tasks = tl.distinct_per_group(sm.cls, sm.task, len(CLASSES))
+    n = len(CLASSES)
+    samples, split = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    for cls, sp in sm.pieces.columns("cls", "split"):
+        samples += np.bincount(cls, minlength=n)
+        split += np.bincount(cls[sp], minlength=n)
     # Median and 10th percentile a class at a time, on arrays (a groupby of every piece held
     # ~50 bytes a piece: 146 MB at 1 GB); equal to a groupby's (timeline.median, .quantile).
-    median, p10 = np.full(len(CLASSES), np.nan), np.full(len(CLASSES), np.nan)
-    for k in np.unique(sm.cls):
-        median[k], p10[k] = tl.median_and_quantile(sm.tok_per_s[sm.cls == k], 0.1)  # (sorts its own copy)
+    # Distinct tasks a class at a time, a byte per task (timeline.distinct_per_group).
+    median, p10 = np.full(n, np.nan), np.full(n, np.nan)
+    tasks = np.zeros(n, dtype=np.int64)
+    for k in np.flatnonzero(samples):
+        v = np.concatenate([t[c == k] for c, t in sm.pieces.columns("cls", "tok_per_s")])
+        median[k], p10[k] = tl.median_and_quantile(v, 0.1)  # (sorts v)
+        del v
+        seen = np.zeros(sm.n_tasks, dtype=bool)
+        for c, t in sm.pieces.columns("cls", "task"):
+            seen[t[c == k]] = True
+        tasks[k] = np.count_nonzero(seen)
     stats = pd.DataFrame({
-        "samples": np.bincount(sm.cls, minlength=len(CLASSES)),
+        "samples": samples,
         "median_tg_3s_tps": median,
         "p10_tg_3s_tps": p10,
-        "split_samples": np.bincount(sm.cls[sm.split], minlength=len(CLASSES)).astype(np.int64),
+        "split_samples": split,
         "tasks": tasks,
     }, index=pd.Index(CLASSES, name="class"))
     sums = pd.DataFrame({"tokens": sm.tokens, "seconds": sm.seconds}, index=pd.CategoricalIndex(CLASSES, categories=CLASSES, name="class"))
