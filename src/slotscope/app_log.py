@@ -1033,9 +1033,10 @@ def _finish(frames: list[Any], tally: _Tally, on_disk: bool = False) -> AppLog:
     # The chunks' tables joined a column at a time, each sorted and cast to its dtype as it is
     # joined, and the chunks' column then dropped: the calls are held twice at most (the
     # chunks and the result), not four times (joined, sorted, completed, cast). ``on_disk``:
-    # each finished column goes to disk, so only the chunks are held (reading the 1 GB bench's
-    # app log peaked at 483 MB, 385-412 with the columns joined one by one, ~300 on disk). A
-    # column is joined as a join of the whole tables makes it (gaps where a chunk lacks it).
+    # the chunks wait on disk (see _keep) and each finished column goes there, so a few
+    # columns are held (reading the 1 GB bench's app log peaked at 483 MB, 385-412 with the
+    # columns joined one by one, 247-254 on disk). A column is joined as a join of the whole
+    # tables makes it (gaps where a chunk lacks it).
     frames = frames or [pd.DataFrame(columns=list(CALL_COLUMNS))]
     sizes = [len(f) for f in frames]
     # Each chunk's columns apart (each is a block of its own as the chunks are made): a column

@@ -47,18 +47,17 @@ class ColumnWriter:
         self.dtypes: dict[str, Any] = {}
         self.n: int | None = None
         self.schema: pa.Schema | None = None  # every column's (add_part)
-        self._open: dict[str, tuple[Any, Any, Any]] = {}  # per column: its file and writer (add_part)
+        self._open: dict[str, tuple[Any, Any]] = {}  # per column: its file and writer (add_part)
 
-    def add(self, name: str, col: pd.Series, schema: pa.Schema | None = None) -> None:
-        """Column ``name`` of every row (its index is not kept). ``schema``: its Arrow type
-        (default: from the column)."""
+    def add(self, name: str, col: pd.Series) -> None:
+        """Column ``name`` of every row (its index is not kept)."""
         if name in self.files:
             raise ValueError(f"{self.what}: column {name} written twice")
         if self.n is not None and len(col) != self.n:
             raise ValueError(f"{self.what}: column {name} has {len(col)} rows, not {self.n}")
         self.n = len(col)
         frame = col.to_frame(name).reset_index(drop=True)
-        schema = schema or pa.Schema.from_pandas(frame, preserve_index=False)
+        schema = pa.Schema.from_pandas(frame, preserve_index=False)
         with self._guard():
             path = os.path.join(self._tmp.name, str(len(self.files)))
             with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
@@ -79,7 +78,7 @@ class ColumnWriter:
                 for i, c in enumerate(df.columns):
                     path = os.path.join(self._tmp.name, str(i))
                     sink = pa.OSFile(path, "wb")
-                    self._open[c] = (sink, pa.ipc.new_file(sink, pa.schema([self.schema.field(i)], metadata=self.schema.metadata)), None)
+                    self._open[c] = (sink, pa.ipc.new_file(sink, pa.schema([self.schema.field(i)], metadata=self.schema.metadata)))
                     self.files[c], self.dtypes[c] = path, df[c].dtype
         if list(df.columns) != list(self.files) or any(df[c].dtype != self.dtypes[c] for c in df.columns):
             raise ValueError(f"{self.what}: a part's columns or dtypes differ from the first part's")
@@ -105,7 +104,7 @@ class ColumnWriter:
 
     def discard(self) -> None:
         """Give up: close and remove what was written."""
-        for sink, writer, _ in self._open.values():
+        for sink, writer in self._open.values():
             with contextlib.suppress(Exception):
                 writer.close()
             sink.close()
@@ -120,7 +119,7 @@ class ColumnWriter:
                 raise ValueError(f"{self.what}: columns {sorted(columns)} are not those written, {sorted(self.files)}")
             self.files = {c: self.files[c] for c in columns}
         with self._guard():
-            for sink, writer, _ in self._open.values():
+            for sink, writer in self._open.values():
                 writer.close()
                 sink.close()
         self._open.clear()
