@@ -807,12 +807,10 @@ def _finish_on_disk(assemblers: list[TaskAssembler]) -> tuple[StoredTable, list[
     # _concat gives them (taken from a one-row batch of each stream).
     cats: dict[str, list[str]] = {}
     if len(streams) > 1:
-        ones = [_task_batch((dataclasses.replace(parts[0], idx=parts[0].idx[:1]), 0, with_wall, None))[0] for _, parts in streams]
-        cats = {c: sorted(set().union(*(f[c].cat.categories for f in ones))) for c in ones[0].columns
-                if all(isinstance(f[c].dtype, pd.CategoricalDtype) for f in ones)}
-        del ones
+        cats = _joined_categories([_task_batch((dataclasses.replace(parts[0], idx=parts[0].idx[:1]), 0, with_wall, None))[0]
+                                   for _, parts in streams])
     counts = np.zeros(3, np.int64)
-    samples: dict[int, tuple[SampleSource, SampleSource]] = {}  # per stream (assembler) index
+    samples: dict[int, tuple[SampleSource, SampleSource]] = {}  # per stream (id of its assembler)
     firsts: list[list[np.ndarray]] = []  # a stream's tasks' keys and first-token times (its gen samples' first windows)
 
     def batches() -> Iterator[pd.DataFrame]:
@@ -1006,8 +1004,12 @@ def _same_categories(frames: list[pd.DataFrame]) -> list[pd.DataFrame]:
     logs, ``source`` and ``file`` became a string per row (the 1 GB bench read as two logs:
     0.8 GB more) and their dtype depended on how many servers were read.
     """
-    for c in frames[0].columns:
-        if all(isinstance(f[c].dtype, pd.CategoricalDtype) for f in frames):
-            cats = sorted(set().union(*(f[c].cat.categories for f in frames)))
-            frames = [f.assign(**{c: f[c].cat.set_categories(cats)}) for f in frames]
+    for c, cats in _joined_categories(frames).items():
+        frames = [f.assign(**{c: f[c].cat.set_categories(cats)}) for f in frames]
     return frames
+
+
+def _joined_categories(frames: list[pd.DataFrame]) -> dict[str, list[str]]:
+    """Per column categorical in all the frames: every frame's categories, sorted."""
+    return {c: sorted(set().union(*(f[c].cat.categories for f in frames))) for c in frames[0].columns
+            if all(isinstance(f[c].dtype, pd.CategoricalDtype) for f in frames)}
