@@ -309,3 +309,51 @@ def test_median_and_quantile_from_one_sort_equal_median_and_quantile() -> None:
                 got = tl.median_and_quantile(v.copy(), q)
                 want = (tl.median(v), tl.quantile(v, q))
                 assert np.array_equal(got, want, equal_nan=True), (n, gaps, q, got, want)
+
+
+def _typical_by_groupby(tv: pd.DataFrame, lines: pd.DataFrame) -> pd.DataFrame:
+    """The sessions' typical steps by a merge and a groupby: the lines inside their prefill."""
+    k = tl.GROUP + ["task_id"]
+    pre = tv[k + ["prefill_start_s", "first_token_s"]]
+    pre = pre[pre["first_token_s"] > pre["prefill_start_s"]]
+    j = lines[k + ["t_s", "step_tokens", "step_s"]].merge(pre, on=k, how="inner")
+    j = j[(j["t_s"] >= j["prefill_start_s"]) & (j["t_s"] <= j["first_token_s"] + tl.SAME_PASS_S)]
+    out = j.groupby(tl.GROUP, observed=True, sort=True).agg(s_chunk=("step_tokens", "median"), s_pass=("step_s", "median"))
+    return out.reset_index()
+
+
+@pytest.mark.parametrize("scenario", ["restart", "before"])
+@pytest.mark.parametrize("how", ["whole", "parts", "parts, one of another source", "frames of keys"])
+def test_typical_steps_are_a_groupbys_medians(scenario: str, how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sessions' median progress steps, from the table or from parts of it in any order,
+    on packed keys (the usual case), on the keys' columns for a part of another source, and on
+    frames of the keys where they do not pack: each equal to a merge and a groupby's."""
+    ds = _ds(scenario)
+    tv = task_view(ds)
+    lines = ds.server.prefill_samples
+    # Each line again at its prefill's first token + 10 ms (inside: the same pass) with a
+    # bigger step, and + 50 ms (outside) with a smaller one: both would move the medians.
+    ft = lines.merge(tv[tl.GROUP + ["task_id", "first_token_s"]], on=tl.GROUP + ["task_id"], how="left")["first_token_s"].to_numpy()
+    late = [lines.assign(t_s=ft + dt, step_tokens=lines["step_tokens"] + dn) for dt, dn in ((0.01, 1000), (0.05, -1000))]
+    lines = pd.concat([lines, *late], ignore_index=True)
+    if scenario == "restart":  # a session whose lines have no steps: a row of NaN
+        last = tl.key_codes([lines], tl.GROUP)[0] == 1
+        lines.loc[last, ["step_tokens", "step_s"]] = np.nan
+    want = _typical_by_groupby(tv, lines)
+    assert len(want) >= (2 if scenario == "restart" else 1)
+    assert want["s_pass"].isna().sum() == (1 if scenario == "restart" else 0)
+    if how == "frames of keys":
+        monkeypatch.setattr(tl.PrefillKeys, "of", classmethod(lambda cls, tv: None))
+    samples: object = lines
+    if how.startswith("parts"):
+        shuffled = lines.sample(frac=1.0, random_state=3).reset_index(drop=True)
+        samples = [shuffled.iloc[a:a + 7] for a in range(0, len(shuffled), 7)]
+        if how == "parts, one of another source":
+            other = lines.iloc[:5].copy()
+            other["source"] = other["source"].cat.add_categories(["other.log"]).cat.set_categories(["other.log"] + list(other["source"].cat.categories))
+            other["source"] = "other.log"
+            samples = [samples[0], other] + samples[1:]
+    got = tl.typical_steps(tv, samples)
+    pd.testing.assert_frame_equal(got[tl.GROUP], want[tl.GROUP].astype(got[tl.GROUP].dtypes.to_dict()))
+    for c in ("s_chunk", "s_pass"):
+        np.testing.assert_array_equal(got[c].to_numpy(), want[c].to_numpy())

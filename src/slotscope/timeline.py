@@ -9,6 +9,7 @@ every interval, so a log with 100k tasks and 1M heartbeats stays cheap.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -756,14 +757,20 @@ def median_and_quantile(v: np.ndarray, q: float) -> tuple[float, float]:
     return med, float(v[i]) if frac == 0.0 else float(v[i] + (v[i + 1] - v[i]) * frac)
 
 
-def typical_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | Iterable[pd.DataFrame] | None) -> pd.DataFrame:
+def typical_steps(tv: pd.DataFrame | PrefillKeys, prefill_samples: pd.DataFrame | Iterable[pd.DataFrame] | None) -> pd.DataFrame:
     """Per session (``GROUP``): the median step of its prefills' progress lines in tokens
     (``s_chunk``) and seconds (``s_pass``), what :func:`prefill_steps` assumes for a prefill
     without lines of its own. Given to it, a part of a log is read as in the whole log.
-    ``prefill_samples``: the table, or its parts (each row whole, in any grouping)."""
+    ``tv``: a task view, or its :class:`PrefillKeys`; ``prefill_samples``: the table, or its
+    parts (each row whole, in any grouping)."""
     parts = [prefill_samples] if prefill_samples is None or isinstance(prefill_samples, pd.DataFrame) else prefill_samples
+    lean = tv if isinstance(tv, PrefillKeys) else PrefillKeys.of(tv)
+    if lean is not None:  # (the usual case: one source, keys that pack, each task once)
+        del tv  # (freed here if the caller keeps no other reference)
+        return lean.typical(parts)
+    assert isinstance(tv, pd.DataFrame)
     pre = _prefill_times(tv)  # (what the lines are joined and cut by)
-    del tv  # (freed here if the caller keeps no other reference)
+    del tv
     join = _joiner(pre)
     # Only the lines' prefill and steps are kept from each part, as arrays of their own (a
     # selection of the lines' columns kept all five alive: at 1 GB of log +64 MB, not +31).
@@ -773,6 +780,96 @@ def typical_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | Iterable[pd.
         kept.append(pd.DataFrame({c: lines[c].to_numpy(copy=True) for c in ("pid", "step_tokens", "step_s")}))
         del lines
     return _typical(pre, kept)
+
+
+@dataclass
+class PrefillKeys:
+    """What :func:`typical_steps` reads of a task view's prefills (``first_token_s`` after
+    ``prefill_start_s``), as arrays by packed task key (:func:`packed_task_keys`), sorted:
+    ``keys``, start ``ps``, first token ``ft``, session code ``session`` (a row of ``groups``,
+    the sessions' ``GROUP`` values in sort order); ``head``: the view's first row's task keys
+    (the source every key is of). At 1 GB of log 25 bytes a prefill, not a frame of the keys'
+    columns (the view's, ~24 MB, and its copy)."""
+
+    keys: np.ndarray
+    ps: np.ndarray
+    ft: np.ndarray
+    session: np.ndarray
+    groups: pd.DataFrame
+    head: pd.DataFrame
+
+    @classmethod
+    def of(cls, tv: pd.DataFrame) -> "PrefillKeys | None":
+        """None where the view has several sources, a key that does not pack, or a task twice."""
+        if not len(tv) or not all(c in tv.columns for c in GROUP + ["task_id"]):
+            return None
+        packed = _packed([tv])
+        if packed is None:
+            return None
+        ps, ft = _f(_col(tv, "prefill_start_s")), _f(_col(tv, "first_token_s"))
+        rows = np.flatnonzero(ft > ps)
+        key = packed[0][rows]
+        del packed
+        order = np.argsort(key, kind="stable")
+        key = key[order]
+        if len(key) > 1 and not bool((key[1:] != key[:-1]).all()):
+            return None
+        rows = rows[order]
+        del order
+        code = narrow(key_codes([tv], GROUP)[0])
+        first = np.unique(code, return_index=True)[1]  # (codes are 0..n-1: a session's first row)
+        return cls(keys=key, ps=ps[rows], ft=ft[rows], session=code[rows],
+                   groups=tv[GROUP].iloc[first].reset_index(drop=True),
+                   head=tv[GROUP + ["task_id"]].iloc[:1].reset_index(drop=True))
+
+    def _join(self, frame: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+        """Row pairs ``(row of frame, prefill)`` with equal task keys, in frame order."""
+        both = _packed([frame, self.head]) if len(frame) and len(self.keys) else None
+        if both is None:  # (another source, or a key out of range: joined on the keys' columns)
+            keys = self.head[["source"]].iloc[np.zeros(len(self.keys), dtype=np.intp)].reset_index(drop=True)
+            keys["port"] = (self.keys >> 46) - 1
+            keys["session"] = (self.keys >> 32) & ((1 << 14) - 1)
+            keys["task_id"] = self.keys & ((1 << 32) - 1)
+            return join_tasks(frame, keys)
+        at = np.minimum(np.searchsorted(self.keys, both[0]), len(self.keys) - 1)
+        hit = np.flatnonzero(self.keys[at] == both[0])
+        return hit, at[hit]
+
+    def typical(self, parts: Iterable[pd.DataFrame | None]) -> pd.DataFrame:
+        """:func:`typical_steps` of these prefills and the progress lines in ``parts``: of each
+        line inside its prefill (as :func:`_progress_lines` keeps it), each step that is not
+        NaN with its session code (9 bytes; at 1 GB of log 1.3M lines), in the order read (a
+        median's does not depend on it)."""
+        kept: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {"step_tokens": ([], []), "step_s": ([], [])}
+        seen = [np.zeros(0, dtype=self.session.dtype)]  # (the sessions with lines: a row each, NaN if no step)
+        for p in parts:
+            if p is None or not len(p):
+                continue
+            at, pid = self._join(p)
+            t = _f(p["t_s"])[at]
+            inside = (t >= self.ps[pid]) & (t <= self.ft[pid] + SAME_PASS_S)
+            at, pid = at[inside], pid[inside]
+            seen.append(np.unique(self.session[pid]))
+            for c, (codes, values) in kept.items():
+                v = _f(p[c])[at]
+                there = ~np.isnan(v)
+                codes.append(self.session[pid[there]])
+                values.append(v[there])
+            del at, pid, t, inside
+        out, sessions = {}, np.unique(np.concatenate(seen))
+        for name, col in (("s_chunk", "step_tokens"), ("s_pass", "step_s")):
+            codes_, values_ = kept.pop(col)
+            code = np.concatenate(codes_) if codes_ else np.zeros(0, dtype=self.session.dtype)
+            v = np.concatenate(values_) if values_ else np.zeros(0)
+            del codes_, values_
+            have = np.unique(code)
+            # (in place: v is this function's own)
+            out[name] = {int(g): float(np.median(v if len(have) == 1 else v[code == g], overwrite_input=True)) for g in have}
+            del code, v
+        table = self.groups.iloc[sessions].reset_index(drop=True)
+        for name in ("s_chunk", "s_pass"):
+            table[name] = np.array([out[name].get(int(g), np.nan) for g in sessions], dtype=float)
+        return table
 
 
 def _joiner(pre: pd.DataFrame) -> Callable[[pd.DataFrame], tuple[np.ndarray, np.ndarray]] | None:

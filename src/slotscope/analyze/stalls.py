@@ -359,37 +359,48 @@ BLOCK_TASKS = 1 << 14  # tasks whose generation is split into pieces at a time (
 QUIET_S = 5.0
 
 
-def _task_blocks(ds: Dataset, tv: pd.DataFrame) -> list[np.ndarray]:
+def _task_blocks(ds: Dataset, tv: pd.DataFrame | Callable[[list[str]], pd.DataFrame]) -> list[np.ndarray]:
     """The task view's rows in blocks of at least :data:`BLOCK_TASKS` tasks (the last may be
     smaller), each block whole quiet-separated stretches of one session (:data:`QUIET_S`), in
     session and time order; each block's rows ascending. One block when the log is small, or
-    when task keys repeat (their heartbeats could not be told apart)."""
-    n = len(tv)
-    if n <= BLOCK_TASKS:
+    when task keys repeat (their heartbeats could not be told apart).
+
+    ``tv``: the view (task keys and times), or what reads those of its columns it is given
+    (the view on disk: read a few columns at a time, folded into each task's start and end;
+    at 1 GB of log the view's keys and four times, and their copies, were +98 MB on +31)."""
+    columns = (lambda names: tv[names]) if isinstance(tv, pd.DataFrame) else tv
+    keys = columns(_TASK_KEYS)
+    n = len(keys)
+    if n <= BLOCK_TASKS or tl.first_of_each_task(keys) is not None:
         return [np.arange(n)]
-    tcode = tl.key_codes([tv], _TASK_KEYS)[0]
-    if len(np.unique(tcode)) < n:
-        return [np.arange(n)]
-    times = [_f(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s")]
-    start, end = np.fmin.reduce(times), np.fmax.reduce(times)
-    del times
+    session = tl.narrow(tl.key_codes([keys], tl.GROUP)[0])
+    start, end = np.full(n, np.nan), np.full(n, np.nan)
     for kind in ("gen_samples", "prefill_samples"):  # a task's lines may outlast its known times
-        lo, hi = _sample_spans(ds, kind, tv)
-        start, end = np.fmin(start, lo), np.fmax(end, hi)
-    session = tl.key_codes([tv], tl.GROUP)[0]
+        lo, hi = _sample_spans(ds, kind, keys)
+        np.fmin(start, lo, out=start)
+        np.fmax(end, hi, out=end)
+        del lo, hi
+    del keys
+    for c in tl.TIMES:
+        t = _f(columns([c])[c])
+        np.fmin(start, t, out=start)
+        np.fmax(end, t, out=end)
+        del t
     timeless = np.isnan(start)
-    start = np.where(timeless, -np.inf, start)  # (they yield no pieces: kept with their session's first block)
-    end = np.where(np.isnan(end), start, end)
+    start[timeless] = -np.inf  # (they yield no pieces: kept with their session's first block)
+    np.copyto(end, start, where=np.isnan(end))
     order = np.lexsort((start, session))
     s_start, s_end, s_session = start[order], end[order], session[order]
+    del start, end, session
     # The latest end so far in the session (ends have no gaps: a running maximum per session,
     # each a stretch of the order; a groupby's cummax held ~20 MB more at 1 GB of log).
-    reach = np.empty_like(s_end)
+    reach = s_end  # (in place: the ends are not read again)
     bounds = np.r_[0, np.flatnonzero(s_session[1:] != s_session[:-1]) + 1, n]
     for a, b in zip(bounds[:-1], bounds[1:]):
         np.maximum.accumulate(s_end[a:b], out=reach[a:b])
     cut = np.ones(n, dtype=bool)
     cut[1:] = (s_session[1:] != s_session[:-1]) | (s_start[1:] > reach[:-1] + QUIET_S)
+    del s_start, s_end, reach, s_session
     blocks, at = [], 0
     for b in np.flatnonzero(cut)[1:]:
         if b - at >= BLOCK_TASKS:
@@ -509,17 +520,15 @@ class _Summary:
     worst: pd.DataFrame
 
 
-# What the blocks are cut by (:func:`_task_blocks`), and what the sessions' typical prefill
-# steps are read from (:func:`slotscope.timeline.typical_steps`).
-_BLOCK_VIEW = _TASK_KEYS + tl.TIMES
+# What the sessions' typical prefill steps are read from (:func:`slotscope.timeline.typical_steps`).
 _PREFILL_VIEW = _TASK_KEYS + ["prefill_start_s", "first_token_s"]
 TYPICAL_ROWS = 1 << 16  # prefill samples read at a time for the typical steps (a part: ~10 MB)
 
 
 def _summary(ds: Dataset, opts: Options) -> _Summary:
-    stored = ds._view is not None  # (after Dataset.keep_on_disk: columns and rows read as needed)
+    view = ds._view  # (after Dataset.keep_on_disk: columns and rows read as needed)
     typical = None  # a prefill without progress lines is read with its whole session's typical step
-    if stored:
+    if view is not None:
         # One step at a time, each on little else: the prefill samples' index, the sessions'
         # typical steps (wanted where the log may make several blocks; equal to what one block
         # finds by itself), the gen samples' index, and then the view's columns the blocks
@@ -529,35 +538,40 @@ def _summary(ds: Dataset, opts: Options) -> _Summary:
             lazy.indexed
             release_memory()
         if ds.n_tasks > BLOCK_TASKS:
-            typical = tl.typical_steps(task_view(ds, _PREFILL_VIEW),
+            pre = tl.PrefillKeys.of(task_view(ds, _PREFILL_VIEW))
+            release_memory()  # (the view's columns: ~24 MB at 1 GB of log, not under the lines)
+            typical = tl.typical_steps(pre if pre is not None else task_view(ds, _PREFILL_VIEW),
                                        lazy.batches(TYPICAL_ROWS) if lazy is not None else ds.server.prefill_samples)
+            del pre
             release_memory()
         lazy = ds.server.on_disk("gen_samples")
         if lazy is not None:
             lazy.indexed
             release_memory()
-    tv = task_view(ds, _BLOCK_VIEW if stored else _VIEW)
-    n_tasks = len(tv)
-    blocks = _task_blocks(ds, tv)
+    if view is not None:  # (the columns the blocks are cut by read a few at a time)
+        n_tasks = len(view)
+        blocks = _task_blocks(ds, lambda names: view.read(names))
+    else:
+        tv = task_view(ds, _VIEW)
+        n_tasks = len(tv)
+        blocks = _task_blocks(ds, tv)
+    release_memory()
     block_view = None
     if len(blocks) > 1:
         # Several blocks (task keys unique): a task is its row in the view. Where the view is
         # on disk each block reads its rows of it; the whole view is never held.
         task_code = None
-        if stored:
-            view = ds._view
-            assert view is not None
+        if view is not None:
             block_view = lambda rows: view.take(rows, _VIEW).set_axis(pd.Index(rows))  # noqa: E731
-            if all(ds.server.on_disk(k) is not None and ds.server.on_disk(k).indexed or not len(getattr(ds.server, k))
-                   for k in ("gen_samples", "prefill_samples")):  # (else _blockwise looks samples up by key)
-                tv = tv[_TASK_KEYS].iloc[:0].copy()  # (a slice would keep the columns alive)
-            release_memory()
+            indexed = all(ds.server.on_disk(k) is not None and ds.server.on_disk(k).indexed or not len(getattr(ds.server, k))
+                          for k in ("gen_samples", "prefill_samples"))  # (else _blockwise looks samples up by key)
+            tv = view.take(np.zeros(0, dtype=np.int64), _TASK_KEYS) if indexed else view.read(_TASK_KEYS)
         else:
             lazy = ds.server.on_disk("prefill_samples")  # (then read in parts, not built)
             typical = tl.typical_steps(tv, lazy.batches(TYPICAL_ROWS) if lazy is not None else ds.server.prefill_samples)
             release_memory()
     else:
-        tv = task_view(ds, _VIEW) if stored else tv
+        tv = task_view(ds, _VIEW) if view is not None else tv
         task_code = tl.key_codes([tv], _TASK_KEYS)[0]
     long_enough = _PieceParts()
     tokens, seconds = np.zeros(len(CLASSES)), np.zeros(len(CLASSES))
