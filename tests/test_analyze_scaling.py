@@ -39,6 +39,7 @@ def test_tables_do_not_depend_on_block_sizes(scenario: str, monkeypatch: pytest.
     monkeypatch.setattr(st, "SEGMENT_BLOCK", 5)
     monkeypatch.setattr(st, "BLOCK_TASKS", 3)
     monkeypatch.setattr(st, "QUIET_S", 0.5)
+    monkeypatch.setattr(st, "SPAN_ROWS", 4)
     assert len(st._task_blocks(ds, task_view(ds))) >= 2  # the stalls tables then join several blocks
     blocked = analyze.run(ds, Options(), names, strict=True)
     for name in names:

@@ -232,6 +232,8 @@ def test_task_joins_on_packed_keys_give_what_merges_give(keys: str) -> None:
     first = tl.first_of_each_task(twice)
     assert first is not None and (first == twice.drop_duplicates(k).index.to_numpy()).all()
     assert tl.first_of_each_task(tasks) is None
+    assert tl.task_keys_repeat(twice) and not tl.task_keys_repeat(tasks)
+    assert tl.task_keys_repeat(pd.concat([tasks, tasks.iloc[-1:]], ignore_index=True))
     left = twice.sample(frac=1.0, random_state=5).reset_index(drop=True).iloc[::2].reset_index(drop=True)
     l_rows, r_rows = tl.join_tasks(left, tasks)
     want = left.reset_index().merge(tasks.reset_index(), on=k, how="inner", suffixes=("_l", "_r"))

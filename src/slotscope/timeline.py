@@ -980,6 +980,17 @@ def first_of_each_task(frame: pd.DataFrame) -> np.ndarray | None:
     return None if len(first) == len(frame) else first
 
 
+def task_keys_repeat(frame: pd.DataFrame) -> bool:
+    """Whether some task keys (``GROUP`` + ``task_id``) are in ``frame`` twice, as
+    ``duplicated`` tells; by one sorted copy of :func:`packed_task_keys` where they fit (at 1 GB
+    of log 4.5 MB, not :func:`first_of_each_task`'s 23)."""
+    packed = _packed([frame])
+    if packed is None:
+        return bool(frame.duplicated(GROUP + ["task_id"]).any())
+    k = np.sort(packed[0])
+    return bool((k[1:] == k[:-1]).any())
+
+
 def _packed(frames: Sequence[pd.DataFrame]) -> list[np.ndarray] | None:
     """:func:`packed_task_keys` of each frame's rows, if the frames have one source and every
     key fits; else None."""

@@ -371,7 +371,7 @@ def _task_blocks(ds: Dataset, tv: pd.DataFrame | Callable[[list[str]], pd.DataFr
     columns = (lambda names: tv[names]) if isinstance(tv, pd.DataFrame) else tv
     keys = columns(_TASK_KEYS)
     n = len(keys)
-    if n <= BLOCK_TASKS or tl.first_of_each_task(keys) is not None:
+    if n <= BLOCK_TASKS or tl.task_keys_repeat(keys):
         return [np.arange(n)]
     session = tl.narrow(tl.key_codes([keys], tl.GROUP)[0])
     start, end = np.full(n, np.nan), np.full(n, np.nan)
@@ -410,14 +410,18 @@ def _task_blocks(ds: Dataset, tv: pd.DataFrame | Callable[[list[str]], pd.DataFr
     return blocks
 
 
+SPAN_ROWS = 1 << 16  # tasks whose sample spans are looked up at a time (at 1 GB of log all at once: +36 MB)
+
+
 def _sample_spans(ds: Dataset, kind: str, tv: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     """Each task's first and last sample time of ``kind`` (NaN: none), from the samples on
     disk if they are there."""
-    lazy = ds.server.on_disk(kind)
-    spans = lazy.spans(tv) if lazy is not None else None
-    if spans is not None:
-        return spans
     lo, hi = np.full(len(tv), np.nan), np.full(len(tv), np.nan)
+    lazy = ds.server.on_disk(kind)
+    if lazy is not None and lazy.indexed:  # (looked up 64k tasks at a time: their keys' copies)
+        for a in range(0, len(tv), SPAN_ROWS):
+            lo[a:a + SPAN_ROWS], hi[a:a + SPAN_ROWS] = lazy.spans(tv.iloc[a:a + SPAN_ROWS])
+        return lo, hi
     samples = getattr(ds.server, kind)
     if samples is not None and len(samples):
         scode, tc = tl.key_codes([samples, tv], _TASK_KEYS)
