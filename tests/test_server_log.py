@@ -250,7 +250,7 @@ def test_samples_on_disk_by_task_and_in_parts(scenario) -> None:
         assert not samples.built  # none of it built the table
 
 
-@pytest.mark.parametrize("case", ["as read", "a time going back", "a missing time"])
+@pytest.mark.parametrize("case", ["as read", "a time going back", "a time going back across chunks", "a missing time"])
 def test_sample_index_by_task_and_time(case: str) -> None:
     """The index of sample rows by task: the rows by (port, session, task) then time, each
     task's first and last time. As read (time order within a task: a stable sort by key), a
@@ -269,13 +269,17 @@ def test_sample_index_by_task_and_time(case: str) -> None:
     assert len(rows) >= 3
     if case == "a time going back":
         ts[rows[2]] = ts[rows[0]] - 5
+    elif case == "a time going back across chunks":  # (the next row of its task in the next chunk of 13)
+        i = next(i for i in range(len(rows) - 1) if rows[i] // 13 != rows[i + 1] // 13)
+        ts[rows[i + 1]] = ts[rows[i]] - 5
     elif case == "a missing time":
         ts[rows[1]] = -1
     cols["ts_us"] = ts
-    store = FinishedRows(spill_rows=None)
-    store.append({c: v[:40] for c, v in cols.items()})  # (in two chunks)
-    store.append({c: v[40:] for c, v in cols.items()})
+    store = FinishedRows(spill_rows=13)  # (in chunks of 13 rows on disk: a task's rows in several)
+    for a in range(0, len(ts), 13):
+        store.append({c: v[a:a + 13] for c, v in cols.items()})
     store.close()
+    assert len(store._sizes) > 5
     ix = _SampleIndex.of(store)
     key = cols["port"].astype(np.int64) * 10**12 + cols["session"].astype(np.int64) * 10**9 + cols["task"].astype(np.int64)
     order = np.lexsort((ts, key))

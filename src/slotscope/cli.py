@@ -477,10 +477,24 @@ def timeline(
     _finish(ds.accounting, strict, quiet)
 
 
+def use_system_allocator() -> None:
+    """Arrow's buffers from the C library's allocator, unless ``$ARROW_DEFAULT_MEMORY_POOL``
+    names a pool: what a stage frees then goes back to the system with the heap
+    (``release_memory``). pyarrow's default, mimalloc, kept 17 MB resident after loading 1 GB
+    of log with 9 KB allocated, and its high water within each stage (after loading: 164 MB
+    RSS with mimalloc, 155 with the system's; jemalloc 179)."""
+    if os.environ.get("ARROW_DEFAULT_MEMORY_POOL"):
+        return
+    import pyarrow as pa
+
+    pa.set_memory_pool(pa.system_memory_pool())
+
+
 def main() -> None:
     """Entry point. Library errors and a closed pipe are mapped in each command (``_handled``)."""
     global _debug
     _debug = "--debug" in sys.argv
+    use_system_allocator()
     try:
         app()
     except KeyboardInterrupt:

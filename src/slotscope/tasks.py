@@ -911,9 +911,9 @@ class SampleSource:
         if ix is None:
             yield self.table()
             return
-        for a in range(0, len(ix.order), rows):
+        for a in range(0, ix.n_rows, rows):
             lo = max(a - 1, 0)  # one row of context: the previous sample of the same task
-            yield self._table_of(self._gather(ix.order[lo : a + rows]), a - lo)
+            yield self._table_of(self._gather(np.array(ix.order[lo : a + rows])), a - lo)
 
     def _gather(self, idx: np.ndarray) -> dict[str, np.ndarray]:
         if len(idx):
@@ -921,44 +921,78 @@ class SampleSource:
         return {c: v[:0] for c, v in self.store.gather(np.zeros(1, np.int64)).items()}  # no rows, the columns' types
 
 
-@dataclass
 class _SampleIndex:
     """A store's sample rows by task: ``order`` (the table's rows as store positions), the
     distinct task keys (:func:`slotscope.timeline.packed_task_keys`) in table order, the table row where each task's
-    rows start (one more: the end), and each task's first and last sample time (s)."""
+    rows start (one more: the end), and each task's first and last sample time (s).
 
-    order: np.ndarray
-    keys: np.ndarray
-    starts: np.ndarray
-    t_min: np.ndarray
-    t_max: np.ndarray
+    The arrays wait in files of a temporary directory, each mapped while read: a lookup holds
+    only the pages it reads, and only while it reads them (at 1 GB of log the gen samples'
+    index held 35-45 MB in memory from the stalls table to the context table).
+    """
+
+    NAMES = ("order", "keys", "starts", "t_min", "t_max")
+
+    def __init__(self, order: np.ndarray, keys: np.ndarray, starts: np.ndarray, t_min: np.ndarray, t_max: np.ndarray) -> None:
+        self.n_rows = len(order)
+        try:
+            self._dir = tempfile.TemporaryDirectory(prefix="slotscope-")
+            for name, v in zip(self.NAMES, (order, keys, starts, t_min, t_max)):
+                np.save(os.path.join(self._dir.name, name + ".npy"), v)
+        except OSError as e:  # a full or read-only temporary directory
+            raise SlotscopeError(getattr(e, "filename", None) or tempfile.gettempdir(), None,
+                                 f"cannot write the samples' index to the temporary directory ({e.strerror or e}); "
+                                 "set TMPDIR to a directory with room (~12 bytes per sample)") from None
+
+    def _mapped(self, name: str) -> np.ndarray:
+        return np.asarray(np.load(os.path.join(self._dir.name, name + ".npy"), mmap_mode="r"))  # (unmapped with its last view)
+
+    order = property(lambda self: self._mapped("order"))
+    keys = property(lambda self: self._mapped("keys"))
+    starts = property(lambda self: self._mapped("starts"))
+    t_min = property(lambda self: self._mapped("t_min"))
+    t_max = property(lambda self: self._mapped("t_max"))
 
     @classmethod
     def of(cls, store: FinishedRows) -> "_SampleIndex | None":
-        # One key column, built a chunk at a time (not three int64 columns of every row): the
-        # key sorts as (port, session, task) do (_sample_order).
-        key = np.concatenate([packed_task_keys(*cols) for cols in store.by_chunk("port", "session", "task")] or [np.zeros(0, np.int64)])
-        if (key < 0).any():
-            return None
-        # Rows are read in log order, so a task's rows are in time order already: a stable
-        # sort by key alone is the sort by key and time, and a task's first and last rows hold
-        # its first and last times (the gen samples of 1 GB of log: peak +171 -> +106 MB, kept
-        # 40.5 -> 29 MB with int32 positions).
+        # A counting sort by task, a chunk of the store at a time (three reads of its key
+        # columns): the task keys; each task's rows, first and last time; then each row's
+        # place. Rows are read in log order, so a task's rows are in time order already, and
+        # the rows in key order, each task's in store order, are the sort by key and time
+        # (the gen samples of 1 GB of log: peak +106 MB with one sort of every row's key).
         # Else (a time going back within a task, or missing) the rows are sorted by both.
-        order = np.argsort(key, kind="stable")
-        order = order.astype(np.int32) if len(order) < 2**31 else order
-        key = key[order]
-        first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
-        keys = key[first]
-        del key
-        ts = store.column("ts_us")[order]
-        last = np.r_[first[1:] - 1, len(ts) - 1] if len(ts) else first
-        back = ts[1:] < ts[:-1]
-        back[first[1:] - 1] = False  # (a task's first row may be earlier than the previous task's last)
-        if len(ts) and not back.any() and ts.min() >= 0:
-            return cls(order, keys, np.r_[first, len(ts)], _seconds(ts[first]), _seconds(ts[last]))
-        del ts, back, keys, order
-        return cls._sorted_by_time(store)
+        chunks = store.by_chunk("port", "session", "task")
+        keys = np.unique(np.concatenate([np.unique(packed_task_keys(*cols)) for cols in chunks] or [np.zeros(0, np.int64)]))
+        if len(keys) and keys[0] < 0:
+            return None
+        n = len(keys)
+        counts = np.zeros(n, dtype=np.int64)
+        first_ts, last_ts = np.full(n, -1, dtype=np.int64), np.full(n, -1, dtype=np.int64)
+        for port, session, task, ts in store.by_chunk("port", "session", "task", "ts_us"):
+            run, first, last, o = _task_runs(np.searchsorted(keys, packed_task_keys(port, session, task)))
+            ts = ts.astype(np.int64, copy=False)[o]
+            within = np.ones(len(ts), dtype=bool)
+            within[first] = False
+            seen = first_ts[run] >= 0
+            if (ts < 0).any() or (ts[1:] < ts[:-1])[within[1:]].any() or (ts[first][seen] < last_ts[run][seen]).any():
+                del counts, first_ts, last_ts, ts, o, within
+                return cls._sorted_by_time(store)
+            first_ts[run[~seen]] = ts[first][~seen]
+            last_ts[run] = ts[last]
+            counts[run] += last - first + 1  # (a task is one run of a chunk)
+        starts = np.r_[0, np.cumsum(counts)]
+        del counts
+        order = np.empty(int(starts[-1]), dtype=np.int32 if starts[-1] < 2**31 else np.int64)
+        fill = starts[:-1].copy()  # each task's next place
+        at = 0
+        for port, session, task in store.by_chunk("port", "session", "task"):
+            run, first, last, o = _task_runs(np.searchsorted(keys, packed_task_keys(port, session, task)))
+            size = last - first + 1
+            order[np.repeat(fill[run], size) + within_ranges(size)] = o + at
+            fill[run] += size
+            at += len(port)
+        del fill
+        return cls(order, keys, starts, _seconds(first_ts), _seconds(last_ts))
 
     @classmethod
     def _sorted_by_time(cls, store: FinishedRows) -> "_SampleIndex":
@@ -973,21 +1007,32 @@ class _SampleIndex:
 
     def _find(self, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Each task's place among the keys, and whether it has rows at all."""
-        key = packed_task_keys(port, session, task)
-        at = np.minimum(np.searchsorted(self.keys, key), len(self.keys) - 1)
-        return at, (self.keys[at] == key) & (key >= 0)
+        key, keys = packed_task_keys(port, session, task), self.keys
+        at = np.minimum(np.searchsorted(keys, key), len(keys) - 1)
+        return at, (keys[at] == key) & (key >= 0)
 
     def rows(self, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
         """The table rows (ascending) of these tasks."""
         at, hit = self._find(port, session, task)
-        at = np.unique(at[hit])
-        lo, cnt = self.starts[at], self.starts[at + 1] - self.starts[at]
+        at, starts = np.unique(at[hit]), self.starts
+        lo, cnt = starts[at], starts[at + 1] - starts[at]
         return np.repeat(lo, cnt) + within_ranges(cnt)
 
     def spans(self, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Each task's first and last sample time (NaN: none)."""
         at, hit = self._find(port, session, task)
         return np.where(hit, self.t_min[at], np.nan), np.where(hit, self.t_max[at], np.nan)
+
+
+def _task_runs(task: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A chunk's rows grouped by ``task`` (a number per row), in row order within a task:
+    ``(run, first, last, o)``, ``o`` the rows in that order, and per group its task and the
+    places of its first and last row in ``o``."""
+    o = np.argsort(task, kind="stable")
+    t = task[o]
+    first = np.flatnonzero(np.r_[True, t[1:] != t[:-1]]) if len(t) else np.zeros(0, dtype=np.int64)
+    last = np.r_[first[1:] - 1, len(t) - 1] if len(t) else first
+    return t[first], first, last, o
 
 
 def _sample_order(store: FinishedRows, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:

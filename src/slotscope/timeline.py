@@ -820,7 +820,7 @@ class PrefillKeys:
         first = np.unique(code, return_index=True)[1]  # (codes are 0..n-1: a session's first row)
         return cls(keys=key, ps=ps[rows], ft=ft[rows], session=code[rows],
                    groups=tv[GROUP].iloc[first].reset_index(drop=True),
-                   head=tv[GROUP + ["task_id"]].iloc[:1].reset_index(drop=True))
+                   head=tv[GROUP + ["task_id"]].iloc[:1].reset_index(drop=True).copy())  # (a slice: the columns kept alive)
 
     def _join(self, frame: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
         """Row pairs ``(row of frame, prefill)`` with equal task keys, in frame order."""
