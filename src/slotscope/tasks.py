@@ -931,18 +931,24 @@ class _SampleIndex:
     index held 35-45 MB in memory from the stalls table to the context table).
     """
 
-    NAMES = ("order", "keys", "starts", "t_min", "t_max")
-
-    def __init__(self, order: np.ndarray, keys: np.ndarray, starts: np.ndarray, t_min: np.ndarray, t_max: np.ndarray) -> None:
-        self.n_rows = len(order)
+    def __init__(self) -> None:
+        self.n_rows = 0
         try:
             self._dir = tempfile.TemporaryDirectory(prefix="slotscope-")
-            for name, v in zip(self.NAMES, (order, keys, starts, t_min, t_max)):
-                np.save(os.path.join(self._dir.name, name + ".npy"), v)
+        except OSError as e:
+            self._failed(e)
+
+    def _save(self, name: str, v: np.ndarray) -> None:
+        try:
+            np.save(os.path.join(self._dir.name, name + ".npy"), v)
         except OSError as e:  # a full or read-only temporary directory
-            raise SlotscopeError(getattr(e, "filename", None) or tempfile.gettempdir(), None,
-                                 f"cannot write the samples' index to the temporary directory ({e.strerror or e}); "
-                                 "set TMPDIR to a directory with room (~12 bytes per sample)") from None
+            self._failed(e)
+
+    @staticmethod
+    def _failed(e: OSError) -> None:
+        raise SlotscopeError(getattr(e, "filename", None) or tempfile.gettempdir(), None,
+                             f"cannot write the samples' index to the temporary directory ({e.strerror or e}); "
+                             "set TMPDIR to a directory with room (~12 bytes per sample)") from None
 
     def _mapped(self, name: str) -> np.ndarray:
         return np.asarray(np.load(os.path.join(self._dir.name, name + ".npy"), mmap_mode="r"))  # (unmapped with its last view)
@@ -980,19 +986,30 @@ class _SampleIndex:
             first_ts[run[~seen]] = ts[first][~seen]
             last_ts[run] = ts[last]
             counts[run] += last - first + 1  # (a task is one run of a chunk)
+        # (each array on disk once made: at 1 GB of log the per-task ones are 4.5 MB each)
+        ix = cls()
+        ix._save("keys", keys)
+        del keys
+        ix._save("t_min", _seconds(first_ts))
+        ix._save("t_max", _seconds(last_ts))
+        del first_ts, last_ts
         starts = np.r_[0, np.cumsum(counts)]
         del counts
+        ix._save("starts", starts)
         order = np.empty(int(starts[-1]), dtype=np.int32 if starts[-1] < 2**31 else np.int64)
         fill = starts[:-1].copy()  # each task's next place
-        at = 0
+        del starts
+        keys, at = ix.keys, 0
         for port, session, task in store.by_chunk("port", "session", "task"):
             run, first, last, o = _task_runs(np.searchsorted(keys, packed_task_keys(port, session, task)))
             size = last - first + 1
             order[np.repeat(fill[run], size) + within_ranges(size)] = o + at
             fill[run] += size
             at += len(port)
-        del fill
-        return cls(order, keys, starts, _seconds(first_ts), _seconds(last_ts))
+        del fill, keys
+        ix._save("order", order)
+        ix.n_rows = len(order)
+        return ix
 
     @classmethod
     def _sorted_by_time(cls, store: FinishedRows) -> "_SampleIndex":
@@ -1003,7 +1020,12 @@ class _SampleIndex:
         t = _seconds(ts[order])
         del ts
         first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
-        return cls(order, key[first], np.r_[first, len(key)], np.fmin.reduceat(t, first), np.fmax.reduceat(t, first))
+        ix = cls()
+        for name, v in (("keys", key[first]), ("starts", np.r_[first, len(key)]), ("t_min", np.fmin.reduceat(t, first)),
+                        ("t_max", np.fmax.reduceat(t, first)), ("order", order)):
+            ix._save(name, v)
+        ix.n_rows = len(order)
+        return ix
 
     def _find(self, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Each task's place among the keys, and whether it has rows at all."""
