@@ -921,6 +921,37 @@ class SampleSource:
         return {c: v[:0] for c, v in self.store.gather(np.zeros(1, np.int64)).items()}  # no rows, the columns' types
 
 
+class _MappedArrays:
+    """Arrays in files of a temporary directory, each mapped while read (``[name]``): a
+    lookup holds only the pages it reads, and only while it reads them. A copy in another
+    process (a worker) reads the same files; the directory stays this one's to remove."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what  # for the message when the disk is full
+        try:
+            self._tmp: "tempfile.TemporaryDirectory[str] | None" = tempfile.TemporaryDirectory(prefix="slotscope-")
+        except OSError as e:
+            self._failed(e)
+        self.path = self._tmp.name
+
+    def save(self, name: str, v: np.ndarray) -> None:
+        try:
+            np.save(os.path.join(self.path, name + ".npy"), v)
+        except OSError as e:  # a full or read-only temporary directory
+            self._failed(e)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return np.asarray(np.load(os.path.join(self.path, name + ".npy"), mmap_mode="r"))  # (unmapped with its last view)
+
+    def _failed(self, e: OSError) -> None:
+        raise SlotscopeError(getattr(e, "filename", None) or tempfile.gettempdir(), None,
+                             f"cannot write {self.what} to the temporary directory ({e.strerror or e}); "
+                             "set TMPDIR to a directory with room") from None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_tmp": None}
+
+
 class _SampleIndex:
     """A store's sample rows by task: ``order`` (the table's rows as store positions), the
     distinct task keys (:func:`slotscope.timeline.packed_task_keys`) in table order, the table row where each task's
@@ -933,31 +964,14 @@ class _SampleIndex:
 
     def __init__(self) -> None:
         self.n_rows = 0
-        try:
-            self._dir = tempfile.TemporaryDirectory(prefix="slotscope-")
-        except OSError as e:
-            self._failed(e)
+        self._files = _MappedArrays("the samples' index")
+        self._save = self._files.save
 
-    def _save(self, name: str, v: np.ndarray) -> None:
-        try:
-            np.save(os.path.join(self._dir.name, name + ".npy"), v)
-        except OSError as e:  # a full or read-only temporary directory
-            self._failed(e)
-
-    @staticmethod
-    def _failed(e: OSError) -> None:
-        raise SlotscopeError(getattr(e, "filename", None) or tempfile.gettempdir(), None,
-                             f"cannot write the samples' index to the temporary directory ({e.strerror or e}); "
-                             "set TMPDIR to a directory with room (~12 bytes per sample)") from None
-
-    def _mapped(self, name: str) -> np.ndarray:
-        return np.asarray(np.load(os.path.join(self._dir.name, name + ".npy"), mmap_mode="r"))  # (unmapped with its last view)
-
-    order = property(lambda self: self._mapped("order"))
-    keys = property(lambda self: self._mapped("keys"))
-    starts = property(lambda self: self._mapped("starts"))
-    t_min = property(lambda self: self._mapped("t_min"))
-    t_max = property(lambda self: self._mapped("t_max"))
+    order = property(lambda self: self._files["order"])
+    keys = property(lambda self: self._files["keys"])
+    starts = property(lambda self: self._files["starts"])
+    t_min = property(lambda self: self._files["t_min"])
+    t_max = property(lambda self: self._files["t_max"])
 
     @classmethod
     def of(cls, store: FinishedRows) -> "_SampleIndex | None":
@@ -1062,16 +1076,22 @@ def _sample_order(store: FinishedRows, port: np.ndarray, session: np.ndarray, ta
     return np.lexsort((store.column("ts_us"), task, session, port))
 
 
-@dataclass
 class FirstTokens:
     """Each task's ``first_token_s`` by (port, session, task_id), looked up with one sorted
-    int64 key per task (~16 bytes a task; a pandas MultiIndex took ~100): the session's place
-    among the sessions, times the number of task ids, plus the task id's place among them."""
+    int64 key per task (~24 bytes a task; a pandas MultiIndex took ~100): the session's place
+    among the sessions, times the number of task ids, plus the task id's place among them.
+    The arrays of a value per task wait on disk, mapped while looked up (:class:`_MappedArrays`:
+    at 1 GB of log 13.5 MB were held under every table)."""
 
-    sessions: np.ndarray  # sorted, distinct (port + 1) * 2**32 + session
-    ids: np.ndarray  # sorted, distinct task ids
-    keys: np.ndarray  # sorted
-    values: np.ndarray
+    def __init__(self, sessions: np.ndarray, ids: np.ndarray, keys: np.ndarray, values: np.ndarray) -> None:
+        self.sessions = sessions  # sorted, distinct (port + 1) * 2**32 + session
+        self._files = _MappedArrays("the tasks' first-token times")
+        for name, v in (("ids", ids), ("keys", keys), ("values", values)):
+            self._files.save(name, v)
+
+    ids = property(lambda self: self._files["ids"])  # sorted, distinct task ids
+    keys = property(lambda self: self._files["keys"])  # sorted
+    values = property(lambda self: self._files["values"])
 
     @classmethod
     def of(cls, tasks: pd.DataFrame) -> "FirstTokens":
@@ -1082,12 +1102,12 @@ class FirstTokens:
     @classmethod
     def of_arrays(cls, port: np.ndarray, session: np.ndarray, task: np.ndarray, first_token_s: np.ndarray) -> "FirstTokens":
         """:meth:`of` the columns as arrays (int64, and float64 with NaN)."""
-        ft = cls(np.unique(cls._pair(port, session)), np.unique(task), np.zeros(0, np.int64), np.zeros(0))
-        keys = ft._keys(port, session, task)
+        sessions, ids = np.unique(cls._pair(port, session)), np.unique(task)
+        keys = cls._keys_in(sessions, ids, port, session, task)
         order = np.argsort(keys, kind="stable")
-        ft.keys, first = np.unique(keys[order], return_index=True)  # a task twice: its first row
-        ft.values = first_token_s[order][first]
-        return ft
+        keys = keys[order]
+        first = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])[: len(keys)]  # a task twice: its first row
+        return cls(sessions, ids, keys[first], first_token_s[order[first]])
 
     @staticmethod
     def _pair(port: np.ndarray, session: np.ndarray) -> np.ndarray:
@@ -1101,17 +1121,19 @@ class FirstTokens:
         at = np.minimum(np.searchsorted(sorted_values, v), len(sorted_values) - 1)
         return at, sorted_values[at] == v
 
-    def _keys(self, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
+    @classmethod
+    def _keys_in(cls, sessions: np.ndarray, ids: np.ndarray, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
         """Each (port, session, task)'s key; -1 where no task of the table can have it."""
-        s, s_ok = self._place(self.sessions, self._pair(port, session))
-        t, t_ok = self._place(self.ids, task)
-        return np.where(s_ok & t_ok, s * len(self.ids) + t, -1)
+        s, s_ok = cls._place(sessions, cls._pair(port, session))
+        t, t_ok = cls._place(ids, task)
+        return np.where(s_ok & t_ok, s * len(ids) + t, -1)
 
     def at(self, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
         """The first-token time of each (port, session, task) (NaN: no such task)."""
-        keys = self._keys(port, session, task)
-        at, hit = self._place(self.keys, keys)
-        return np.where(hit & (keys >= 0), self.values[at] if len(self.keys) else np.nan, np.nan)
+        keys = self._keys_in(self.sessions, self.ids, port, session, task)
+        known = self.keys
+        at, hit = self._place(known, keys)
+        return np.where(hit & (keys >= 0), self.values[at] if len(known) else np.nan, np.nan)
 
 
 def _first_token_per_row(first_tokens: FirstTokens | None, port: np.ndarray, session: np.ndarray, task: np.ndarray,
