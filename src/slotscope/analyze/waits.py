@@ -67,9 +67,11 @@ def _lora_type(tv: pd.DataFrame) -> Any:
     return pd.Series(pd.unique(lora.to_numpy())).dtype
 
 
-def _holders(tv: pd.DataFrame, run: pd.DataFrame, lora_type: Any) -> pd.DataFrame:
-    """Rows of :func:`_running` with their tasks' columns (``tv``: a view with ``_HOLDER``)."""
-    rows = tv.iloc[run["_row"].to_numpy()][_HOLDER].reset_index(drop=True)
+def _holders(ds: Dataset, run: pd.DataFrame, lora_type: Any) -> pd.DataFrame:
+    """Rows of :func:`_running` with their tasks' columns (``_HOLDER``), read for those rows
+    alone where the task view is on disk (a column at a time, not ``_HOLDER`` of every task)."""
+    at = run["_row"].to_numpy()
+    rows = ds._view.take(at, _HOLDER) if ds._view is not None else task_view(ds, _HOLDER).iloc[at].reset_index(drop=True)
     lora = pd.Series(run["lora"].astype("object").to_numpy(), dtype=lora_type)
     return rows.assign(start_s=run["start_s"].to_numpy(), end_s=run["end_s"].to_numpy(), lora=lora)
 
@@ -97,7 +99,11 @@ def _shared(ds: Dataset, opts: Options) -> tuple[pd.DataFrame, pd.DataFrame, Any
         _free()
         waits = _waits(task_view(ds, _TABLE_COLUMNS), is_wait, _TABLE_COLUMNS)
         _free()  # (the columns of every task, before the overlap queries)
-        return run, _classify(waits, tcode[is_wait], tcode[run["_row"].to_numpy()], run), lora_type
+        # Each one's session code, for waits-worst's pairs (not the session keys of every task).
+        run["_code"] = tcode[run["_row"].to_numpy()]
+        waits = _classify(waits, tcode[is_wait], run["_code"].to_numpy(), run)
+        waits["_code"] = tcode[is_wait]
+        return run, waits, lora_type
 
     run, w, lora_type = ds.memo((__name__, "classified", opts.wait_threshold_s), make)
     return own_copy(run), own_copy(w), lora_type
@@ -265,16 +271,11 @@ def worst_waits(ds: Dataset, opts: Options) -> pd.DataFrame:
     w["_w"] = np.arange(len(w))
     # Only the few listed waits are paired with the tasks of their session that overlap them
     # (a pair of every task would hold worst x tasks rows).
-    tv = task_view(ds, _HOLDER)
-    wcode, tcode = tl.key_codes([w, tv], tl.GROUP)
-    rcode = tcode[run["_row"].to_numpy()]
-    del tcode
-    rs, re_ = _f(run["start_s"]), _f(run["end_s"])
+    rcode, rs, re_ = run["_code"].to_numpy(), _f(run["start_s"]), _f(run["end_s"])
     near = np.zeros(len(run), dtype=bool)
-    for code, a, z in zip(wcode, _f(w["start_s"]), _f(w["end_s"])):
+    for code, a, z in zip(w["_code"].to_numpy(), _f(w["start_s"]), _f(w["end_s"])):
         near |= (rcode == code) & (rs < z) & (re_ > a)
-    run = _holders(tv, run[near], lora_type)
-    del tv
+    run = _holders(ds, run[near], lora_type)
     pair = w[tl.GROUP + ["_w", "task_id", "start_s", "end_s", "lora"]].merge(
         run.rename(columns={c: "h_" + c for c in run.columns if c not in tl.GROUP}), on=tl.GROUP, how="inner")
     pair = pair[pair["h_task_id"] != pair["task_id"]]
