@@ -142,3 +142,46 @@ def test_ran_alone_agrees_with_brute_force_on_random_tasks() -> None:
     got = ran_alone(tv)
     pd.testing.assert_frame_equal(got, _alone_by_brute_force(tv))
     assert got.to_numpy().any() and not got.to_numpy().all()
+
+
+def _alone_by_overlap_queries(code: np.ndarray, ps: np.ndarray, ft: np.ndarray, rel: np.ndarray) -> dict[str, np.ndarray]:
+    """ran_alone as it was computed before: the most other tasks active at once during each
+    phase, by timeline.overlap_arrays with the task's own span left out."""
+    from slotscope import timeline as tl
+
+    pre = ~np.isnan(ps) & ~np.isnan(ft) & (ft > ps)
+    gen = ~np.isnan(ft) & ~np.isnan(rel) & (rel > ft)
+    ivs = np.where(pre, ps, np.where(gen, ft, np.nan))
+    ive = np.where(gen, rel, np.where(pre, ft, np.nan))
+    out = {}
+    for name, a, z in (("alone_prefill", ps, ft), ("alone_generation", ft, rel)):
+        others = tl.overlap_arrays(code, a, z, code, ivs, ive, own_start=ps, own_end=rel, need=("max_count",))[1]
+        out[name] = (~np.isnan(a) & ~np.isnan(z) & (z > a)) & (others == 0)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_alone_by_counted_overlaps_equals_the_overlap_queries(monkeypatch, seed: int) -> None:
+    """Whether a phase ran alone, from how many intervals overlap it (sorted searches), equals
+    the step-function queries' answer: with times on a coarse grid (many ties: phases that
+    touch, zero-length ones), missing times, releases before the first token, several
+    sessions, and the tasks looked at a few at a time."""
+    from slotscope.analyze import breakdown as bd
+
+    monkeypatch.setattr(bd, "TASK_BLOCK", 7)
+    rng = np.random.default_rng(seed)
+    n = 400
+    grid = [0.0, 0.5, 1.0, 2.0, 3.0][seed % 3:]
+    ps = rng.integers(0, 2000, n) * 0.5
+    ft = ps + rng.choice(grid, n)
+    rel = ft + rng.choice(grid, n)
+    for v, share in ((ps, 0.1), (ft, 0.05), (rel, 0.1)):
+        v[rng.random(n) < share] = np.nan
+    back = rng.random(n) < 0.05
+    rel[back] = ft[back] - rng.choice([0.5, 3.0], back.sum())  # (a release before the first token, or before the prefill)
+    code = rng.integers(0, 1 + seed % 3, n)
+    got = bd._alone_flags(code, ps, ft, rel)
+    want = _alone_by_overlap_queries(code, ps, ft, rel)
+    for name in want:
+        assert got[name].tolist() == want[name].tolist(), name
+    assert any(want[k].any() for k in want) and not all(want[k].all() for k in want)

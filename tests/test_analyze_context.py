@@ -114,3 +114,44 @@ def test_tally_by_part_equals_the_windows_kept_whole(seed: int) -> None:
             "median_tg_3s_tps": [tl.median(v[c == k]) for k in range(len(LABELS))],
         }, index=pd.Index(LABELS, name="bin"))
         pd.testing.assert_frame_equal(tally.table(b), expected)
+
+
+@pytest.mark.parametrize("stored", ["as_read", "tasks_interleaved", "back_in_time"])
+def test_windows_read_as_stored_equal_the_tables(monkeypatch, stored: str) -> None:
+    """The heartbeats read as they were stored, a few rows at a time (each window started at
+    its task's last heartbeat so far), give the table that reading them in the table's order
+    gives, to the bit: with other tasks' rows stored in between, and, where a task's times go
+    back in stored order (the table sorts them by time), by falling back to the table's order."""
+    from slotscope import timeline as tl
+    from slotscope.analyze import context as ctx
+    from slotscope.tasks import FinishedRows
+
+    ds = load([REAL / "before" / "logs"])
+    part = ds.server.on_disk("gen_samples").parts[0]
+    if stored != "as_read":
+        rows = part.store.gather(np.arange(len(part.store)))
+        key = tl.packed_task_keys(rows["port"], rows["session"], rows["task"])
+        by_key = np.argsort(key, kind="stable")
+        if stored == "tasks_interleaved":  # stored in a random order, each task's rows still in theirs
+            task_at = key[np.random.default_rng(0).permutation(len(key))]  # (which task's row each place holds)
+            order = np.empty(len(key), dtype=np.int64)
+            order[np.argsort(task_at, kind="stable")] = by_key
+        else:  # a task's two heartbeats stored the other way round
+            k, ts = key[by_key], rows["ts_us"][by_key]
+            i = np.flatnonzero((k[1:] == k[:-1]) & (ts[1:] > ts[:-1]))[0]
+            order = np.arange(len(key))
+            order[[by_key[i], by_key[i + 1]]] = order[[by_key[i + 1], by_key[i]]]
+        store = FinishedRows()
+        store.append({c: v[order] for c, v in rows.items()})
+        store.close()
+        part.store = store
+        part.forget_index()
+    monkeypatch.setattr(ctx, "HEARTBEAT_ROWS", 7)  # (parts that split tasks' heartbeats)
+    by_table, real = [], ctx._tally_by_table
+    monkeypatch.setattr(ctx, "_tally_by_table", lambda *a: (by_table.append(1), real(*a))[1])
+    got = context(ds, Options())
+    assert by_table == ([1] if stored == "back_in_time" else [])
+    monkeypatch.setattr(ctx._InStoredOrder, "of", classmethod(lambda cls, ds, lazy: None))
+    want = context(ds, Options())
+    pd.testing.assert_frame_equal(got, want, check_exact=True)
+    assert want["samples"].sum() > 0

@@ -124,3 +124,20 @@ def test_deferred_launches_agree_with_an_asof_merge(scenario: str) -> None:
     got = deferred_launches(ds, busy)
     pd.testing.assert_frame_equal(got, _deferred_by_merge(ds, busy))
     assert len(got) > len(deferred_launches(ds, tv))
+
+
+@pytest.mark.parametrize("sessions", ["all", "one_missing"])
+def test_task_ends_read_a_column_at_a_time_equal_timeline_task_ends(sessions: str) -> None:
+    """The waits table's task ends (the view's times read one at a time, sessions by code) are
+    timeline.task_ends': a task cut by a restart ends at its session's last line, or where the
+    sessions table lacks its session, at the latest time of its session's tasks."""
+    from slotscope.analyze.waits import _Sessions
+
+    ds = load([REAL / "restart" / "logs"])
+    if sessions == "one_missing":
+        ds.server.sessions = ds.server.sessions.iloc[1:].reset_index(drop=True)
+    tv = task_view(ds)
+    release = tv["release_s"].to_numpy(dtype=float, na_value=np.nan)
+    assert np.isnan(release).any() and tv[tl.GROUP].drop_duplicates().shape[0] == 2
+    got = _Sessions(ds, tv[tl.GROUP]).ends(ds, release)
+    np.testing.assert_array_equal(got, tl.task_ends(tv, ds.server.sessions))

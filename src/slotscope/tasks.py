@@ -249,6 +249,23 @@ class FinishedRows:
         for k in range(len(self._chunks)):
             yield [self._column_of(k, c) for c in names]
 
+    def by_part(self, rows: int, *names: str) -> Iterator[list[np.ndarray]]:
+        """These columns, ``rows`` rows of a chunk at a time (a chunk's last part: the rest of
+        it), read from disk a part at a time (not the chunk's whole columns)."""
+        for k, chunk in enumerate(self._chunks):
+            for at in range(0, self._sizes[k], rows):
+                n = min(rows, self._sizes[k] - at)
+                if isinstance(chunk, dict):
+                    yield [chunk[c][at:at + n] for c in names]
+                    continue
+                out = []
+                with open(chunk, "rb") as f:
+                    for c in names:
+                        dtype, offset = self._spilled[chunk][c]
+                        f.seek(offset + at * np.dtype(dtype).itemsize)
+                        out.append(np.fromfile(f, dtype=dtype, count=n))
+                yield out
+
     def column(self, c: str) -> np.ndarray:
         """One column over all rows."""
         return np.concatenate([self._column_of(k, c) for k in range(len(self._chunks))]) if self._chunks else np.zeros(0)

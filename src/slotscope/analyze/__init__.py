@@ -74,6 +74,8 @@ SHARED_READERS = {"prefills", "cache", "cache-misses"}  # the tables that read t
 SAMPLE_READERS = {"stalls", "stalls-worst", "prefill-speed", "context"}  # the tables that read the samples
 READERS_OF = {"gen_samples": {"stalls", "stalls-worst", "context"},  # ... of each kind (stalls-worst: stalls' pieces)
               "prefill_samples": {"stalls", "stalls-worst", "prefill-speed"}}
+# ... of each kind through its index by task (context reads the heartbeats as they were stored)
+INDEX_READERS_OF = {"gen_samples": READERS_OF["gen_samples"] - {"context"}, "prefill_samples": READERS_OF["prefill_samples"]}
 
 
 def _compute_order(names: list[str]) -> list[str]:
@@ -131,7 +133,7 @@ def run(ds: Dataset, opts: Options | None = None, names: list[str] | None = None
             if TABLES[name].__module__ != module:  # sample tables built for the last module's tables
                 # (and the index by task of a kind no table still to run reads: at 1 GB of log
                 # the gen samples' is ~30 MB, the prefill samples' ~11)
-                ds.server.unload_samples(indexes=[k for k, readers in READERS_OF.items() if not readers & set(todo[i:])])
+                ds.server.unload_samples(indexes=[k for k, readers in INDEX_READERS_OF.items() if not readers & set(todo[i:])])
                 module = TABLES[name].__module__
             ds.unload()  # tables a previous one read whole
             gc.collect()  # (pandas objects hold one another in cycles: their arrays wait for the collector)

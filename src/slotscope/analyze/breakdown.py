@@ -18,7 +18,7 @@ prefill, from the 90th percentile over all tasks (``solo_*_basis`` says which).
 from __future__ import annotations
 
 import gc
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import pandas as pd
@@ -48,23 +48,47 @@ _f = tl._f  # (a float64 column's own values, not a copy)
 def ran_alone(tv: pd.DataFrame) -> pd.DataFrame:
     """Per task: whether no other task was prefilling or generating during its whole prefill
     (``alone_prefill``) and its whole generation (``alone_generation``)."""
-    ps, ft, rel = (_f(tv[c]) for c in ("prefill_start_s", "first_token_s", "release_s"))
     code = tl.narrow(tl.key_codes([tv], tl.GROUP)[0])
-    # Every task's prefill [ps, ft) and generation [ft, rel) (each where the log gives it and
-    # it lasts), as intervals of its session; the two touch at ft, so one interval per task
-    # from the first's start to the last's end has the same number active at every moment,
-    # hence the same counts (at 1 GB of log 560k intervals, not 1.1M and their steps).
+    flags = _alone_flags(code, *(_f(tv[c]) for c in ("prefill_start_s", "first_token_s", "release_s")))
+    return pd.DataFrame(flags, index=tv.index)
+
+
+TASK_BLOCK = 1 << 16  # tasks looked at a time (bounds the temporaries of their searches and sums)
+
+
+def _alone_flags(code: np.ndarray, ps: np.ndarray, ft: np.ndarray, rel: np.ndarray) -> dict[str, np.ndarray]:
+    """:func:`ran_alone` on arrays: each task's session code and times."""
+    out = {name: np.zeros(len(ps), dtype=bool) for name in ("alone_prefill", "alone_generation")}
+    one = not len(code) or bool((code == code[0]).all())  # (one session, the usual case: no positions per session)
+    for rows in [None] if one else tl.rows_by_group(code, np.ones(len(code), dtype=bool)).values():
+        # The session's intervals' starts and ends, each sorted (at 1 GB of log 560k of each).
+        starts, ends = _activity(ps, ft, rel) if rows is None else _activity(ps[rows], ft[rows], rel[rows])
+        starts, ends = np.sort(starts[~np.isnan(starts)]), np.sort(ends[~np.isnan(ends)])
+        for at in range(0, len(ps) if rows is None else len(rows), TASK_BLOCK):
+            q = slice(at, at + TASK_BLOCK) if rows is None else rows[at:at + TASK_BLOCK]
+            s, e = _activity(ps[q], ft[q], rel[q])
+            for name, a, z in (("alone_prefill", ps[q], ft[q]), ("alone_generation", ft[q], rel[q])):
+                # Alone: no interval but the task's own overlaps the phase, and its own only
+                # inside the task's span [prefill start, release], which is left out (the span,
+                # where the log gives it, lies in the interval, as does a phase that lasts).
+                # By two sorted searches per phase, not a step function of the session and
+                # range-maximum queries on it (at 1 GB of log ~25 MB more, 2x the time).
+                n = np.searchsorted(starts, z, "left") - np.searchsorted(ends, a, "right")  # (intervals overlapping (a, z))
+                own = ~np.isnan(s) & (s < z) & (e > a)
+                c0, c1 = tl._clip_own(ps[q], rel[q], a, z)
+                outside = own & ((np.maximum(s, a) < c0) | (np.minimum(e, z) > c1))
+                out[name][q] = ~np.isnan(a) & ~np.isnan(z) & (z > a) & (n - own == 0) & ~outside
+    return out
+
+
+def _activity(ps: np.ndarray, ft: np.ndarray, rel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each task's prefill [ps, ft) and generation [ft, rel) (each where the log gives it and it
+    lasts) as one interval, from the first's start to the last's end (NaN: neither): the two
+    touch at ft, so it is active whenever one of them is (at 1 GB of log 560k intervals, not
+    1.1M)."""
     pre = ~np.isnan(ps) & ~np.isnan(ft) & (ft > ps)
     gen = ~np.isnan(ft) & ~np.isnan(rel) & (rel > ft)
-    ivs = np.where(pre, ps, np.where(gen, ft, np.nan))
-    ive = np.where(gen, rel, np.where(pre, ft, np.nan))
-    del pre, gen
-    out = pd.DataFrame(index=tv.index)
-    for name, a, z in (("alone_prefill", ps, ft), ("alone_generation", ft, rel)):
-        # The task's own active span [prefill start, release] is among the intervals: leave it out.
-        others = tl.overlap_arrays(code, a, z, code, ivs, ive, own_start=ps, own_end=rel, need=("max_count",))[1]
-        out[name] = (~np.isnan(a) & ~np.isnan(z) & (z > a)) & (others == 0)
-    return out
+    return np.where(pre, ps, np.where(gen, ft, np.nan)), np.where(gen, rel, np.where(pre, ft, np.nan))
 
 
 def solo_speeds(ds: Dataset, tv: pd.DataFrame, opts: Options, *, tv_is_task_view: bool = False) -> dict[str, object]:
@@ -73,51 +97,94 @@ def solo_speeds(ds: Dataset, tv: pd.DataFrame, opts: Options, *, tv_is_task_view
     ``tv_is_task_view`` says ``tv`` is ``task_view(ds)``: the stretches alone (a fallback) are
     then the ones the ``stalls`` tables share instead of being computed anew.
     """
-    alone = ran_alone(tv)
+    return _solo_speeds(ran_alone(tv), opts, lambda col: _f(tv[col]) if col in tv.columns or not tv_is_task_view
+                        else _f(task_view(ds, [col])[col]), lambda: _alone_stretches(ds, tv, opts, tv_is_task_view))
+
+
+def _solo_speeds(alone: pd.DataFrame | dict[str, np.ndarray], opts: Options, speeds: Callable[[str], np.ndarray],
+                 stretches: Callable[[], pd.Series]) -> dict[str, object]:
+    """:func:`solo_speeds` of the tasks' ``alone`` flags (:func:`ran_alone`), each task's speeds
+    (``speeds(column)``) and the stretches of generation alone (``stretches()``, the fallback)."""
     res: dict[str, object] = {}
     for kind, col, flag, override in (
         ("gen", "gen_tps", "alone_generation", opts.solo_gen_tps),
         ("prefill", "prefill_tps", "alone_prefill", opts.solo_prefill_tps),
     ):
-        v = pd.Series(_f(tv[col] if col in tv.columns or not tv_is_task_view else task_view(ds, [col])[col]), index=tv.index)
-        sample = v[alone[flag] & v.notna() & (v > 0)]
+        v = pd.Series(speeds(col))
+        sample = v[np.asarray(alone[flag]) & v.notna().to_numpy() & (v > 0).to_numpy()]
         if override is not None:
             res[kind] = (float(override), pd.NA, "option")
         elif len(sample):
             res[kind] = (float(sample.median()), len(sample), "median of tasks alone")
-        elif kind == "gen" and len(stretches := _alone_stretches(ds, tv, opts, tv_is_task_view)):
-            res[kind] = (float(stretches.median()), len(stretches), "median of stretches alone")
+        elif kind == "gen" and len(got := stretches()):
+            res[kind] = (float(got.median()), len(got), "median of stretches alone")
         else:
             allv = v[v.notna() & (v > 0)]
             res[kind] = (float(allv.quantile(0.9)) if len(allv) else np.nan, len(allv), "p90 of all tasks")
     return res
 
 
-def _alone_stretches(ds: Dataset, tv: pd.DataFrame, opts: Options, tv_is_task_view: bool) -> pd.Series:
+def _alone_stretches(ds: Dataset, tv: pd.DataFrame | None, opts: Options, tv_is_task_view: bool) -> pd.Series:
+    """The stretches of generation alone (:mod:`.stalls`): the ones its tables share when ``tv``
+    is the task view (None: it is), else those of ``tv``."""
     from .stalls import CLASSES, MIN_PIECE_S, _pieces, _shared_pieces
 
     p = _shared_pieces(ds, opts) if tv_is_task_view else _pieces(ds, opts, tv)
     return pd.Series(p.tok_per_s[(p.cls == CLASSES.index("alone")) & (p.seconds >= MIN_PIECE_S)])
 
 
-def _components(tv: pd.DataFrame, launch: np.ndarray, ps: np.ndarray, ft: np.ndarray, rel: np.ndarray,
-                has: np.ndarray, split: np.ndarray, pre_tps: float, gen_tps: float) -> Iterator[tuple[str, np.ndarray]]:
-    """Each component's seconds per task (``COMPONENTS``, in order), one array at a time (six
-    arrays as long as the tasks, a table of them and its copy for the tasks kept rose ~70 MB
-    at 1 GB of log)."""
-    prefill = np.where(split, ft - ps, 0.0)
-    generation = np.where(split, rel - ft, 0.0)
-    own_pre = np.minimum(np.nan_to_num(_f(tv["prompt_tokens_new"]) / pre_tps), prefill)
-    own_gen = np.minimum(np.nan_to_num(np.maximum(_f(tv["n_gen"]) - 1, 0) / gen_tps), generation)
+def _components(column: Callable[[str], pd.Series | None], launch: np.ndarray, ps: np.ndarray, ft: np.ndarray,
+                rel: np.ndarray, has: np.ndarray, split: np.ndarray, pre_tps: float, gen_tps: float) -> Iterator[tuple[str, np.ndarray]]:
+    """Each component's seconds per task (``COMPONENTS``, in order), one array at a time, each
+    made :data:`TASK_BLOCK` tasks at a time (six arrays as long as the tasks, a table of them
+    and its copy for the tasks kept rose ~70 MB at 1 GB of log; the expressions' temporaries
+    for every task ~20 MB more), the columns besides the times read as they are used
+    (``column(name)``: None where the tasks do not have it)."""
+    n = len(launch)
+
+    def blockwise(f: Callable[..., np.ndarray], *cols: pd.Series | np.ndarray) -> np.ndarray:
+        """``f(block, *cols' values in it as floats)`` for each block of tasks, joined."""
+        out = np.empty(n)
+        for at in range(0, n, TASK_BLOCK):
+            b = slice(at, at + TASK_BLOCK)
+            out[b] = f(b, *(_f(c.iloc[b]) if isinstance(c, pd.Series) else c[b] for c in cols))
+        return out
+
+    def prefill(b: slice) -> np.ndarray:
+        return np.where(split[b], ft[b] - ps[b], 0.0)
+
+    def generation(b: slice) -> np.ndarray:
+        return np.where(split[b], rel[b] - ft[b], 0.0)
+
+    own_gen = blockwise(lambda b, g: np.minimum(np.nan_to_num(np.maximum(g - 1, 0) / gen_tps), generation(b)), column("n_gen"))
     yield "own_generation", own_gen
+    own_pre = blockwise(lambda b, new: np.minimum(np.nan_to_num(new / pre_tps), prefill(b)), column("prompt_tokens_new"))
     yield "own_prefill", own_pre
-    yield "contention", prefill + generation - own_pre - own_gen
-    del prefill, generation, own_pre, own_gen
-    yield "wait", np.where(split, ps - launch, 0.0)
-    queue = np.nan_to_num(_f(tv["queue_ms"]) / 1000) if "queue_ms" in tv.columns else np.zeros(len(tv))
-    yield "queue", np.where(has, np.maximum(queue, 0), 0.0)
+    yield "contention", blockwise(lambda b, p, g: prefill(b) + generation(b) - p - g, own_pre, own_gen)
+    del own_pre, own_gen
+    yield "wait", blockwise(lambda b: np.where(split[b], ps[b] - launch[b], 0.0))
+    queue = column("queue_ms")
+    yield "queue", (blockwise(lambda b, q: np.where(has[b], np.maximum(np.nan_to_num(q / 1000), 0), 0.0), queue)
+                    if queue is not None else np.zeros(n))
     del queue
-    yield "unsplit", np.where(has & ~split, rel - launch, 0.0)
+    yield "unsplit", blockwise(lambda b: np.where(has[b] & ~split[b], rel[b] - launch[b], 0.0))
+
+
+def _purposes(tv: pd.DataFrame, has: np.ndarray, fallback: str) -> tuple[np.ndarray, np.ndarray]:
+    """The ``has`` tasks' purposes (``fallback`` where none) factorized, sorted: each one's code
+    and the names. From the categories' codes where the purposes are categories of texts (the
+    task view's: a column of their texts, one per task, was ~48 MB at 1 GB of log)."""
+    col = tv["purpose"] if "purpose" in tv.columns else pd.Series(fallback, index=tv.index)
+    if not isinstance(col.dtype, pd.CategoricalDtype) or not all(isinstance(c, str) for c in col.cat.categories):
+        return pd.factorize(col.astype("object").where(col.notna(), fallback).to_numpy()[has], sort=True)
+    labels = [*col.cat.categories, fallback]
+    k = col.cat.codes.to_numpy()[has].astype(np.int64)
+    k[k < 0] = len(labels) - 1
+    present = np.unique(k)
+    names = sorted({labels[i] for i in present})  # (pd.factorize sorts texts as Python does)
+    to_name = np.zeros(len(labels), dtype=np.int64)
+    to_name[present] = [names.index(labels[i]) for i in present]
+    return to_name[k], np.array(names, dtype=object)
 
 
 @register("breakdown")
@@ -126,28 +193,42 @@ def breakdown(ds: Dataset, opts: Options) -> pd.DataFrame:
     (``unlogged`` for tasks no app call matched; ``unknown`` when there is no app log)."""
     # Read in two rounds, each only its columns: what the solo speeds ask (ran_alone's
     # overlap queries), then what the components ask, the first dropped before the second is read.
-    solo = solo_speeds(ds, task_view(ds, tl.GROUP + tl.TIMES[1:]), opts, tv_is_task_view=True)
+    # The sessions' codes first, their key columns dropped before the times are read.
+    code = tl.narrow(tl.key_codes([task_view(ds, tl.GROUP)], tl.GROUP)[0])
+    alone = _alone_flags(code, *(_f(task_view(ds, [c])[c]) for c in ("prefill_start_s", "first_token_s", "release_s")))
+    del code
+    solo = _solo_speeds(alone, opts, lambda col: _f(task_view(ds, [col])[col]), lambda: _alone_stretches(ds, None, opts, True))
+    del alone
     gen_tps, gen_n, gen_basis = solo["gen"]  # type: ignore[misc]
     pre_tps, pre_n, pre_basis = solo["prefill"]  # type: ignore[misc]
     _free()
-    tv = task_view(ds, tl.TIMES + ["prompt_tokens_new", "n_gen", "queue_ms", "purpose"])
+    tv = task_view(ds, tl.TIMES + ["purpose"])
     launch, ps, ft, rel = (_f(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))
     has = ~np.isnan(launch) & ~np.isnan(rel) & (rel >= launch)
     split = has & ~np.isnan(ps) & ~np.isnan(ft) & (ps >= launch) & (ft >= ps) & (rel >= ft)
-    has_queue = "queue_ms" in tv.columns and bool(tv["queue_ms"].notna().any())
     fallback = "unlogged" if ds.app is not None else "unknown"
-    purpose = tv["purpose"].astype("object").where(tv["purpose"].notna(), fallback) if "purpose" in tv.columns else pd.Series(fallback, index=tv.index)
-    codes, names = pd.factorize(purpose.to_numpy()[has], sort=True)
-    del purpose
+    codes, names = _purposes(tv, has, fallback)
+    codes = tl.narrow(codes)
+    # (the codes as a categorical's: the groupby sums as it sums integer keys, without factorizing them)
+    by = pd.Categorical.from_codes(codes, categories=np.arange(len(names)))
+    queue = task_view(ds, ["queue_ms"])
+    has_queue = "queue_ms" in queue.columns and bool(queue["queue_ms"].notna().any())
+    del queue
+
+    def column(name: str) -> pd.Series | None:
+        got = task_view(ds, [name])
+        return got[name] if name in got.columns else None
 
     # Per purpose (groupby sums: the same sums, to the bit, as the groupby of a table of all
     # six) and over all tasks kept, one component at a time.
     per_purpose, overall = {}, {}
-    for name, v in _components(tv, launch, ps, ft, rel, has, split, pre_tps, gen_tps):
+    for name, v in _components(column, launch, ps, ft, rel, has, split, pre_tps, gen_tps):
         v = pd.Series(v[has])
-        per_purpose[name] = v.groupby(codes).sum().to_numpy()
+        per_purpose[name] = v.groupby(by, observed=True).sum().to_numpy()
         overall[name] = v.sum()
-    del tv, launch, ps, ft, rel
+        del v
+        release_memory()  # (the last component's arrays: freed pages glibc would keep under the next)
+    del tv, launch, ps, ft, rel, by
     per = pd.DataFrame(per_purpose, index=pd.Index(names, name="purpose"), columns=COMPONENTS)
     per.loc["all"] = pd.Series(overall)
     tasks = pd.Series(np.bincount(codes, minlength=len(names)), index=names)

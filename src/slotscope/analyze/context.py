@@ -22,6 +22,8 @@ import pandas as pd
 
 from .. import timeline as tl
 from ..dataset import Dataset, release_memory, tasks_of
+from ..server_log import Samples
+from ..tasks import HEARTBEAT, SampleSource, _seconds
 from . import Options, register
 
 EDGES = [0, 2_000, 5_000, 10_000, 15_000, np.inf]
@@ -92,22 +94,136 @@ def _windows(hb: pd.DataFrame, prompt: pd.DataFrame, tokens: np.ndarray, holding
     rows, p_row = tl.join_tasks(hb, prompt)
     keep = unstalled[rows]
     rows, p_row = rows[keep], p_row[keep]
-    ctx = tokens[p_row] + hb["n_gen"].astype("float64").to_numpy(na_value=np.nan)[rows]
-    keep = ~np.isnan(ctx)
-    rows, ctx, p_row = rows[keep], ctx[keep], p_row[keep]
+    n_gen = hb["n_gen"].astype("float64").to_numpy(na_value=np.nan)[rows]
     w = hb[SESSION + ["window_start_s", "t_s", "tg_3s_tps"]].iloc[rows].reset_index(drop=True)
-    w["alone"] = holding.count(w, "window_start_s", "t_s") <= 1
-    # The task itself finished its prefill before its first heartbeat window, so any count is another's.
-    w["no_prefill"] = prefilling.count(w, "window_start_s", "t_s") == 0
-    w = w[["tg_3s_tps", "alone", "no_prefill"]]
-    w["bin"] = pd.cut(ctx, EDGES, right=False, labels=LABELS).codes  # (one byte a window, not its tokens)
-    w["task"] = p_row  # one number per task (was its keys as text)
-    return w
+    return _counted(w, tokens[p_row] + n_gen, p_row, holding, prefilling)
+
+
+def _counted(w: pd.DataFrame, ctx: np.ndarray, task: np.ndarray, holding: TasksDuring, prefilling: TasksDuring) -> pd.DataFrame:
+    """:func:`_windows` of the unstalled windows ``w`` (``SESSION``, ``window_start_s``, ``t_s``,
+    ``tg_3s_tps``) with their contexts ``ctx`` (NaN: none, left out) and tasks."""
+    keep = ~np.isnan(ctx)
+    if not keep.all():
+        w, ctx, task = w[keep].reset_index(drop=True), ctx[keep], task[keep]
+    return pd.DataFrame({
+        "tg_3s_tps": w["tg_3s_tps"].to_numpy(),
+        "alone": holding.count(w, "window_start_s", "t_s") <= 1,
+        # The task itself finished its prefill before its first heartbeat window, so any count is another's.
+        "no_prefill": prefilling.count(w, "window_start_s", "t_s") == 0,
+        "bin": pd.cut(ctx, EDGES, right=False, labels=LABELS).codes,  # (one byte a window, not its tokens)
+        "task": task,  # one number per task (was its keys as text)
+    })
+
+
+class _NotAsStored(Exception):
+    """The table's order of a task's heartbeats is not their stored order: their times go
+    back, or a key does not fit the index (then the table sorts them by time)."""
+
+
+class _InStoredOrder:
+    """The heartbeats' windows read as the rows were stored (a log's order), :data:`HEARTBEAT_ROWS`
+    at a time, without the table or its index by task: at 1 GB of log the index is ~30 MB
+    and reading the table's order through it gathered every column of a chunk per part.
+    The table lists a task's heartbeats in stored order where their times do not go back (a
+    stable sort by task), so a heartbeat's window starts at the last one of its task stored
+    before it, else at its task's first token (:func:`slotscope.tasks._sample_table`). Each
+    task's last heartbeat time so far is kept per task of the task table (the others'
+    windows are not counted). Only for one stream of samples and tasks whose keys pack into
+    one integer (:func:`slotscope.timeline.packed_task_keys`): :meth:`of` is None otherwise."""
+
+    def __init__(self, part: SampleSource, keys: np.ndarray, tokens: np.ndarray) -> None:
+        self.part, self.keys, self.tokens = part, keys, tokens
+
+    @classmethod
+    def of(cls, ds: Dataset, lazy: Samples | None) -> _InStoredOrder | None:
+        """The tasks' distinct packed keys, sorted (a task is its place among them), and each
+        one's prompt tokens (its first row's, where a task is listed twice), read a column at
+        a time (a frame of the four key columns was ~19 MB at 1 GB of log)."""
+        if lazy is None:
+            return None
+        parts = [p for p in lazy.parts if len(p.store)]
+        if len(parts) != 1 or parts[0].kind != HEARTBEAT:
+            return None
+        source = tasks_of(ds, ["source"])["source"]
+        if not tl._one_value([source]) or (len(source) and source.iloc[0] != parts[0].source):
+            return None
+        del source
+        key = None
+        for c, shift in (("port", 46), ("session", 32), ("task_id", 0)):  # (as packed_task_keys packs them)
+            v = tl._ints(tasks_of(ds, [c])[c])
+            if v is None:
+                return None
+            lo, hi = {"port": (-1, 65535), "session": (0, (1 << 14) - 1), "task_id": (0, (1 << 32) - 1)}[c]
+            if len(v) and (v.min() < lo or v.max() > hi):
+                return None
+            v = (v + 1 if c == "port" else v) << shift
+            key = v if key is None else np.bitwise_or(key, v, out=key)
+            del v
+        if key is None or not len(key):
+            return cls(parts[0], np.zeros(0, dtype=np.int64), np.zeros(0))
+        order = np.argsort(key, kind="stable")
+        key = key[order]
+        first = np.r_[True, key[1:] != key[:-1]]  # (each key's first row: stable sort)
+        key = key[first]
+        rows = order[first]
+        del order, first
+        tokens = tasks_of(ds, ["prompt_tokens"])["prompt_tokens"].astype("float64").to_numpy(na_value=np.nan)[rows]
+        return cls(parts[0], key, tokens)
+
+    def _rows(self, key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rows whose key a task has, and that task's place among the keys."""
+        if not len(self.keys):
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        at = np.minimum(np.searchsorted(self.keys, key), len(self.keys) - 1)
+        hit = np.flatnonzero(self.keys[at] == key)
+        return hit, at[hit]
+
+    def tally(self, tally: _Tally, holding: TasksDuring, prefilling: TasksDuring) -> None:
+        """Tally every unstalled window; raises :class:`_NotAsStored` (part of them tallied)
+        where the table's order is not the stored one."""
+        part = self.part
+        last = np.full(len(self.keys), -1, dtype=np.int64)  # each task's last heartbeat so far (µs; -1: none)
+        for port, session, task, ts, n_gen, tg in part.store.by_part(HEARTBEAT_ROWS, "port", "session", "task", "ts_us", "v1", "v3"):
+            key = tl.packed_task_keys(port, session, task)
+            if (key < 0).any():
+                raise _NotAsStored
+            rows, p_row = self._rows(key)
+            del key
+            # The part's rows by task, stored order within each (stable).
+            o = np.argsort(p_row, kind="stable")
+            rows, p_row = rows[o], p_row[o]
+            t_us = ts[rows].astype(np.int64)
+            same = np.zeros(len(rows), dtype=bool)
+            same[1:] = p_row[1:] == p_row[:-1]
+            prev = np.where(same, np.r_[-1, t_us[:-1]], last[p_row])
+            if (t_us < 0).any() or (t_us < prev).any():
+                raise _NotAsStored
+            ends = np.flatnonzero(np.r_[~same[1:], True]) if len(rows) else np.zeros(0, dtype=np.int64)
+            last[p_row[ends]] = t_us[ends]
+            t_s = _seconds(t_us)
+            step = t_s - _seconds(prev)
+            first = np.flatnonzero(prev < 0)
+            if len(first):  # (the first heartbeat's window starts at the task's first token)
+                ft = (part.first_tokens.at(*(np.asarray(v[rows[first]], dtype=np.int64) for v in (port, session, task)))
+                      if part.first_tokens is not None else np.full(len(first), np.nan))
+                step[first] = t_s[first] - ft
+            window = np.round(step, 6)
+            tg_3s = tg[rows].astype(np.float64)
+            keep = np.flatnonzero((window >= WINDOW_MIN_S) & (window <= WINDOW_MAX_S) & ~np.isnan(tg_3s))
+            keep = keep[np.argsort(t_s[keep], kind="stable")]  # (in time order: the counts' searches took 1.3 s, not 1.7)
+            w = pd.DataFrame({"source": pd.Categorical.from_codes(np.zeros(len(keep), dtype=np.int8), categories=[part.source]),
+                              "port": port[rows[keep]].astype(np.int64), "session": session[rows[keep]].astype(np.int64),
+                              "window_start_s": np.round(t_s[keep] - window[keep], 6), "t_s": t_s[keep], "tg_3s_tps": tg_3s[keep]})
+            ctx = self.tokens[p_row[keep]] + n_gen[rows[keep]].astype(np.float64)
+            tally.add(_counted(w, ctx, p_row[keep], holding, prefilling))
+            del w, ctx, rows, p_row, t_us, prev, t_s, step, window, tg_3s, keep, port, session, task, ts, n_gen, tg
+            release_memory()  # (the part's arrays: freed pages glibc would keep)
 
 
 class _Tally:
     """Per basis and context bin, what the table needs of the windows seen so far, summed a
-    part of the heartbeats at a time: how many windows, which tasks (a byte per task and bin),
+    part of the heartbeats at a time: how many windows, which tasks (a byte per task, a bit
+    per bin: at 1 GB of log 1.1 MB, a byte per task and bin was 5.6),
     and how many windows had each tg_3s value (its distinct values, sorted: the speeds are
     printed with two decimals, at 1 GB of log 855 of them for 2.9M heartbeats). Each bin's
     median is read off its counts (as :func:`slotscope.timeline.median` of the values gives it).
@@ -115,7 +231,7 @@ class _Tally:
 
     def __init__(self, n_tasks: int) -> None:
         self.samples = {b: np.zeros(len(LABELS), dtype=np.int64) for b in BASES}
-        self.tasks = {b: np.zeros((len(LABELS), n_tasks), dtype=bool) for b in BASES}
+        self.tasks = {b: np.zeros(n_tasks, dtype=np.uint8) for b in BASES}  # (bit k: bin k; LABELS has 5)
         self.values = {b: [(np.zeros(0), np.zeros(0, dtype=np.int64)) for _ in LABELS] for b in BASES}
 
     def add(self, w: pd.DataFrame) -> None:
@@ -126,7 +242,7 @@ class _Tally:
             sel = w[b].to_numpy() & (bins >= 0)
             for k in np.unique(bins[sel]):
                 at = sel & (bins == k)
-                self.tasks[b][k, task[at]] = True
+                self.tasks[b][task[at]] |= np.uint8(1 << int(k))
                 v = tg[at]
                 v = v[~np.isnan(v)]
                 self.samples[b][k] += len(v)
@@ -138,7 +254,7 @@ class _Tally:
     def table(self, b: str) -> pd.DataFrame:
         return pd.DataFrame({
             "samples": self.samples[b],
-            "tasks": self.tasks[b].sum(axis=1),
+            "tasks": [np.count_nonzero(self.tasks[b] & np.uint8(1 << k)) for k in range(len(LABELS))],
             "median_tg_3s_tps": [median_of_counts(*self.values[b][k]) for k in range(len(LABELS))],
         }, index=pd.Index(LABELS, name="bin"))
 
@@ -154,30 +270,26 @@ def median_of_counts(values: np.ndarray, counts: np.ndarray) -> float:
     return float(middle[0]) if n % 2 else float(np.median(middle))
 
 
-@register("context")
-def context(ds: Dataset, opts: Options) -> pd.DataFrame:
-    """Median tg_3s of unstalled heartbeat windows per context-length bin, alone and in any company."""
-    keys = SESSION + ["task_id"]
-    lazy = ds.server.on_disk("gen_samples")
-    if lazy is not None:  # the heartbeats' index by task first: its making does not stack on the tasks' columns
-        for part in lazy.parts:
-            part.index()
-        release_memory()
-    # The tasks' columns a few at a time: each count's times, then the prompts.
-    holding = TasksDuring(tasks_of(ds, SESSION + ["launch_s", "release_s"]))
-    prefilling = TasksDuring(tasks_of(ds, SESSION + ["prefill_start_s", "first_token_s"]), "prefill_start_s", "first_token_s")
-    prompt = tasks_of(ds, keys + ["prompt_tokens"])
+def _prompts(ds: Dataset) -> tuple[pd.DataFrame, np.ndarray]:
+    """Each task's keys (its first row where one is listed twice) and prompt tokens (float64)."""
+    prompt = tasks_of(ds, SESSION + ["task_id", "prompt_tokens"])
     first = tl.first_of_each_task(prompt)
     if first is not None:  # a task listed twice: its first row
         prompt = prompt.iloc[first]
     tokens = prompt.pop("prompt_tokens").astype("float64").to_numpy(na_value=np.nan)
-    release_memory()  # (the columns read whole for the counts' times)
-    # The heartbeats a part at a time where they wait on disk (the table is never built), each
-    # part's windows tallied and dropped.
-    parts = lazy.batches(HEARTBEAT_ROWS) if lazy is not None else [ds.server.gen_samples]
-    tally = _Tally(len(prompt))
+    return prompt, tokens
+
+
+def _tally_by_table(ds: Dataset, lazy: Samples | None, tally: _Tally, prompt: pd.DataFrame, tokens: np.ndarray,
+                    holding: TasksDuring, prefilling: TasksDuring) -> None:
+    """Tally the heartbeat table's windows: a part at a time where they wait on disk (the table
+    is never built, read in its order through the index by task), else the table."""
+    if lazy is not None:
+        for part in lazy.parts:
+            part.index()
+        release_memory()
     n_parts = 0
-    for hb in parts:
+    for hb in lazy.batches(HEARTBEAT_ROWS) if lazy is not None else [ds.server.gen_samples]:
         w = _windows(hb, prompt, tokens, holding, prefilling)
         del hb
         tally.add(w)
@@ -185,7 +297,31 @@ def context(ds: Dataset, opts: Options) -> pd.DataFrame:
         n_parts += 1
     if not n_parts:
         tally.add(_windows(ds.server.gen_samples, prompt, tokens, holding, prefilling))
-    del holding, prefilling, prompt, tokens
+
+
+@register("context")
+def context(ds: Dataset, opts: Options) -> pd.DataFrame:
+    """Median tg_3s of unstalled heartbeat windows per context-length bin, alone and in any company."""
+    lazy = ds.server.on_disk("gen_samples")
+    # The tasks' columns a few at a time: each count's times, then the prompts.
+    holding = TasksDuring(tasks_of(ds, SESSION + ["launch_s", "release_s"]))
+    prefilling = TasksDuring(tasks_of(ds, SESSION + ["prefill_start_s", "first_token_s"]), "prefill_start_s", "first_token_s")
+    release_memory()  # (the columns read whole for the counts' times)
+    stored = _InStoredOrder.of(ds, lazy)
+    tally = None
+    if stored is not None:  # the heartbeats as stored, where they wait on disk (the usual case)
+        tally = _Tally(len(stored.keys))
+        try:
+            stored.tally(tally, holding, prefilling)
+        except _NotAsStored:  # (then in the table's order, from the start)
+            tally = None
+        del stored
+    if tally is None:
+        prompt, tokens = _prompts(ds)
+        tally = _Tally(len(prompt))
+        _tally_by_table(ds, lazy, tally, prompt, tokens, holding, prefilling)
+        del prompt, tokens
+    del holding, prefilling
     per_basis = [tally.table(b) for b in BASES]
     table = pd.concat(per_basis, keys=list(BASES), names=["basis", "bin"])
     table = table.reindex(pd.MultiIndex.from_product([list(BASES), LABELS], names=["basis", "context_tokens"]))

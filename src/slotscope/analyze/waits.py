@@ -13,8 +13,9 @@ log line. Their time is the app's ``queue_ms`` when an app log gives it.
 
 from __future__ import annotations
 
+import functools
 import gc
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pandas as pd
@@ -51,12 +52,15 @@ def _running(tv: pd.DataFrame, sessions: pd.DataFrame | None) -> pd.DataFrame:
     the labels are): the rest of its columns (``_HOLDER``) are read for the few that
     :func:`worst_waits` lists (at 1 GB of log a copy of them for every task rose ~25 MB, held by
     both waits tables; a column of its labels as text ~20 MB)."""
-    end = tl.task_ends(tv, sessions)
-    ps = _f(tv["prefill_start_s"])
-    start = np.where(np.isnan(ps), _f(tv["launch_s"]), ps)
+    return _running_of(tl.task_ends(tv, sessions), _f(tv["prefill_start_s"]), _f(tv["launch_s"]), tv)
+
+
+def _running_of(end: np.ndarray, ps: np.ndarray, launch: np.ndarray, tv: pd.DataFrame) -> pd.DataFrame:
+    """:func:`_running` of the tasks' ends, prefill starts and launches (``tv``: their ``lora``, if any)."""
+    start = np.where(np.isnan(ps), launch, ps)
     keep = np.flatnonzero(end > start)
     lora = tv["lora"] if "lora" in tv.columns else pd.Series(pd.NA, index=tv.index, dtype="object")
-    return pd.DataFrame({"_row": keep.astype(np.int32) if len(tv) < 2**31 else keep, "start_s": start[keep], "end_s": end[keep],
+    return pd.DataFrame({"_row": keep.astype(np.int32) if len(end) < 2**31 else keep, "start_s": start[keep], "end_s": end[keep],
                          "lora": lora.iloc[keep].reset_index(drop=True)})
 
 
@@ -67,9 +71,11 @@ def _lora_type(tv: pd.DataFrame) -> Any:
     return pd.Series(pd.unique(lora.to_numpy())).dtype
 
 
-def _holders(tv: pd.DataFrame, run: pd.DataFrame, lora_type: Any) -> pd.DataFrame:
-    """Rows of :func:`_running` with their tasks' columns (``tv``: a view with ``_HOLDER``)."""
-    rows = tv.iloc[run["_row"].to_numpy()][_HOLDER].reset_index(drop=True)
+def _holders(ds: Dataset, run: pd.DataFrame, lora_type: Any) -> pd.DataFrame:
+    """Rows of :func:`_running` with their tasks' columns (``_HOLDER``), read for those rows
+    alone where the task view is on disk (a column at a time, not ``_HOLDER`` of every task)."""
+    at = run["_row"].to_numpy()
+    rows = ds._view.take(at, _HOLDER) if ds._view is not None else task_view(ds, _HOLDER).iloc[at].reset_index(drop=True)
     lora = pd.Series(run["lora"].astype("object").to_numpy(), dtype=lora_type)
     return rows.assign(start_s=run["start_s"].to_numpy(), end_s=run["end_s"].to_numpy(), lora=lora)
 
@@ -87,17 +93,29 @@ def _shared(ds: Dataset, opts: Options) -> tuple[pd.DataFrame, pd.DataFrame, Any
     """What ran, the classified waits and the type of the holders' labels, computed once for
     the waits tables."""
     def make() -> tuple[pd.DataFrame, pd.DataFrame, Any]:
-        # What the waits are chosen and classified by first, then (that dropped) the waits' own
-        # columns for their rows (not both sets of columns of every task at once).
-        tv = task_view(ds, tl.GROUP + tl.TIMES + ["wait_before_prefill_ms", "lora"])
-        run = _running(tv, ds.server.sessions)
-        lora_type = _lora_type(tv)
-        is_wait, tcode = _wait_rows(tv, opts)
-        del tv
+        # What the waits are chosen and classified by first, a column at a time (at 1 GB of log
+        # the nine read at once were ~37 MB), then the waits' own columns for their rows.
+        sessions = _Sessions(ds, task_view(ds, tl.GROUP))
+        tcode = sessions.code
+        lora = task_view(ds, ["lora"])
+        run = _running_of(sessions.ends(ds, _f(task_view(ds, ["release_s"])["release_s"])),
+                          *(_f(task_view(ds, [c])[c]) for c in ("prefill_start_s", "launch_s")), lora)
+        lora_type = _lora_type(lora)
+        del sessions, lora
+        is_wait = _f(task_view(ds, ["wait_before_prefill_ms"])["wait_before_prefill_ms"]) >= opts.wait_threshold_s * 1000
         _free()
-        waits = _waits(task_view(ds, _TABLE_COLUMNS), is_wait, _TABLE_COLUMNS)
-        _free()  # (the columns of every task, before the overlap queries)
-        return run, _classify(waits, tcode[is_wait], tcode[run["_row"].to_numpy()], run), lora_type
+        # The waits' own columns for their rows alone where the view is on disk (a column at a
+        # time: at 1 GB of log the columns of every task rose ~45 MB).
+        rows = np.flatnonzero(is_wait)
+        waits = _waits(ds._view.take(rows, _TABLE_COLUMNS) if ds._view is not None else task_view(ds, _TABLE_COLUMNS).iloc[rows],
+                       np.ones(len(rows), dtype=bool), _TABLE_COLUMNS)
+        del rows
+        _free()  # (the columns read, before the overlap queries)
+        # Each one's session code, for waits-worst's pairs (not the session keys of every task).
+        run["_code"] = tcode[run["_row"].to_numpy()]
+        waits = _classify(waits, tcode[is_wait], run["_code"].to_numpy(), run)
+        waits["_code"] = tcode[is_wait]
+        return run, waits, lora_type
 
     run, w, lora_type = ds.memo((__name__, "classified", opts.wait_threshold_s), make)
     return own_copy(run), own_copy(w), lora_type
@@ -122,10 +140,8 @@ def _covered(wcode: np.ndarray, ws: np.ndarray, we: np.ndarray, rcode: np.ndarra
              sel: np.ndarray | None) -> np.ndarray:
     """Seconds of each wait [ws, we] covered by the ``sel`` rows of what ran (None: all), as
     :func:`tl.overlaps`' ``covered_s``."""
-    if sel is not None:
-        r = np.flatnonzero(sel)
-        rcode, rs, re_ = rcode[r], rs[r], re_[r]
-        del r
+    if sel is not None:  # (the others' starts missing: no interval, as if left out; not three copies of the rows kept)
+        rs = np.where(sel, rs, np.nan)
     return tl.overlap_arrays(wcode, ws, we, rcode, rs, re_, need=("covered",))[0].round(6)
 
 
@@ -166,20 +182,72 @@ def deferred_launches(ds: Dataset, tv: pd.DataFrame | None = None) -> pd.DataFra
     """Tasks launched within ``DEFERRED_S`` after another task's release while every slot of
     their session was busy just before that release, with the release that let them in."""
     tv = task_view(ds) if tv is None else tv
-    launch_s, release_s = _f(tv["launch_s"]), _f(tv["release_s"])
+    sessions = _Sessions(ds, tv)
+    got = _deferred_rows(sessions.code, _f(tv["launch_s"]), _f(tv["release_s"]), lambda: tv["task_id"].to_numpy(),
+                         lambda: tl.task_ends(tv, ds.server.sessions), sessions.n_slots_at)
+    if got is None:
+        return tv.iloc[0:0].assign(released_task_id=pd.Series(dtype="int64"), release_s_before=pd.Series(dtype="float64"))
+    rows, released, rel_t = got
+    out = tv.loc[tv.index[rows]].copy()
+    out["released_task_id"] = released
+    out["release_s_before"] = rel_t
+    return out.reset_index(drop=True)
+
+
+class _Sessions:
+    """Each task's session code (``tv``: its ``GROUP`` columns) and, by it, the slots and last
+    time of its session (NaN: unknown), looked up by code (a merge on the session keys made
+    the source's text of every row: at 1 GB of log the peak of the waits tables)."""
+
+    def __init__(self, ds: Dataset, tv: pd.DataFrame) -> None:
+        first = ds.server.sessions.drop_duplicates(tl.GROUP)  # (a session's first row)
+        self.scode, code = tl.key_codes([first, tv], tl.GROUP)
+        self.code = tl.narrow(code)
+        self.n_slots = pd.to_numeric(first["n_slots"], errors="coerce").to_numpy(dtype=float, na_value=np.nan)
+        self.last_s = _f(first["last_s"]) if len(first) else np.zeros(0)
+
+    def n_slots_at(self, rows: np.ndarray) -> np.ndarray:
+        return tl.by_code(self.scode, self.n_slots, self.code[rows], np.nan)
+
+    def ends(self, ds: Dataset, release_s: np.ndarray) -> np.ndarray:
+        """:func:`slotscope.timeline.task_ends` of every task, whose releases these are, its
+        other times read a column at a time, only when a task has no release (at 1 GB of log
+        some have none: the view's seven columns for it were ~30 MB)."""
+        if not np.isnan(release_s).any():
+            return release_s
+        fallback = tl.by_code(self.scode, self.last_s, self.code, np.nan)
+        # The latest of a task's four times (NaN: none), a column at a time.
+        t = np.fmax(_f(task_view(ds, ["launch_s"])["launch_s"]), _f(task_view(ds, ["prefill_start_s"])["prefill_start_s"]))
+        np.fmax(t, _f(task_view(ds, ["first_token_s"])["first_token_s"]), out=t)
+        np.fmax(t, release_s, out=t)
+        code = self.code
+        if not len(code) or (code == code[0]).all():  # (one session, the usual case: its latest, no groupby)
+            latest = np.fmax.reduce(t) if len(t) else np.nan
+        else:
+            latest = pd.Series(t).groupby(code, observed=True).transform("max").to_numpy(dtype="float64", na_value=np.nan)
+        del t
+        fallback = np.where(np.isnan(fallback), latest, fallback)
+        return np.where(np.isnan(release_s), fallback, release_s)
+
+
+def _deferred_rows(code: np.ndarray, launch_s: np.ndarray, release_s: np.ndarray, task_id: Callable[[], np.ndarray],
+                   task_ends: Callable[[], np.ndarray], n_slots_at: Callable[[np.ndarray], np.ndarray],
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """:func:`deferred_launches` on arrays (each task's session code, times, and what gives its
+    task ids and ends when asked): the deferred tasks' rows (in launch order), the released
+    task's id and the release's time; None when no task has a launch or none a release."""
     # Launches and releases in time order, as a sort of their rows by that column orders them
     # (numpy's default sort of the same values: ties in the same order).
     lrow = np.flatnonzero(~np.isnan(launch_s))
     rrow = np.flatnonzero(~np.isnan(release_s))
     if not len(lrow) or not len(rrow):
-        return tv.iloc[0:0].assign(released_task_id=pd.Series(dtype="int64"), release_s_before=pd.Series(dtype="float64"))
+        return None
     lrow = lrow[np.argsort(launch_s[lrow], kind="quicksort")]
     rrow = rrow[np.argsort(release_s[rrow], kind="quicksort")]
     # Each launch's release: the last one of its session, in that order, at or before it and
     # at most DEFERRED_S before it (what a backward as-of merge by session picks), found by a
     # sorted search per session on arrays (the merge's tables of every launch and release,
     # and their sorted copies, rose ~70 MB at 1 GB of log).
-    code = tl.narrow(tl.key_codes([tv], tl.GROUP)[0])
     lt, rt = launch_s[lrow], release_s[rrow]
     lcode, rcode = code[lrow], code[rrow]
     if (lcode == lcode[0]).all() and (rcode == lcode[0]).all():  # (one session, the usual case)
@@ -196,27 +264,19 @@ def deferred_launches(ds: Dataset, tv: pd.DataFrame | None = None) -> pd.DataFra
     hit &= ~(launch_s[lrow] - rel_t > DEFERRED_S)  # (the merge's tolerance)
     # The released task's id as the merge gives it (a numpy integer column with a launch left
     # unmatched becomes float64).
-    released = pd.api.extensions.take(tv["task_id"].to_numpy(), np.where(hit, rrow[np.maximum(found, 0)], -1), allow_fill=True)
+    ids = task_id()
+    released = pd.api.extensions.take(ids, np.where(hit, rrow[np.maximum(found, 0)], -1), allow_fill=True)
     del rrow
-    own = tv["task_id"].to_numpy()[lrow]
-    keep = hit & (released != own)
-    del found, hit, own
+    keep = hit & (released != ids[lrow])
+    del found, hit, ids
     lrow, rel_t, released = lrow[keep], rel_t[keep], released[keep]
     # Tasks running just before that release: launched before it, ending at or after it.
-    ends = tl.task_ends(tv, ds.server.sessions)
+    ends = task_ends()
     running_before = (tl.overlap_arrays(code[lrow], rel_t - 1e-6, rel_t, code, launch_s, ends, need=("max_count",))[1]
                       if len(lrow) else np.zeros(0, dtype=np.int64))
     del ends
-    # Each launch's session's slots, looked up by session code (a merge on the session keys
-    # made the source's text of every row: at 1 GB of log the peak of the waits tables).
-    slots = ds.server.sessions[tl.GROUP + ["n_slots"]].drop_duplicates(tl.GROUP)
-    scode, tcode = tl.key_codes([slots, tv], tl.GROUP)
-    n_slots = tl.by_code(scode, pd.to_numeric(slots["n_slots"], errors="coerce").to_numpy(dtype=float, na_value=np.nan), tcode[lrow], np.nan)
-    full = n_slots <= running_before
-    out = tv.loc[tv.index[lrow[full]]].copy()
-    out["released_task_id"] = released[full]
-    out["release_s_before"] = rel_t[full]
-    return out.reset_index(drop=True)
+    full = n_slots_at(lrow) <= running_before
+    return lrow[full], released[full], rel_t[full]
 
 
 @register("waits")
@@ -225,10 +285,18 @@ def waits(ds: Dataset, opts: Options) -> pd.DataFrame:
     wait causes. ``deferred``'s seconds are the app's queue time (NA without an app log)."""
     # The deferred launches first, from their own columns, before the classified waits are
     # made (or while they are not: only this table's arrays at once, not both).
-    d = deferred_launches(ds, task_view(ds, _KEYS + tl.TIMES + ["queue_ms"]))
-    qs = pd.Series(_f(d["queue_ms"]) / 1000 if "queue_ms" in d.columns else np.full(len(d), np.nan))
-    n_deferred = len(d)
-    del d
+    # Their columns a few at a time (at 1 GB of log the nine columns read at once were ~37 MB).
+    sessions = _Sessions(ds, task_view(ds, tl.GROUP))
+    launch_s, release_s = (_f(task_view(ds, [c])[c]) for c in ("launch_s", "release_s"))
+    got = _deferred_rows(sessions.code, launch_s, release_s, lambda: task_view(ds, ["task_id"])["task_id"].to_numpy(),
+                         functools.partial(sessions.ends, ds, release_s), sessions.n_slots_at)
+    del sessions, launch_s, release_s
+    rows = got[0] if got is not None else np.zeros(0, dtype=np.int64)
+    del got
+    queue = task_view(ds, ["queue_ms"])
+    qs = pd.Series(_f(queue["queue_ms"])[rows] / 1000 if "queue_ms" in queue.columns else np.full(len(rows), np.nan))
+    n_deferred = len(rows)
+    del queue, rows
     _free()
     _, w, _ = _shared(ds, opts)
     causes = CAUSES[:3] + (["unknown_lora"] if (w["cause"] == "unknown_lora").any() else [])
@@ -265,16 +333,11 @@ def worst_waits(ds: Dataset, opts: Options) -> pd.DataFrame:
     w["_w"] = np.arange(len(w))
     # Only the few listed waits are paired with the tasks of their session that overlap them
     # (a pair of every task would hold worst x tasks rows).
-    tv = task_view(ds, _HOLDER)
-    wcode, tcode = tl.key_codes([w, tv], tl.GROUP)
-    rcode = tcode[run["_row"].to_numpy()]
-    del tcode
-    rs, re_ = _f(run["start_s"]), _f(run["end_s"])
+    rcode, rs, re_ = run["_code"].to_numpy(), _f(run["start_s"]), _f(run["end_s"])
     near = np.zeros(len(run), dtype=bool)
-    for code, a, z in zip(wcode, _f(w["start_s"]), _f(w["end_s"])):
+    for code, a, z in zip(w["_code"].to_numpy(), _f(w["start_s"]), _f(w["end_s"])):
         near |= (rcode == code) & (rs < z) & (re_ > a)
-    run = _holders(tv, run[near], lora_type)
-    del tv
+    run = _holders(ds, run[near], lora_type)
     pair = w[tl.GROUP + ["_w", "task_id", "start_s", "end_s", "lora"]].merge(
         run.rename(columns={c: "h_" + c for c in run.columns if c not in tl.GROUP}), on=tl.GROUP, how="inner")
     pair = pair[pair["h_task_id"] != pair["task_id"]]
