@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
+from .. import store
 from ..dataset import Dataset, calls_of, own_copy, release_memory
 from . import SHARED, Options, register
 from .turns import is_chat_turn, measured_calls, needs_app_log, text_codes
@@ -190,6 +191,26 @@ def _shifted(col: pd.Series, rows: np.ndarray) -> pd.Series:
     return taken if taken.dtype == dtype else taken.astype(dtype)
 
 
+def _calls_at(ds: Dataset, rows: np.ndarray, name: str) -> pd.Series:
+    """Column ``name`` of the matched calls at ``rows``, read from disk only over the stored
+    batches that hold them."""
+    assert ds.matches is not None
+    stored = store.stored(ds.matches, "calls")
+    if stored is None:
+        return calls_of(ds, [name])[name].iloc[rows].reset_index(drop=True)
+    return stored.take_scattered(rows, [name])[name]
+
+
+def _as_shifted(taken: pd.Series, one_row: Callable[[], pd.Series]) -> pd.Series:
+    """:func:`_shifted` of rows already taken: in the dtype a shift gives the column (read
+    off ``one_row()``, its first row if it has one, when none was taken)."""
+    sample = taken if len(taken) else one_row()
+    if not len(sample):
+        return taken
+    dtype = sample.iloc[:1].shift(1).dtype
+    return taken if taken.dtype == dtype else taken.astype(dtype)
+
+
 def slim_calls(calls: pd.DataFrame) -> pd.DataFrame:
     """The calls table cut to :data:`PAIR_COLUMNS` (what :func:`turn_pairs` reads)."""
     return calls[[c for c in PAIR_COLUMNS if c in calls.columns]]
@@ -258,13 +279,18 @@ def cache_misses(ds: Dataset, opts: Options) -> pd.DataFrame:
     m = core.loc[core["miss"].to_numpy(), ["gap_s", "prev_left_tokens", "cached"]].reset_index(drop=True)
     at, before = (core[c].to_numpy()[core["miss"].to_numpy()] for c in ("pos", "prev_pos"))
     del core
-    # The calls' columns of the misses and of their previous turns, a column read at a time.
+    # The calls' columns of the misses and of their previous turns, a column at a time, read
+    # only where they are (a stored batch at a time: at 1 GB of log the ids as text whole
+    # were ~40 MB, the misses' and previous turns' rows 52k of 560k).
+    both = np.r_[at, before]
+    first = np.zeros(min(len(calls_of(ds, [])), 1), dtype=np.int64)  # (the first call, if any)
     for c in ("user", "call_id", "start_at", "purpose", "slot", "task_id", "prompt_tokens", "prompt_tokens_new", "call_file",
               "call_line", "source", "port", "task_file", "task_line"):
-        col = calls_of(ds, [c])[c]
-        m[c] = col.iloc[at].reset_index(drop=True)
-        if c in ("call_id", "slot", "call_file", "call_line"):
-            m["prev_" + c] = _shifted(col, before)
+        previous = c in ("call_id", "slot", "call_file", "call_line")
+        col = _calls_at(ds, both if previous else at, c)
+        m[c] = col.iloc[:len(at)].reset_index(drop=True)
+        if previous:
+            m["prev_" + c] = _as_shifted(col.iloc[len(at):].reset_index(drop=True), lambda: _calls_at(ds, first, c))
         del col
     m["user"] = m["user"].astype("string")
     m["cached_tokens"] = m["cached"].astype("Int64")
@@ -276,4 +302,4 @@ def cache_misses(ds: Dataset, opts: Options) -> pd.DataFrame:
     for c in ("call_file", "prev_call_file"):  # (categories in the calls: few rows here)
         m[c] = m[c].astype("string")
     m["note"] = (m["slot"] != m["prev_slot"]).fillna(False).map({True: "other slot than the previous turn", False: ""})
-    return m[MISS_COLUMNS].reset_index(drop=True)
+    return m[MISS_COLUMNS]  # (m's index is 0..n-1 already: no second copy of the table)
