@@ -126,13 +126,15 @@ def pair_core(column: Callable[[str], pd.Series | None], opts: Options) -> pd.Da
     else:
         same_session = np.ones(len(turn), dtype=bool)
     # The gap from the previous turn's end (its start where none) to this one's start.
-    end_col = column("end_at")
-    end = end_col.fillna(start_col) if end_col is not None else start_col
+    # (the previous turns' ends taken, then filled: no filled copy of the whole column)
     at, before = turn[has_prev], prev[has_prev]
+    end_col = column("end_at")
+    start_before = start_col.iloc[before].reset_index(drop=True)
+    end = end_col.iloc[before].reset_index(drop=True).fillna(start_before) if end_col is not None else start_before
+    del end_col, start_before
     gap = np.full(len(turn), np.nan)
-    gap[has_prev] = (start_col.iloc[at].reset_index(drop=True) - end.iloc[before].reset_index(drop=True)
-                     ).dt.total_seconds().round(3).to_numpy(dtype=float, na_value=np.nan)
-    del end, end_col, at, before
+    gap[has_prev] = (start_col.iloc[at].reset_index(drop=True) - end).dt.total_seconds().round(3).to_numpy(dtype=float, na_value=np.nan)
+    del end, at, before
     with np.errstate(invalid="ignore"):
         pair = has_prev & (gap <= opts.cache_window_s) & same_session & ~folded
     # In start order (stable: ties by user, then as in the calls), as the as-of merge left them.
