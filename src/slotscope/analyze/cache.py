@@ -289,8 +289,7 @@ def cache_misses(ds: Dataset, opts: Options) -> pd.DataFrame:
     at, before = (core[c].to_numpy()[core["miss"].to_numpy()] for c in ("pos", "prev_pos"))
     del core
     # The calls' columns of the misses and of their previous turns, a column at a time, read
-    # only where they are (a stored batch at a time: at 1 GB of log the ids as text whole
-    # were ~40 MB, the misses' and previous turns' rows 52k of 560k).
+    # only over the stored batches that hold them (at 1 GB of log 52k misses of 560k calls).
     both = np.r_[at, before]
     first = np.zeros(min(len(calls_of(ds, [])), 1), dtype=np.int64)  # (the first call, if any)
     for c in ("user", "call_id", "start_at", "purpose", "slot", "task_id", "prompt_tokens", "prompt_tokens_new", "call_file",

@@ -38,7 +38,7 @@ def _holding_during(ds: Dataset, sessions: pd.DataFrame, session: np.ndarray, st
     its keys; -1: none), how many tasks of that session held a slot during it: what
     :class:`.context.TasksDuring` counts, the task table read :data:`TASK_ROWS` tasks at a time
     (every task's session and times, sorted per session at once, were the table's peak at 1 GB
-    of log: +41 MB). The tasks begun before a window ends and those ended before it starts
+    of log: +47/+49 MB). The tasks begun before a window ends and those ended before it starts
     are sums over parts of the tasks: each part's counts add up to them."""
     out = np.zeros(len(session), dtype=np.int64)
     rows_of = tl.rows_by_group(session, session >= 0)  # (the windows of each session)
