@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 from datetime import datetime
 
+import pandas as pd
 import pytest
 
 from slotscope.analyze import Options
 from slotscope.analyze.cache import cache, cache_misses
 from slotscope.analyze.turns import NEEDS_APP_LOG
+from slotscope import store
 from slotscope.dataset import load
 
 from .conftest import REAL
@@ -72,6 +74,20 @@ def test_miss_rows_show_what_was_lost(datasets: dict) -> None:
     assert (misses["new_tokens"] + misses["cached_tokens"] == misses["prompt_tokens"]).all()
     assert misses["start_at"].is_monotonic_increasing
     assert ((misses["slot"] != misses["prev_slot"]) == (misses["note"] != "")).all()
+
+
+@pytest.mark.parametrize("scenario", ["before", "restart"])
+def test_misses_of_calls_on_disk_in_many_batches_equal_those_in_memory(scenario: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The calls' columns read at the misses' rows a stored batch at a time (batches of 7
+    calls) are the columns taken from the calls in memory, in the same dtypes."""
+    monkeypatch.setattr(store, "ROWS_PER_BATCH", 7)
+    ds = load([REAL / scenario / "logs"])
+    ds.matches.calls = ds.matches.calls.copy()  # (in memory)
+    want = cache_misses(ds, Options(cache_window_s=1e9))
+    ds.keep_on_disk()
+    got = cache_misses(ds, Options(cache_window_s=1e9))
+    assert len(got) > 1
+    pd.testing.assert_frame_equal(got, want)
 
 
 def test_window_is_an_option(datasets: dict) -> None:

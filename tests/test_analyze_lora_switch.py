@@ -136,3 +136,42 @@ def test_on_codes_as_on_texts(scenario: str, case: str) -> None:
         calls["lora"] = pd.Categorical([None] * n, categories=["none"])
     ds.matches.calls, ds.server.tasks = calls, tasks
     pd.testing.assert_frame_equal(lora_switch(ds, Options()), _lora_switch_by_texts(ds, Options()))
+
+
+@pytest.mark.parametrize("scenario", ["before", "restart"])
+@pytest.mark.parametrize("rows", [7, 1 << 16])
+def test_slots_held_counted_a_part_of_the_tasks_at_a_time_equal_the_counts_of_all(
+        scenario: str, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """_holding_during, the tasks read in parts of ``rows`` (several sessions, windows with gaps,
+    tasks never released, a window in no known session), counts what TasksDuring of every
+    task counts."""
+    import numpy as np
+    import pandas as pd
+
+    from slotscope import store, timeline as tl
+    from slotscope.analyze import lora_switch as ls
+    from slotscope.analyze.context import SESSION, TasksDuring
+    from slotscope.dataset import tasks_of
+
+    monkeypatch.setattr(store, "ROWS_PER_BATCH", 5)
+    monkeypatch.setattr(ls, "TASK_ROWS", rows)
+    ds = load([REAL / scenario / "logs"])
+    ds.keep_on_disk()
+    tasks = tasks_of(ds, SESSION + ["launch_s", "release_s"])
+    assert len(tasks) > 3 * 7 and (rows > 7 or tasks["session"].nunique() > 1 or scenario == "before")
+    rng = np.random.default_rng(0)
+    at = tasks[SESSION].sample(200, replace=True, random_state=1).reset_index(drop=True)
+    lo, hi = float(tasks["launch_s"].min()), float(tasks["release_s"].max())
+    at["a"] = rng.uniform(lo - 5, hi + 5, len(at))
+    at["b"] = at["a"] + rng.exponential(20, len(at))
+    at.loc[at.index[::17], "a"] = np.nan
+    at.loc[at.index[::23], "b"] = np.nan
+    at.loc[at.index[5], "port"] = 1  # (a session with no task)
+    want = TasksDuring(tasks).count(at, "a", "b")
+    code = tl.key_codes([at], SESSION)[0]  # (each window's session: a row of sessions)
+    sessions = at[SESSION].iloc[np.unique(code, return_index=True)[1]].reset_index(drop=True)
+    code = np.where(at[SESSION].notna().all(axis=1).to_numpy(), code, -1)
+    got = ls._holding_during(ds, sessions, code, at["a"].to_numpy(), at["b"].to_numpy())
+    assert (want > 1).any()
+    np.testing.assert_array_equal(got, want)
+    pd.testing.assert_frame_equal(lora_switch(ds, Options()), lora_switch(load([REAL / scenario / "logs"]), Options()))

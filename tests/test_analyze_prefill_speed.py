@@ -127,3 +127,56 @@ def test_pairs_counted_by_part_give_the_table_of_every_step(seed: int) -> None:
     want["chunk_steps"] = int(counts[size])
     want["few_samples"] = want["steps"] < 10
     pd.testing.assert_frame_equal(_table(counted, Options()), want[COLUMNS])
+
+
+def _rechunked(samples, rows: int, edit=None):
+    """``samples`` (server_log.Samples) with each part's rows in stored chunks of ``rows``
+    lines (``edit(columns)``: changed first)."""
+    from dataclasses import replace as changed
+
+    from slotscope.server_log import Samples
+    from slotscope.tasks import FinishedRows
+
+    parts = []
+    for p in samples.parts:
+        cols = {c: p.store.column(c) for c in p.store._names()}
+        if edit is not None:
+            edit(cols)
+        store = FinishedRows(spill_rows=rows)
+        for lo in range(0, len(cols["task"]), 3):
+            store.append({c: v[lo:lo + 3] for c, v in cols.items()})
+        store.close(on_disk=True)
+        parts.append(changed(p, store=store))
+    return Samples(parts, samples.columns)
+
+
+@pytest.mark.parametrize("scenario", ["before", "after", "restart", "wallclock"])
+@pytest.mark.parametrize("rows", [7, 20, 1 << 18])
+def test_steps_as_read_chunk_by_chunk_equal_the_tables_parts(scenario: str, rows: int) -> None:
+    """The steps from the lines as read, a stored chunk at a time (a task's lines across
+    chunks), are those of the table's parts in task order; where a task's time goes back (the
+    table sorts its lines by time) they are not made, and the table's parts count them."""
+    import numpy as np
+
+    from slotscope.analyze import prefill_speed as ps
+
+    ds = load([REAL / scenario / "logs"])
+    read = ds.server.on_disk("prefill_samples")
+    assert read is not None
+    want = ps._steps(replace(ds, server=replace(ds.server, prefill_samples=read.table().copy())))
+    read.unload()
+    lazy = _rechunked(read, rows)
+    assert rows > 7 or len(lazy.parts[0].store._chunks) > 3
+    got = ps._steps_as_read(lazy)
+    pd.testing.assert_frame_equal(got, want)
+
+    def back(cols: dict) -> None:  # a task's second line before its first
+        ids, lines = np.unique(cols["task"], return_counts=True)
+        same = np.flatnonzero(cols["task"] == ids[lines.argmax()])
+        cols["ts_us"][same[1]] = cols["ts_us"][same[0]] - 1
+
+    lazy = _rechunked(read, rows, back)
+    assert ps._steps_as_read(lazy) is None
+    ds.server.__dict__["_prefill_samples"] = lazy
+    want = ps._steps(replace(ds, server=replace(ds.server, prefill_samples=lazy.table().copy())))
+    pd.testing.assert_frame_equal(ps._steps(ds), want)

@@ -135,11 +135,13 @@ def _causes_by_sort_and_groupby(calls: pd.DataFrame, missed: set) -> list:
     return list(zip(c["pos"].to_numpy().tolist(), cause.tolist()))
 
 
+@pytest.mark.parametrize("sessions", [4, 1000])
 @pytest.mark.parametrize("users", ["categories", "texts"])
-def test_causes_on_integer_codes_equal_a_sort_and_groupby(datasets: dict, users: str) -> None:
+def test_causes_on_integer_codes_equal_a_sort_and_groupby(datasets: dict, users: str, sessions: int) -> None:
     """On the real calls made harder (users missing or out of category order, calls with no
     start time, sessions named and missing, a midnight crossed), each call's cause is what a
-    sort by user and start and groupbys give."""
+    sort by user and start and groupbys give; with few sessions (the users' first calls of
+    each found in a table of the pairs) and with more than calls (found by a sort)."""
     import numpy as np
 
     from slotscope.analyze.cache import slim_calls, turn_pairs
@@ -153,7 +155,7 @@ def test_causes_on_integer_codes_equal_a_sort_and_groupby(datasets: dict, users:
     user[rng.random(n) < 0.1] = None
     calls["user"] = pd.Categorical(user, categories=["zoe", "bob", "Émile", "alice9", "alice10"]) if users == "categories" \
         else user.astype("string")
-    calls["app_session"] = pd.Categorical(np.where(rng.random(n) < 0.3, None, rng.integers(0, 4, n).astype(str)))
+    calls["app_session"] = pd.Categorical(np.where(rng.random(n) < 0.3, None, rng.integers(0, sessions, n).astype(str)))
     calls["start_at"] = calls["start_at"] + pd.to_timedelta(rng.integers(0, 3, n) * 10, unit="h")  # some past midnight
     calls.loc[rng.random(n) < 0.05, "start_at"] = pd.NaT
     calls["purpose"] = calls["purpose"].astype("string")

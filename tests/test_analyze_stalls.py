@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from slotscope.analyze import TABLES, Options
-from slotscope import timeline as tl
+from slotscope import store, timeline as tl
 from slotscope.analyze.stalls import CLASSES, STALL_COLUMNS, generation_segments, segment_pieces, stalls, worst_stalls
 from slotscope.dataset import Dataset, load, task_view
 
@@ -132,6 +132,18 @@ def test_worst_stalls_name_the_long_prefill_that_caused_them() -> None:
     assert top["cause_task_id"] in {102, 1328}
     assert top["line"] != top["cause_line"]
     assert len(w) <= Options().worst
+
+
+def test_worst_stalls_of_a_view_on_disk_in_many_batches_equal_those_in_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The view's keys and rows read a stored batch at a time (batches of 7 tasks) find the
+    rows the view in memory gives."""
+    monkeypatch.setattr(store, "ROWS_PER_BATCH", 7)
+    ds = load([REAL / "before/logs"])
+    assert ds._view is None
+    want = worst_stalls(ds, Options())
+    ds.keep_on_disk()
+    assert ds._view is not None and len(ds._view) > 7 * 5
+    pd.testing.assert_frame_equal(worst_stalls(ds, Options()), want)
 
 
 def test_works_without_app_log() -> None:
