@@ -74,8 +74,10 @@ SHARED_READERS = {"prefills", "cache", "cache-misses"}  # the tables that read t
 SAMPLE_READERS = {"stalls", "stalls-worst", "prefill-speed", "context"}  # the tables that read the samples
 READERS_OF = {"gen_samples": {"stalls", "stalls-worst", "context"},  # ... of each kind (stalls-worst: stalls' pieces)
               "prefill_samples": {"stalls", "stalls-worst", "prefill-speed"}}
-# ... of each kind through its index by task (context reads the heartbeats as they were stored)
-INDEX_READERS_OF = {"gen_samples": READERS_OF["gen_samples"] - {"context"}, "prefill_samples": READERS_OF["prefill_samples"]}
+# ... of each kind through its index by task (context reads the heartbeats, prefill-speed the
+# progress lines as they were stored; each makes the index again where a task's times go back)
+INDEX_READERS_OF = {"gen_samples": READERS_OF["gen_samples"] - {"context"},
+                    "prefill_samples": READERS_OF["prefill_samples"] - {"prefill-speed"}}
 
 
 def _compute_order(names: list[str]) -> list[str]:
