@@ -258,6 +258,11 @@ class StoredTable:
     def unload(self) -> None:
         self._built = None
 
+    def discard(self) -> None:
+        """Remove the files (the table is not read again)."""
+        self._built = None
+        self._tmp.cleanup()
+
     def __reduce__(self) -> tuple:
         return table_itself, (self.table(),)  # pickled as its table: the file is this process'
 
