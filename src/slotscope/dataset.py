@@ -182,9 +182,9 @@ def load(
     server = read_server_logs(paths, keep_samples=keep_samples, tz=tz, progress=progress, inputs=inputs,
                               samples_on_disk=bool(keep_samples), tasks_on_disk=bool(keep_samples))
     if inputs.app:
-        say("reading app logs")
         store.keep_on_disk(server, "tasks", "tasks")  # (not held while the app log is read)
-        release_memory()
+        release_memory()  # what reading the server logs freed (~70 MB at 1 GB of log)
+        say("reading app logs")
     app, app_accounts = read_app(inputs, columns=app_columns, tz=tz, on_disk=True)
     release_memory()  # the records parsed from JSON
     acc = server.accounting
