@@ -320,12 +320,21 @@ def _derive(j: _Joined, on_disk: bool = False) -> pd.DataFrame | StoredTable:
             out[c] = col
         else:
             writer.add(c, col if isinstance(col, pd.Series) else pd.Series(col, index=j.index))
+            release_memory()  # the column and its temporaries (pyarrow's and glibc's free pages add up otherwise)
 
     def task(name: str) -> pd.Series:
         return j[f"{name}_task"] if f"{name}_task" in j else j[name]
 
+    def put_call(c: str) -> None:
+        """A call's column as it is: on disk already, its file is taken, not read."""
+        if writer is None or not isinstance(j.cl, Columns) or c not in j.cl.columns or not writer.add_stored(j.cl.table, c):
+            put(c, j.get(c))
+
     for c in ("call_id", "start_at", "purpose", "user", "lora", "prompt_tokens", "completion_tokens", "source"):
-        put(c, j[c] if c in j else pd.NA)
+        if j._where(c)[0] == "call":
+            put_call(c)
+        else:
+            put(c, j[c] if c in j else pd.NA)
     put("session", task("session").astype("Int64"))
     put("task_id", j["task_id"].astype("Int64"))
     put("slot", j["slot"].astype("Int64"))
@@ -340,10 +349,8 @@ def _derive(j: _Joined, on_disk: bool = False) -> pd.DataFrame | StoredTable:
     dur = j["duration_ms"] if "duration_ms" in j else pd.Series(np.nan, index=j.index)
     put("total_ms", dur.fillna(_ms(j["release_us"] - start)))
     # More than the stable set: enough to trace every figure back to both logs.
-    put("end_at", j.get("end_at"))
-    put("cached_tokens", j.get("cached_tokens"))
-    put("status", j.get("status"))
-    put("ok", j.get("ok"))
+    for c in ("end_at", "cached_tokens", "status", "ok"):
+        put_call(c)
     put("prompt_tokens_new", j["prompt_tokens_new"])
     put("prompt_tokens_cached", j["prompt_tokens_cached"])
     put("n_gen", j["n_gen"])
