@@ -186,6 +186,7 @@ def load(
         release_memory()  # what reading the server logs freed (~70 MB at 1 GB of log)
         say("reading app logs")
     app, app_accounts = read_app(inputs, columns=app_columns, tz=tz, on_disk=True)
+    gc.collect()  # (the chunks' tables, in pandas' cycles)
     release_memory()  # the records parsed from JSON
     acc = server.accounting
     acc.files.extend(app_accounts)

@@ -220,6 +220,7 @@ def match(calls: pd.DataFrame | Columns, tasks: pd.DataFrame, aligned: pd.DataFr
     release_memory()
     joined = _Joined(cl, tk, us, _pairs_table(found))
     joined.fill_method(_unmatched_reason(cl, np.flatnonzero(~taken_c), us["launch_us"], taken_t, aligned, sessions, tol))
+    release_memory()  # the methods' texts as made, before the table is
     out = _derive(joined, on_disk)
     rows = np.flatnonzero(~taken_t)
     unlogged = (tk.iloc[rows] if unlogged_rows is None else unlogged_rows(rows)).reset_index(drop=True)
