@@ -225,8 +225,8 @@ PAIR_BLOCK = 1 << 16  # left rows whose pairs are made at a time
 
 def _count_pairs(lk: np.ndarray, rk: np.ndarray) -> int:
     """How many pairs :func:`same_key_pairs` makes of these keys."""
-    rs = np.sort(rk)
-    return int((np.searchsorted(rs, lk, "right") - np.searchsorted(rs, lk, "left")).sum())
+    rs, ls = np.sort(rk), np.sort(lk)  # (keys looked up in order: numpy's search then starts where the last ended)
+    return int((np.searchsorted(rs, ls, "right") - np.searchsorted(rs, ls, "left")).sum())
 
 
 def _pair_blocks(lk: np.ndarray, rk: np.ndarray, lrows: np.ndarray, rrows: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
