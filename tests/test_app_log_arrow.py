@@ -270,3 +270,42 @@ def test_calls_joined_a_column_at_a_time_equal_the_chunks_joined_whole(
         monkeypatch.setattr(app_log, "_finish", finish)
         with open(path, "rb") as stream:
             pd.testing.assert_frame_equal(got, app_log.read_app_log_stream(str(path), stream).calls)
+
+
+def test_calls_of_several_files_keep_each_ones_name_and_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several files, read in an order their names do not sort in, their calls interleaved in
+    time and each read in several chunks: the file column (made a chunk at a time from each
+    chunk's names) and the order are those of the chunks joined whole."""
+    recs = _records()
+    paths = []
+    for k, name in enumerate(["b.jsonl", "a.jsonl", "c.jsonl"]):
+        path = tmp_path / name
+        path.write_bytes(_lines(recs[k::3] + recs[k::5]))  # (calls of one time in two files)
+        paths.append(path)
+    monkeypatch.setattr(app_log, "CHUNK_ROWS", 4)
+    seen = []
+    finish = app_log._finish
+
+    def spy(frames: list, tally: app_log._Tally, disk: bool = False) -> app_log.AppLog:
+        seen.append(([f.copy() for f in frames], tally))
+        return finish(frames, tally, disk)
+
+    monkeypatch.setattr(app_log, "_finish", spy)
+    got = read_app_logs(paths).calls
+    (frames, tally), = seen
+    pd.testing.assert_frame_equal(got, _finish_whole(frames, tally))
+    assert list(got["file"].cat.categories) == sorted(str(p) for p in paths)
+    assert got["file"].iloc[:6].nunique() > 1  # (interleaved)
+
+
+def test_repeated_call_ids_are_counted_as_pandas_counts_duplicates() -> None:
+    """The repeats among the call ids (counted from their values sorted) are
+    ``duplicated().sum()``'s, missing ids included (one missing id repeats another)."""
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    for n in (0, 1, 2, 3, 50, 2000):
+        for _ in range(20):
+            values = [None if rng.random() < 0.1 else f"id-{rng.integers(0, max(n // 2, 1))}" for _ in range(n)]
+            col = pd.Series(values, dtype="string")
+            assert app_log._repeats(col) == int(col.duplicated().sum())

@@ -184,32 +184,113 @@ def test_calls_a_block_at_a_time_give_the_same_matches(scenario: str, monkeypatc
 
 @pytest.mark.parametrize("block", [1, 3, 1 << 16])
 def test_same_key_pairs_are_the_inner_merge_in_its_order(block: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """align pairs calls and tasks of equal token counts on one packed key, without a merge:
-    the merge's pairs, in the order of a loop over the calls and, in each, over the tasks
-    (pandas 3's merge order; 2.2's groups the calls by key); keys too wide to pack take the
-    merge."""
+    """align pairs calls and tasks of equal token counts on one key code (any range of counts),
+    without a merge: the merge's pairs, in the order of a loop over the calls and, in each,
+    over the tasks (pandas 3's merge order; 2.2's groups the calls by key)."""
     import numpy as np
 
     from slotscope import align
 
     monkeypatch.setattr(align, "PAIR_BLOCK", block)
     rng = np.random.default_rng(3)
-    for _ in range(200):
+    for wide in [False] * 200 + [True] * 20:
         nc, nt = int(rng.integers(0, 40)), int(rng.integers(0, 40))
-        calls = pd.DataFrame({"p": rng.integers(0, 4, nc), "n": rng.integers(-2, 3, nc),
+        scale = 2**40 if wide else 1  # (too wide to pack into one integer)
+        calls = pd.DataFrame({"p": rng.integers(0, 4, nc) * scale, "n": rng.integers(-2, 3, nc) * scale,
                               "_ci": rng.permutation(100)[:nc].astype(np.int32)})
-        tasks = pd.DataFrame({"p": rng.integers(0, 4, nt), "n": rng.integers(-2, 3, nt),
+        tasks = pd.DataFrame({"p": rng.integers(0, 4, nt) * scale, "n": rng.integers(-2, 3, nt) * scale,
                               "_ti": rng.permutation(100)[:nt].astype(np.int32)})
         loop = [(c.ci, t.ti) for c in calls.rename(columns={"_ci": "ci"}).itertuples()
                 for t in tasks.rename(columns={"_ti": "ti"}).itertuples() if (c.p, c.n) == (t.p, t.n)]
         merged = calls.merge(tasks, on=["p", "n"])
-        ci, ti = align._join(calls, tasks, ["p", "n"])
+        code = align.dense_codes([np.concatenate([calls[k].to_numpy(), tasks[k].to_numpy()]) for k in ("p", "n")])
+        ci, ti = align.same_key_pairs(code[:nc], code[nc:], calls["_ci"].to_numpy(), tasks["_ti"].to_numpy())
         assert list(zip(ci.tolist(), ti.tolist())) == loop
         assert sorted(loop) == sorted(zip(merged["_ci"].tolist(), merged["_ti"].tolist()))
-    wide = pd.DataFrame({"p": [0, 2**40, 5], "n": [1, 2**40, 1], "_ci": [0, 1, 2], "_ti": [2, 1, 0]})
-    assert align._packed([wide["p"].to_numpy(), wide["n"].to_numpy()], [wide["p"].to_numpy(), wide["n"].to_numpy()]) is None
-    ci, ti = align._join(wide[["p", "n", "_ci"]], wide[["p", "n", "_ti"]], ["p", "n"])
-    assert sorted(zip(ci.tolist(), ti.tolist())) == [(0, 2), (1, 1), (2, 0)]
+
+
+def _pairs_by_merges(tasks: pd.DataFrame, calls: pd.DataFrame, small_key: int) -> tuple:
+    """align's candidate pairs as it made them with tables and merges (before its keys were
+    codes and its pairs made a block at a time): ``(ti, lo, hi, exact)``, in its order."""
+    import numpy as np
+
+    from slotscope.align import SESSION_KEY
+
+    def ints(col: pd.Series, rows: np.ndarray) -> np.ndarray:
+        return col.to_numpy(dtype="float64", na_value=np.nan)[rows].astype("int64")
+
+    def join(left: pd.DataFrame, right: pd.DataFrame, on: list[str]) -> tuple:
+        rows = [(a, b) for a, lv in zip(left["_ci"], left[on].itertuples(index=False))
+                for b, rv in zip(right["_ti"], right[on].itertuples(index=False)) if tuple(lv) == tuple(rv)]
+        return np.array([a for a, _ in rows], dtype=np.int64), np.array([b for _, b in rows], dtype=np.int64)
+
+    tr = np.flatnonzero((tasks["status"] == "complete").to_numpy(dtype=bool, na_value=False))
+    cr = np.flatnonzero((calls["prompt_tokens"].notna() & calls["completion_tokens"].notna()).to_numpy())
+    key = ["prompt_tokens", "n_gen"]
+    c = pd.DataFrame({"prompt_tokens": ints(calls["prompt_tokens"], cr), "n_gen": ints(calls["completion_tokens"], cr), "_ci": cr})
+    t = pd.DataFrame({**{k: tasks[k].array.take(tr) for k in SESSION_KEY}, "prompt_tokens": ints(tasks["prompt_tokens"], tr),
+                      "n_gen": ints(tasks["n_gen"], tr), "_ti": tr})
+    m = c.groupby(key, observed=True).size().rename("_m")
+    n = t.groupby(SESSION_KEY + key, observed=True).size().rename("_n").reset_index().merge(m.reset_index(), on=key)
+    big = n[n["_m"] * n["_n"] > small_key]
+    parts = [join(c, t.merge(n[n["_m"] * n["_n"] <= small_key][SESSION_KEY + key], on=SESSION_KEY + key), key)]
+    if len(big):
+        bt = t.merge(big[SESSION_KEY + key], on=SESSION_KEY + key)
+        bt = bt.iloc[np.argsort(tasks["launch_s"].to_numpy(dtype=float)[bt["_ti"].to_numpy()], kind="stable")]
+        bt["_rank"] = bt.groupby(SESSION_KEY + key, observed=True).cumcount()
+        bc = c.merge(big[key].drop_duplicates(), on=key)
+        bc = bc.iloc[np.argsort(calls["start_us"].to_numpy(dtype=float)[bc["_ci"].to_numpy()], kind="stable")]
+        bc["_rank"] = bc.groupby(key, observed=True).cumcount()
+        parts += [join(bc.assign(_rank=bc["_rank"] + d), bt, key + ["_rank"]) for d in (-2, -1, 0, 1, 2)]
+    ci, ti = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+    prompt_ms, predicted_ms = (calls[k].to_numpy(dtype="float64", na_value=np.nan)[ci] for k in ("timings_prompt_ms", "timings_predicted_ms"))
+    has = ~np.isnan(prompt_ms) & ~np.isnan(predicted_ms)
+    exact = has & (np.abs(prompt_ms - tasks["prompt_eval_ms"].to_numpy(dtype=float)[ti]) < 0.006) & (
+        np.abs(predicted_ms - tasks["eval_ms"].to_numpy(dtype=float)[ti]) < 0.006)
+    keep = ~has | exact
+    ci, ti, exact = ci[keep], ti[keep], exact[keep]
+    lo = calls["start_us"].to_numpy(dtype=float)[ci] - tasks["launch_s"].to_numpy(dtype=float)[ti] * 1e6
+    hi = calls["end_us"].to_numpy(dtype="float64", na_value=np.nan)[ci] - tasks["release_s"].to_numpy(dtype=float)[ti] * 1e6
+    return ti, lo, hi, exact
+
+
+@pytest.mark.parametrize("small_key", [0, 2, 256])
+@pytest.mark.parametrize("block", [1, 3, 1 << 16])
+def test_candidate_pairs_made_from_codes_a_block_at_a_time_are_those_of_merges(
+        small_key: int, block: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Token keys and sessions as codes, groups counted and ranked with numpy, pairs written a
+    block at a time: the same pairs, in the same order, as the tables and merges made them,
+    with sessions of several servers, keys shared by many (ranked) and few, and timings."""
+    import numpy as np
+
+    from slotscope import align
+
+    monkeypatch.setattr(align, "SMALL_KEY", small_key)
+    monkeypatch.setattr(align, "PAIR_BLOCK", block)
+    rng = np.random.default_rng(11)
+    for _ in range(60):
+        nt, nc, tokens = int(rng.integers(0, 50)), int(rng.integers(0, 50)), int(rng.integers(1, 6))
+        tasks = pd.DataFrame({
+            "source": pd.Series(rng.choice(["a.log", "b.log"], nt)), "port": rng.integers(0, 2, nt),
+            "session": rng.integers(1, 3, nt), "status": pd.Series(rng.choice(["complete", "complete", "cancelled"], nt)),
+            "prompt_tokens": pd.array(rng.integers(0, tokens, nt), dtype="Int64"), "n_gen": pd.array(rng.integers(0, 3, nt), dtype="Int64"),
+            "launch_s": rng.integers(0, 100, nt) / 4, "release_s": rng.random(nt) * 100 + 100,
+            "prompt_eval_ms": rng.integers(0, 3, nt).astype(float), "eval_ms": rng.integers(0, 3, nt).astype(float)})
+        prompt = pd.array(rng.integers(0, tokens, nc), dtype="Int64")
+        prompt[rng.random(nc) < 0.1] = pd.NA
+        timed = rng.random(nc) < 0.3
+        calls = pd.DataFrame({
+            "prompt_tokens": prompt, "completion_tokens": pd.array(rng.integers(0, 3, nc), dtype="Int64"),
+            "start_us": rng.integers(0, 10, nc) * 10**8, "end_us": pd.array(rng.integers(10**9, 2 * 10**9, nc), dtype="Int64"),
+            "timings_prompt_ms": np.where(timed, rng.integers(0, 3, nc), np.nan),
+            "timings_predicted_ms": np.where(timed, rng.integers(0, 3, nc), np.nan)})
+        want = _pairs_by_merges(tasks, calls, small_key)
+        got = align._pair_arrays(tasks, calls)
+        for w, g in zip(want, got):
+            np.testing.assert_array_equal(g, w)
+        sessions = align.key_codes([tasks], align.SESSION_KEY)[0]
+        by_session = align._pair_arrays(tasks, calls, task_of=sessions)
+        np.testing.assert_array_equal(by_session[0], sessions[want[0]])
 
 
 @pytest.mark.parametrize("reverse", [False, True])

@@ -203,3 +203,34 @@ def test_a_column_writer_refuses_a_column_of_another_length_and_removes_its_file
     w.add("b", pd.Series(["x", None, "z"], dtype="string"))
     t = w.done(["b", "a"])
     pd.testing.assert_frame_equal(t.read(), pd.DataFrame({"b": pd.Series(["x", None, "z"], dtype="string"), "a": [1, 2, 3]}))
+
+
+def test_a_stored_column_taken_as_it_is_reads_back_as_written(monkeypatch) -> None:
+    """A column of a table written a column at a time is taken by its file, not read: it reads
+    back (whole, by rows, a batch at a time) as if written again; a table whose stored batches
+    are not those (written in parts) is refused, nothing written."""
+    monkeypatch.setattr(store, "ROWS_PER_BATCH", 3)
+    df = pd.DataFrame({"id": pd.Series(["a", None, "c", "d", "e", "f", "g"], dtype="string"),
+                       "at": pd.to_datetime(np.arange(7) * 10**6, unit="us", utc=True),
+                       "n": pd.array([1, None, 3, 4, 5, 6, 7], dtype="Int64"),
+                       "kind": pd.Series(list("xyxyxyx"), dtype="category")})
+    src = store.StoredTable(df, "calls")
+    w = store.ColumnWriter("matched")
+    w.add("x", pd.Series(np.arange(7.0)))
+    assert all(w.add_stored(src, c) for c in ("kind", "id", "at", "n"))
+    with pytest.raises(ValueError, match="written twice"):
+        w.add_stored(src, "id")
+    got = w.done()
+    want = df[["kind", "id", "at", "n"]].assign(x=np.arange(7.0))[["x", "kind", "id", "at", "n"]]
+    pd.testing.assert_frame_equal(got.read(), want)
+    pd.testing.assert_frame_equal(pd.concat(list(got.batches())), want)
+    pd.testing.assert_frame_equal(got.take(np.array([5, 1, 6])), want.take([5, 1, 6]).reset_index(drop=True))
+    src.discard()  # (the taken files stay)
+    pd.testing.assert_frame_equal(got.read(["id"]), want[["id"]])
+    parts = store.StoredTable.of_parts([df.iloc[:2], df.iloc[2:]], "parts")
+    w = store.ColumnWriter("matched")
+    assert not w.add_stored(parts, "id")
+    assert not w.files
+    got.discard()
+    parts.discard()
+    w.discard()

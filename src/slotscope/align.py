@@ -19,11 +19,13 @@ app's clock) and the difference between the two is reported as the app clock's s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 import pandas as pd
 
-from .timeline import by_code, key_codes, rows_by_group, within_ranges
+from .tasks import release_memory
+from .timeline import by_code, key_codes, narrow, rows_by_group, within_ranges
 
 SESSION_KEY = ["source", "port", "session"]
 ALIGN_COLUMNS = [
@@ -95,139 +97,168 @@ def candidate_pairs(tasks: pd.DataFrame, calls: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({**{k: tasks[k].array.take(ti) for k in SESSION_KEY}, "lo_us": lo, "hi_us": hi, "exact": exact})
 
 
-def _pair_arrays(tasks: pd.DataFrame, calls: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`candidate_pairs` as arrays: each pair's task (row position), ``lo_us``, ``hi_us``
-    and ``exact`` (no session columns repeated on every pair: ~5 pairs a call).
+def _pair_arrays(tasks: pd.DataFrame, calls: pd.DataFrame, tcode: np.ndarray | None = None,
+                 task_of: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`candidate_pairs` as arrays: each pair's task (row position; ``task_of`` given:
+    its value at that position, e.g. the task's session), ``lo_us``, ``hi_us`` and ``exact``
+    (no session columns repeated on every pair: ~5 pairs a call). ``tcode``: each task's
+    session as a number (equal sessions, equal numbers), if the caller has it.
 
     A token key shared by many calls and tasks (retries, replays, fixed-size batch jobs) would
     make a quadratic join; for such keys the i-th call (by start) is paired only with the
     tasks of nearby rank (by launch) in each session, which keeps the candidates linear and
     still contains the true pairs when the log covers the calls.
     """
-    # Row positions and keys only: the pairs (~5 per call where token counts repeat, as with
-    # replays) get their columns once, at the end, not through a merge of wide tables per part.
+    # Row positions and numbers only: a token key and a session as one integer each, groups
+    # counted and ranked with numpy (the tables and merges of keys these replace held ~100 MB
+    # at 1 GB of log, the sessions' texts repeated on every task among them).
     # (positions as int32 where they fit: every pair-long array of them is half the size)
     tr = _positions(np.flatnonzero((tasks["status"] == "complete").to_numpy(dtype=bool, na_value=False)), len(tasks))
     cr = _positions(np.flatnonzero((calls["prompt_tokens"].notna() & calls["completion_tokens"].notna()).to_numpy()), len(calls))
-    key = ["prompt_tokens", "n_gen"]
-    c = pd.DataFrame({"prompt_tokens": _ints(calls["prompt_tokens"], cr), "n_gen": _ints(calls["completion_tokens"], cr),
-                      "_ci": cr})
-    t = pd.DataFrame({**{k: tasks[k].array.take(tr) for k in SESSION_KEY}, "prompt_tokens": _ints(tasks["prompt_tokens"], tr),
-                      "n_gen": _ints(tasks["n_gen"], tr), "_ti": tr})
-    m = c.groupby(key, observed=True).size().rename("_m")
-    n = t.groupby(SESSION_KEY + key, observed=True).size().rename("_n").reset_index()
-    n = n.merge(m.reset_index(), on=key)
-    big = n[n["_m"] * n["_n"] > SMALL_KEY]
-    small_t = t.merge(n[n["_m"] * n["_n"] <= SMALL_KEY][SESSION_KEY + key], on=SESSION_KEY + key)
-    parts = [_join(c, small_t[key + ["_ti"]], key)]
-    del small_t
-    if len(big):
-        bt = t.merge(big[SESSION_KEY + key], on=SESSION_KEY + key)
-        bt = bt.iloc[np.argsort(tasks["launch_s"].to_numpy(dtype=float)[bt["_ti"].to_numpy()], kind="stable")]
-        bt["_rank"] = bt.groupby(SESSION_KEY + key, observed=True).cumcount()
-        bt = bt[key + ["_rank", "_ti"]]
-        bc = c.merge(big[key].drop_duplicates(), on=key)
-        bc = bc.iloc[np.argsort(calls["start_us"].to_numpy(dtype=float)[bc["_ci"].to_numpy()], kind="stable")]
-        bc["_rank"] = bc.groupby(key, observed=True).cumcount()
-        for d in (-2, -1, 0, 1, 2):
-            parts.append(_join(bc.assign(_rank=bc["_rank"] + d), bt, key + ["_rank"]))
-        del bc, bt
-    del c, t, n, big
-    ci, ti = (parts[0][k] if len(parts) == 1 else np.concatenate([p[k] for p in parts]) for k in (0, 1))
-    del parts
-    # What the vote reads (no ids: a string per pair): each pair's offset interval. A pair whose
-    # call kept the server's timings is kept only where they are the task's (then it is exact);
-    # those arrays are made only when some call has timings (~5 pairs a call: 22 MB each at
-    # 1 GB of log).
+    # Each call's and task's token key (prompt tokens, generated tokens) as one number.
+    key = dense_codes([np.concatenate([_ints(calls["prompt_tokens"], cr), _ints(tasks["prompt_tokens"], tr)]),
+                       np.concatenate([_ints(calls["completion_tokens"], cr), _ints(tasks["n_gen"], tr)])])
+    kc, kt = key[:len(cr)], key[len(cr):]
+    del key
+    if tcode is None:
+        tcode = key_codes([tasks], SESSION_KEY)[0]
+    group = dense_codes([kt, tcode[tr]])  # each task's (token key, session)
+    # A group's candidates: its key's calls times its tasks (a group without calls has none).
+    size = np.bincount(kc, minlength=int(kt.max(initial=-1)) + 1)[kt] * np.bincount(group)[group]
+    small = size <= SMALL_KEY
+    del size
+    with_small = np.isin(kc, kt[small])  # (the calls of a key some small group has: the others pair with none there)
+    joins = [(kc[with_small], 0, kt[small], cr[with_small], tr[small])]  # (left keys, added to them, right keys, left rows, right rows)
+    del with_small
+    if not small.all():
+        # Tasks of the large groups by launch, each ranked in its group; the calls of their keys
+        # by start, each ranked among its key's; a call is paired with the tasks of its key
+        # ranked within two of it, in every session.
+        bt = np.flatnonzero(~small)
+        bt = bt[np.argsort(tasks["launch_s"].to_numpy(dtype=float)[tr[bt]], kind="stable")]
+        rank_t = _ranks(group[bt])
+        bc = np.flatnonzero(np.isin(kc, kt[bt]))
+        bc = bc[np.argsort(calls["start_us"].to_numpy(dtype=float)[cr[bc]], kind="stable")]
+        rank_c = _ranks(kc[bc])
+        width = int(max(rank_t.max(initial=0), rank_c.max(initial=0))) + 5  # (ranks shifted by -2..2, plus 2)
+        rk = kt[bt].astype(np.int64) * width + rank_t + 2
+        lk = kc[bc].astype(np.int64) * width + rank_c
+        lrows, rrows = cr[bc], tr[bt]
+        joins += [(lk, d + 2, rk, lrows, rrows) for d in (-2, -1, 0, 1, 2)]
+        del bt, bc, rank_t, rank_c, rk, lk, lrows, rrows
+    del kc, kt, group, small
+    # What the vote reads of each pair (no ids: a string per pair): its task, its offset
+    # interval, whether exact; made a block of pairs at a time into arrays sized once (no
+    # pair-long array of calls, no pair-long temporaries: ~5 pairs a call, 22 MB per array of
+    # floats at 1 GB of log). A pair whose call kept the server's timings is kept only where
+    # they are the task's (then it is exact).
+    total = sum(_count_pairs(lk + shift, rk) for lk, shift, rk, _, _ in joins)
+    ti = np.empty(total, dtype=tr.dtype if task_of is None else task_of.dtype)
+    lo = np.empty(total, dtype=np.float64)
+    hi = np.empty(total, dtype=np.float64)
+    exact = np.zeros(total, dtype=bool)
+    release_memory()  # the columns read and sorted so far, before the pairs are made
+    start = calls["start_us"].to_numpy(dtype=float)
+    end = calls["end_us"].to_numpy(dtype="float64", na_value=np.nan)
+    launch = tasks["launch_s"].to_numpy(dtype=float)
+    release = tasks["release_s"].to_numpy(dtype=float)
     timed = (calls["timings_prompt_ms"].notna() & calls["timings_predicted_ms"].notna()).to_numpy()
+    timings = None
     if timed.any():
-        prompt_ms, predicted_ms = (calls[k].to_numpy(dtype="float64", na_value=np.nan)[ci] for k in ("timings_prompt_ms", "timings_predicted_ms"))
-        has_timings = ~np.isnan(prompt_ms) & ~np.isnan(predicted_ms)
-        exact = has_timings & (np.abs(prompt_ms - tasks["prompt_eval_ms"].to_numpy(dtype=float)[ti]) < 0.006) & (
-            np.abs(predicted_ms - tasks["eval_ms"].to_numpy(dtype=float)[ti]) < 0.006)
-        keep = ~has_timings | exact
-        del prompt_ms, predicted_ms, has_timings
-        ci, ti, exact = ci[keep], ti[keep], exact[keep]
-    else:
-        exact = np.zeros(len(ci), dtype=bool)
-    lo = calls["start_us"].to_numpy(dtype=float)[ci]
-    lo -= _scaled(tasks["launch_s"].to_numpy(dtype=float), ti)
-    hi = calls["end_us"].to_numpy(dtype="float64", na_value=np.nan)[ci]
-    del ci
-    hi -= _scaled(tasks["release_s"].to_numpy(dtype=float), ti)
-    return ti, lo, hi, exact
+        timings = [calls[k].to_numpy(dtype="float64", na_value=np.nan) for k in ("timings_prompt_ms", "timings_predicted_ms")] + \
+            [tasks[k].to_numpy(dtype=float) for k in ("prompt_eval_ms", "eval_ms")]
+    del timed
+    release_memory()  # the columns' temporaries as read (~25 MB at 1 GB of log)
+    k = 0
+    for lk, shift, rk, lrows, rrows in joins:
+        for ci, tb in _pair_blocks(lk + shift, rk, lrows, rrows):
+            if timings is not None:
+                prompt_ms, predicted_ms = timings[0][ci], timings[1][ci]
+                has_timings = ~np.isnan(prompt_ms) & ~np.isnan(predicted_ms)
+                ex = has_timings & (np.abs(prompt_ms - timings[2][tb]) < 0.006) & (np.abs(predicted_ms - timings[3][tb]) < 0.006)
+                keep = ~has_timings | ex
+                ci, tb = ci[keep], tb[keep]
+                exact[k:k + len(ci)] = ex[keep]
+            m = len(ci)
+            ti[k:k + m] = tb if task_of is None else task_of[tb]
+            lo[k:k + m] = start[ci] - launch[tb] * 1e6
+            hi[k:k + m] = end[ci] - release[tb] * 1e6
+            k += m
+    return ti[:k], lo[:k], hi[:k], exact[:k]
+
+
+def dense_codes(cols: list[np.ndarray]) -> np.ndarray:
+    """One integer per row for its tuple of values in ``cols`` (integer arrays of one length):
+    equal tuples, equal codes, 0..n-1 in the tuples' sort order. (Any range of values: a sort,
+    no packing into one integer that could overflow.)"""
+    if not len(cols[0]):
+        return np.zeros(0, dtype=np.int64)
+    order = np.lexsort(cols[::-1])
+    new = np.zeros(len(order), dtype=bool)
+    for c in cols:
+        v = c[order]
+        new[1:] |= v[1:] != v[:-1]
+        del v
+    code = np.empty(len(order), dtype=np.int64)
+    code[order] = np.cumsum(new)
+    return code
+
+
+def _ranks(group: np.ndarray) -> np.ndarray:
+    """Each row's place among the rows of its group before it (``groupby(group).cumcount()``)."""
+    order = np.argsort(group, kind="stable")
+    g = group[order]
+    first = np.ones(len(g), dtype=bool)
+    first[1:] = g[1:] != g[:-1]
+    starts = np.flatnonzero(first)
+    rank = np.empty(len(g), dtype=np.int64)
+    rank[order] = np.arange(len(g)) - np.repeat(starts, np.diff(np.append(starts, len(g))))
+    return rank
 
 
 def _positions(rows: np.ndarray, n: int) -> np.ndarray:
     return rows.astype(np.int32) if n < 1 << 31 else rows
 
 
-def _join(calls: pd.DataFrame, tasks: pd.DataFrame, on: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """The ``(_ci, _ti)`` pairs of ``calls.merge(tasks, on=on)``: on one packed integer key
-    where the key columns' ranges allow it (:func:`same_key_pairs`), else by the merge. (Their
-    order is the vote's no concern: it sorts.)"""
-    packed = _packed([calls[k].to_numpy() for k in on], [tasks[k].to_numpy() for k in on])
-    if packed is None:
-        return _pairs_of(calls.merge(tasks, on=on))
-    return same_key_pairs(packed[0], packed[1], calls["_ci"].to_numpy(), tasks["_ti"].to_numpy())
-
-
-def _packed(left: list[np.ndarray], right: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray] | None:
-    """Each row's integers (one per column) as one int64, the same way on both sides (None
-    where their ranges are too wide for one)."""
-    if not (len(left[0]) and len(right[0])):  # no pairs either way
-        return np.zeros(len(left[0]), dtype=np.int64), np.zeros(len(right[0]), dtype=np.int64)
-    lk = np.zeros(len(left[0]), dtype=np.int64)
-    rk = np.zeros(len(right[0]), dtype=np.int64)
-    room = 1
-    for a, b in zip(left, right):
-        low = min(int(a.min()), int(b.min()))
-        width = max(int(a.max()), int(b.max())) - low + 1
-        room *= width
-        if room >= 1 << 62:
-            return None
-        lk = lk * width + (a - low)
-        rk = rk * width + (b - low)
-    return lk, rk
-
-
 PAIR_BLOCK = 1 << 16  # left rows whose pairs are made at a time
 
 
-def same_key_pairs(lk: np.ndarray, rk: np.ndarray, lrows: np.ndarray, rrows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(lrows[i], rrows[j])`` for every ``lk[i] == rk[j]``: the left rows in their order, each
-    with the right rows of its key in theirs (pandas 3's order of an inner merge; 2.2's groups
-    the left rows by key). Made a block of left rows at a time into arrays sized once: no hash
-    table of the keys, no pair-long temporaries of the whole join (at 1 GB of log 2.8M pairs,
-    whose merge peaked at 156 MB)."""
+def _count_pairs(lk: np.ndarray, rk: np.ndarray) -> int:
+    """How many pairs :func:`same_key_pairs` makes of these keys."""
+    rs, ls = np.sort(rk), np.sort(lk)  # (keys looked up in order: numpy's search then starts where the last ended)
+    return int((np.searchsorted(rs, ls, "right") - np.searchsorted(rs, ls, "left")).sum())
+
+
+def _pair_blocks(lk: np.ndarray, rk: np.ndarray, lrows: np.ndarray, rrows: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """:func:`same_key_pairs`, a block of :data:`PAIR_BLOCK` left rows at a time."""
     ro = np.argsort(rk, kind="stable")
     rs = rk[ro]
     at = np.searchsorted(rs, lk, "left")
     n = np.searchsorted(rs, lk, "right") - at
     del rs
-    li = np.empty(int(n.sum()), dtype=lrows.dtype)
-    ri = np.empty(len(li), dtype=rrows.dtype)
-    k = 0
     for b in range(0, len(lk), PAIR_BLOCK):
         nb = n[b:b + PAIR_BLOCK]
-        m = int(nb.sum())
-        li[k:k + m] = np.repeat(lrows[b:b + PAIR_BLOCK], nb)
-        ri[k:k + m] = rrows[ro[np.repeat(at[b:b + PAIR_BLOCK], nb) + within_ranges(nb)]]
-        k += m
-    return li, ri
+        yield np.repeat(lrows[b:b + PAIR_BLOCK], nb), rrows[ro[np.repeat(at[b:b + PAIR_BLOCK], nb) + within_ranges(nb)]]
 
 
-def _pairs_of(joined: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-    """The call and task rows of a join's pairs, as arrays of their own (the join's other
-    columns freed with it, not kept alive by a view of its block)."""
-    return joined["_ci"].to_numpy(copy=True), joined["_ti"].to_numpy(copy=True)
+def same_key_pairs(lk: np.ndarray, rk: np.ndarray, lrows: np.ndarray, rrows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(lrows[i], rrows[j])`` for every ``lk[i] == rk[j]``: the left rows in their order, each
+    with the right rows of its key in theirs (pandas 3's order of an inner merge; 2.2's groups
+    the left rows by key). No hash table of the keys: a sort of the right ones, a block of
+    left rows at a time (:func:`_pair_blocks`: align reads the pairs so, never whole)."""
+    blocks = list(_pair_blocks(lk, rk, lrows, rrows))
+    return (np.concatenate([b[0] for b in blocks]) if blocks else lrows[:0].copy(),
+            np.concatenate([b[1] for b in blocks]) if blocks else rrows[:0].copy())
 
 
-def _scaled(seconds: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """``seconds[rows] * 1e6`` (one array made, not two)."""
-    out = seconds[rows]
-    out *= 1e6
-    return out
+def _kept(values: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """``values[keep]``, written over the start of ``values`` a block at a time (no copy)."""
+    k = 0
+    for b in range(0, len(values), PAIR_BLOCK):
+        v = values[b:b + PAIR_BLOCK][keep[b:b + PAIR_BLOCK]]
+        values[k:k + len(v)] = v
+        k += len(v)
+    return values[:k]
 
 
 def _ints(col: pd.Series, rows: np.ndarray) -> np.ndarray:
@@ -247,16 +278,15 @@ def align(
     by_session: dict[int, np.ndarray | None] = {}  # each session's pairs (None: all of them)
     scode = np.zeros(len(sessions), dtype=np.int64)
     if calls is not None and len(calls) and len(tasks):
-        ti, lo, hi, exact = _pair_arrays(tasks, calls)
-        usable = _usable(lo, hi)
         tcode, scode = key_codes([tasks, sessions], SESSION_KEY)
-        pcode = tcode[ti]
-        del ti, tcode
-        if len(pcode) and (pcode == pcode[0]).all():  # one session (the usual case): no row lists
-            by_session = {int(pcode[0]): None}
+        # Each pair's session (a byte a pair where they are few), not its task.
+        pcode, lo, hi, exact = _pair_arrays(tasks, calls, tcode, task_of=narrow(tcode))
+        usable = _usable(lo, hi)
+        if len(pcode) and (tcode == tcode[0]).all():  # one session (the usual case): no row lists
+            by_session = {int(tcode[0]): None}
         else:
             by_session = rows_by_group(pcode, np.ones(len(pcode), dtype=bool))
-        del pcode
+        del pcode, tcode
     for i, (_, s) in enumerate(sessions.iterrows()):  # a handful of sessions, not a hot path
         key = (s["source"], s["port"], s["session"])
         wrapper = s.get("wall_offset_us")
@@ -272,8 +302,7 @@ def align(
             keep = usable if p is None else usable[p]
             if p is None:  # the only session's pairs: voted on as they are (the unusable dropped)
                 if not keep.all():
-                    lo = lo[keep]
-                    hi = hi[keep]
+                    lo, hi = _kept(lo, keep), _kept(hi, keep)
                 vote = _vote(lo, hi)
             else:
                 vote = _vote(lo[p[keep]], hi[p[keep]])

@@ -182,10 +182,11 @@ def load(
     server = read_server_logs(paths, keep_samples=keep_samples, tz=tz, progress=progress, inputs=inputs,
                               samples_on_disk=bool(keep_samples), tasks_on_disk=bool(keep_samples))
     if inputs.app:
-        say("reading app logs")
         store.keep_on_disk(server, "tasks", "tasks")  # (not held while the app log is read)
-        release_memory()
+        release_memory()  # what reading the server logs freed (~70 MB at 1 GB of log)
+        say("reading app logs")
     app, app_accounts = read_app(inputs, columns=app_columns, tz=tz, on_disk=True)
+    gc.collect()  # (the chunks' tables, in pandas' cycles)
     release_memory()  # the records parsed from JSON
     acc = server.accounting
     acc.files.extend(app_accounts)
@@ -278,6 +279,7 @@ def _task_view_parts(ds: Dataset) -> Iterator[pd.DataFrame] | None:
     row = np.full(len(tasks), -1, dtype=np.int64)
     row[t] = matched[c]
     del t, c, matched
+    release_memory()  # the keys' join, before the first batch (~35 MB at 1 GB of log)
     named = {"call_start_at": "start_at", "call_total_ms": "total_ms"}  # (the calls' names of two of them)
     extra = [c for c in TASK_VIEW_EXTRA if named.get(c, c) in calls.columns]
     names = [named.get(c, c) for c in extra]

@@ -87,11 +87,13 @@ class _Pairs:
     def __init__(self, cl: pd.DataFrame, tk: pd.DataFrame, us: dict[str, np.ndarray], ci: np.ndarray, ti: np.ndarray) -> None:
         self.cl, self.tk, self.us, self.ci, self.ti = cl, tk, us, ci, ti
 
-    def call(self, c: str) -> pd.Series:
-        return pd.Series(self.cl[c].array.take(self.ci))
+    def call(self, c: str) -> np.ndarray:
+        """The pairs' calls' column ``c`` as numbers (:func:`_floats`)."""
+        return _floats(self.cl[c])[self.ci]
 
-    def task(self, c: str) -> pd.Series:
-        return pd.Series(self.us[c][self.ti] if c in self.us else self.tk[c].array.take(self.ti))
+    def task(self, c: str) -> np.ndarray:
+        """The pairs' tasks' column ``c`` as numbers (:func:`_floats`)."""
+        return self.us[c][self.ti] if c in self.us else _floats(self.tk[c])[self.ti]
 
     def frame(self, mask: pd.Series | np.ndarray) -> pd.DataFrame:
         """The pairs under ``mask`` as ``_assign`` reads them: ``_ci``, ``_ti``, ``start_us``, ``launch_us``."""
@@ -101,8 +103,18 @@ class _Pairs:
                              "launch_us": self.us["launch_us"][ti]})
 
 
-def _eq(a: pd.Series, b: pd.Series) -> pd.Series:
-    return (pd.to_numeric(a, errors="coerce") == pd.to_numeric(b, errors="coerce")).fillna(False).astype(bool)
+def _floats(col: pd.Series) -> np.ndarray:
+    """A column as floats: NaN where missing or (as ``pd.to_numeric(errors="coerce")`` reads
+    it) not a number. (Per pair, numpy arrays: the nullable columns taken per pair and compared
+    as pandas compares them held ~16 MB each, twice, at 1 GB of log.)"""
+    if not pd.api.types.is_numeric_dtype(col.dtype):
+        col = pd.to_numeric(col, errors="coerce")
+    return col.to_numpy(dtype="float64", na_value=np.nan)
+
+
+def _eq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Equal numbers (a missing one equals nothing)."""
+    return a == b
 
 
 def _assign(p: pd.DataFrame, method: str, confidence: float, taken_c: np.ndarray, taken_t: np.ndarray) -> list[_Found]:
@@ -182,25 +194,33 @@ def match(calls: pd.DataFrame | Columns, tasks: pd.DataFrame, aligned: pd.DataFr
     p = _Pairs(cl, tk, us, ci, known[ki])
     del ci, ki, known
 
-    if "timings_prompt_ms" in cl and p.call("timings_prompt_ms").notna().any():
-        exact = (_eq(p.call("timings_prompt_n"), p.task("prompt_tokens_new")) & _eq(p.call("timings_predicted_n"), p.task("n_gen"))
-                 & ((p.call("timings_prompt_ms") - p.task("prompt_eval_ms")).abs() < 0.006)
-                 & ((p.call("timings_predicted_ms") - p.task("eval_ms")).abs() < 0.006))
+    # Each test a column at a time, as numbers per pair (one pair-long array of them at once).
+    if "timings_prompt_ms" in cl and not np.isnan(p.call("timings_prompt_ms")).all():
+        exact = _eq(p.call("timings_prompt_n"), p.task("prompt_tokens_new"))
+        exact &= _eq(p.call("timings_predicted_n"), p.task("n_gen"))
+        exact &= np.abs(p.call("timings_prompt_ms") - p.task("prompt_eval_ms")) < 0.006
+        exact &= np.abs(p.call("timings_predicted_ms") - p.task("eval_ms")) < 0.006
         found += _assign(p.frame(exact), "timings", 1.0, taken_c, taken_t)
+        del exact
 
-    tokens = _eq(p.call("prompt_tokens"), p.task("prompt_tokens")) & _eq(p.call("completion_tokens"), p.task("n_gen"))
-    found += _assign(p.frame(tokens), "tokens+time", 0.99, taken_c, taken_t)
-
+    prompt_call, prompt_task = p.call("prompt_tokens"), p.task("prompt_tokens")
+    same_prompt = _eq(prompt_call, prompt_task)
     # Time alone, for calls whose counts cannot agree (cut off, failed, or counted differently).
-    agree = p.call("prompt_tokens").isna() | p.task("prompt_tokens").isna() | _eq(p.call("prompt_tokens"), p.task("prompt_tokens"))
+    agree = np.isnan(prompt_call) | np.isnan(prompt_task) | same_prompt
+    del prompt_call, prompt_task
+    tokens = same_prompt & _eq(p.call("completion_tokens"), p.task("n_gen"))
+    found += _assign(p.frame(tokens), "tokens+time", 0.99, taken_c, taken_t)
+    del tokens, same_prompt
     release = p.task("release_us")
-    near_end = release.isna() | ((p.call("end_us").astype("float64") - release).abs() < 1e6)
-    found += _assign(p.frame(agree & near_end), "time", 0.5, taken_c, taken_t)
-    del p, agree, near_end, tokens, release
+    agree &= np.isnan(release) | (np.abs(p.call("end_us") - release) < 1e6)
+    del release
+    found += _assign(p.frame(agree), "time", 0.5, taken_c, taken_t)
+    del p, agree
 
     release_memory()
     joined = _Joined(cl, tk, us, _pairs_table(found))
     joined.fill_method(_unmatched_reason(cl, np.flatnonzero(~taken_c), us["launch_us"], taken_t, aligned, sessions, tol))
+    release_memory()  # the methods' texts as made, before the table is
     out = _derive(joined, on_disk)
     rows = np.flatnonzero(~taken_t)
     unlogged = (tk.iloc[rows] if unlogged_rows is None else unlogged_rows(rows)).reset_index(drop=True)
@@ -320,12 +340,21 @@ def _derive(j: _Joined, on_disk: bool = False) -> pd.DataFrame | StoredTable:
             out[c] = col
         else:
             writer.add(c, col if isinstance(col, pd.Series) else pd.Series(col, index=j.index))
+            release_memory()  # the column and its temporaries (pyarrow's and glibc's free pages add up otherwise)
 
     def task(name: str) -> pd.Series:
         return j[f"{name}_task"] if f"{name}_task" in j else j[name]
 
+    def put_call(c: str) -> None:
+        """A call's column as it is: on disk already, its file is taken, not read."""
+        if writer is None or not isinstance(j.cl, Columns) or c not in j.cl.columns or not writer.add_stored(j.cl.table, c):
+            put(c, j.get(c))
+
     for c in ("call_id", "start_at", "purpose", "user", "lora", "prompt_tokens", "completion_tokens", "source"):
-        put(c, j[c] if c in j else pd.NA)
+        if j._where(c)[0] == "call":
+            put_call(c)
+        else:
+            put(c, j[c] if c in j else pd.NA)
     put("session", task("session").astype("Int64"))
     put("task_id", j["task_id"].astype("Int64"))
     put("slot", j["slot"].astype("Int64"))
@@ -340,10 +369,8 @@ def _derive(j: _Joined, on_disk: bool = False) -> pd.DataFrame | StoredTable:
     dur = j["duration_ms"] if "duration_ms" in j else pd.Series(np.nan, index=j.index)
     put("total_ms", dur.fillna(_ms(j["release_us"] - start)))
     # More than the stable set: enough to trace every figure back to both logs.
-    put("end_at", j.get("end_at"))
-    put("cached_tokens", j.get("cached_tokens"))
-    put("status", j.get("status"))
-    put("ok", j.get("ok"))
+    for c in ("end_at", "cached_tokens", "status", "ok"):
+        put_call(c)
     put("prompt_tokens_new", j["prompt_tokens_new"])
     put("prompt_tokens_cached", j["prompt_tokens_cached"])
     put("n_gen", j["n_gen"])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -67,6 +68,28 @@ class ColumnWriter:
                                    max_chunksize=ROWS_PER_BATCH)
         self.files[name] = path
         self.dtypes[name] = col.dtype
+
+    def add_stored(self, table: StoredTable, name: str) -> bool:
+        """Column ``name`` of ``table``, its file linked (or copied), never read: where its
+        stored batches are those :meth:`add` writes (True). Else nothing is written (False)."""
+        if name in self.files:
+            raise ValueError(f"{self.what}: column {name} written twice")
+        if self.n is not None and len(table) != self.n:
+            raise ValueError(f"{self.what}: column {name} has {len(table)} rows, not {self.n}")
+        ends = table._batch_ends() if len(table) else np.zeros(0, dtype=np.int64)
+        if not np.array_equal(ends, np.append(np.arange(ROWS_PER_BATCH, len(table), ROWS_PER_BATCH), len(table))[:len(ends)]) \
+                or (len(table) and not len(ends)) or (len(ends) and ends[-1] != len(table)):
+            return False
+        path = os.path.join(self._tmp.name, str(len(self.files)))
+        with self._guard():
+            try:
+                os.link(table.files[name], path)
+            except OSError:
+                shutil.copyfile(table.files[name], path)
+        self.n = len(table)
+        self.files[name] = path
+        self.dtypes[name] = table.dtypes[name]
+        return True
 
     def add_part(self, df: pd.DataFrame) -> None:
         """The next rows, every column (the first part's columns, dtypes and Arrow types: a
@@ -273,6 +296,11 @@ class StoredTable:
 
     def unload(self) -> None:
         self._built = None
+
+    def discard(self) -> None:
+        """Remove the files (the table is not read again)."""
+        self._built = None
+        self._tmp.cleanup()
 
     def __reduce__(self) -> tuple:
         return table_itself, (self.table(),)  # pickled as its table: the file is this process'
