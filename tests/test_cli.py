@@ -216,6 +216,6 @@ def test_the_command_takes_arrows_buffers_from_the_system_allocator(env: str | N
     environ = {k: v for k, v in os.environ.items() if k != "ARROW_DEFAULT_MEMORY_POOL"}
     if env:
         environ["ARROW_DEFAULT_MEMORY_POOL"] = env
-    code = "import pyarrow as pa; from slotscope import cli; cli.use_system_allocator(); print(pa.default_memory_pool().backend_name)"
+    code = "import pyarrow as pa; from slotscope import cli; cli.hand_back_freed_memory(); print(pa.default_memory_pool().backend_name)"
     out = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == pool

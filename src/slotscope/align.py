@@ -233,12 +233,10 @@ def _pair_blocks(lk: np.ndarray, rk: np.ndarray, lrows: np.ndarray, rrows: np.nd
     """:func:`same_key_pairs`, a block of :data:`PAIR_BLOCK` left rows at a time."""
     ro = np.argsort(rk, kind="stable")
     rs = rk[ro]
-    at = np.searchsorted(rs, lk, "left")
-    n = np.searchsorted(rs, lk, "right") - at
-    del rs
-    for b in range(0, len(lk), PAIR_BLOCK):
-        nb = n[b:b + PAIR_BLOCK]
-        yield np.repeat(lrows[b:b + PAIR_BLOCK], nb), rrows[ro[np.repeat(at[b:b + PAIR_BLOCK], nb) + within_ranges(nb)]]
+    for b in range(0, len(lk), PAIR_BLOCK):  # (each block's keys looked up as it comes: two fewer key-long arrays)
+        at = np.searchsorted(rs, lk[b:b + PAIR_BLOCK], "left")
+        nb = np.searchsorted(rs, lk[b:b + PAIR_BLOCK], "right") - at
+        yield np.repeat(lrows[b:b + PAIR_BLOCK], nb), rrows[ro[np.repeat(at, nb) + within_ranges(nb)]]
 
 
 def same_key_pairs(lk: np.ndarray, rk: np.ndarray, lrows: np.ndarray, rrows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -477,24 +477,37 @@ def timeline(
     _finish(ds.accounting, strict, quiet)
 
 
-def use_system_allocator() -> None:
-    """Arrow's buffers from the C library's allocator, unless ``$ARROW_DEFAULT_MEMORY_POOL``
-    names a pool: what a stage frees then goes back to the system with the heap
-    (``release_memory``). pyarrow's default, mimalloc, kept 17 MB resident after loading 1 GB
-    of log with 9 KB allocated, and its high water within each stage (after loading: 164 MB
-    RSS with mimalloc, 155 with the system's; jemalloc 179)."""
-    if os.environ.get("ARROW_DEFAULT_MEMORY_POOL"):
-        return
-    import pyarrow as pa
+def hand_back_freed_memory() -> None:
+    """What a stage frees goes back to the system before the next stage's peak, in this
+    process (the command's; a notebook's process is left as it is):
 
-    pa.set_memory_pool(pa.system_memory_pool())
+    * Arrow's buffers come from the C library's allocator, unless ``$ARROW_DEFAULT_MEMORY_POOL``
+      names a pool. pyarrow's default, mimalloc, kept 17 MB resident with 9 KB allocated after
+      loading 1 GB of log (RSS after loading: 164 MB with mimalloc, 155 with the system's;
+      jemalloc 179), and its high water within each stage.
+    * glibc serves every block over 1 MiB by its own mapping, returned when freed (its default
+      threshold grows to the largest block freed, up to 32 MiB, and the heap then keeps such
+      blocks' pages). ``slotscope analyze`` on the 1 GB bench: 245-250 MB peak, not 261-272,
+      in the same time (two runs each); the parse's workers keep their own setting
+      (:mod:`slotscope.workers`).
+    """
+    if not os.environ.get("ARROW_DEFAULT_MEMORY_POOL"):
+        import pyarrow as pa
+
+        pa.set_memory_pool(pa.system_memory_pool())
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc: nothing to set
+        pass
 
 
 def main() -> None:
     """Entry point. Library errors and a closed pipe are mapped in each command (``_handled``)."""
     global _debug
     _debug = "--debug" in sys.argv
-    use_system_allocator()
+    hand_back_freed_memory()
     try:
         app()
     except KeyboardInterrupt:
