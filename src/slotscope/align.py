@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from .tasks import release_memory
-from .timeline import by_code, key_codes, narrow, rows_by_group, within_ranges
+from .timeline import by_code, kept_in_place, key_codes, narrow, rows_by_group, within_ranges
 
 SESSION_KEY = ["source", "port", "session"]
 ALIGN_COLUMNS = [
@@ -263,16 +263,6 @@ def same_key_pairs(lk: np.ndarray, rk: np.ndarray, lrows: np.ndarray, rrows: np.
             np.concatenate([b[1] for b in blocks]) if blocks else rrows[:0].copy())
 
 
-def _kept(values: np.ndarray, keep: np.ndarray) -> np.ndarray:
-    """``values[keep]``, written over the start of ``values`` a block at a time (no copy)."""
-    k = 0
-    for b in range(0, len(values), PAIR_BLOCK):
-        v = values[b:b + PAIR_BLOCK][keep[b:b + PAIR_BLOCK]]
-        values[k:k + len(v)] = v
-        k += len(v)
-    return values[:k]
-
-
 def _ints(col: pd.Series, rows: np.ndarray) -> np.ndarray:
     """``col`` at ``rows`` (counts, none missing there) as int64."""
     return col.to_numpy(dtype="float64", na_value=np.nan)[rows].astype("int64")
@@ -314,7 +304,7 @@ def align(
             keep = usable if p is None else usable[p]
             if p is None:  # the only session's pairs: voted on as they are (the unusable dropped)
                 if not keep.all():
-                    lo, hi = _kept(lo, keep), _kept(hi, keep)
+                    lo, hi = kept_in_place(lo, keep, PAIR_BLOCK), kept_in_place(hi, keep, PAIR_BLOCK)
                 vote = _vote(lo, hi)
             else:
                 vote = _vote(lo[p[keep]], hi[p[keep]])
