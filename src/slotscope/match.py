@@ -95,9 +95,11 @@ class _Pairs:
         """The pairs' tasks' column ``c`` as numbers (:func:`_floats`)."""
         return self.us[c][self.ti] if c in self.us else _floats(self.tk[c])[self.ti]
 
-    def frame(self, mask: pd.Series | np.ndarray) -> pd.DataFrame:
-        """The pairs under ``mask`` as ``_assign`` reads them: ``_ci``, ``_ti``, ``start_us``, ``launch_us``."""
-        m = np.asarray(mask, dtype=bool)
+    def frame(self, mask: pd.Series | np.ndarray, taken_c: np.ndarray, taken_t: np.ndarray) -> pd.DataFrame:
+        """The pairs under ``mask`` whose call and task are not taken yet (those :func:`_assign`
+        keeps: at 1 GB of log the time test's pairs, most of them taken by then, were match's
+        peak) as it reads them: ``_ci``, ``_ti``, ``start_us``, ``launch_us``."""
+        m = np.asarray(mask, dtype=bool) & ~taken_c[self.ci] & ~taken_t[self.ti]
         ci, ti = self.ci[m], self.ti[m]
         return pd.DataFrame({"_ci": ci, "_ti": ti, "start_us": self.cl["start_us"].array.take(ci),
                              "launch_us": self.us["launch_us"][ti]})
@@ -200,7 +202,7 @@ def match(calls: pd.DataFrame | Columns, tasks: pd.DataFrame, aligned: pd.DataFr
         exact &= _eq(p.call("timings_predicted_n"), p.task("n_gen"))
         exact &= np.abs(p.call("timings_prompt_ms") - p.task("prompt_eval_ms")) < 0.006
         exact &= np.abs(p.call("timings_predicted_ms") - p.task("eval_ms")) < 0.006
-        found += _assign(p.frame(exact), "timings", 1.0, taken_c, taken_t)
+        found += _assign(p.frame(exact, taken_c, taken_t), "timings", 1.0, taken_c, taken_t)
         del exact
 
     prompt_call, prompt_task = p.call("prompt_tokens"), p.task("prompt_tokens")
@@ -209,12 +211,12 @@ def match(calls: pd.DataFrame | Columns, tasks: pd.DataFrame, aligned: pd.DataFr
     agree = np.isnan(prompt_call) | np.isnan(prompt_task) | same_prompt
     del prompt_call, prompt_task
     tokens = same_prompt & _eq(p.call("completion_tokens"), p.task("n_gen"))
-    found += _assign(p.frame(tokens), "tokens+time", 0.99, taken_c, taken_t)
+    found += _assign(p.frame(tokens, taken_c, taken_t), "tokens+time", 0.99, taken_c, taken_t)
     del tokens, same_prompt
     release = p.task("release_us")
     agree &= np.isnan(release) | (np.abs(p.call("end_us") - release) < 1e6)
     del release
-    found += _assign(p.frame(agree), "time", 0.5, taken_c, taken_t)
+    found += _assign(p.frame(agree, taken_c, taken_t), "time", 0.5, taken_c, taken_t)
     del p, agree
 
     release_memory()
