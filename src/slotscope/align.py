@@ -245,7 +245,7 @@ def _count_pairs(lk: np.ndarray, rk: np.ndarray) -> int:
 
 def _pair_blocks(lk: np.ndarray, rk: np.ndarray, lrows: np.ndarray, rrows: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """:func:`same_key_pairs`, a block of :data:`PAIR_BLOCK` left rows at a time."""
-    ro = np.argsort(rk, kind="stable")
+    ro = _positions(np.argsort(rk, kind="stable"), len(rk))
     rs = rk[ro]
     for b in range(0, len(lk), PAIR_BLOCK):  # (each block's keys looked up as it comes: two fewer key-long arrays)
         at = np.searchsorted(rs, lk[b:b + PAIR_BLOCK], "left")
@@ -281,8 +281,9 @@ def align(
     scode = np.zeros(len(sessions), dtype=np.int64)
     if calls is not None and len(calls) and len(tasks):
         tcode, scode = key_codes([tasks, sessions], SESSION_KEY)
+        tcode = narrow(tcode)  # (a byte a task where sessions are few: it is held under the pairs)
         # Each pair's session (a byte a pair where they are few), not its task.
-        pcode, lo, hi, exact = _pair_arrays(tasks, calls, tcode, task_of=narrow(tcode))
+        pcode, lo, hi, exact = _pair_arrays(tasks, calls, tcode, task_of=tcode)
         usable = _usable(lo, hi)
         if len(pcode) and (tcode == tcode[0]).all():  # one session (the usual case): no row lists
             by_session = {int(tcode[0]): None}

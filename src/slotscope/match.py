@@ -250,9 +250,10 @@ class _Joined:
         self.cl, self.tk, self.us = cl, tk, us
         self.index = cl.index
         ci = pairs["_ci"].to_numpy(dtype=np.int64)
-        self._task_row = np.full(len(cl), -1, dtype=np.int64)
+        rows = np.int32 if max(len(tk), len(pairs)) < 2**31 else np.int64  # (a row per call: half the size)
+        self._task_row = np.full(len(cl), -1, dtype=rows)
         self._task_row[ci] = pairs["_ti"].to_numpy(dtype=np.int64)
-        self._pair_row = np.full(len(cl), -1, dtype=np.int64)
+        self._pair_row = np.full(len(cl), -1, dtype=rows)
         self._pair_row[ci] = np.arange(len(pairs))
         self._pairs = pairs
 
