@@ -996,7 +996,7 @@ class _SampleIndex:
         # columns): the task keys; each task's rows, first and last time; then each row's
         # place. Rows are read in log order, so a task's rows are in time order already, and
         # the rows in key order, each task's in store order, are the sort by key and time
-        # (the gen samples of 1 GB of log: peak +106 MB with one sort of every row's key).
+        # (for the gen samples of 1 GB of log one sort of every row's key peaked at +106 MB).
         # Else (a time going back within a task, or missing) the rows are sorted by both.
         chunks = store.by_chunk("port", "session", "task")
         keys = np.unique(np.concatenate([np.unique(packed_task_keys(*cols)) for cols in chunks] or [np.zeros(0, np.int64)]))
