@@ -266,6 +266,7 @@ def _app_columns(spec: Optional[str]) -> Optional[dict[str, str]]:
 
 
 def _load(paths: list[str], tz: str, app_columns: Optional[str], server_start: Optional[str], keep_samples: bool = True) -> Dataset:
+    _map_large_blocks()
     start = parse_when(server_start) if server_start else None
     if start is not None and not isinstance(start, pd.Timestamp):
         raise output.UsageError(None, None, "--server-start needs a wall time (ISO-8601)")
@@ -478,23 +479,25 @@ def timeline(
 
 
 def hand_back_freed_memory() -> None:
-    """What a stage frees goes back to the system before the next stage's peak, in this
-    process (the command's; a notebook's process is left as it is):
-
-    * Arrow's buffers come from the C library's allocator, unless ``$ARROW_DEFAULT_MEMORY_POOL``
-      names a pool. pyarrow's default, mimalloc, kept 17 MB resident with 9 KB allocated after
-      loading 1 GB of log (RSS after loading: 164 MB with mimalloc, 155 with the system's;
-      jemalloc 179), and its high water within each stage.
-    * glibc serves every block over 1 MiB by its own mapping, returned when freed (its default
-      threshold grows to the largest block freed, up to 32 MiB, and the heap then keeps such
-      blocks' pages). ``slotscope analyze`` on the 1 GB bench: 245-250 MB peak, not 261-272,
-      in the same time (two runs each); the parse's workers keep their own setting
-      (:mod:`slotscope.workers`).
-    """
+    """Arrow's buffers from the C library's allocator, unless ``$ARROW_DEFAULT_MEMORY_POOL``
+    names a pool, in the command's process (a notebook's is left as it is): what a step frees
+    goes back to the system with the heap (``release_memory``). pyarrow's default, mimalloc,
+    kept 17 MB resident with 9 KB allocated after loading 1 GB of log (RSS after loading: 164
+    MB with mimalloc, 155 with the system's; jemalloc 179), and its high water within each step."""
     if not os.environ.get("ARROW_DEFAULT_MEMORY_POOL"):
         import pyarrow as pa
 
         pa.set_memory_pool(pa.system_memory_pool())
+
+
+def _map_large_blocks() -> None:
+    """glibc serves every block over 1 MiB by its own mapping, returned when freed (its default
+    threshold grows to the largest block freed, up to 32 MiB, and the heap then keeps such
+    blocks' pages): for the commands that load a whole dataset. ``slotscope analyze`` on the
+    1 GB bench peaked at 245-250 MB, not 261-272, in the same time (two runs each). Not for
+    ``tasks``, whose main process stages `.gz` input in 8 MiB blocks: with it, `.gz` took 1.28
+    and 1.35 times the plain read in two bench runs (limit 1.3; 1.18-1.29 in earlier runs
+    without it). The parse's workers keep their own setting (:mod:`slotscope.workers`)."""
     try:
         import ctypes
 
