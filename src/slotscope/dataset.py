@@ -18,6 +18,7 @@ import pandas as pd
 from .accounting import Accounting, FileAccount
 from .align import TASK_COLUMNS as ALIGN_TASK_COLUMNS, align, app_clock_us
 from .app_log import AppLog, read_app_log_stream
+from .periods import PART_TASKS, Part, PartStore
 from .match import TASK_COLUMNS as MATCH_TASK_COLUMNS, Matches, match
 from .server_log import ServerLogs, read_server_logs
 from .tasks import release_memory  # noqa: F401 - used here and by the analyzers
@@ -104,6 +105,17 @@ class Dataset:
             store.unload(self.app, "calls")
         if self._view is not None:
             self._view.unload()
+
+    def parts(self, part_tasks: int | None = None) -> Iterator[Part]:
+        """The task view and the samples cut into busy periods (:mod:`slotscope.periods`),
+        a part at a time, in order."""
+        view: pd.DataFrame | store.StoredTable = self._view if self._view is not None else _task_view(self)
+        samples = [self.server.on_disk(k) or getattr(self.server, k) for k in ("gen_samples", "prefill_samples")]
+        parts = PartStore(view, samples[0], samples[1], self.server.sessions, part_tasks or PART_TASKS)
+        try:
+            yield from parts.parts()
+        finally:
+            parts.discard()
 
     @property
     def n_tasks(self) -> int:

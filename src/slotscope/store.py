@@ -384,3 +384,86 @@ def unload(obj: object, name: str) -> None:
     v = raw(obj, name)
     if isinstance(v, StoredTable):
         v.unload()
+
+
+class Buckets:
+    """Rows of several tables cut into numbered parts, kept on disk until read back a part at
+    a time, in part order (:mod:`slotscope.periods`). Rows are added in any order, each with
+    its part and a ``row`` (its place in the whole table); a part reads back with its rows of
+    each table sorted by it. Parts are kept in buckets of :data:`PARTS_PER_BUCKET`, an Arrow
+    IPC file per added piece of a bucket: reading a part reads its bucket's files once."""
+
+    PARTS_PER_BUCKET = 4
+
+    def __init__(self, n_parts: int, names: Sequence[str]) -> None:
+        self.n_parts, self.names = n_parts, list(names)
+        self._tmp = _tempdir("the analysis' parts")
+        self._files: dict[tuple[str, int], list[str]] = {}
+        self._dtypes: dict[str, pd.Series] = {}
+        self._empty: dict[str, pd.DataFrame] = {}
+
+    def add(self, name: str, rows: pd.DataFrame, part: np.ndarray, extra: dict[str, np.ndarray] | None = None) -> None:
+        """``rows`` of table ``name``, row i in part ``part[i]``; ``extra``: more columns."""
+        rows = rows.assign(**(extra or {}), _part=part)
+        if name not in self._dtypes:
+            self._dtypes[name] = rows.dtypes
+            self._empty[name] = rows.iloc[:0].drop(columns="_part")
+        bucket = part // self.PARTS_PER_BUCKET
+        for b in np.unique(bucket):
+            piece = rows[bucket == b] if len(np.unique(bucket)) > 1 else rows
+            path = os.path.join(self._tmp.name, f"{name}.{b}.{len(self._files.get((name, int(b)), []))}")
+            try:
+                table = pa.Table.from_pandas(piece, preserve_index=False)
+                with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+                    writer.write_table(table)
+            except OSError as e:
+                self.discard()
+                raise _disk_error(e, "the analysis' parts") from None
+            self._files.setdefault((name, int(b)), []).append(path)
+
+    def close(self) -> None:
+        """No more rows."""
+
+    def read(self) -> Iterator[tuple[int, dict[str, pd.DataFrame]]]:
+        """(part, {table: its rows}) for every part, in order; each bucket's files are removed
+        once read."""
+        n_buckets = -(-self.n_parts // self.PARTS_PER_BUCKET)
+        for b in range(n_buckets):
+            frames = {name: self._bucket(name, b) for name in self.names}
+            cuts = {name: np.searchsorted(f["_part"].to_numpy(), np.arange(b * self.PARTS_PER_BUCKET, (b + 1) * self.PARTS_PER_BUCKET + 1))
+                    for name, f in frames.items()}
+            for k in range(b * self.PARTS_PER_BUCKET, min((b + 1) * self.PARTS_PER_BUCKET, self.n_parts)):
+                i = k - b * self.PARTS_PER_BUCKET
+                yield k, {name: f.iloc[cuts[name][i]:cuts[name][i + 1]].drop(columns="_part").reset_index(drop=True)
+                          for name, f in frames.items()}
+            del frames
+
+    def _bucket(self, name: str, b: int) -> pd.DataFrame:
+        paths = self._files.pop((name, b), [])
+        if not paths:
+            empty = self._empty.get(name)
+            return (empty if empty is not None else pd.DataFrame({"row": np.zeros(0, np.int64)})).assign(_part=np.zeros(0, np.int64))
+        dtypes = self._dtypes[name]
+        pieces = []
+        for path in paths:
+            with pa.OSFile(path) as source:
+                df = pa.ipc.open_file(source).read_all().to_pandas()
+            os.remove(path)
+            pieces.append(df.astype({c: t for c, t in dtypes.items() if df[c].dtype != t}))
+        df = pd.concat(pieces, ignore_index=True) if len(pieces) > 1 else pieces[0]
+        return df.iloc[np.lexsort((df["row"].to_numpy(), df["_part"].to_numpy()))]
+
+    def discard(self) -> None:
+        self._tmp.cleanup()
+
+
+def _tempdir(what: str) -> "tempfile.TemporaryDirectory[str]":
+    try:
+        return tempfile.TemporaryDirectory(prefix="slotscope-")
+    except OSError as e:
+        raise _disk_error(e, what) from None
+
+
+def _disk_error(e: OSError, what: str) -> SlotscopeError:
+    return SlotscopeError(getattr(e, "filename", None) or tempfile.gettempdir(), None,
+                          f"cannot write {what} to the temporary directory ({e.strerror or e}); set TMPDIR to a directory with room")

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import gc
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import pandas as pd
 
 from ..dataset import TASK_VIEW, Dataset, release_memory
+from ..periods import Part
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,53 @@ class Options:
 
 Analyzer = Callable[[Dataset, Options], pd.DataFrame]
 TABLES: dict[str, Analyzer] = {}
+
+
+@dataclass(frozen=True)
+class Question:
+    """A question asked of every busy period: ``per_part(part, opts)`` answers it for one
+    :class:`slotscope.periods.Part` (any value: rows, or what the merge needs), and
+    ``merge(answers, opts, ds)`` makes the tables named ``tables`` of every part's answer, in
+    part order. ``ds`` gives what is not in the periods: the sessions, the app's calls."""
+
+    tables: tuple[str, ...]
+    per_part: Callable[[Part, Options], Any]
+    merge: Callable[[list[Any], Options, Dataset], dict[str, pd.DataFrame]]
+
+
+QUESTIONS: dict[str, Question] = {}  # by table name
+
+
+def ask(q: Question) -> Question:
+    """Make the question's tables available under their stable names."""
+    for name in q.tables:
+        QUESTIONS[name] = q
+        TABLES[name] = _asked_alone(q, name)
+    return q
+
+
+def _asked_alone(q: Question, name: str) -> Analyzer:
+    """The table as an analyzer of the whole dataset (its periods read for it alone)."""
+    def table(ds: Dataset, opts: Options) -> pd.DataFrame:
+        return answer([q], ds, opts)[name]
+
+    table.__module__ = q.per_part.__module__
+    table.__name__ = name
+    return table
+
+
+def answer(questions: list[Question], ds: Dataset, opts: Options, part_tasks: int | None = None) -> dict[str, pd.DataFrame]:
+    """Every table of ``questions``, from one pass over the dataset's busy periods."""
+    from ..periods import PART_TASKS
+
+    answers: list[list[Any]] = [[] for _ in questions]
+    for part in ds.parts(part_tasks or PART_TASKS):
+        for got, q in zip(answers, questions):
+            got.append(q.per_part(part, opts))
+    out: dict[str, pd.DataFrame] = {}
+    for got, q in zip(answers, questions):
+        out.update(q.merge(got, opts, ds))
+    return out
 
 
 def register(name: str) -> Callable[[Analyzer], Analyzer]:
@@ -126,6 +174,18 @@ def run(ds: Dataset, opts: Options | None = None, names: list[str] | None = None
     step = on_table or (lambda name, i, n: None)
     module = None
     ds.keep_on_disk()  # each table reads the columns it needs of the tasks, calls and task view
+    asked = list({id(QUESTIONS[n]): QUESTIONS[n] for n in todo if n in QUESTIONS}.values())
+    if asked:
+        step("busy periods", 1, len(todo))
+        try:
+            out.update({n: t for n, t in answer(asked, ds, opts).items() if n in needed})
+        except Exception as e:  # noqa: BLE001 - one broken table must not hide the rest
+            if strict:
+                raise
+            for q in asked:
+                for n in q.tables:
+                    out[n] = pd.DataFrame({"note": [f"could not compute {n}: {type(e).__name__}: {e}"]})
+        todo = [n for n in todo if n not in QUESTIONS]
     with ds.shared():
         for i, name in enumerate(todo):
             if name == "findings":

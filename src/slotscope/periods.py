@@ -1,0 +1,258 @@
+"""Busy periods: the seam the report's analyses of the server's load are cut at.
+
+Tasks of one server process overlap only inside a *busy period*, a stretch in which at least one
+of them runs, and every question the report asks about the load ("what did the other slots do
+while this one generated?") is answered inside one. So the task view and the samples are
+partitioned into :class:`Part` objects, each a few whole busy periods (of one or several
+sessions) as ordinary DataFrames, and an analyzer is a plain function of one part. The parts
+are made from compact per-task columns (keys and times); the rows wait on disk, a bucket of
+parts per file, in :mod:`slotscope.store`, so what a part holds is bounded whatever the log's
+length.
+
+A busy period with more tasks than a part may hold is cut at the moment the fewest tasks run;
+the tasks that run across the cut are in both parts, as context in the later one
+(``counted`` False there), and are counted once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+import pandas as pd
+
+from . import store
+from .timeline import GROUP, key_codes, task_ends
+
+TASK_KEYS = GROUP + ["task_id"]
+# Tasks a part holds: large enough that the analyzers' per-call overhead is small next to
+# their work, small enough that a part's frames stay a few MB.
+PART_TASKS = 1 << 14
+
+
+@dataclass(frozen=True)
+class Part:
+    """Some whole busy periods, or one piece of a long one, as plain frames.
+
+    ``tasks``: the task view's rows of every task that runs in the part, in the view's order;
+    ``counted``: per row, whether the part counts the task (False for a task that started
+    before a cut, there as context); ``rows``: each row's position in the whole task view.
+    ``gen`` and ``prefill``: the heartbeats and progress lines of those tasks, in log order.
+    ``sessions``: the whole sessions table. ``span``: for a piece of a cut period, the part's
+    stretch of that session's clock ``(from_s, to_s)``, with NaN for an open end; None for
+    whole periods.
+    """
+
+    tasks: pd.DataFrame
+    counted: np.ndarray
+    rows: np.ndarray
+    gen: pd.DataFrame
+    prefill: pd.DataFrame
+    sessions: pd.DataFrame
+    span: tuple[float, float] | None = None
+    index: int = 0
+
+    @property
+    def own(self) -> pd.DataFrame:
+        """The tasks this part counts."""
+        return self.tasks if self.counted.all() else self.tasks[self.counted]
+
+
+def task_spans(tasks: pd.DataFrame, sessions: pd.DataFrame | None) -> tuple[np.ndarray, np.ndarray]:
+    """Each task's running stretch on its session clock: from its first known time (launch,
+    else prefill start, else first token) to its end (:func:`slotscope.timeline.task_ends`)."""
+    start = np.full(len(tasks), np.nan)
+    for c in ("release_s", "first_token_s", "prefill_start_s", "launch_s"):
+        if c in tasks:
+            v = pd.to_numeric(tasks[c], errors="coerce").to_numpy(dtype="float64", na_value=np.nan)
+            start = np.where(np.isnan(v), start, v)
+    end = task_ends(tasks, sessions)
+    return start, np.fmax(end, start)
+
+
+@dataclass
+class Partition:
+    """Which part each task is in: ``part`` and ``counted`` per (task row, part) pair, the
+    pairs in part order, and each part's ``span`` (None: whole periods)."""
+
+    task_row: np.ndarray
+    part: np.ndarray
+    counted: np.ndarray
+    spans: list[tuple[float, float] | None] = field(default_factory=list)
+
+    @property
+    def n_parts(self) -> int:
+        return len(self.spans)
+
+
+def partition(tasks: pd.DataFrame, sessions: pd.DataFrame | None, part_tasks: int = PART_TASKS) -> Partition:
+    """Cut the tasks (keys and times of the task view) into parts of whole busy periods, in the
+    order of their sessions and times; a period of more than ``part_tasks`` tasks into pieces.
+
+    A task with no time at all is a period of its own.
+    """
+    n = len(tasks)
+    if not n:
+        return Partition(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool), [])
+    group = key_codes([tasks], GROUP)[0] if n else np.zeros(0, np.int64)
+    start, end = task_spans(tasks, sessions)
+    untimed = np.isnan(start)
+    order = np.lexsort((np.arange(n), np.where(untimed, np.inf, start), group))
+    g, s, e = group[order], start[order], end[order]
+    # A period starts where a task starts after every earlier task of its session has ended.
+    new_group = np.r_[True, g[1:] != g[:-1]]
+    # (the running maximum must restart per session: take it within each session)
+    reach = pd.Series(np.where(np.isnan(e), s, e)).groupby(g).cummax().to_numpy()
+    new_period = new_group | np.r_[True, s[1:] > reach[:-1]] | np.isnan(s)
+    period_start = np.flatnonzero(new_period)
+    sizes = np.diff(np.r_[period_start, n])
+    rows, parts, counted, spans = [], [], [], []
+    part = -1
+    filled = part_tasks  # (tasks in the part being filled: start a new one at once)
+    for at, size in zip(period_start.tolist(), sizes.tolist()):
+        if size > part_tasks:
+            for piece_rows, piece_counted, span in _cut(order[at:at + size], s[at:at + size], e[at:at + size], part_tasks):
+                part += 1
+                rows.append(piece_rows)
+                counted.append(piece_counted)
+                parts.append(np.full(len(piece_rows), part))
+                spans.append(span)
+            filled = part_tasks
+            continue
+        if filled + size > part_tasks:
+            part += 1
+            spans.append(None)
+            filled = 0
+        rows.append(order[at:at + size])
+        counted.append(np.ones(size, bool))
+        parts.append(np.full(size, part))
+        filled += size
+    task_row = np.concatenate(rows)
+    part_of = np.concatenate(parts)
+    # Within a part, tasks in the view's order.
+    by = np.lexsort((task_row, part_of))
+    return Partition(task_row[by], part_of[by], np.concatenate(counted)[by], spans)
+
+
+def _cut(rows: np.ndarray, start: np.ndarray, end: np.ndarray, part_tasks: int
+         ) -> Iterator[tuple[np.ndarray, np.ndarray, tuple[float, float]]]:
+    """Pieces of one long period (its rows sorted by start): each cut at the start of a task,
+    where the fewest tasks run, within the second half of a piece's room."""
+    n = len(rows)
+    ends = np.sort(end)
+    # Tasks running at each task's start: started before it and not yet ended.
+    running = np.arange(n) - np.searchsorted(ends, start, side="right")
+    cuts = []
+    at = 0
+    while n - at > part_tasks:
+        lo, hi = at + max(part_tasks // 2, 1), at + part_tasks
+        i = lo + int(np.argmin(running[lo:hi]))
+        while i > at + 1 and start[i] == start[i - 1]:  # (a cut between two tasks that start together)
+            i -= 1
+        cuts.append(i)
+        at = i
+    bounds = [0] + cuts + [n]
+    for k in range(len(bounds) - 1):
+        a, b = bounds[k], bounds[k + 1]
+        t0 = start[a] if k else np.nan
+        t1 = start[b] if b < n else np.nan
+        # The piece's own tasks, and as context the earlier ones still running at its start.
+        context = np.flatnonzero(end[:a] > start[a]) if k else np.zeros(0, np.int64)
+        yield (np.r_[rows[context], rows[a:b]], np.r_[np.zeros(len(context), bool), np.ones(b - a, bool)],
+               (float(t0), float(t1)))
+
+
+def _sample_parts(samples: pd.DataFrame, tasks: pd.DataFrame, pt: Partition) -> tuple[np.ndarray, np.ndarray]:
+    """(sample row, part) pairs: each sample in every part its task is in; a sample of no
+    task in the view goes with the part of the latest task of its session started before it."""
+    keys = [samples, tasks]
+    scode, tcode = key_codes(keys, TASK_KEYS)
+    order = np.argsort(tcode, kind="stable")
+    st = tcode[order]
+    at = np.minimum(np.searchsorted(st, scode), max(len(st) - 1, 0))
+    found = (st[at] == scode) if len(st) else np.zeros(len(scode), bool)
+    task = np.where(found, order[at], -1)
+    # Parts of each task row (a task in two parts: two pairs).
+    by_task = np.argsort(pt.task_row, kind="stable")
+    first = np.searchsorted(pt.task_row[by_task], np.arange(len(tasks)), "left")
+    last = np.searchsorted(pt.task_row[by_task], np.arange(len(tasks)), "right")
+    if (~found).any():
+        task = np.where(found, task, _nearest_task(samples[~found], tasks, ~found, task))
+    n_in = np.where(task >= 0, last[np.maximum(task, 0)] - first[np.maximum(task, 0)], 0)
+    sample_row = np.repeat(np.arange(len(samples)), n_in)
+    offs = np.repeat(first[np.maximum(task, 0)], n_in) + _within(n_in)
+    return sample_row, pt.part[by_task[offs]]
+
+
+def _within(counts: np.ndarray) -> np.ndarray:
+    counts = np.asarray(counts, dtype=np.int64)
+    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
+def _nearest_task(lost: pd.DataFrame, tasks: pd.DataFrame, mask: np.ndarray, task: np.ndarray) -> np.ndarray:
+    """For samples whose task is not in the view: the task of their session launched last
+    before them (-1: none)."""
+    out = np.full(len(mask), -1, dtype=np.int64)
+    lcode, tcode = key_codes([lost, tasks], GROUP)
+    t_start, _ = task_spans(tasks, None)
+    lt = pd.to_numeric(lost["t_s"], errors="coerce").to_numpy(dtype="float64", na_value=np.nan)
+    order = np.lexsort((np.where(np.isnan(t_start), -np.inf, t_start), tcode))
+    keyed = tcode[order].astype(np.float64) * 1e12 + np.nan_to_num(t_start[order], nan=-1e11)
+    q = lcode.astype(np.float64) * 1e12 + np.nan_to_num(lt, nan=-1e11)
+    at = np.searchsorted(keyed, q, side="right") - 1
+    ok = (at >= 0) & (tcode[order][np.maximum(at, 0)] == lcode)
+    out[np.flatnonzero(mask)] = np.where(ok, order[np.maximum(at, 0)], -1)
+    return out[mask]
+
+
+class PartStore:
+    """The task view and the samples, cut into :class:`Part` objects and kept on disk until
+    read (:meth:`parts`, in order)."""
+
+    def __init__(self, view: pd.DataFrame | store.StoredTable, gen: object, prefill: object,
+                 sessions: pd.DataFrame, part_tasks: int = PART_TASKS) -> None:
+        self.sessions = sessions
+        read = view.read if isinstance(view, store.StoredTable) else (lambda cols: view[[c for c in view.columns if c in cols]])
+        keys = read(TASK_KEYS + ["launch_s", "prefill_start_s", "first_token_s", "release_s"])
+        self.partition = pt = partition(keys, sessions, part_tasks)
+        self.n_tasks = len(keys)
+        self._buckets = store.Buckets(pt.n_parts, ("tasks", "gen", "prefill"))
+        # The task view's rows, a stored batch at a time, each into the buckets of its parts.
+        by_task = np.argsort(pt.task_row, kind="stable")
+        for lo, batch in _batches(view):
+            sel = (pt.task_row[by_task] >= lo) & (pt.task_row[by_task] < lo + len(batch))
+            pairs = by_task[sel]
+            self._buckets.add("tasks", batch.iloc[pt.task_row[pairs] - lo].reset_index(drop=True),
+                              pt.part[pairs], extra={"row": pt.task_row[pairs], "counted": pt.counted[pairs]})
+        for kind, samples in (("gen", gen), ("prefill", prefill)):
+            for lo, batch in _batches(samples):
+                rows, parts = _sample_parts(batch, keys, pt)
+                self._buckets.add(kind, batch.iloc[rows].reset_index(drop=True), parts, extra={"row": lo + rows})
+        self._buckets.close()
+
+    def parts(self) -> Iterator[Part]:
+        """Every part, in order."""
+        for k, frames in self._buckets.read():
+            tasks = frames["tasks"]
+            rows = tasks.pop("row").to_numpy()
+            counted = tasks.pop("counted").to_numpy()
+            gen, prefill = frames["gen"].drop(columns="row"), frames["prefill"].drop(columns="row")
+            yield Part(tasks=tasks, counted=counted, rows=rows, gen=gen, prefill=prefill,
+                       sessions=self.sessions, span=self.partition.spans[k], index=k)
+
+    def discard(self) -> None:
+        self._buckets.discard()
+
+
+def _batches(table: object) -> Iterator[tuple[int, pd.DataFrame]]:
+    """(first row, rows) of a table in memory or on disk, a stored batch at a time."""
+    if table is None:
+        return
+    if isinstance(table, pd.DataFrame):
+        yield 0, table.reset_index(drop=True)
+        return
+    lo = 0
+    for b in table.batches():  # type: ignore[attr-defined]
+        yield lo, b.reset_index(drop=True)
+        lo += len(b)
