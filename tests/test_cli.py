@@ -207,15 +207,3 @@ def test_progress_bar_draws_without_a_thread_so_workers_fork_alone(monkeypatch: 
     assert threads_at_fork and set(threads_at_fork) == {before}
     assert "reading" in screen.getvalue() and "kB" in screen.getvalue()  # the bar was drawn
     assert len(res.stdout.splitlines()) == 46  # header + 45 tasks, as without the bar
-
-
-@pytest.mark.parametrize("env, pool", [(None, "system"), ("mimalloc", "mimalloc")])
-def test_the_command_takes_arrows_buffers_from_the_system_allocator(env: str | None, pool: str) -> None:
-    """The command (not the library) gives Arrow the C library's allocator, whose freed pages
-    go back with the heap's; a pool named in $ARROW_DEFAULT_MEMORY_POOL is kept."""
-    environ = {k: v for k, v in os.environ.items() if k != "ARROW_DEFAULT_MEMORY_POOL"}
-    if env:
-        environ["ARROW_DEFAULT_MEMORY_POOL"] = env
-    code = "import pyarrow as pa; from slotscope import cli; cli.hand_back_freed_memory(); print(pa.default_memory_pool().backend_name)"
-    out = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == pool

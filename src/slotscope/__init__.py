@@ -15,7 +15,22 @@ The pipeline, one module per stage::
 
 __version__ = "0.1.0"
 
-from .dataset import Dataset, load, task_view
-from .server_log import ServerLogs, read_server_logs
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .dataset import Dataset, load, task_view
+    from .server_log import ServerLogs, read_server_logs
 
 __all__ = ["Dataset", "ServerLogs", "load", "read_server_logs", "task_view", "__version__"]
+_HOMES = {"Dataset": "dataset", "load": "dataset", "task_view": "dataset", "ServerLogs": "server_log",
+          "read_server_logs": "server_log"}
+
+
+def __getattr__(name: str) -> Any:
+    # The library is imported when first used, not with the package: the command line's
+    # `--help` and usage errors answer without pandas.
+    if name in _HOMES:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,18 +10,19 @@ from contextlib import contextmanager
 from importlib import resources
 from typing import Annotated, Callable, Iterator, Optional
 
-import pandas as pd
+from typing import TYPE_CHECKING
+
 import typer
 from rich.console import Console
 
-from . import output
-from .accounting import Accounting
-from .errors import InputError, SlotscopeError
-from .filters import parse_when, where as where_rows, window
-from .app_log import load_column_file, parse_column_spec
-from .dataset import Dataset, load, read_app
-from .server_log import read_sample_batches, read_task_batches
-from .sources import collect, file_size
+from .errors import InputError, SlotscopeError, UsageError
+
+if TYPE_CHECKING:
+    from .accounting import Accounting
+    from .dataset import Dataset
+
+# The library (pandas, pyarrow) is imported by the commands that run, not here: `slotscope
+# --help` and a usage error answer without it.
 
 app = typer.Typer(
     add_completion=False,
@@ -70,7 +71,7 @@ def _handled(fn: Callable[..., None]) -> Callable[..., None]:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
             raise typer.Exit(0) from None
-        except output.UsageError as e:
+        except UsageError as e:
             if _debug:
                 raise
             err.print(f"error: {e}", markup=False)
@@ -101,6 +102,8 @@ def example_dir() -> str:
 def _long_run(paths: list[str]) -> int | None:
     """The server logs' size if the run is long enough for progress on stderr (a terminal:
     64 MiB of logs or more), else None."""
+    from .sources import collect, file_size
+
     if not err.is_terminal or "-" in paths:  # stdin: its size is unknown, and it is read once
         return None
     try:
@@ -189,7 +192,7 @@ def _no_input(unusable: list[tuple[str, str]], message: str) -> None:
 
 def _paths(paths: Optional[list[str]]) -> list[str]:
     if not paths:
-        raise output.UsageError(None, None, "no input: give log files or directories (or - for stdin)")
+        raise UsageError(None, None, "no input: give log files or directories (or - for stdin)")
     return paths
 
 
@@ -199,6 +202,10 @@ def tasks(
     until: UntilOpt = None, where: WhereOpt = None, strict: StrictOpt = False, tz: TzOpt = "UTC", quiet: QuietOpt = False,
 ) -> None:
     """One row per server task: launch, wait before prefill, prefill, generation, release."""
+    from . import output
+    from .filters import parse_when
+    from .server_log import read_task_batches
+
     ps = _paths(paths)
     lo, hi = parse_when(since), parse_when(until)
     chosen = output.choose_format(fmt, out, (out is None or out == "-") and output.is_terminal(sys.stdout))
@@ -221,6 +228,9 @@ def _rows_in(batch: pd.DataFrame, i: int, *, since: object, until: object, where
              fmt: output.Format | None, time_col: str) -> object:
     """One batch of ``tasks`` or ``samples``: filtered, and as text for CSV/JSON (runs in a
     worker process)."""
+    from . import output
+    from .filters import where as where_rows, window
+
     rows = where_rows(window(batch, since, until, time_col=time_col), where)  # type: ignore[arg-type]
     return output.text_piece(rows, i, fmt) if fmt is not None else rows
 
@@ -233,8 +243,12 @@ def samples(
     where: WhereOpt = None, strict: StrictOpt = False, tz: TzOpt = "UTC", quiet: QuietOpt = False,
 ) -> None:
     """Generation heartbeats (n_gen, tg, tg_3s and the window each covers) or prefill progress."""
+    from . import output
+    from .filters import parse_when
+    from .server_log import read_sample_batches
+
     if kind not in ("gen", "prefill"):
-        raise output.UsageError(None, None, f"--kind must be gen or prefill, not {kind!r}")
+        raise UsageError(None, None, f"--kind must be gen or prefill, not {kind!r}")
     ps = _paths(paths)
     lo, hi = parse_when(since), parse_when(until)
     chosen = output.choose_format(fmt, out, (out is None or out == "-") and output.is_terminal(sys.stdout))
@@ -258,6 +272,8 @@ ServerStartOpt = Annotated[Optional[str], typer.Option("--server-start", help="W
 
 
 def _app_columns(spec: Optional[str]) -> Optional[dict[str, str]]:
+    from .app_log import load_column_file, parse_column_spec
+
     if not spec:
         return None
     if os.path.isfile(spec):
@@ -266,16 +282,22 @@ def _app_columns(spec: Optional[str]) -> Optional[dict[str, str]]:
 
 
 def _load(paths: list[str], tz: str, app_columns: Optional[str], server_start: Optional[str], keep_samples: bool = True) -> Dataset:
-    _map_large_blocks()
+    import pandas as pd
+
+    from .dataset import load
+    from .filters import parse_when
+
     start = parse_when(server_start) if server_start else None
     if start is not None and not isinstance(start, pd.Timestamp):
-        raise output.UsageError(None, None, "--server-start needs a wall time (ISO-8601)")
+        raise UsageError(None, None, "--server-start needs a wall time (ISO-8601)")
     with _progress(paths) as progress:
         return load(paths, app_columns=_app_columns(app_columns), tz=tz, server_start=start,
                     keep_samples=keep_samples, progress=progress, stage=progress.stage if progress else None)
 
 
 def _print_alignment(ds: Dataset, quiet: bool) -> None:
+    import pandas as pd
+
     if quiet or ds.matches is None:
         return
     for r in ds.matches.aligned.itertuples(index=False):
@@ -293,6 +315,11 @@ def calls(
     app_columns: AppColumnsOpt = None, quiet: QuietOpt = False, strict: StrictOpt = False,
 ) -> None:
     """The app's call log as a table (one row per call), columns found by common names."""
+    from . import output
+    from .accounting import Accounting
+    from .dataset import read_app
+    from .sources import collect
+
     ps = _paths(paths)
     inputs = collect(ps)
     app_log, accounts = read_app(inputs, columns=_app_columns(app_columns), tz=tz)
@@ -310,9 +337,12 @@ def match_cmd(
     where: WhereOpt = None, quiet: QuietOpt = False, strict: StrictOpt = False,
 ) -> None:
     """Every app call joined to its server task: queue, wait, prefill, generation, TTFT."""
+    from . import output
+    from .filters import where as where_rows
+
     ds = _load(_paths(paths), tz, app_columns, server_start, keep_samples=False)
     if ds.matches is None:
-        raise output.UsageError(None, None, "no app call log among the inputs; `match` joins one to the server log")
+        raise UsageError(None, None, "no app call log among the inputs; `match` joins one to the server log")
     if unlogged:
         output.write(where_rows(ds.matches.unlogged, where), fmt, out, title="tasks no call explains", table_columns=TASK_TABLE + ["busy_s"])
     else:
@@ -351,6 +381,7 @@ def analyze(
 
     With no path, analyzes the real example bundled with slotscope.
     """
+    from . import output
     from . import analyze as analysis
     from .report import render
 
@@ -359,7 +390,7 @@ def analyze(
         err.print(f"no path given: analyzing the bundled example ({paths[0]})", markup=False)
     names = analysis.table_names()
     if table is not None and table not in names:
-        raise output.UsageError(None, None, f"unknown table {table!r}; tables: {', '.join(names)}")
+        raise UsageError(None, None, f"unknown table {table!r}; tables: {', '.join(names)}")
     opts = analysis.Options(long_prefill_tokens=long_prefill, big_prefill_tokens=big_prefill,
                             wait_threshold_s=wait_threshold, solo_gen_tps=solo_gen_tps, solo_prefill_tps=solo_prefill_tps,
                             cache_rate=cache_rate, uncached_tokens=uncached_tokens, cache_window_s=cache_window, tz=tz)
@@ -368,7 +399,7 @@ def analyze(
         _no_input(ds.accounting.unusable, "no llama-server log among the inputs")
     if table is not None or fmt in ("csv", "json", "parquet") or (out and not out.endswith(".txt")):
         if table is None:
-            raise output.UsageError(None, None, f"exporting needs one table: --table NAME ({', '.join(names)})")
+            raise UsageError(None, None, f"exporting needs one table: --table NAME ({', '.join(names)})")
         tables = analysis.run(ds, opts, [table], strict=debug)
         output.write(tables[table], fmt, out, title=table)
     else:
@@ -417,15 +448,16 @@ def compare_cmd(
     Either two windows of one set of logs (slotscope compare logs/ --before 2026-11-28 --after
     2026-11-30..2026-11-30T12:00) or two sets (--before old/logs --after new/logs).
     """
+    from . import output
     from . import compare as cmp
     from .analyze import Options
 
     sides = cmp.read_sides(paths, before, after, tz)
     if table is not None and table not in cmp.TABLE_NAMES + ["cautions"]:
-        raise output.UsageError(None, None, f"unknown table {table!r}; tables: {', '.join(cmp.TABLE_NAMES)}, cautions")
+        raise UsageError(None, None, f"unknown table {table!r}; tables: {', '.join(cmp.TABLE_NAMES)}, cautions")
     exporting = table is not None or fmt in ("csv", "json", "parquet") or bool(out and not out.endswith(".txt"))
     if exporting and table is None:
-        raise output.UsageError(None, None, f"exporting needs one table: --table NAME ({', '.join(cmp.TABLE_NAMES)})")
+        raise UsageError(None, None, f"exporting needs one table: --table NAME ({', '.join(cmp.TABLE_NAMES)})")
     opts = Options(long_prefill_tokens=long_prefill, big_prefill_tokens=big_prefill, wait_threshold_s=wait_threshold, tz=tz)
     if sides.windows:
         ds = _load(_paths(paths), tz, app_columns, server_start)
@@ -464,10 +496,11 @@ def timeline(
     each slot's generation speed, the worst stalls with the prefill that caused them and the
     longest waits with the task that held the batch.
     """
+    from .filters import parse_when
     from .picture import write_timeline
 
     if not out:
-        raise output.UsageError(None, None, "timeline needs -o FILE: incident.html, incident.png or incident.svg")
+        raise UsageError(None, None, "timeline needs -o FILE: incident.html, incident.png or incident.svg")
     ds = _load(_paths(paths), tz, app_columns, server_start)
     if not any(f.kind == "server" for f in ds.accounting.files):
         _no_input(ds.accounting.unusable, "no llama-server log among the inputs")
@@ -478,39 +511,10 @@ def timeline(
     _finish(ds.accounting, strict, quiet)
 
 
-def hand_back_freed_memory() -> None:
-    """Arrow's buffers from the C library's allocator, unless ``$ARROW_DEFAULT_MEMORY_POOL``
-    names a pool, in the command's process (a notebook's is left as it is): what a step frees
-    goes back to the system with the heap (``release_memory``). pyarrow's default, mimalloc,
-    kept 17 MB resident with 9 KB allocated after loading 1 GB of log (RSS after loading: 164
-    MB with mimalloc, 155 with the system's; jemalloc 179), and its high water within each step."""
-    if not os.environ.get("ARROW_DEFAULT_MEMORY_POOL"):
-        import pyarrow as pa
-
-        pa.set_memory_pool(pa.system_memory_pool())
-
-
-def _map_large_blocks() -> None:
-    """glibc serves every block over 1 MiB by its own mapping, returned when freed (its default
-    threshold grows to the largest block freed, up to 32 MiB, and the heap then keeps such
-    blocks' pages): for the commands that load a whole dataset. ``slotscope analyze`` on the
-    1 GB bench peaked at 245-250 MB, not 261-272, in the same time (two runs each). Not for
-    ``tasks``, whose main process stages `.gz` input in 8 MiB blocks: with it, `.gz` took 1.28
-    and 1.35 times the plain read in two bench runs (limit 1.3; 1.18-1.29 in earlier runs
-    without it). The parse's workers keep their own setting (:mod:`slotscope.workers`)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):  # not glibc: nothing to set
-        pass
-
-
 def main() -> None:
     """Entry point. Library errors and a closed pipe are mapped in each command (``_handled``)."""
     global _debug
     _debug = "--debug" in sys.argv
-    hand_back_freed_memory()
     try:
         app()
     except KeyboardInterrupt:

@@ -32,3 +32,7 @@ class LogFormatError(SlotscopeError):
 
 class AppLogError(SlotscopeError):
     """An app call log that cannot be interpreted (e.g. no start-time column)."""
+
+
+class UsageError(SlotscopeError):
+    """A combination of options that cannot work (exit code 2)."""

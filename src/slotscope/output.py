@@ -25,15 +25,13 @@ from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
 
-from .errors import SlotscopeError
+from .errors import SlotscopeError, UsageError  # noqa: F401 - UsageError raised here and by the CLI
 
 Format = Literal["table", "csv", "json", "parquet"]
 FORMATS = ("table", "csv", "json", "parquet")
 _EXT = {".csv": "csv", ".json": "json", ".parquet": "parquet", ".pq": "parquet", ".txt": "table"}
 
 
-class UsageError(SlotscopeError):
-    """A combination of options that cannot work (exit code 2)."""
 
 
 def is_terminal(stream: IO[str]) -> bool:
