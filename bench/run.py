@@ -38,10 +38,14 @@ VENV_BIN = Path("/tmp/venv/bin/slotscope")
 
 LIMITS = {
     "tasks_vs_grep": 10.0,  # slotscope tasks <= 10x grep -c 'slot '
-    "rss_mb": 256.0,  # peak RSS of every slotscope run
-    "rss_growth": 0.20,  # RSS(SIZE) within 20% of RSS(SIZE/10)
+    "rss_mb": 256.0,  # peak RSS of tasks (plain and .gz)
+    "analyze_rss_mb": 384.0,  # peak RSS of analyze
+    "rss_growth": 0.20,  # tasks: RSS(SIZE) within 20% of RSS(SIZE/10)
     "analyze_scaling": 11.0,  # analyze(10x input) <= 11x analyze(1x)
     "gz_vs_plain": 1.3,  # tasks on .gz <= 1.3x tasks on the plain file
+    "analyze_vs_baseline": 1.2,  # analyze(SIZE) <= 1.2x the --baseline slotscope's, same run
+    "example_vs_import": 2.0,  # analyze on the bundled example <= 2x `import pandas, pyarrow`
+    "help_vs_import": 0.6,  # slotscope --help <= 0.6x `import pandas, pyarrow`
 }
 
 
@@ -202,6 +206,15 @@ def run_child(argv: list[str], env: dict | None = None, timeout: float = 3600.0,
     return r
 
 
+def _interpreter(exe: str | None) -> str | None:
+    """The Python a console script runs on (its #! line), else this one."""
+    try:
+        first = open(exe, "rb").readline().decode() if exe else ""
+    except OSError:
+        first = ""
+    return first[2:].strip().split()[0] if first.startswith("#!") and first[2:].strip() else sys.executable
+
+
 def find_slotscope() -> str | None:
     for cand in (os.environ.get("SLOTSCOPE_BIN"), shutil.which("slotscope"), str(VENV_BIN)):
         if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
@@ -293,6 +306,8 @@ def main(argv=None) -> int:
                     help="run the whole sequence N times (interleaved); report medians (default 1)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=3600, help="per command, seconds")
+    ap.add_argument("--baseline", metavar="SLOTSCOPE",
+                    help="another slotscope (e.g. an install of the last release) whose analyze is timed beside this one's")
     ap.add_argument("--max-rss-mb", type=float, default=4096,
                     help="kill a command whose RSS passes this (default 4096; 0 = no cap)")
     a = ap.parse_args(argv)
@@ -330,6 +345,17 @@ def main(argv=None) -> int:
              missing["samples"], None),
             (key, "analyze", [exe, "analyze", adir] if exe else None, missing["analyze"], None),
         ]
+    if a.baseline:
+        plan.append(("big", "analyze (baseline)", [a.baseline, "analyze", str(analyze_dir(inputs["big"]["dir"]))], None, None))
+    # Start-up: the bundled example and --help against the imports every analysis needs, with
+    # the interpreter slotscope runs on.
+    python = _interpreter(exe)
+    plan += [
+        ("small", "import pandas, pyarrow", [python, "-c", "import pandas, pyarrow"] if python else None,
+         None if python else "no interpreter found for slotscope", None),
+        ("small", "analyze (example)", [exe, "analyze"] if exe else None, missing["analyze"], None),
+        ("small", "--help", [exe, "--help"] if exe else None, missing["analyze"], None),
+    ]
     for key in ("big", "small"):
         d = inputs[key]["dir"]
         warm([d / "llama-server.log", d / "llama-server.log.gz", d / "app.jsonl"])
@@ -425,12 +451,12 @@ def main(argv=None) -> int:
           LIMITS["tasks_vs_grep"], lambda v: v <= LIMITS["tasks_vs_grep"],
           f"{t:.2f} s / {g:.2f} s" if t and g else "", na(("big", "tasks"), ("big", "grep -c 'slot '")))
     for key in ("big", "small"):
-        for name in ("tasks", "tasks .gz", "analyze"):
+        for name, limit in (("tasks", LIMITS["rss_mb"]), ("tasks .gz", LIMITS["rss_mb"]), ("analyze", LIMITS["analyze_rss_mb"])):
             rss = get(key, name, "rss_mb")
-            check(f"RSS <= {LIMITS['rss_mb']:g} MB: {name} ({inputs[key]['label']})", rss,
-                  LIMITS["rss_mb"], lambda v: v <= LIMITS["rss_mb"],
+            check(f"RSS <= {limit:g} MB: {name} ({inputs[key]['label']})", rss,
+                  limit, lambda v, limit=limit: v <= limit,
                   f"{rss:.0f} MB" if rss else "", na((key, name)))
-    for name in ("tasks", "tasks .gz", "analyze"):
+    for name in ("tasks", "tasks .gz"):
         rb, rs = get("big", name, "rss_mb"), get("small", name, "rss_mb")
         if results[("small", name)].get("over_rss_cap"):  # both are only lower bounds
             checks.append({"check": f"RSS({B}) within {LIMITS['rss_growth']:.0%} of RSS({S}): {name}",
@@ -448,6 +474,18 @@ def main(argv=None) -> int:
     check(f"tasks .gz <= {LIMITS['gz_vs_plain']:g}x tasks plain ({B})", tg / tp if tg and tp else None,
           LIMITS["gz_vs_plain"], lambda v: v <= LIMITS["gz_vs_plain"],
           f"{tg:.2f} s / {tp:.2f} s" if tg and tp else "", na(("big", "tasks .gz"), ("big", "tasks")))
+
+    if a.baseline:
+        base = get("big", "analyze (baseline)")
+        check(f"analyze <= {LIMITS['analyze_vs_baseline']:g}x the baseline's ({B})", ab / base if ab and base else None,
+              LIMITS["analyze_vs_baseline"], lambda v: v <= LIMITS["analyze_vs_baseline"],
+              f"{ab:.2f} s / {base:.2f} s" if ab and base else "", na(("big", "analyze"), ("big", "analyze (baseline)")))
+    imp = get("small", "import pandas, pyarrow")
+    for name, limit in (("analyze (example)", "example_vs_import"), ("--help", "help_vs_import")):
+        v = get("small", name)
+        check(f"{name} <= {LIMITS[limit]:g}x `import pandas, pyarrow`", v / imp if v and imp else None,
+              LIMITS[limit], lambda x, limit=limit: x <= LIMITS[limit],
+              f"{v:.3f} s / {imp:.3f} s" if v and imp else "", na(("small", name), ("small", "import pandas, pyarrow")))
 
     print("\nchecks:")
     for c in checks:

@@ -223,13 +223,12 @@ class PartStore:
         for lo, batch in _batches(view):
             sel = (pt.task_row[by_task] >= lo) & (pt.task_row[by_task] < lo + len(batch))
             pairs = by_task[sel]
-            self._buckets.add("tasks", batch.iloc[pt.task_row[pairs] - lo].reset_index(drop=True),
+            self._buckets.add("tasks", batch.iloc[pt.task_row[pairs] - lo],
                               pt.part[pairs], extra={"row": pt.task_row[pairs], "counted": pt.counted[pairs]})
         for kind, samples in (("gen", gen), ("prefill", prefill)):
             for lo, batch in _batches(samples):
                 rows, parts = _sample_parts(batch, keys, pt)
-                self._buckets.add(kind, batch.iloc[rows].reset_index(drop=True), parts, extra={"row": lo + rows})
-        self._buckets.close()
+                self._buckets.add(kind, batch.iloc[rows], parts, extra={"row": lo + rows})
 
     def parts(self) -> Iterator[Part]:
         """Every part, in order."""

@@ -390,8 +390,8 @@ class Buckets:
     """Rows of several tables cut into numbered parts, kept on disk until read back a part at
     a time, in part order (:mod:`slotscope.periods`). Rows are added in any order, each with
     its part and a ``row`` (its place in the whole table); a part reads back with its rows of
-    each table sorted by it. Parts are kept in buckets of :data:`PARTS_PER_BUCKET`, an Arrow
-    IPC file per added piece of a bucket: reading a part reads its bucket's files once."""
+    each table sorted by it, with the dtypes the first rows added had. Parts are kept in
+    buckets of :data:`PARTS_PER_BUCKET`, an Arrow IPC file per added piece of a bucket."""
 
     PARTS_PER_BUCKET = 4
 
@@ -400,58 +400,64 @@ class Buckets:
         self._tmp = _tempdir("the analysis' parts")
         self._files: dict[tuple[str, int], list[str]] = {}
         self._dtypes: dict[str, pd.Series] = {}
-        self._empty: dict[str, pd.DataFrame] = {}
+        self._schema: dict[str, pa.Schema] = {}
 
     def add(self, name: str, rows: pd.DataFrame, part: np.ndarray, extra: dict[str, np.ndarray] | None = None) -> None:
         """``rows`` of table ``name``, row i in part ``part[i]``; ``extra``: more columns."""
-        rows = rows.assign(**(extra or {}), _part=part)
         if name not in self._dtypes:
             self._dtypes[name] = rows.dtypes
-            self._empty[name] = rows.iloc[:0].drop(columns="_part")
-        bucket = part // self.PARTS_PER_BUCKET
-        for b in np.unique(bucket):
-            piece = rows[bucket == b] if len(np.unique(bucket)) > 1 else rows
-            path = os.path.join(self._tmp.name, f"{name}.{b}.{len(self._files.get((name, int(b)), []))}")
+        table = pa.Table.from_pandas(rows, preserve_index=False)
+        for c, v in {**(extra or {}), "_part": part}.items():
+            table = table.append_column(c, pa.array(v))
+        if name not in self._schema:
+            self._schema[name] = table.schema
+        bucket = np.asarray(part) // self.PARTS_PER_BUCKET
+        present = np.unique(bucket)
+        for b in present.tolist():
+            piece = table if len(present) == 1 else table.filter(pa.array(bucket == b))
+            files = self._files.setdefault((name, b), [])
+            path = os.path.join(self._tmp.name, f"{name}.{b}.{len(files)}")
             try:
-                table = pa.Table.from_pandas(piece, preserve_index=False)
-                with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-                    writer.write_table(table)
+                with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, piece.schema) as writer:
+                    writer.write_table(piece)
             except OSError as e:
                 self.discard()
                 raise _disk_error(e, "the analysis' parts") from None
-            self._files.setdefault((name, int(b)), []).append(path)
-
-    def close(self) -> None:
-        """No more rows."""
+            files.append(path)
 
     def read(self) -> Iterator[tuple[int, dict[str, pd.DataFrame]]]:
         """(part, {table: its rows}) for every part, in order; each bucket's files are removed
         once read."""
-        n_buckets = -(-self.n_parts // self.PARTS_PER_BUCKET)
-        for b in range(n_buckets):
-            frames = {name: self._bucket(name, b) for name in self.names}
-            cuts = {name: np.searchsorted(f["_part"].to_numpy(), np.arange(b * self.PARTS_PER_BUCKET, (b + 1) * self.PARTS_PER_BUCKET + 1))
-                    for name, f in frames.items()}
-            for k in range(b * self.PARTS_PER_BUCKET, min((b + 1) * self.PARTS_PER_BUCKET, self.n_parts)):
-                i = k - b * self.PARTS_PER_BUCKET
-                yield k, {name: f.iloc[cuts[name][i]:cuts[name][i + 1]].drop(columns="_part").reset_index(drop=True)
-                          for name, f in frames.items()}
-            del frames
+        per = self.PARTS_PER_BUCKET
+        for b in range(-(-self.n_parts // per)):
+            tables = {name: self._bucket(name, b) for name in self.names}
+            bounds = {name: np.searchsorted(t.column("_part").to_numpy(), np.arange(b * per, (b + 1) * per + 1))
+                      for name, t in tables.items()}
+            for k in range(b * per, min((b + 1) * per, self.n_parts)):
+                i = k - b * per
+                yield k, {name: self._frame(name, t.slice(bounds[name][i], bounds[name][i + 1] - bounds[name][i]))
+                          for name, t in tables.items()}
+            del tables
 
-    def _bucket(self, name: str, b: int) -> pd.DataFrame:
+    def _bucket(self, name: str, b: int) -> pa.Table:
+        """Bucket ``b`` of table ``name``, sorted by part and row."""
         paths = self._files.pop((name, b), [])
-        if not paths:
-            empty = self._empty.get(name)
-            return (empty if empty is not None else pd.DataFrame({"row": np.zeros(0, np.int64)})).assign(_part=np.zeros(0, np.int64))
-        dtypes = self._dtypes[name]
+        schema = self._schema.get(name, pa.schema([("row", pa.int64()), ("_part", pa.int64())]))
         pieces = []
         for path in paths:
             with pa.OSFile(path) as source:
-                df = pa.ipc.open_file(source).read_all().to_pandas()
+                pieces.append(pa.ipc.open_file(source).read_all())
             os.remove(path)
-            pieces.append(df.astype({c: t for c, t in dtypes.items() if df[c].dtype != t}))
-        df = pd.concat(pieces, ignore_index=True) if len(pieces) > 1 else pieces[0]
-        return df.iloc[np.lexsort((df["row"].to_numpy(), df["_part"].to_numpy()))]
+        table = pa.concat_tables(pieces) if pieces else schema.empty_table()
+        order = np.lexsort((table.column("row").to_numpy(), table.column("_part").to_numpy()))
+        return table.take(pa.array(order))
+
+    def _frame(self, name: str, table: pa.Table) -> pd.DataFrame:
+        df = table.drop_columns(["_part"]).to_pandas()
+        dtypes = self._dtypes.get(name)
+        if dtypes is not None:
+            df = df.astype({c: t for c, t in dtypes.items() if df[c].dtype != t})
+        return df
 
     def discard(self) -> None:
         self._tmp.cleanup()
