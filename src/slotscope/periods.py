@@ -23,6 +23,9 @@ import numpy as np
 import pandas as pd
 
 from . import store
+from .server_log import Samples
+from .events import HEARTBEAT, PROGRESS
+from .tasks import SampleSource, empty_samples, source_column as _source_column
 from .timeline import GROUP, key_codes, task_ends
 
 TASK_KEYS = GROUP + ["task_id"]
@@ -217,6 +220,12 @@ class PartStore:
         keys = read(TASK_KEYS + ["launch_s", "prefill_start_s", "first_token_s", "release_s"])
         self.partition = pt = partition(keys, sessions, part_tasks)
         self.n_tasks = len(keys)
+        self._whole: Part | None = None
+        if pt.n_parts <= 1:  # the log is one part: its tables as they are
+            whole = view if isinstance(view, pd.DataFrame) else view.read()
+            self._whole = Part(tasks=whole, counted=np.ones(len(whole), bool), rows=np.arange(len(whole)),
+                               gen=_table(gen, "gen"), prefill=_table(prefill, "prefill"), sessions=sessions)
+            return
         self._buckets = store.Buckets(pt.n_parts, ("tasks", "gen", "prefill"))
         # The task view's rows, a stored batch at a time, each into the buckets of its parts.
         by_task = np.argsort(pt.task_row, kind="stable")
@@ -225,23 +234,62 @@ class PartStore:
             pairs = by_task[sel]
             self._buckets.add("tasks", batch.iloc[pt.task_row[pairs] - lo],
                               pt.part[pairs], extra={"row": pt.task_row[pairs], "counted": pt.counted[pairs]})
+        self._streams: dict[str, list[SampleSource]] = {}
         for kind, samples in (("gen", gen), ("prefill", prefill)):
+            if isinstance(samples, Samples):  # as the parse stored them: their table is made per part
+                self._streams[kind] = samples.parts
+                self._add_stored(kind, samples, keys, pt)
+                continue
             for lo, batch in _batches(samples):
                 rows, parts = _sample_parts(batch, keys, pt)
                 self._buckets.add(kind, batch.iloc[rows], parts, extra={"row": lo + rows})
 
     def parts(self) -> Iterator[Part]:
         """Every part, in order."""
+        if self._whole is not None:
+            yield self._whole
+            return
         for k, frames in self._buckets.read():
             tasks = frames["tasks"]
             rows = tasks.pop("row").to_numpy()
             counted = tasks.pop("counted").to_numpy()
-            gen, prefill = frames["gen"].drop(columns="row"), frames["prefill"].drop(columns="row")
+            gen, prefill = (self._samples(kind, frames[kind]) for kind in ("gen", "prefill"))
             yield Part(tasks=tasks, counted=counted, rows=rows, gen=gen, prefill=prefill,
                        sessions=self.sessions, span=self.partition.spans[k], index=k)
 
     def discard(self) -> None:
-        self._buckets.discard()
+        if self._whole is None:
+            self._buckets.discard()
+
+    def _add_stored(self, kind: str, samples: Samples, tasks: pd.DataFrame, pt: Partition) -> None:
+        """The samples' rows as the parse stored them (a chunk at a time, in the order read),
+        each into the buckets of its task's parts, with its stream and place in that order."""
+        seq = 0
+        for stream, src in enumerate(samples.parts):
+            for chunk in src.store.chunks():
+                frame = pd.DataFrame({"source": _source_column(src.source, len(chunk["task"])), "port": chunk["port"],
+                                      "session": chunk["session"], "task_id": chunk["task"], "t_s": chunk["ts_us"] / 1e6})
+                rows, parts = _sample_parts(frame, tasks, pt)
+                raw = pd.DataFrame({c: v[rows] for c, v in chunk.items()})
+                self._buckets.add(kind, raw, parts, extra={"row": seq + rows, "_stream": np.full(len(rows), stream, np.int16)})
+                seq += len(chunk["task"])
+
+    def _samples(self, kind: str, rows: pd.DataFrame) -> pd.DataFrame:
+        """A part's samples table from its bucketed rows: as stored (``row`` their place), or
+        as the parse stored them, then made into the table the whole log's would be."""
+        streams = self._streams.get(kind)
+        if streams is None:
+            return rows.drop(columns="row")
+        frames = []
+        for stream, src in enumerate(streams):
+            mine = rows[rows["_stream"].to_numpy() == stream] if len(streams) > 1 else rows
+            cols = {c: mine[c].to_numpy() for c in mine.columns if c not in ("row", "_stream")}
+            if cols:
+                # The table's order: by task, then time (ties: as read).
+                order = np.lexsort((mine["row"].to_numpy(), cols["ts_us"], cols["task"], cols["session"], cols["port"]))
+                cols = {c: v[order] for c, v in cols.items()}
+            frames.append(src.table_of(cols) if cols and len(cols["task"]) else empty_samples(src.kind))
+        return _joined(frames, streams)
 
 
 def _batches(table: object) -> Iterator[tuple[int, pd.DataFrame]]:
@@ -255,3 +303,26 @@ def _batches(table: object) -> Iterator[tuple[int, pd.DataFrame]]:
     for b in table.batches():  # type: ignore[attr-defined]
         yield lo, b.reset_index(drop=True)
         lo += len(b)
+
+
+def _joined(frames: list[pd.DataFrame], streams: list[SampleSource]) -> pd.DataFrame:
+    """A part's samples of each stream as one table, with the dtypes of the whole log's table
+    (:class:`slotscope.server_log.Samples`): with samples in two or more streams, ``source``
+    and ``file`` take every such stream's names as categories, sorted."""
+    used = [src for src in streams if len(src.store)]
+    if len(used) < 2:
+        at = streams.index(used[0]) if used else 0
+        return frames[at]
+    cats = {"source": sorted({src.source for src in used}), "file": sorted(set().union(*(src.files for src in used)))}
+    frames = [f.assign(**{c: f[c].cat.set_categories(v) for c, v in cats.items()}) for f, src in zip(frames, streams) if len(src.store)]
+    return pd.concat(frames, ignore_index=True)
+
+
+def _table(samples: object, kind: str) -> pd.DataFrame:
+    """A samples table whole (as stored, or as the parse stored it)."""
+    if isinstance(samples, Samples):
+        return samples.table()
+    if samples is None:
+        return empty_samples(HEARTBEAT if kind == "gen" else PROGRESS)
+    assert isinstance(samples, pd.DataFrame)
+    return samples

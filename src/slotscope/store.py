@@ -394,11 +394,14 @@ class Buckets:
     buckets of :data:`PARTS_PER_BUCKET`, an Arrow IPC file per added piece of a bucket."""
 
     PARTS_PER_BUCKET = 4
+    HELD_BYTES = 64 << 20  # rows held in memory before they go to disk
 
     def __init__(self, n_parts: int, names: Sequence[str]) -> None:
         self.n_parts, self.names = n_parts, list(names)
-        self._tmp = _tempdir("the analysis' parts")
+        self._tmp: "tempfile.TemporaryDirectory[str] | None" = None
         self._files: dict[tuple[str, int], list[str]] = {}
+        self._held: dict[tuple[str, int], list[pa.Table]] = {}
+        self._held_bytes = 0
         self._dtypes: dict[str, pd.Series] = {}
         self._schema: dict[str, pa.Schema] = {}
 
@@ -415,15 +418,30 @@ class Buckets:
         present = np.unique(bucket)
         for b in present.tolist():
             piece = table if len(present) == 1 else table.filter(pa.array(bucket == b))
-            files = self._files.setdefault((name, b), [])
-            path = os.path.join(self._tmp.name, f"{name}.{b}.{len(files)}")
-            try:
-                with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, piece.schema) as writer:
-                    writer.write_table(piece)
-            except OSError as e:
-                self.discard()
-                raise _disk_error(e, "the analysis' parts") from None
-            files.append(path)
+            self._held.setdefault((name, b), []).append(piece)
+            self._held_bytes += piece.nbytes
+        if self._held_bytes > self.HELD_BYTES:
+            self._spill()
+
+    def _spill(self) -> None:
+        """Write what is held to disk (a small log's parts are never written)."""
+        for key, pieces in self._held.items():
+            files = self._files.setdefault(key, [])
+            for piece in pieces:
+                path = os.path.join(self._dir(), f"{key[0]}.{key[1]}.{len(files)}")
+                try:
+                    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, piece.schema) as writer:
+                        writer.write_table(piece)
+                except OSError as e:
+                    self.discard()
+                    raise _disk_error(e, "the analysis' parts") from None
+                files.append(path)
+        self._held, self._held_bytes = {}, 0
+
+    def _dir(self) -> str:
+        if self._tmp is None:
+            self._tmp = _tempdir("the analysis' parts")
+        return self._tmp.name
 
     def read(self) -> Iterator[tuple[int, dict[str, pd.DataFrame]]]:
         """(part, {table: its rows}) for every part, in order; each bucket's files are removed
@@ -443,7 +461,7 @@ class Buckets:
         """Bucket ``b`` of table ``name``, sorted by part and row."""
         paths = self._files.pop((name, b), [])
         schema = self._schema.get(name, pa.schema([("row", pa.int64()), ("_part", pa.int64())]))
-        pieces = []
+        pieces = self._held.pop((name, b), [])
         for path in paths:
             with pa.OSFile(path) as source:
                 pieces.append(pa.ipc.open_file(source).read_all())
@@ -460,7 +478,9 @@ class Buckets:
         return df
 
     def discard(self) -> None:
-        self._tmp.cleanup()
+        self._held = {}
+        if self._tmp is not None:
+            self._tmp.cleanup()
 
 
 def _tempdir(what: str) -> "tempfile.TemporaryDirectory[str]":

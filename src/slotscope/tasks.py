@@ -244,6 +244,11 @@ class FinishedRows:
         f.seek(offset)
         return np.fromfile(f, dtype=dtype, count=self._sizes[k])
 
+    def chunks(self) -> Iterator[dict[str, np.ndarray]]:
+        """Every column, a chunk at a time, in the order the rows finished."""
+        for k in range(len(self._chunks)):
+            yield {c: self._column_of(k, c) for c in self._names()}
+
     def by_chunk(self, *names: str) -> Iterator[list[np.ndarray]]:
         """These columns, a chunk at a time."""
         for k in range(len(self._chunks)):
@@ -753,7 +758,7 @@ def _derive(raw: dict[str, np.ndarray | pd.Categorical], source: str, sessions: 
 
     n = len(raw["task"])
     out: dict[str, object] = {}
-    out["source"] = _source_column(source, n)
+    out["source"] = source_column(source, n)
     session = np.asarray(raw.pop("session")).astype(np.int64)
     port = np.asarray(raw.pop("port")).astype(np.int64)
     out["session"] = session
@@ -843,7 +848,7 @@ def _wall_offsets(sessions: pd.DataFrame, port: np.ndarray, session: np.ndarray)
 _STATUS_TEXT = pd.Index(["complete", "cancelled", "incomplete"]).array  # the dtype pandas gives text
 
 
-def _source_column(source: str, n: int) -> pd.Categorical:
+def source_column(source: str, n: int) -> pd.Categorical:
     """The source name as a one-category column (not a string repeated on every row)."""
     return pd.Categorical.from_codes(np.zeros(n, dtype=np.int8), categories=[source])
 
@@ -885,7 +890,7 @@ class SampleSource:
         """The table; ``consume``: the rows are dropped as they are read (no second table)."""
         store = self.store
         if not len(store):
-            return _empty_samples(self.kind)
+            return empty_samples(self.kind)
         port, session, task = (store.column(c).astype(np.int64) for c in ("port", "session", "task"))
         order = _sample_order(store, port, session, task)
         first_token = self._first_tokens(port[order], session[order], task[order]) if self.kind == HEARTBEAT else None
@@ -899,7 +904,7 @@ class SampleSource:
             return None
         return _first_token_per_row(self.first_tokens, port, session, task, _same_task_as_previous(port, session, task))
 
-    def _table_of(self, cols: dict[str, np.ndarray], skip: int = 0) -> pd.DataFrame:
+    def table_of(self, cols: dict[str, np.ndarray], skip: int = 0) -> pd.DataFrame:
         """:func:`_sample_table` of rows gathered in table order."""
         first_token = self._first_tokens(*(cols[c].astype(np.int64) for c in ("port", "session", "task")))
         return _sample_table(self.kind, cols, self.source, self.files, first_token, skip)
@@ -919,8 +924,8 @@ class SampleSource:
         """The table's rows of these tasks, in the table's order and as the table has them."""
         ix = self.index()
         if ix is None:
-            return _empty_samples(self.kind)
-        return self._table_of(self._gather(ix.order[ix.rows(port, session, task)]))
+            return empty_samples(self.kind)
+        return self.table_of(self._gather(ix.order[ix.rows(port, session, task)]))
 
     def batches(self, rows: int) -> Iterator[pd.DataFrame]:
         """The table in parts of ``rows`` rows (joined: the table)."""
@@ -930,7 +935,7 @@ class SampleSource:
             return
         for a in range(0, ix.n_rows, rows):
             lo = max(a - 1, 0)  # one row of context: the previous sample of the same task
-            yield self._table_of(self._gather(np.array(ix.order[lo : a + rows])), a - lo)
+            yield self.table_of(self._gather(np.array(ix.order[lo : a + rows])), a - lo)
 
     def _gather(self, idx: np.ndarray) -> dict[str, np.ndarray]:
         if len(idx):
@@ -1180,7 +1185,7 @@ def _seconds(us: np.ndarray) -> np.ndarray:
     return np.where(v >= 0, v, np.nan) / 1e6
 
 
-def _empty_samples(kind: int) -> pd.DataFrame:
+def empty_samples(kind: int) -> pd.DataFrame:
     extra = ["tokens", "window_start_s", "line", "port", "file"] if kind == HEARTBEAT else ["step_s", "line", "port", "file"]
     return pd.DataFrame({c: pd.Series(dtype="float64") for c in (GEN_COLUMNS if kind == HEARTBEAT else PREFILL_COLUMNS) + extra})
 
@@ -1219,5 +1224,5 @@ def _sample_table(kind: int, cols: dict[str, np.ndarray], source: str, files: li
     out["file"] = pd.Categorical.from_codes(cols["file"].astype(np.int64), categories=pd.Index(files, dtype="str"))
     if skip:
         out = {c: (v[skip:] if v is not None else None) for c, v in out.items()}  # type: ignore[index]
-    out["source"] = _source_column(source, len(t_s) - skip)
+    out["source"] = source_column(source, len(t_s) - skip)
     return pd.DataFrame(out, copy=False)
