@@ -14,6 +14,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from slotscope import store
+
 from slotscope import tasks as tasks_mod
 from slotscope.accounting import FileAccount
 from slotscope.server_log import StreamState, assign_sessions, parse_chunk, read_server_logs
@@ -199,6 +201,13 @@ def test_staged_blocks_come_back_as_they_went_and_leave_no_file(tmp_path: Path, 
     assert not list(tmp_path.iterdir())
 
 
+def _full_disk_new_file(path: str) -> object:
+    """``store.new_file`` as on a full disk."""
+    import errno
+
+    raise OSError(errno.ENOSPC, "No space left on device", path)
+
+
 def _full_disk_open(path: str, mode: str = "r", *args: object, **kwargs: object) -> object:
     """``open`` as on a full disk: writing fails, reading works."""
     import builtins
@@ -271,7 +280,7 @@ def test_a_full_temporary_directory_is_a_message_not_a_traceback(big_log: Path, 
     from slotscope.errors import SlotscopeError
     from slotscope.server_log import read_task_batches
 
-    monkeypatch.setattr(tasks_mod, "open", _full_disk_open, raising=False)  # the spill's writes fail
+    monkeypatch.setattr(store, "new_file", _full_disk_new_file)  # the spill's writes fail
     with pytest.raises(SlotscopeError, match="finished tasks .*No space left on device.*TMPDIR"):
         read_task_batches([big_log], rows=500, jobs=1)
     from slotscope.server_log import read_sample_batches

@@ -18,6 +18,9 @@ from rich.console import Console
 from .errors import InputError, SlotscopeError, UsageError
 
 if TYPE_CHECKING:
+    import pandas as pd
+
+    from . import output
     from .accounting import Accounting
     from .dataset import Dataset
 

@@ -29,9 +29,13 @@ import pandas as pd
 import pyarrow as pa
 
 from .errors import SlotscopeError
-from .tasks import release_memory
 
 ROWS_PER_BATCH = 1 << 16  # rows converted to Arrow at a time while writing
+
+
+def new_file(path: str) -> "pa.NativeFile":
+    """A file of the temporary directory opened for writing (every file this module writes)."""
+    return pa.OSFile(path, "wb")
 
 
 class ColumnWriter:
@@ -61,7 +65,7 @@ class ColumnWriter:
         schema = pa.Schema.from_pandas(frame, preserve_index=False)
         with self._guard():
             path = os.path.join(self._tmp.name, str(len(self.files)))
-            with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+            with new_file(path) as sink, pa.ipc.new_file(sink, schema) as writer:
                 # (one chunk first: an Arrow-backed column keeps its own chunks, and every
                 # column's batches must be the same rows for batches())
                 writer.write_table(pa.Table.from_pandas(frame, preserve_index=False, schema=schema).combine_chunks(),
@@ -100,7 +104,7 @@ class ColumnWriter:
             with self._guard():
                 for i, c in enumerate(df.columns):
                     path = os.path.join(self._tmp.name, str(i))
-                    sink = pa.OSFile(path, "wb")
+                    sink = new_file(path)
                     self._open[c] = (sink, pa.ipc.new_file(sink, pa.schema([self.schema.field(i)], metadata=self.schema.metadata)))
                     self.files[c], self.dtypes[c] = path, df[c].dtype
         if list(df.columns) != list(self.files) or any(df[c].dtype != self.dtypes[c] for c in df.columns):
@@ -188,12 +192,6 @@ class StoredTable:
         with w._guard():
             for df in parts:
                 w.add_part(df)
-                if w.n >= ROWS_PER_BATCH:
-                    # Between parts: what the part freed, before the next is built (each
-                    # part's buffers otherwise stayed held: at 1 GB of log the task view's
-                    # nine parts grew RSS by ~110 MB).
-                    del df
-                    release_memory()
         if w.n is None:
             w.discard()
             raise ValueError(f"{what}: no parts")
@@ -430,7 +428,7 @@ class Buckets:
             for piece in pieces:
                 path = os.path.join(self._dir(), f"{key[0]}.{key[1]}.{len(files)}")
                 try:
-                    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, piece.schema) as writer:
+                    with new_file(path) as sink, pa.ipc.new_file(sink, piece.schema) as writer:
                         writer.write_table(piece)
                 except OSError as e:
                     self.discard()
@@ -493,3 +491,46 @@ def _tempdir(what: str) -> "tempfile.TemporaryDirectory[str]":
 def _disk_error(e: OSError, what: str) -> SlotscopeError:
     return SlotscopeError(getattr(e, "filename", None) or tempfile.gettempdir(), None,
                           f"cannot write {what} to the temporary directory ({e.strerror or e}); set TMPDIR to a directory with room")
+
+
+class Chunks:
+    """Chunks of rows of numeric columns (numpy arrays), each in an Arrow IPC file of its own
+    in a temporary directory, read back a column (or a slice of one) at a time. A copy in
+    another process (a parse worker) reads the same files; the directory stays this one's."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what  # for the message when the disk is full
+        self._tmp: "tempfile.TemporaryDirectory[str] | None" = None
+        self.paths: list[str] = []
+
+    def write(self, cols: dict[str, np.ndarray]) -> str:
+        """A new chunk; its file's path."""
+        if self._tmp is None:
+            self._tmp = _tempdir(self.what)
+        path = os.path.join(self._tmp.name, str(len(self.paths)))
+        table = pa.table({c: np.ascontiguousarray(v) for c, v in cols.items()})
+        try:
+            with new_file(path) as sink, pa.ipc.new_file(sink, table.schema) as writer:
+                writer.write_table(table)
+        except OSError as e:
+            raise _disk_error(e, self.what) from None
+        self.paths.append(path)
+        return path
+
+    @staticmethod
+    def read(path: str, names: Sequence[str], start: int = 0, stop: int | None = None) -> list[np.ndarray]:
+        """Columns ``names`` of the chunk in ``path`` (rows ``start`` to ``stop``), as arrays of
+        their own: the file is mapped while read, and only those columns' pages are touched."""
+        with pa.memory_map(path) as source:
+            batch = pa.ipc.open_file(source).get_batch(0)
+            stop = batch.num_rows if stop is None else stop
+            return [batch.column(c).slice(start, stop - start).to_numpy(zero_copy_only=False).copy() for c in names]
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_tmp": None}
+
+    def discard(self) -> None:
+        self.paths = []
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None

@@ -10,16 +10,16 @@ grows only with the output table; the DataFrame is built once, at the end.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import pandas as pd
 
+from . import store
 from .errors import SlotscopeError
 from .timeline import packed_task_keys, within_ranges
 from .events import (
@@ -165,23 +165,20 @@ def _take(cols: dict[str, np.ndarray], sel: np.ndarray) -> dict[str, np.ndarray]
 class FinishedRows:
     """Finished partial rows in the order they finished, as numeric columns.
 
-    With ``spill_rows``, every ``spill_rows`` rows go to a temporary directory (one file per
-    chunk, its columns' raw values one after the other), so the rows held in memory stay
-    bounded whatever the input size; they are read back a few chunks at a time, in output
-    order (:meth:`gather`).
+    With ``spill_rows``, every ``spill_rows`` rows go to disk as a chunk
+    (:class:`slotscope.store.Chunks`), so the rows held in memory stay bounded whatever the
+    input size; they are read back a column at a time, in output order (:meth:`gather`).
     """
 
     def __init__(self, spill_rows: int | None = None, what: str = "finished tasks", row_bytes: int = 300) -> None:
         self.spill_rows = spill_rows
-        self.what, self.row_bytes = what, row_bytes  # for the message when the disk is full
+        self.what = f"{what} (~{row_bytes} bytes per row)"
         self._pending: list[dict[str, np.ndarray]] = []
         self._n_pending = 0
-        self._chunks: list[str | dict[str, np.ndarray]] = []  # spilled file, or rows in memory
-        # spilled file -> per column, its dtype and where its values start in the file. One
-        # file per chunk, not per column: opening a file costs ~0.5 ms here, ~30 columns a chunk.
-        self._spilled: dict[str, dict[str, tuple[np.dtype, int]]] = {}
+        self._chunks: list[str | dict[str, np.ndarray]] = []  # a chunk's file, or its rows in memory
+        self._names: list[str] = []
         self._sizes: list[int] = []
-        self._tmp: "tempfile.TemporaryDirectory[str] | None" = None
+        self._disk = store.Chunks(self.what)
 
     def __len__(self) -> int:
         return sum(self._sizes) + self._n_pending
@@ -198,106 +195,61 @@ class FinishedRows:
     def _seal(self, spill: bool) -> None:
         if not self._pending:
             return
-        # A column at a time, each part's column dropped once joined: never all rows twice.
         rows = {c: np.concatenate([p.pop(c) for p in self._pending]) for c in list(self._pending[0])}
         self._pending, self._n_pending = [], 0
         self._sizes.append(len(rows["task"]))
-        if not spill:
-            self._chunks.append(rows)
-            return
-        try:
-            if self._tmp is None:
-                self._tmp = tempfile.TemporaryDirectory(prefix="slotscope-")
-            path = os.path.join(self._tmp.name, str(len(self._chunks)))
-            where = {}
-            with open(path, "wb") as f:
-                for c, v in rows.items():
-                    where[c] = (v.dtype, f.tell())
-                    np.ascontiguousarray(v).tofile(f)
-        except OSError as e:  # a full or read-only temporary directory
-            raise SlotscopeError(getattr(e, "filename", None) or tempfile.gettempdir(), None,
-                                 f"cannot write {self.what} to the temporary directory ({e.strerror or e}); "
-                                 f"set TMPDIR to a directory with room (~{self.row_bytes} bytes per row)") from None
-        self._chunks.append(path)
-        self._spilled[path] = where
+        self._names = list(rows)
+        self._chunks.append(self._disk.write(rows) if spill else rows)
 
     def close(self, on_disk: bool = False) -> None:
         """No more rows: the last ones join the chunks (in memory, unless ``on_disk``)."""
         self._seal(spill=on_disk)
 
     def __getstate__(self) -> dict:
-        # A copy in another process reads the chunks; the directory stays this one's to remove.
-        return {**self.__dict__, "_tmp": None, "_pending": [], "_n_pending": 0}
+        # A copy in another process reads the chunks; the files stay this one's to remove.
+        return {**self.__dict__, "_pending": [], "_n_pending": 0}
 
-    def _names(self) -> list[str]:
-        chunk = self._chunks[0]
-        return list(chunk if isinstance(chunk, dict) else self._spilled[chunk])
-
-    def _column_of(self, k: int, c: str, f: BinaryIO | None = None) -> np.ndarray:
-        """Column ``c`` of chunk ``k`` (``f``: the chunk's file, if open already)."""
+    def _columns_of(self, k: int, names: Sequence[str], start: int = 0, stop: int | None = None) -> list[np.ndarray]:
         chunk = self._chunks[k]
         if isinstance(chunk, dict):
-            return chunk[c]
-        dtype, offset = self._spilled[chunk][c]
-        if f is None:
-            return np.fromfile(chunk, dtype=dtype, count=self._sizes[k], offset=offset)
-        f.seek(offset)
-        return np.fromfile(f, dtype=dtype, count=self._sizes[k])
+            return [chunk[c][start:stop] for c in names]
+        return store.Chunks.read(chunk, names, start, stop)
 
     def chunks(self) -> Iterator[dict[str, np.ndarray]]:
         """Every column, a chunk at a time, in the order the rows finished."""
         for k in range(len(self._chunks)):
-            yield {c: self._column_of(k, c) for c in self._names()}
+            yield dict(zip(self._names, self._columns_of(k, self._names)))
 
     def by_chunk(self, *names: str) -> Iterator[list[np.ndarray]]:
         """These columns, a chunk at a time."""
         for k in range(len(self._chunks)):
-            yield [self._column_of(k, c) for c in names]
+            yield self._columns_of(k, names)
 
     def by_part(self, rows: int, *names: str) -> Iterator[list[np.ndarray]]:
-        """These columns, ``rows`` rows of a chunk at a time (a chunk's last part: the rest of
-        it), read from disk a part at a time (not the chunk's whole columns)."""
-        for k, chunk in enumerate(self._chunks):
+        """These columns, ``rows`` rows of a chunk at a time (a chunk's last part: the rest)."""
+        for k in range(len(self._chunks)):
             for at in range(0, self._sizes[k], rows):
-                n = min(rows, self._sizes[k] - at)
-                if isinstance(chunk, dict):
-                    yield [chunk[c][at:at + n] for c in names]
-                    continue
-                out = []
-                with open(chunk, "rb") as f:
-                    for c in names:
-                        dtype, offset = self._spilled[chunk][c]
-                        f.seek(offset + at * np.dtype(dtype).itemsize)
-                        out.append(np.fromfile(f, dtype=dtype, count=n))
-                yield out
+                yield self._columns_of(k, names, at, min(at + rows, self._sizes[k]))
 
     def column(self, c: str) -> np.ndarray:
         """One column over all rows."""
-        return np.concatenate([self._column_of(k, c) for k in range(len(self._chunks))]) if self._chunks else np.zeros(0)
+        return np.concatenate([self._columns_of(k, [c])[0] for k in range(len(self._chunks))]) if self._chunks else np.zeros(0)
 
     def gather(self, idx: np.ndarray) -> dict[str, np.ndarray]:
-        """The rows at these positions, in this order, read a column at a time (so only the
-        result and one column of one chunk are in memory)."""
+        """The rows at these positions, in this order, read a chunk's column at a time."""
         starts = np.cumsum([0] + self._sizes)
         which = np.searchsorted(starts, idx, side="right") - 1
-        parts = []  # per chunk: where its rows go in the result, and where they are in the chunk
-        for k in np.unique(which):
-            at = np.flatnonzero(which == k)
-            parts.append((int(k), at, idx[at] - starts[k]))
         out: dict[str, np.ndarray] = {}
-        with contextlib.ExitStack() as files:  # each spilled chunk opened once, not once a column
-            spilled = [k for k, _, _ in parts if not isinstance(self._chunks[k], dict)]
-            # (a batch of a many-port log may touch every chunk: then one file open at a time)
-            f = {k: files.enter_context(open(self._chunks[k], "rb")) for k in spilled} if len(spilled) <= 64 else {}  # type: ignore[arg-type]
-            for c in self._names():
-                for k, at, src in parts:
-                    v = self._column_of(k, c, f.get(k))
-                    if len(parts) == 1:  # every row from one chunk
-                        out[c] = v[src]
-                    else:
-                        if c not in out:
-                            out[c] = np.empty(len(idx), dtype=v.dtype)
-                        out[c][at] = v[src]
+        for k in np.unique(which).tolist():
+            at = np.flatnonzero(which == k)
+            src = idx[at] - starts[k]
+            for c, v in zip(self._names, self._columns_of(k, self._names)):
+                if len(at) == len(idx):  # every row from one chunk
+                    out[c] = v[src]
+                    continue
+                if c not in out:
+                    out[c] = np.empty(len(idx), dtype=v.dtype)
+                out[c][at] = v[src]
         return out
 
     def take_all(self, order: np.ndarray) -> dict[str, np.ndarray]:
@@ -305,9 +257,8 @@ class FinishedRows:
         built, so the rows are never held twice)."""
         if not self._chunks:
             return {}
-        names = self._names()
         out = {}
-        for c in names:
+        for c in self._names:
             out[c] = self.column(c)[order]
             for chunk in self._chunks:
                 if isinstance(chunk, dict):
@@ -316,10 +267,8 @@ class FinishedRows:
         return out
 
     def discard(self) -> None:
-        self._pending, self._chunks, self._sizes, self._spilled = [], [], [], {}
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
+        self._pending, self._chunks, self._sizes = [], [], []
+        self._disk.discard()
 
 
 @dataclass
@@ -476,9 +425,9 @@ class TaskAssembler:
             at = self._sample_files.setdefault(file, len(self._sample_files))  # type: ignore[arg-type]
             for part in samples.values():
                 part["file"] = np.full(len(part["task"]), at, dtype=np.int32)
-        for code, store in ((HEARTBEAT, self._gen), (PROGRESS, self._prefill)):
+        for code, rows_of in ((HEARTBEAT, self._gen), (PROGRESS, self._prefill)):
             if code in samples:
-                store.append(samples[code])
+                rows_of.append(samples[code])
         n = len(rows["task"])
         if not n:
             return
@@ -1100,20 +1049,14 @@ def _sample_order(store: FinishedRows, port: np.ndarray, session: np.ndarray, ta
 
 class FirstTokens:
     """Each task's ``first_token_s`` by (port, session, task_id), looked up with one sorted
-    int64 key per task (~24 bytes a task; a pandas MultiIndex took ~100): the session's place
-    among the sessions, times the number of task ids, plus the task id's place among them.
-    The arrays of a value per task wait on disk, mapped while looked up (:class:`_MappedArrays`:
-    at 1 GB of log 13.5 MB were held under every table)."""
+    int64 key per task (a pandas MultiIndex is four times larger): the session's place among
+    the sessions, times the number of task ids, plus the task id's place among them."""
 
     def __init__(self, sessions: np.ndarray, ids: np.ndarray, keys: np.ndarray, values: np.ndarray) -> None:
         self.sessions = sessions  # sorted, distinct (port + 1) * 2**32 + session
-        self._files = _MappedArrays("the tasks' first-token times")
-        for name, v in (("ids", ids), ("keys", keys), ("values", values)):
-            self._files.save(name, v)
-
-    ids = property(lambda self: self._files["ids"])  # sorted, distinct task ids
-    keys = property(lambda self: self._files["keys"])  # sorted
-    values = property(lambda self: self._files["values"])
+        self.ids = ids  # sorted, distinct task ids
+        self.keys = keys  # sorted
+        self.values = values
 
     @classmethod
     def of(cls, tasks: pd.DataFrame) -> "FirstTokens":
