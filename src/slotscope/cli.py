@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from importlib import resources
 from typing import Annotated, Callable, Iterator, Optional
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import typer
 from rich.console import Console
@@ -185,7 +185,7 @@ def _finish(acc: Accounting, strict: bool, quiet: bool) -> None:
         raise typer.Exit(1)
 
 
-def _no_input(unusable: list[tuple[str, str]], message: str) -> None:
+def _no_input(unusable: list[tuple[str, str]], message: str) -> NoReturn:
     """Stop with one line: the unusable file's own reason if one was named, else ``message``."""
     if unusable:
         path, reason = unusable[0]
@@ -462,6 +462,8 @@ def compare_cmd(
     if exporting and table is None:
         raise UsageError(None, None, f"exporting needs one table: --table NAME ({', '.join(cmp.TABLE_NAMES)})")
     opts = Options(long_prefill_tokens=long_prefill, big_prefill_tokens=big_prefill, wait_threshold_s=wait_threshold, tz=tz)
+    b_ds: Dataset
+    a_ds: Dataset
     if sides.windows:
         ds = _load(_paths(paths), tz, app_columns, server_start)
         b_ds, a_ds = cmp.split(ds, sides.before_window, sides.after_window)  # type: ignore[arg-type]

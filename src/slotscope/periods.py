@@ -110,7 +110,10 @@ def partition(tasks: pd.DataFrame, sessions: pd.DataFrame | None, part_tasks: in
     new_period = new_group | np.r_[True, s[1:] > reach[:-1]] | np.isnan(s)
     period_start = np.flatnonzero(new_period)
     sizes = np.diff(np.r_[period_start, n])
-    rows, parts, counted, spans = [], [], [], []
+    rows: list[np.ndarray] = []
+    parts: list[np.ndarray] = []
+    counted: list[np.ndarray] = []
+    spans: list[tuple[float, float] | None] = []
     part = -1
     filled = part_tasks  # (tasks in the part being filled: start a new one at once)
     for at, size in zip(period_start.tolist(), sizes.tolist()):

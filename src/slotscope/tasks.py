@@ -95,7 +95,7 @@ def _fold(
     takes the first value that is there: an open row's, else its kind's first event's.
     """
     n_open = len(open_rows["task"]) if open_rows is not None else 0
-    rows = _concat([open_rows, events], _CORE) if n_open else events
+    rows = _concat([open_rows, events], _CORE) if open_rows is not None and n_open else events
     port, session = rows["port"], rows["session"]
     if len(port) and port.min() == port.max() and session.min() == session.max():  # one port, one session
         order = np.argsort(rows["task"], kind="stable")
@@ -361,7 +361,7 @@ def _session_info(ev: dict[str, np.ndarray], text: np.ndarray | None = None) -> 
                 out[c].append(v)
             for c, code in _SESSION_TEXT.items():
                 at = idx[ev["kind"][idx] == code] if text is not None else idx[:0]
-                out[c].append(text[at[0]] if len(at) and isinstance(text[at[0]], str) else None)
+                out[c].append(text[at[0]] if text is not None and len(at) and isinstance(text[at[0]], str) else None)
     return {c: np.array(v, dtype=object if c in _SESSION_TEXT else np.float64 if c in ("n_slots", "n_ctx_slot") else np.int64)
             for c, v in out.items()}
 
