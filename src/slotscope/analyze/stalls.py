@@ -134,17 +134,13 @@ def generation_segments(ds: Dataset, tv: pd.DataFrame | None = None) -> pd.DataF
     gen = ds.server.gen_samples
     seg = _segments(tv, gen)
     hb = seg["hb"].to_numpy()
-    out = _segment_keys(tv, gen, seg)
-    out["slot"] = tv["slot"].array.take(seg["row"].to_numpy())
-    out["start_s"], out["end_s"], out["tokens"] = seg["start_s"], seg["end_s"], seg["tokens"]
+    out = _shown(tv, gen, seg, np.arange(len(tv))).rename(columns={"seg_start_s": "start_s", "seg_end_s": "end_s", "seg_tokens": "tokens"})
     out["kind"] = np.where(hb >= 0, "heartbeat", "tail").astype(object)
-    out["hb_line"] = _hb_column(gen, hb, "line", "Int64")
     tg = np.full(len(seg), np.nan)
     if gen is not None and len(gen):
         tg[hb >= 0] = _floats(gen["tg_3s_tps"])[hb[hb >= 0]]
     out["tg_3s_tps"] = tg
-    out["hb_file"] = _hb_column(gen, hb, "file", "string")
-    return out
+    return out[KEYS + ["slot", "start_s", "end_s", "tokens", "kind", "hb_line", "tg_3s_tps", "hb_file"]]
 
 
 def _measure(tasks: pd.DataFrame, prefill: pd.DataFrame | None, seg: pd.DataFrame, opts: Options,
@@ -466,23 +462,18 @@ def _worst_table(cand: pd.DataFrame, info: pd.DataFrame, opts: Options) -> pd.Da
         "seg_end_s": p["seg_end_s"].round(3).to_numpy(),
         "slot": p["slot"].to_numpy(),
         "task_id": p["task_id"].to_numpy(),
-        "purpose": stalled["purpose"].to_numpy(),
-        "user": stalled["user"].to_numpy(),
-        "lora": stalled["lora"].to_numpy(),
-        "line": stalled["line"].to_numpy(),
+        **{c: stalled[c].to_numpy() for c in ("purpose", "user", "lora", "line")},
         "hb_line": p["hb_line"].to_numpy(),
+        "cause_task_id": p["cause_task_id"].to_numpy(),
+        **{"cause_" + c: cause[c].to_numpy() for c in cause_cols if c != "file"},
     })
-    out["cause_task_id"] = p["cause_task_id"].to_numpy()
-    for c in cause_cols:
-        out["cause_" + c] = cause[c].to_numpy()
     for c in ("cause_task_id", "cause_slot", "cause_prompt_tokens_new", "cause_line"):
         out[c] = pd.array(pd.to_numeric(out[c], errors="coerce"), dtype="Int64")
-    # where to find the lines: the server log (source, port) and the files of line and cause_line
-    out["source"] = p["source"].to_numpy()
-    out["port"] = p["port"].to_numpy()
-    out["file"] = stalled["file"].to_numpy()
-    out["cause_file"] = out.pop("cause_file")
-    out["hb_file"] = p["hb_file"].to_numpy()  # hb_line's (a task's heartbeats may span a rotation)
+    # where to find the lines: the server log (source, port), the files of line, cause_line and
+    # hb_line (a task's heartbeats may span a rotation)
+    for name, col in (("source", p["source"]), ("port", p["port"]), ("file", stalled["file"]), ("cause_file", cause["file"]),
+                      ("hb_file", p["hb_file"])):
+        out[name] = col.to_numpy()
     return out
 
 
