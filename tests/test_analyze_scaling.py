@@ -17,7 +17,6 @@ import pytest
 from slotscope import analyze, store
 from slotscope import timeline as tl
 from slotscope.analyze import Options
-from slotscope.analyze import stalls as st
 from slotscope.app_log import _json, _numbers
 from slotscope.dataset import TASK_VIEW, Dataset, load, task_view
 
@@ -34,13 +33,7 @@ def test_tables_do_not_depend_on_block_sizes(scenario: str, monkeypatch: pytest.
     ds = _ds(scenario)
     names = ["breakdown", "stalls", "stalls-worst", "waits", "waits-worst", "context"]
     whole = analyze.run(ds, Options(), names, strict=True)
-    pieces = st.segment_pieces(ds, Options())
     monkeypatch.setattr(tl, "QUERY_BLOCK", 7)
-    monkeypatch.setattr(st, "SEGMENT_BLOCK", 5)
-    monkeypatch.setattr(st, "BLOCK_TASKS", 3)
-    monkeypatch.setattr(st, "QUIET_S", 0.5)
-    monkeypatch.setattr(st, "SPAN_ROWS", 4)
-    assert len(st._task_blocks(ds, task_view(ds))) >= 2  # the stalls tables then join several blocks
     blocked = analyze.run(ds, Options(), names, strict=True)
     for name in names:
         pd.testing.assert_frame_equal(whole[name], blocked[name])
@@ -50,7 +43,6 @@ def test_tables_do_not_depend_on_block_sizes(scenario: str, monkeypatch: pytest.
     for name in ("stalls", "stalls-worst"):
         pd.testing.assert_frame_equal(whole[name], analyze.TABLES[name](fresh, Options()))
     assert fresh._view is None
-    pd.testing.assert_frame_equal(pieces, st.segment_pieces(ds, Options()))
 
 
 def test_shared_task_view_is_private_to_each_caller_and_dropped_after_the_block() -> None:
@@ -179,7 +171,6 @@ def test_samples_on_disk_give_the_tables_of_samples_in_memory(monkeypatch: pytes
     in_memory = pickle.loads(pickle.dumps(ds))  # (pickled, the samples are tables)
     assert isinstance(in_memory.server.__dict__["_gen_samples"], pd.DataFrame)
     names = ["stalls", "stalls-worst", "context", "prefill-speed"]
-    monkeypatch.setattr(st, "BLOCK_TASKS", 3)
     monkeypatch.setattr(Samples, "batches",
                         lambda self, rows=1 << 18, f=Samples.batches: f(self, rows=5))  # parts of 5 rows
     on_disk = analyze.run(ds, Options(), names, strict=True)
@@ -205,7 +196,6 @@ def test_task_ids_too_large_to_index_read_the_sample_tables(tmp_path, monkeypatc
     plain = load([REAL / "before" / "logs" / "llama-server.log"])
     assert (ds.server.tasks["task_id"] - 2**32).equals(plain.server.tasks["task_id"])
     names = ["stalls", "stalls-worst", "context", "prefill-speed"]
-    monkeypatch.setattr(st, "BLOCK_TASKS", 3)  # (in blocks: by task, where it could)
     got, want = analyze.run(ds, Options(), names, strict=True), analyze.run(plain, Options(), names, strict=True)
     for c in ("task_id", "cause_task_id"):
         got["stalls-worst"][c] = got["stalls-worst"][c] - 2**32

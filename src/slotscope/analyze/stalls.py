@@ -25,25 +25,30 @@ under ``EPS_S`` are dropped.
 
 The rest of a split segment is ``generation_only`` when another slot generated at any time
 during the whole segment, a slight bias away from ``alone``.
+
+Per busy period (:class:`slotscope.periods.Part`) the segments inside the part's stretch of
+its session are split there. A part of a cut period holds every task that runs in its
+stretch, so a segment that runs across a cut is measured in each part over the part's share
+of it (seconds covered and pass ends add up; the largest prefill is the larger one, the
+earlier on a tie) and split in the merge. A prefill without progress lines of its own is read
+with its session's typical step (:func:`slotscope.timeline.typical_steps`), which needs the
+whole session's lines: :func:`line_steps` of every part, folded by :func:`typical_of`, is
+what :func:`per_part` takes as ``typical``; without it a part uses its own lines' steps,
+which differ where a session spans several parts.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import gc
-import os
-import tempfile
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from .. import store, timeline as tl
-from ..dataset import Dataset, release_memory, task_view
-from ..errors import SlotscopeError
-from ..server_log import Samples
-from . import Options, register
+from .. import timeline as tl
+from ..dataset import Dataset, task_view
+from ..periods import Part
+from . import Options, Question, ask
 
 CLASSES = ["long_prefill", "other_prefill", "generation_only", "alone"]
 STALL_COLUMNS = [
@@ -55,156 +60,65 @@ MIN_PIECE_S = 2.0
 EPS_S = 0.2
 WORST_MIN_S = 3.0
 
-_TASK_KEYS = tl.GROUP + ["task_id"]
-# The task view's columns the pieces read (its segments, prefills and blocks).
-_VIEW = _TASK_KEYS + ["slot", "line", "n_gen", "prompt_tokens_new"] + tl.TIMES
-_SEGMENT_COLUMNS = _TASK_KEYS + ["slot", "start_s", "end_s", "tokens", "kind", "hb_line", "tg_3s_tps", "hb_file"]
+KEYS = tl.GROUP + ["task_id"]
+_WHO = ["slot", "purpose", "user", "lora", "line", "file"]
+# What the merge reads of a segment measured in several parts (one row per part's share).
+_MEASURES = ["cov_long", "cov_any", "p_all", "p_long", "others_gen"]
 
 
-_f = tl._f  # (a float64 column's own values, not a copy)
+def _floats(s: pd.Series) -> np.ndarray:
+    """A column as float64, NaN for gaps and what is not a number."""
+    return pd.to_numeric(s, errors="coerce").to_numpy(dtype="float64", na_value=np.nan)
 
 
-def _positions(n: int) -> type:
-    return np.int32 if n < 2**31 else np.int64
-
-
-@dataclass
-class _Segments:
-    """Generation segments as arrays, in the order of :func:`generation_segments`' rows:
-    ``row`` (the task's row in the task view), ``hb`` (the heartbeat's row in ``gen_samples``,
-    -1 for tails), ``start``/``end`` (s) and ``tokens``."""
-
-    row: np.ndarray
-    hb: np.ndarray
-    start: np.ndarray
-    end: np.ndarray
-    tokens: np.ndarray
-
-
-def _last_valid(values: np.ndarray, code: np.ndarray, n_codes: int) -> np.ndarray:
-    """Per code, the last non-NaN value in row order (NaN where none): a groupby's ``last``."""
-    out = np.full(n_codes, np.nan)
-    ok = np.flatnonzero(~np.isnan(values))
-    out[code[ok]] = values[ok]  # later rows overwrite earlier ones
-    return out
-
-
-def _inner_join(left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Row pairs ``(l, r)`` with ``left[l] == right[r]``, in left order (as an inner merge):
-    a sorted search when the right keys are unique (task keys are), else a merge."""
-    order = np.argsort(right, kind="stable")
-    sr = right[order]
-    if len(sr) < 2 or bool((sr[1:] != sr[:-1]).all()):
-        at = np.minimum(np.searchsorted(sr, left), max(len(sr) - 1, 0))
-        hit = np.flatnonzero(sr[at] == left) if len(sr) else np.zeros(0, dtype=np.int64)
-        return hit, order[at[hit]]
-    pairs = pd.DataFrame({"k": left, "l": np.arange(len(left))}).merge(
-        pd.DataFrame({"k": right, "r": np.arange(len(right))}), on="k", how="inner")
-    return pairs["l"].to_numpy(), pairs["r"].to_numpy()
-
-
-def _segments(ds: Dataset, tv: pd.DataFrame) -> _Segments:
-    """The work of :func:`generation_segments`, kept as arrays (one row per segment)."""
-    n_tasks = len(tv)
-    first_token = _f(tv["first_token_s"])
-    n_gen = pd.to_numeric(tv["n_gen"], errors="coerce").astype("float64").to_numpy(na_value=np.nan)
-    gs = ds.server.gen_samples
-    n_hb = len(gs) if gs is not None else 0
-    idx = _positions(max(n_tasks, n_hb) + 1)
-    last_t = np.full(n_tasks, np.nan)
-    last_n = np.full(n_tasks, np.nan)
-    # Heartbeat windows (each from the previous heartbeat, or the first token, to this one),
-    # then tails (from the last heartbeat, or the first token, to the release): as parts.
-    parts: list[dict[str, np.ndarray]] = []
-    if n_hb:
-        gcode, tcode = tl.key_codes([gs, tv], _TASK_KEYS)
-        h, r = _inner_join(gcode, tcode)  # each heartbeat with the row of its task
-        t_s = _f(gs["t_s"])
-        order = np.lexsort((t_s[h], gcode[h]))  # by task, then time
-        h, r = h[order].astype(idx), r[order].astype(idx)
-        del order
-        k, t = gcode[h], t_s[h]
-        del gcode, t_s
-        n = pd.to_numeric(gs["n_gen"], errors="coerce").astype("float64").to_numpy(na_value=np.nan)[h]
-        same = np.zeros(len(h), dtype=bool)
-        same[1:] = k[1:] == k[:-1]
-        start = np.where(same, np.r_[np.nan, t[:-1]], first_token[r])
-        tokens = np.where(same, n - np.r_[np.nan, n[:-1]], n - 1)
-        # The last heartbeat of each task: where its tail starts.
-        n_codes = int(max(k.max(initial=-1), tcode.max(initial=-1))) + 1
-        last_t = _last_valid(t, k, n_codes)[tcode]
-        last_n = _last_valid(n, k, n_codes)[tcode]
-        del k, n, same, tcode
-        parts.append({"row": r, "hb": h, "start": start, "end": t, "tokens": tokens})
-        del r, h, start, t, tokens
+def _segments(tasks: pd.DataFrame, gen: pd.DataFrame | None) -> pd.DataFrame:
+    """One row per segment (see :func:`generation_segments`): ``row`` (of ``tasks``), ``hb``
+    (of ``gen``, -1 for a tail), ``start_s``, ``end_s``, ``tokens``, ``session`` (a code in
+    the keys' sort order); by session, start and slot (NA last), heartbeats before tails."""
+    first_token, n_gen = _floats(tasks["first_token_s"]), _floats(tasks["n_gen"])
+    gen = gen if gen is not None and len(gen) else None
+    last_t, last_n = np.full(len(tasks), np.nan), np.full(len(tasks), np.nan)
+    parts = []
+    if gen is not None:
+        h, r = tl.join_tasks(gen, tasks)  # each heartbeat with its task's row
+        t, n = _floats(gen["t_s"])[h], _floats(gen["n_gen"])[h]
+        order = np.lexsort((t, r))  # by task, then time
+        h, r, t, n = h[order], r[order], t[order], n[order]
+        same = np.r_[False, r[1:] == r[:-1]]
+        parts.append(pd.DataFrame({"row": r, "hb": h, "start_s": np.where(same, np.r_[np.nan, t[:-1]], first_token[r]),
+                                   "end_s": t, "tokens": np.where(same, n - np.r_[np.nan, n[:-1]], n - 1)}))
+        last = pd.DataFrame({"r": r, "t": t, "n": n}).groupby("r").last()  # (each task's last heartbeat)
+        last_t[last.index], last_n[last.index] = last["t"].to_numpy(), last["n"].to_numpy()
     d = n_gen - last_n
-    parts.append({"row": np.arange(n_tasks, dtype=idx), "hb": np.full(n_tasks, -1, dtype=idx),
-                  "start": np.where(np.isnan(last_t), first_token, last_t), "end": _f(tv["release_s"]),
-                  "tokens": np.where(np.isnan(d), n_gen - 1, d)})
-    del d, last_t, last_n
-    # Kept: a positive span and a token count; one column gathered at a time.
-    for p in parts:
-        ok = np.flatnonzero((p["end"] > p["start"]) & ~np.isnan(p["tokens"]) & (p["tokens"] >= 0))
-        for c in p:
-            p[c] = p[c][ok]
-    col = {c: np.concatenate([p.pop(c) for p in parts]) for c in ("row", "hb", "start")}
-    # Session, then start, then slot (NA last); ties keep heartbeats before tails.
-    grp = _group_of(ds, tv, col["row"], col["hb"])
-    slot = pd.factorize(tv["slot"], sort=True, use_na_sentinel=False)[0][col["row"]]
-    order = np.lexsort((slot, col["start"], grp))
-    del grp, slot
-    out = {c: v[order] for c, v in col.items()}
-    del col
-    for c in ("end", "tokens"):
-        out[c] = np.concatenate([p.pop(c) for p in parts])[order]
-    return _Segments(**out)
+    parts.append(pd.DataFrame({"row": np.arange(len(tasks)), "hb": -1, "start_s": np.where(np.isnan(last_t), first_token, last_t),
+                               "end_s": _floats(tasks["release_s"]), "tokens": np.where(np.isnan(d), n_gen - 1, d)}))
+    seg = pd.concat(parts, ignore_index=True)
+    seg = seg[(seg["end_s"] > seg["start_s"]) & (seg["tokens"] >= 0)]
+    row, hb = seg["row"].to_numpy(), seg["hb"].to_numpy()
+    gcode, tcode = tl.key_codes([gen if gen is not None else tasks.iloc[:0], tasks], tl.GROUP)
+    session = np.where(hb >= 0, gcode[np.maximum(hb, 0)] if len(gcode) else 0, tcode[row])
+    slot = pd.factorize(tasks["slot"], sort=True, use_na_sentinel=False)[0][row]
+    seg = seg.assign(session=session).iloc[np.lexsort((slot, seg["start_s"].to_numpy(), session))]
+    return seg.reset_index(drop=True)
 
 
-def _group_of(ds: Dataset, tv: pd.DataFrame, row: np.ndarray, hb: np.ndarray) -> np.ndarray:
-    """Sort-order code of each segment's session (the heartbeat's keys, else the task's)."""
-    gs = ds.server.gen_samples
-    if _keys_from_tasks(ds, tv):
-        return tl.key_codes([tv], tl.GROUP)[0][row]
-    gcode, tcode = tl.key_codes([gs, tv], tl.GROUP)
-    return np.where(hb >= 0, gcode[np.maximum(hb, 0)], tcode[row])
+def _segment_keys(tasks: pd.DataFrame, gen: pd.DataFrame | None, seg: pd.DataFrame) -> pd.DataFrame:
+    """Each segment's task keys: the heartbeat's where its key columns' types differ from the
+    task view's (as a join of the two gives them), else the task's."""
+    row, hb = seg["row"].to_numpy(), seg["hb"].to_numpy()
+    if gen is None or not len(gen) or all(gen[c].dtype == tasks[c].dtype for c in KEYS):
+        return tasks[KEYS].iloc[row].reset_index(drop=True)
+    is_hb = np.flatnonzero(hb >= 0)
+    tails = np.flatnonzero(hb < 0)
+    both = pd.concat([gen[KEYS].iloc[hb[is_hb]], tasks[KEYS].iloc[row[tails]]], ignore_index=True)
+    return both.iloc[np.argsort(np.r_[is_hb, tails], kind="stable")].reset_index(drop=True)
 
 
-def _segment_frame(ds: Dataset, tv: pd.DataFrame, sg: _Segments) -> pd.DataFrame:
-    """:func:`generation_segments`' table from its arrays."""
-    gs = ds.server.gen_samples
-    is_hb = sg.hb >= 0
-    if _keys_from_tasks(ds, tv):  # the heartbeat's keys equal its task's
-        out = tv[_TASK_KEYS].iloc[sg.row].reset_index(drop=True)
-    else:  # keys as a join of differently typed columns gives them
-        hb_rows, tail_rows = np.flatnonzero(is_hb), np.flatnonzero(~is_hb)
-        both = pd.concat([gs[_TASK_KEYS].iloc[sg.hb[hb_rows]], tv[_TASK_KEYS].iloc[sg.row[tail_rows]]], ignore_index=True)
-        out = both.iloc[np.argsort(np.r_[hb_rows, tail_rows], kind="stable")].reset_index(drop=True)
-    out["slot"] = tv["slot"].iloc[sg.row].array
-    out["start_s"] = sg.start
-    out["end_s"] = sg.end
-    out["tokens"] = sg.tokens
-    out["kind"] = pd.Series(np.array(["tail", "heartbeat"], dtype=object)[is_hb.astype(np.int8)])
-    tg = np.full(len(sg.hb), np.nan)
-    if gs is not None and len(gs):
-        tg[is_hb] = _f(gs["tg_3s_tps"])[sg.hb[is_hb]]
-    out["hb_line"] = _hb_lines(gs, sg.hb)
-    out["tg_3s_tps"] = tg
-    out["hb_file"] = _hb_files(gs, sg.hb)
-    return out[_SEGMENT_COLUMNS]
-
-
-def _hb_lines(gs: pd.DataFrame | None, hb: np.ndarray) -> pd.api.extensions.ExtensionArray:
-    """The heartbeats' lines (Int64), NA where ``hb`` is -1 (a tail)."""
-    if gs is None or not len(gs):
-        return pd.array([pd.NA] * len(hb), dtype="Int64")
-    return gs["line"].astype("Int64").array.take(hb.astype(np.int64), allow_fill=True)
-
-
-def _hb_files(gs: pd.DataFrame | None, hb: np.ndarray) -> pd.api.extensions.ExtensionArray:
-    """The files of the heartbeats' lines (rotated logs number lines per file), NA for tails."""
-    if gs is None or not len(gs) or "file" not in gs.columns:
-        return pd.array([pd.NA] * len(hb), dtype="string")
-    return gs["file"].array.take(hb.astype(np.int64), allow_fill=True)
+def _hb_column(gen: pd.DataFrame | None, hb: np.ndarray, name: str, dtype: str) -> Any:
+    """A column of the segments' heartbeats (``line`` or ``file``), NA for tails."""
+    if gen is None or not len(gen) or name not in gen.columns:
+        return pd.array([pd.NA] * len(hb), dtype=dtype)
+    return pd.array(gen[name].array.take(hb, allow_fill=True), dtype=dtype)
 
 
 def generation_segments(ds: Dataset, tv: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -217,114 +131,73 @@ def generation_segments(ds: Dataset, tv: pd.DataFrame | None = None) -> pd.DataF
     pass produced, so it counts ``n_gen - 1`` tokens.
     """
     tv = task_view(ds) if tv is None else tv
-    return _segment_frame(ds, tv, _segments(ds, tv))
+    gen = ds.server.gen_samples
+    seg = _segments(tv, gen)
+    hb = seg["hb"].to_numpy()
+    out = _shown(tv, gen, seg, np.arange(len(tv))).rename(columns={"seg_start_s": "start_s", "seg_end_s": "end_s", "seg_tokens": "tokens"})
+    out["kind"] = np.where(hb >= 0, "heartbeat", "tail").astype(object)
+    tg = np.full(len(seg), np.nan)
+    if gen is not None and len(gen):
+        tg[hb >= 0] = _floats(gen["tg_3s_tps"])[hb[hb >= 0]]
+    out["tg_3s_tps"] = tg
+    return out[KEYS + ["slot", "start_s", "end_s", "tokens", "kind", "hb_line", "tg_3s_tps", "hb_file"]]
 
 
-@dataclass
-class _Pieces:
-    """Segment pieces as arrays, in :func:`segment_pieces`' row order (every ``long_prefill``
-    piece, then every ``other_prefill`` one, then the rest): ``seg`` (row in the segments),
-    ``cls`` (index into :data:`CLASSES`), ``seconds``, ``tokens``, ``cause`` (task id of the
-    largest other-slot prefill, meaningful where ``has_cause``); per segment ``split``."""
-
-    segments: _Segments
-    seg: np.ndarray
-    cls: np.ndarray
-    seconds: np.ndarray
-    tokens: np.ndarray
-    cause: np.ndarray
-    has_cause: np.ndarray
-    split: np.ndarray
-
-    @property
-    def tok_per_s(self) -> np.ndarray:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            return self.tokens / self.seconds
-
-
-SEGMENT_BLOCK = 1 << 18  # segments split into pieces at a time (bounds the temporaries)
-
-
-def _pieces(ds: Dataset, opts: Options, tv: pd.DataFrame, typical: pd.DataFrame | None = None) -> _Pieces:
-    """The work of :func:`segment_pieces`, kept as arrays.
-
-    Each measure of the segments is one array as long as the log's heartbeats: they are kept
-    narrow (positions int32, flags bool) and dropped as soon as read, and memory freed by each
-    step is handed back before the next (on the 1 GB bench they are 3.5M segments). ``typical``:
-    the sessions' :func:`slotscope.timeline.typical_steps` when ``tv`` is a part of the log.
-    """
-    sg = _segments(ds, tv)
-    release_memory()
-    active, steps, info = tl.prefill_steps(tv, ds.server.prefill_samples, typical)
-    release_memory()
-    thr = opts.long_prefill_tokens
-    acode, tcode, icode = tl.key_codes([active, tv, info], tl.GROUP)
-    scode = tcode[sg.row].astype(_positions(len(tcode)))  # a segment's session is its task's
-    new = _f(active["prompt_tokens_new"])
-    a_start, a_end = _f(active["start_s"]), _f(active["end_s"])
-    a_task = active["task_id"].to_numpy(dtype=np.int64) if len(active) else np.zeros(0, dtype=np.int64)
-    del active
-    is_long = new >= thr
-    lg, sh = np.flatnonzero(is_long), np.flatnonzero(~is_long)
-    qs, qe = sg.start, sg.end
-
-    # Seconds of the segment under long prefills (and the largest one), under any prefill, and
-    # the largest short prefill during it (positions in lg / sh; -1: none).
-    cov_long, _, _, pos = tl.overlap_arrays(scode, qs, qe, acode[lg], a_start[lg], a_end[lg], vals=new[lg],
-                                            need=("covered",))
-    pos_long = pos.astype(np.int32)
-    cov_any = tl.overlap_arrays(scode, qs, qe, acode, a_start, a_end, need=("covered",))[0]
-    pos = tl.overlap_arrays(scode, qs, qe, acode[sh], a_start[sh], a_end[sh], vals=new[sh], need=())[3]
-    pos_short = pos.astype(np.int32)
-    del pos, acode, a_start, a_end, new
-    task_long, task_short = a_task[lg], a_task[sh]
-    del a_task, lg, sh
-    release_memory()
-    # Another slot generating at any time of the segment (its own task's generation left out).
-    ft, rel = _f(tv["first_token_s"]), _f(tv["release_s"])
+def _measure(tasks: pd.DataFrame, prefill: pd.DataFrame | None, seg: pd.DataFrame, opts: Options,
+             typical: pd.DataFrame | None, window: tuple[float, float]) -> pd.DataFrame:
+    """What the other slots did during each segment's share of ``window`` (the part's stretch):
+    seconds under long prefills (``cov_long``) and under any (``cov_any``), server passes
+    ending in it (``p_all``, ``p_long``: of a long prefill; a pass ending within SAME_PASS_S of
+    the segment's start made its first token, one at its end its last), another slot
+    generating (``others_gen``), and the largest long and short prefill (``*_new``, the task's
+    row ``*_cause``, -1: none)."""
+    t0, t1 = window
+    active, steps, info = tl.prefill_steps(tasks, prefill, typical)
+    acode, tcode, icode = tl.key_codes([active, tasks, info], tl.GROUP)
+    row = seg["row"].to_numpy()
+    scode = tcode[row]
+    start, end = seg["start_s"].to_numpy(), seg["end_s"].to_numpy()
+    qs, qe = np.maximum(start, t0), np.minimum(end, t1)
+    new, a_start, a_end = _floats(active["prompt_tokens_new"]), _floats(active["start_s"]), _floats(active["end_s"])
+    a_row = np.full(len(active), -1)
+    if len(active):
+        hit, task = tl.join_tasks(active, tasks)
+        a_row[hit] = task
+    out = pd.DataFrame(index=seg.index)
+    is_long = new >= opts.long_prefill_tokens
+    for name, sel, need in (("long", is_long, ("covered",)), ("short", ~is_long, ())):
+        cov, _, _, pos = tl.overlap_arrays(scode, qs, qe, acode[sel], a_start[sel], a_end[sel], vals=new[sel], need=need)
+        if name == "long":
+            out["cov_long"] = cov
+        found = pos >= 0
+        out[f"{name}_new"] = np.where(found, new[sel][np.maximum(pos, 0)] if sel.any() else np.nan, np.nan)
+        out[f"{name}_cause"] = np.where(found, a_row[sel][np.maximum(pos, 0)] if sel.any() else -1, -1)
+    out["cov_any"] = tl.overlap_arrays(scode, qs, qe, acode, a_start, a_end, need=("covered",))[0]
+    ft, rel = _floats(tasks["first_token_s"]), _floats(tasks["release_s"])
     gen = np.flatnonzero(~np.isnan(ft) & ~np.isnan(rel) & (rel >= ft))
-    others_gen = tl.overlap_arrays(scode, qs, qe, tcode[gen], ft[gen], rel[gen], own_start=ft, own_end=rel,
-                                   own_rows=sg.row, need=("max_count",))[1] >= 1
-    del ft, rel, gen, tcode
-    # Server passes (pass ends of all prefills within SAME_PASS_S merged). A pass ending within
-    # SAME_PASS_S of the segment's start made its first token; one at its end made the last.
+    out["others_gen"] = tl.overlap_arrays(scode, qs, qe, tcode[gen], ft[gen], rel[gen], own_start=ft, own_end=rel,
+                                          own_rows=row, need=("max_count",))[1] >= 1
     pid, t = tl.pass_ends(steps)
-    del steps
-    sp_code, sp_t, sp_new = tl.server_pass_arrays(icode[pid], t, _f(info["prompt_tokens_new"])[pid])
-    del pid, t, icode, info
-    a, z = qs + tl.SAME_PASS_S, qe + tl.SAME_PASS_S
-    p_all = tl.count_point_arrays(scode, a, z, sp_code, sp_t).astype(np.int32)
-    sp_long = sp_new >= thr
-    p_long = tl.count_point_arrays(scode, a, z, sp_code[sp_long], sp_t[sp_long]).astype(np.int32)
-    del scode, sp_code, sp_t, sp_new, sp_long, a, z
-    release_memory()
-
-    parts: list[list[list[np.ndarray]]] = []
-    split = np.zeros(len(qs), dtype=bool)
-    for at in range(0, len(qs), SEGMENT_BLOCK):
-        b = slice(at, at + SEGMENT_BLOCK)
-        parts.append(_split_segments(at, qe[b] - qs[b], sg.tokens[b], cov_long[b], cov_any[b], p_all[b], p_long[b],
-                                     others_gen[b], pos_long[b], task_long, pos_short[b], task_short, split[b]))
-    del cov_long, cov_any, p_all, p_long, others_gen, pos_long, pos_short
-    # Every long_prefill piece, then every other_prefill one, then the rest (segment order in each).
-    col = [np.concatenate([p[c][k] for c in range(3) for p in parts]) if parts else np.zeros(0) for k in range(6)]
-    return _Pieces(segments=sg, seg=col[0].astype(_positions(len(qs))), cls=col[1].astype(np.int8), seconds=col[2],
-                   tokens=col[3], cause=col[4].astype(np.int64), has_cause=col[5].astype(bool), split=split)
+    sp_code, sp_t, sp_new = tl.server_pass_arrays(icode[pid], t, _floats(info["prompt_tokens_new"])[pid])
+    a = np.maximum(start + tl.SAME_PASS_S, t0)
+    z = np.maximum(np.where(end <= t1, end + tl.SAME_PASS_S, t1), a)
+    big = sp_new >= opts.long_prefill_tokens
+    out["p_all"] = tl.count_point_arrays(scode, a, z, sp_code, sp_t)
+    out["p_long"] = tl.count_point_arrays(scode, a, z, sp_code[big], sp_t[big])
+    return out
 
 
-def _split_segments(
-    offset: int, dur: np.ndarray, k: np.ndarray, cov_long: np.ndarray, cov_any: np.ndarray, p_all: np.ndarray,
-    p_long: np.ndarray, others_gen: np.ndarray, pos_long: np.ndarray, task_long: np.ndarray, pos_short: np.ndarray,
-    task_short: np.ndarray, split: np.ndarray,
-) -> list[list[np.ndarray]]:
-    """Pieces of a block of segments (``offset``: its first segment), per class (long prefill,
-    other prefill, rest): ``[segment, class, seconds, tokens, cause, has_cause]``. Fills ``split``.
-    The cause of a prefill piece is the task (``task_*``) at the segment's ``pos_*`` (-1: none)."""
-    has_long_cause, has_short_cause = pos_long >= 0, pos_short >= 0
-    cause_long = task_long[np.maximum(pos_long, 0)] if len(task_long) else np.zeros(len(k), np.int64)
-    cause_short = task_short[np.maximum(pos_short, 0)] if len(task_short) else np.zeros(len(k), np.int64)
-    s_long = np.minimum(cov_long.round(6), dur)
-    s_other = np.clip(cov_any.round(6) - s_long, 0, None)
+def _split(seg: pd.DataFrame) -> pd.DataFrame:
+    """The pieces of measured segments (rows of :func:`_measure` beside ``start_s``, ``end_s``,
+    ``tokens``): every ``long_prefill`` piece, then every ``other_prefill`` one, then the rest,
+    each in segment order. Columns ``seg`` (row of ``seg``), ``cls`` (of :data:`CLASSES`),
+    ``seconds``, ``tokens``, ``tok_per_s``, ``split`` (the segment had several pieces) and
+    ``cause`` (the task row of the largest other-slot prefill; -1: none or not a prefill piece)."""
+    dur = seg["end_s"].to_numpy() - seg["start_s"].to_numpy()
+    k = seg["tokens"].to_numpy()
+    p_all, p_long = seg["p_all"].to_numpy(), seg["p_long"].to_numpy()
+    s_long = np.minimum(seg["cov_long"].to_numpy().round(6), dur)
+    s_other = np.clip(seg["cov_any"].to_numpy().round(6) - s_long, 0, None)
     s_rest = np.clip(dur - s_long - s_other, 0, None)
     has = [s >= EPS_S for s in (s_long, s_other, s_rest)]
     # Pieces under EPS_S are dropped (the other pieces share the tokens); a segment made only
@@ -333,314 +206,58 @@ def _split_segments(
     has[2] = has[2] | (none & (s_rest >= s_long) & (s_rest >= s_other))
     has[0] = has[0] | (none & ~has[2] & (s_long >= s_other))
     has[1] = has[1] | (none & ~has[2] & ~has[0])
-    last_long = has[0] & ~has[1] & ~has[2]
-    last_other = has[1] & ~has[2]
-    tok_long = np.where(has[0], np.where(last_long, k, np.minimum(k, p_long)), 0.0)
+    tok_long = np.where(has[0], np.where(has[0] & ~has[1] & ~has[2], k, np.minimum(k, p_long)), 0.0)
     rem = k - tok_long
-    tok_other = np.where(has[1], np.where(last_other, rem, np.minimum(rem, p_all - p_long)), 0.0)
-    tok_rest = np.where(has[2], rem - tok_other, 0.0)
-    split[:] = (has[0].astype(np.int8) + has[1] + has[2]) > 1
-    rest_cls = np.where(others_gen, CLASSES.index("generation_only"), CLASSES.index("alone")).astype(np.int8)
-    out = []
-    for c, (secs, toks, cause, has_cause) in enumerate((
-        (s_long, tok_long, cause_long, has_long_cause),
-        (s_other, tok_other, cause_short, has_short_cause),
-        (s_rest, tok_rest, np.zeros(len(k), np.int64), np.zeros(len(k), bool)),
-    )):
+    tok_other = np.where(has[1], np.where(has[1] & ~has[2], rem, np.minimum(rem, p_all - p_long)), 0.0)
+    split = (has[0].astype(np.int8) + has[1] + has[2]) > 1
+    rest_cls = np.where(seg["others_gen"].to_numpy(), CLASSES.index("generation_only"), CLASSES.index("alone"))
+    no_cause = np.full(len(seg), -1)
+    pieces = []
+    for c, secs, toks, cause in ((0, s_long, tok_long, seg["long_cause"].to_numpy()),
+                                 (1, s_other, tok_other, seg["short_cause"].to_numpy()),
+                                 (2, s_rest, rem - tok_other, no_cause)):
         i = np.flatnonzero(has[c])
-        cls = rest_cls[i] if c == 2 else np.full(len(i), c, np.int8)
-        out.append([i + offset, cls, secs[i], toks[i], cause[i], has_cause[i]])
+        pieces.append(pd.DataFrame({"seg": i, "cls": rest_cls[i] if c == 2 else c, "seconds": secs[i],
+                                    "tokens": toks[i], "split": split[i], "cause": cause[i]}))
+    out = pd.concat(pieces, ignore_index=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out["tok_per_s"] = out["tokens"] / out["seconds"]
     return out
 
 
-BLOCK_TASKS = 1 << 14  # tasks whose generation is split into pieces at a time (bounds memory)
-# A block ends only where nothing of its session ran for this long: no segment, prefill or
-# pass end of one block then reaches into another, so a block's pieces are the whole log's.
-QUIET_S = 5.0
+def _shown(tasks: pd.DataFrame, gen: pd.DataFrame | None, seg: pd.DataFrame, rows: np.ndarray) -> pd.DataFrame:
+    """What the rows of pieces show of their segments: task keys, slot, ``hb_line``, ``hb_file``,
+    ``seg_start_s``, ``seg_end_s``, ``seg_tokens``, ``task`` (its row in the view: ``rows``),
+    ``tail``."""
+    hb = seg["hb"].to_numpy()
+    out = _segment_keys(tasks, gen, seg)
+    out["slot"] = tasks["slot"].array.take(seg["row"].to_numpy())
+    out["hb_line"] = _hb_column(gen, hb, "line", "Int64")
+    out["hb_file"] = _hb_column(gen, hb, "file", "string")
+    out["seg_start_s"], out["seg_end_s"], out["seg_tokens"] = (seg[c].to_numpy() for c in ("start_s", "end_s", "tokens"))
+    out["task"], out["tail"] = rows[seg["row"].to_numpy()], hb < 0
+    return out
 
 
-def _task_blocks(ds: Dataset, tv: pd.DataFrame | Callable[[list[str]], pd.DataFrame]) -> list[np.ndarray]:
-    """The task view's rows in blocks of at least :data:`BLOCK_TASKS` tasks (the last may be
-    smaller), each block whole quiet-separated stretches of one session (:data:`QUIET_S`), in
-    session and time order; each block's rows ascending. One block when the log is small, or
-    when task keys repeat (their heartbeats could not be told apart).
-
-    ``tv``: the view (task keys and times), or what reads those of its columns it is given
-    (the view on disk: read a few columns at a time, folded into each task's start and end;
-    at 1 GB of log the view's keys and four times, and their copies, were +98 MB on +31)."""
-    columns = (lambda names: tv[names]) if isinstance(tv, pd.DataFrame) else tv
-    keys = columns(_TASK_KEYS)
-    n = len(keys)
-    if n <= BLOCK_TASKS or tl.task_keys_repeat(keys):
-        return [np.arange(n)]
-    session = tl.narrow(tl.key_codes([keys], tl.GROUP)[0])
-    start, end = np.full(n, np.nan), np.full(n, np.nan)
-    for kind in ("gen_samples", "prefill_samples"):  # a task's lines may outlast its known times
-        lo, hi = _sample_spans(ds, kind, keys)
-        np.fmin(start, lo, out=start)
-        np.fmax(end, hi, out=end)
-        del lo, hi
-    del keys
-    for c in tl.TIMES:
-        t = _f(columns([c])[c])
-        np.fmin(start, t, out=start)
-        np.fmax(end, t, out=end)
-        del t
-    timeless = np.isnan(start)
-    start[timeless] = -np.inf  # (they yield no pieces: kept with their session's first block)
-    np.copyto(end, start, where=np.isnan(end))
-    order = np.lexsort((start, session))
-    s_start, s_end, s_session = start[order], end[order], session[order]
-    del start, end, session
-    # The latest end so far in the session (ends have no gaps: a running maximum per session,
-    # each a stretch of the order; a groupby's cummax held ~20 MB more at 1 GB of log).
-    reach = s_end  # (in place: the ends are not read again)
-    bounds = np.r_[0, np.flatnonzero(s_session[1:] != s_session[:-1]) + 1, n]
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        np.maximum.accumulate(s_end[a:b], out=reach[a:b])
-    cut = np.ones(n, dtype=bool)
-    cut[1:] = (s_session[1:] != s_session[:-1]) | (s_start[1:] > reach[:-1] + QUIET_S)
-    del s_start, s_end, reach, s_session
-    blocks, at = [], 0
-    for b in np.flatnonzero(cut)[1:]:
-        if b - at >= BLOCK_TASKS:
-            blocks.append(np.sort(order[at:b]))
-            at = b
-    blocks.append(np.sort(order[at:]))
-    return blocks
+def _measured(tasks: pd.DataFrame, gen: pd.DataFrame | None, prefill: pd.DataFrame | None, rows: np.ndarray,
+              opts: Options, typical: pd.DataFrame | None, window: tuple[float, float]) -> pd.DataFrame:
+    """Every segment of ``tasks`` with its :func:`_measure` over ``window``; causes as rows of
+    the view (``rows``: each task's)."""
+    seg = _segments(tasks, gen)
+    m = _measure(tasks, prefill, seg, opts, typical, window)
+    for c in ("long_cause", "short_cause"):
+        r = m[c].to_numpy()
+        m[c] = np.where(r >= 0, rows[np.maximum(r, 0)] if len(rows) else -1, -1)
+    return pd.concat([seg, m], axis=1)
 
 
-SPAN_ROWS = 1 << 16  # tasks whose sample spans are looked up at a time (at 1 GB of log all at once: +36 MB)
-
-
-def _sample_spans(ds: Dataset, kind: str, tv: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-    """Each task's first and last sample time of ``kind`` (NaN: none), from the samples on
-    disk if they are there."""
-    lo, hi = np.full(len(tv), np.nan), np.full(len(tv), np.nan)
-    lazy = ds.server.on_disk(kind)
-    if lazy is not None and lazy.indexed:  # (looked up 64k tasks at a time: their keys' copies)
-        for a in range(0, len(tv), SPAN_ROWS):
-            lo[a:a + SPAN_ROWS], hi[a:a + SPAN_ROWS] = lazy.spans(tv.iloc[a:a + SPAN_ROWS])
-        return lo, hi
-    samples = getattr(ds.server, kind)
-    if samples is not None and len(samples):
-        scode, tc = tl.key_codes([samples, tv], _TASK_KEYS)
-        t = pd.Series(_f(samples["t_s"])).groupby(scode).agg(["min", "max"])
-        at = np.searchsorted(t.index.to_numpy(), tc)
-        hit = at < len(t)
-        hit[hit] = t.index.to_numpy()[at[hit]] == tc[hit]
-        lo[hit], hi[hit] = t["min"].to_numpy()[at[hit]], t["max"].to_numpy()[at[hit]]
-    return lo, hi
-
-
-def _rows_of(code: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(order, sorted codes)``: to find every row of some codes by :func:`_rows_with`."""
-    order = np.argsort(code, kind="stable")
-    return order, code[order]
-
-
-def _rows_with(index: tuple[np.ndarray, np.ndarray], codes: np.ndarray) -> np.ndarray:
-    """The rows (ascending) whose code is one of ``codes`` (distinct)."""
-    order, sorted_codes = index
-    lo, hi = np.searchsorted(sorted_codes, codes, "left"), np.searchsorted(sorted_codes, codes, "right")
-    cnt = hi - lo
-    return np.sort(order[np.repeat(lo, cnt) + tl.within_ranges(cnt)])
-
-
-def _blockwise(ds: Dataset, tv: pd.DataFrame, blocks: list[np.ndarray],
-               block_view: Callable[[np.ndarray], pd.DataFrame] | None = None) -> Iterator[tuple[np.ndarray, Dataset, pd.DataFrame]]:
-    """Per block of :func:`_task_blocks`: its rows in the task view, a dataset of only its
-    samples, and its part of the view (``block_view(rows)``; default ``tv.iloc[rows]``, then
-    ``tv`` has every column the pieces read, else the task keys at least). One block: the
-    dataset and ``tv`` themselves."""
-    if len(blocks) == 1:
-        yield blocks[0], ds, tv
-        return
-    server = ds.server
-    # Each block's samples: read from disk for its tasks where they wait there (the whole
-    # table is never built), else taken from the table.
-    found = []
-    for kind in ("gen_samples", "prefill_samples"):
-        lazy = server.on_disk(kind)
-        if lazy is not None and lazy.indexed:
-            found.append((lazy, None, None))
-            continue
-        samples = getattr(server, kind)
-        if samples is not None and len(samples):
-            scode, tcode = tl.key_codes([samples, tv], _TASK_KEYS)
-            found.append((samples, _rows_of(scode), tcode))
-        else:
-            found.append((samples, None, None))
-    for rows in blocks:
-        part = []
-        tvb = tv.iloc[rows] if block_view is None else block_view(rows)
-        for samples, index, tcode in found:
-            if isinstance(samples, Samples):
-                part.append(samples.of_tasks(tvb))
-            else:
-                part.append(samples if index is None else samples.iloc[_rows_with(index, np.unique(tcode[rows]))])
-        sub = dataclasses.replace(ds, server=dataclasses.replace(server, tasks=store.raw(server, "tasks"),  # (not built)
-                                                                 gen_samples=part[0], prefill_samples=part[1]))
-        yield rows, sub, tvb
-
-
-class _PieceParts:
-    """The long-enough pieces' class, tok/s, split flag and task (its row in the task view), a
-    block's at a time in files of a temporary directory, read back a few columns at a time (at
-    1 GB of log 3.1M pieces, 44 MB, were held under the later blocks' work)."""
-
-    def __init__(self) -> None:
-        self._tmp = tempfile.TemporaryDirectory(prefix="slotscope-")
-        self.paths: list[str] = []
-
-    def add(self, cls: np.ndarray, tok_per_s: np.ndarray, split: np.ndarray, task: np.ndarray) -> None:
-        path = os.path.join(self._tmp.name, f"{len(self.paths)}.npz")
-        try:
-            np.savez(path, cls=cls, tok_per_s=tok_per_s, split=split, task=task)
-        except OSError as e:
-            raise SlotscopeError(getattr(e, "filename", None) or tempfile.gettempdir(), None,
-                                 f"cannot write the stalls' pieces to the temporary directory ({e.strerror or e}); "
-                                 "set TMPDIR to a directory with room") from None
-        self.paths.append(path)
-
-    def columns(self, *names: str) -> Iterator[tuple[np.ndarray, ...]]:
-        """These columns of each block's pieces, a block at a time."""
-        for path in self.paths:
-            with np.load(path) as z:
-                yield tuple(z[n] for n in names)
-
-
-@dataclass
-class _Summary:
-    """What the stalls tables read of the pieces, gathered block by block: per piece of at
-    least ``MIN_PIECE_S``, its class, tok/s, split flag and task (:class:`_PieceParts`; tasks
-    are rows of a view of ``n_tasks``); per class, the tokens and seconds of all pieces; the
-    slowest pieces of at least ``WORST_MIN_S`` (rows as :func:`_pieces_frame` gives them)."""
-
-    pieces: _PieceParts
-    n_tasks: int
-    tokens: np.ndarray
-    seconds: np.ndarray
-    worst: pd.DataFrame
-
-
-# What the sessions' typical prefill steps are read from (:func:`slotscope.timeline.typical_steps`).
-_PREFILL_VIEW = _TASK_KEYS + ["prefill_start_s", "first_token_s"]
-TYPICAL_ROWS = 1 << 16  # prefill samples read at a time for the typical steps (a part: ~10 MB)
-
-
-def _summary(ds: Dataset, opts: Options) -> _Summary:
-    view = ds._view  # (after Dataset.keep_on_disk: columns and rows read as needed)
-    typical = None  # a prefill without progress lines is read with its whole session's typical step
-    if view is not None:
-        # One step at a time, each on little else: the prefill samples' index, the sessions'
-        # typical steps (wanted where the log may make several blocks; equal to what one block
-        # finds by itself), the gen samples' index, and then the view's columns the blocks
-        # are cut by (at 1 GB of log, with the view whole and both indexes under each: ~450 MB).
-        lazy = ds.server.on_disk("prefill_samples")  # (then read in parts, not built)
-        if lazy is not None:
-            lazy.indexed
-            release_memory()
-        if ds.n_tasks > BLOCK_TASKS:
-            pre = tl.PrefillKeys.of(task_view(ds, _PREFILL_VIEW))
-            release_memory()  # (the view's columns: ~24 MB at 1 GB of log, not under the lines)
-            typical = tl.typical_steps(pre if pre is not None else task_view(ds, _PREFILL_VIEW),
-                                       lazy.batches(TYPICAL_ROWS) if lazy is not None else ds.server.prefill_samples)
-            del pre
-            release_memory()
-        lazy = ds.server.on_disk("gen_samples")
-        if lazy is not None:
-            lazy.indexed
-            release_memory()
-    if view is not None:  # (the columns the blocks are cut by read a few at a time)
-        n_tasks = len(view)
-        blocks = _task_blocks(ds, lambda names: view.read(names))
-    else:
-        tv = task_view(ds, _VIEW)
-        n_tasks = len(tv)
-        blocks = _task_blocks(ds, tv)
-    release_memory()
-    block_view = None
-    if len(blocks) > 1:
-        # Several blocks (task keys unique): a task is its row in the view. Where the view is
-        # on disk each block reads its rows of it; the whole view is never held.
-        task_code = None
-        if view is not None:
-            block_view = lambda rows: view.take(rows, _VIEW).set_axis(pd.Index(rows))  # noqa: E731
-            indexed = all(ds.server.on_disk(k) is not None and ds.server.on_disk(k).indexed or not len(getattr(ds.server, k))
-                          for k in ("gen_samples", "prefill_samples"))  # (else _blockwise looks samples up by key)
-            tv = view.take(np.zeros(0, dtype=np.int64), _TASK_KEYS) if indexed else view.read(_TASK_KEYS)
-        else:
-            lazy = ds.server.on_disk("prefill_samples")  # (then read in parts, not built)
-            typical = tl.typical_steps(tv, lazy.batches(TYPICAL_ROWS) if lazy is not None else ds.server.prefill_samples)
-            release_memory()
-    else:
-        tv = task_view(ds, _VIEW) if view is not None else tv
-        task_code = tl.key_codes([tv], _TASK_KEYS)[0]
-    long_enough = _PieceParts()
-    tokens, seconds = np.zeros(len(CLASSES)), np.zeros(len(CLASSES))
-    worst, keys = [], []
-    group = np.array([0, 1, 2, 2])  # pieces are listed long_prefill, other_prefill, then the rest
-    for b, (rows, sub, tvb) in enumerate(_blockwise(ds, tv, blocks, block_view)):
-        pc = _pieces(sub, opts, tvb, typical)
-        sel = np.flatnonzero(pc.seconds >= MIN_PIECE_S)
-        seg = pc.seg[sel]
-        task = rows[pc.segments.row[seg]]
-        long_enough.add(pc.cls[sel], pc.tok_per_s[sel], pc.split[seg],
-                        (task if task_code is None else task_code[task]).astype(_positions(n_tasks)))
-        tokens += np.bincount(pc.cls, weights=pc.tokens, minlength=len(CLASSES))
-        seconds += np.bincount(pc.cls, weights=pc.seconds, minlength=len(CLASSES))
-        # This block's slowest long-enough pieces (tok/s up, seconds down, then piece order).
-        cand = np.flatnonzero(pc.seconds >= WORST_MIN_S)
-        cand = cand[np.lexsort((-pc.seconds[cand], pc.tok_per_s[cand]))][: opts.worst]
-        worst.append(_pieces_frame(sub, tvb, pc, cand))
-        keys.append(np.c_[pc.tok_per_s[cand], -pc.seconds[cand], group[pc.cls[cand]], np.full(len(cand), b), cand])
-        del pc, sel, seg, cand
-        release_memory()
-    key = np.concatenate(keys)
-    # Over all blocks: the slowest, ties in the whole log's piece order (class group, then block).
-    top = np.lexsort(key.T[::-1])[: opts.worst]
-    w = pd.concat(worst, ignore_index=True).iloc[top].reset_index(drop=True) if len(worst) > 1 else worst[0]
-    return _Summary(pieces=long_enough, n_tasks=n_tasks if task_code is None else int(task_code.max(initial=-1)) + 1,
-                    tokens=tokens, seconds=seconds, worst=w)
-
-
-def _shared_summary(ds: Dataset, opts: Options) -> _Summary:
-    """The pieces' summary, computed once for the tables that read it."""
-    return ds.memo((__name__, "summary", opts.long_prefill_tokens, opts.worst), lambda: _summary(ds, opts))
-
-
-def _shared_pieces(ds: Dataset, opts: Options) -> _Pieces:
-    """The pieces of the task view, computed once for the tables that read them."""
-    return ds.memo((__name__, "pieces", opts.long_prefill_tokens), lambda: _pieces(ds, opts, task_view(ds, _VIEW)))
-
-
-def _pieces_frame(ds: Dataset, tv: pd.DataFrame, pc: _Pieces, rows: np.ndarray | None = None) -> pd.DataFrame:
-    """:func:`segment_pieces`' table (``rows``: only those pieces, in that order)."""
-    rows = np.arange(len(pc.seg)) if rows is None else rows
-    sg = pc.segments
-    seg = pc.seg[rows]
-    task = sg.row[seg]
-    base = tv[_TASK_KEYS].iloc[task].reset_index(drop=True) if _keys_from_tasks(ds, tv) \
-        else _segment_frame(ds, tv, sg)[_TASK_KEYS].iloc[seg].reset_index(drop=True)
-    base["slot"] = tv["slot"].iloc[task].array
-    base["hb_line"] = _hb_lines(ds.server.gen_samples, sg.hb[seg])
-    base["hb_file"] = _hb_files(ds.server.gen_samples, sg.hb[seg])
-    base["seg_start_s"] = sg.start[seg]
-    base["seg_end_s"] = sg.end[seg]
-    base["seg_tokens"] = sg.tokens[seg]
-    base["split"] = pc.split[seg]
-    base["class"] = pd.Categorical.from_codes(pc.cls[rows], categories=CLASSES)
-    base["seconds"] = pc.seconds[rows]
-    base["tokens"] = pc.tokens[rows]
-    base["cause_task_id"] = pd.arrays.IntegerArray(pc.cause[rows], ~pc.has_cause[rows])
-    base["tok_per_s"] = base["tokens"] / base["seconds"]
-    return base
-
-
-def _keys_from_tasks(ds: Dataset, tv: pd.DataFrame) -> bool:
-    gs = ds.server.gen_samples
-    return gs is None or not len(gs) or all(gs[c].dtype == tv[c].dtype for c in _TASK_KEYS)
+def _with_shown(pieces: pd.DataFrame, shown: pd.DataFrame) -> pd.DataFrame:
+    """Pieces (:func:`_split`'s) as rows: their segments' ``shown`` columns (one row per
+    segment) and their own."""
+    out = shown.iloc[pieces["seg"].to_numpy()].reset_index(drop=True)
+    for c in ("split", "cls", "seconds", "tokens", "cause", "tok_per_s"):
+        out[c] = pieces[c].to_numpy()
+    return out
 
 
 def segment_pieces(ds: Dataset, opts: Options, tv: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -649,61 +266,165 @@ def segment_pieces(ds: Dataset, opts: Options, tv: pd.DataFrame | None = None) -
     Columns: task keys, slot, ``class``, ``seconds``, ``tokens``, ``tok_per_s``, ``split``
     (the segment had more than one piece), ``seg_start_s``, ``seg_end_s``, ``seg_tokens``,
     ``hb_line``, ``hb_file``, and ``cause_task_id`` (the largest other-slot prefill running during a
-    prefill piece; NA for the rest).
+    prefill piece; NA for the rest). ``tv``: the tasks (default: the whole task view).
     """
-    if tv is None:
-        tv = task_view(ds)
-        return _pieces_frame(ds, tv, _shared_pieces(ds, opts))
-    return _pieces_frame(ds, tv, _pieces(ds, opts, tv))
+    tv = task_view(ds) if tv is None else tv.reset_index(drop=True)
+    rows, gen = np.arange(len(tv)), ds.server.gen_samples
+    seg = _measured(tv, gen, ds.server.prefill_samples, rows, opts, None, (-np.inf, np.inf))
+    p = _with_shown(_split(seg), _shown(tv, gen, seg, rows))
+    cause = p.pop("cause").to_numpy()
+    ids = tv["task_id"].to_numpy(dtype=np.int64)[np.maximum(cause, 0)] if len(tv) else np.zeros(len(cause), np.int64)
+    p.insert(p.columns.get_loc("tok_per_s"), "cause_task_id", pd.arrays.IntegerArray(ids, cause < 0))
+    p.insert(p.columns.get_loc("seconds"), "class", pd.Categorical.from_codes(p.pop("cls").to_numpy(), categories=CLASSES))
+    return p.drop(columns=["task", "tail"])
 
 
-@register("stalls")
-def stalls(ds: Dataset, opts: Options) -> pd.DataFrame:
+def line_steps(part: Part, opts: Options) -> pd.DataFrame:
+    """The steps (``step_tokens``, ``step_s``) of the progress lines inside the prefills of the
+    tasks the part counts, with their session's keys: what :func:`typical_of` folds into the
+    sessions' typical steps."""
+    tasks = part.tasks.iloc[np.flatnonzero(part.counted)]
+    ps, ft = _floats(tasks["prefill_start_s"]), _floats(tasks["first_token_s"])
+    pre = tasks.iloc[np.flatnonzero(ft > ps)]
+    ps, ft = ps[ft > ps], ft[ft > ps]
+    none = np.zeros(0, np.int64)
+    lines = part.prefill if part.prefill is not None and len(part.prefill) else None
+    at, pid = tl.join_tasks(lines, pre) if lines is not None and len(pre) else (none, none)
+    t = _floats(lines["t_s"])[at] if lines is not None else np.zeros(0)
+    inside = (t >= ps[pid]) & (t <= ft[pid] + tl.SAME_PASS_S)
+    at, pid = at[inside], pid[inside]
+    out = pre[tl.GROUP].iloc[pid].reset_index(drop=True)
+    for c in ("step_tokens", "step_s"):
+        out[c] = _floats(lines[c])[at] if lines is not None else np.zeros(0)
+    return out
+
+
+def typical_of(steps: list[pd.DataFrame]) -> pd.DataFrame:
+    """Per session, the median step of its progress lines (``s_chunk`` tokens, ``s_pass``
+    seconds) from every part's :func:`line_steps`: :func:`slotscope.timeline.typical_steps`
+    of the whole log."""
+    both = pd.concat(steps, ignore_index=True) if steps else pd.DataFrame(columns=tl.GROUP + ["step_tokens", "step_s"])
+    g = both.groupby(tl.GROUP, dropna=False, observed=True, sort=False)
+    return g.agg(s_chunk=("step_tokens", "median"), s_pass=("step_s", "median")).reset_index()
+
+
+@dataclass
+class PartAnswer:
+    """A part's share of the stalls tables: its pieces of at least ``MIN_PIECE_S`` (``cls``,
+    ``tok_per_s``, ``split``, ``task`` = row in the task view); per class the tokens and seconds
+    of all its pieces; its slowest pieces of at least ``WORST_MIN_S`` (``worst``, as
+    :func:`_with_shown` gives them); the segments that run across its ends, measured over its
+    share of them (``across``: :func:`_shown` and :func:`_measure` columns); and the task-view rows the
+    worst pieces and those segments name (``info``)."""
+
+    pieces: pd.DataFrame
+    tokens: np.ndarray
+    seconds: np.ndarray
+    worst: pd.DataFrame
+    across: pd.DataFrame
+    info: pd.DataFrame
+
+
+def _fold(seg: pd.DataFrame, task: np.ndarray, opts: Options) -> tuple[pd.DataFrame, np.ndarray, np.ndarray, pd.DataFrame]:
+    """Split measured segments (``task``: each one's row in the view) and keep what the tables
+    read of the pieces: those of at least ``MIN_PIECE_S``, the tokens and seconds per class,
+    and the slowest of at least ``WORST_MIN_S`` (:func:`_split`'s rows)."""
+    p = _split(seg)
+    enough = p[p["seconds"] >= MIN_PIECE_S]
+    long_enough = pd.DataFrame({"cls": enough["cls"].to_numpy(), "tok_per_s": enough["tok_per_s"].to_numpy(),
+                                "split": enough["split"].to_numpy(), "task": task[enough["seg"].to_numpy()]})
+    tokens = np.bincount(p["cls"], weights=p["tokens"], minlength=len(CLASSES)).astype(float)
+    seconds = np.bincount(p["cls"], weights=p["seconds"], minlength=len(CLASSES)).astype(float)
+    cand = p[p["seconds"] >= WORST_MIN_S]
+    worst = cand.iloc[np.lexsort((-cand["seconds"].to_numpy(), cand["tok_per_s"].to_numpy()))][: opts.worst]
+    return long_enough, tokens, seconds, worst.reset_index(drop=True)
+
+
+def per_part(part: Part, opts: Options, typical: pd.DataFrame | None = None) -> PartAnswer:
+    """The stalls tables' share of one part (see :class:`PartAnswer`). ``typical``: the
+    sessions' typical steps (:func:`typical_of`; default: those of the part's own lines)."""
+    tasks, rows = part.tasks.reset_index(drop=True), np.asarray(part.rows, dtype=np.int64)
+    t0, t1 = part.span if part.span is not None else (np.nan, np.nan)
+    window = (-np.inf if np.isnan(t0) else t0, np.inf if np.isnan(t1) else t1)
+    seg = _measured(tasks, part.gen, part.prefill, rows, opts, typical, window)
+    start, end = seg["start_s"].to_numpy(), seg["end_s"].to_numpy()
+    inside = (start >= window[0]) & (end <= window[1])
+    share = ~inside & (np.minimum(end, window[1]) > np.maximum(start, window[0]))
+    own = seg[inside].reset_index(drop=True)
+    long_enough, tokens, seconds, worst = _fold(own, rows[own["row"].to_numpy()], opts)
+    worst = _with_shown(worst, _shown(tasks, part.gen, own, rows))
+    across = seg[share].reset_index(drop=True)
+    across = pd.concat([_shown(tasks, part.gen, across, rows), across[_MEASURES + ["long_new", "long_cause", "short_new", "short_cause"]]],
+                       axis=1)
+    named = np.r_[worst["task"], worst["cause"], across["task"], across["long_cause"], across["short_cause"]]
+    at = np.flatnonzero(np.isin(rows, named))
+    info = tasks[KEYS + _WHO + ["prompt_tokens_new"]].iloc[at].assign(row=rows[at]).reset_index(drop=True)
+    return PartAnswer(long_enough, tokens, seconds, worst, across, info)
+
+
+def _joined(across: pd.DataFrame) -> pd.DataFrame:
+    """Segments measured in several parts as one each (rows in part order): the shares'
+    seconds and pass ends added up, another slot generating in any, the largest prefill of
+    the shares (a tie: the earlier share's)."""
+    by = [across["task"], across["seg_start_s"], across["tail"]]
+    g = across.groupby(by, sort=False)
+    seg = g.first()
+    for c in ("cov_long", "cov_any", "p_all", "p_long"):
+        seg[c] = g[c].sum()
+    seg["others_gen"] = g["others_gen"].any()
+    for c in ("long", "short"):
+        best = across[f"{c}_new"].fillna(-np.inf).groupby(by, sort=False).idxmax().to_numpy()
+        seg[f"{c}_cause"] = across[f"{c}_cause"].to_numpy()[best]
+    seg = seg.reset_index()
+    return seg.assign(start_s=seg["seg_start_s"], end_s=seg["seg_end_s"], tokens=seg["seg_tokens"])
+
+
+def _joined_rows(frames: list[pd.DataFrame]) -> pd.DataFrame:
+    """The frames' rows one after another (the empty ones, whose columns may have other types,
+    left out)."""
+    rows = [f for f in frames if len(f)]
+    return pd.concat(rows, ignore_index=True) if len(rows) > 1 else (rows or frames)[0].reset_index(drop=True)
+
+
+def merge(answers: list[PartAnswer], opts: Options, ds: Dataset) -> dict[str, pd.DataFrame]:
+    """The ``stalls`` and ``stalls-worst`` tables of every part's answer."""
+    if not answers:  # (no tasks: the tables of an empty part)
+        answers = [per_part(_whole(ds, task_view(ds).iloc[:0]), opts)]
+    folded = [(a.pieces, a.tokens, a.seconds, a.worst) for a in answers]
+    across = [a.across for a in answers if len(a.across)]
+    if across:
+        joined = _joined(pd.concat(across, ignore_index=True))
+        long_enough, tokens, seconds, worst = _fold(joined, joined["task"].to_numpy(), opts)
+        folded.append((long_enough, tokens, seconds, _with_shown(worst, joined)))
+    pieces, worst = _joined_rows([f[0] for f in folded]), _joined_rows([f[3] for f in folded])
+    info = _joined_rows([a.info for a in answers]).drop_duplicates("row")
+    tokens, seconds = np.sum([f[1] for f in folded], axis=0), np.sum([f[2] for f in folded], axis=0)
+    return {"stalls": _stalls_table(pieces, tokens, seconds, opts), "stalls-worst": _worst_table(worst, info, opts)}
+
+
+def _stalls_table(pieces: pd.DataFrame, tokens: np.ndarray, seconds: np.ndarray, opts: Options) -> pd.DataFrame:
     """Median generation speed per class of what the other slots did (see the module doc).
-
-    Computed block by block (:func:`_task_blocks`): memory holds one block's segments and
-    pieces, and of all pieces only what the statistics read.
 
     ``median_tg_3s_tps``/``p10_tg_3s_tps`` keep their historical names; they are the median and
     10th percentile of the pieces' tokens/seconds (pieces >= ``MIN_PIECE_S``), ``samples`` their
     number. ``tok_per_s_pooled`` is all tokens over all seconds of the class. ``basis`` says
     whether the class rests on exact segment counts, pass-cadence splits, or both.
     """
-    sm = _shared_summary(ds, opts)
-    gc.collect()
-    release_memory()  # what making the summary left: not under the statistics
     n = len(CLASSES)
-    samples, split = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-    for cls, sp in sm.pieces.columns("cls", "split"):
-        samples += np.bincount(cls, minlength=n)
-        split += np.bincount(cls[sp], minlength=n)
-    # Median and 10th percentile a class at a time, on arrays (a groupby of every piece held
-    # ~50 bytes a piece: 146 MB at 1 GB); equal to a groupby's (timeline.median, .quantile).
-    # Distinct tasks a class at a time, a byte per task (timeline.distinct_per_group).
-    median, p10 = np.full(n, np.nan), np.full(n, np.nan)
-    tasks = np.zeros(n, dtype=np.int64)
-    for k in np.flatnonzero(samples):
-        v = np.concatenate([t[c == k] for c, t in sm.pieces.columns("cls", "tok_per_s")])
-        median[k], p10[k] = tl.median_and_quantile(v, 0.1)  # (sorts v)
-        del v
-        seen = np.zeros(sm.n_tasks, dtype=bool)
-        for c, t in sm.pieces.columns("cls", "task"):
-            seen[t[c == k]] = True
-        tasks[k] = np.count_nonzero(seen)
-    stats = pd.DataFrame({
-        "samples": samples,
-        "median_tg_3s_tps": median,
-        "p10_tg_3s_tps": p10,
-        "split_samples": split,
-        "tasks": tasks,
-    }, index=pd.Index(CLASSES, name="class"))
-    sums = pd.DataFrame({"tokens": sm.tokens, "seconds": sm.seconds}, index=pd.CategoricalIndex(CLASSES, categories=CLASSES, name="class"))
-    out = stats.join(sums).reset_index(names="class")
-    out["samples"] = out["samples"].fillna(0).astype("int64")
-    out["split_samples"] = out["split_samples"].fillna(0).astype("int64")
-    out["tasks"] = out["tasks"].fillna(0).astype("int64")
-    out["tokens"] = out["tokens"].fillna(0).round().astype("int64")
-    out["seconds"] = out["seconds"].fillna(0).round(3)
+    cls = pieces["cls"].to_numpy(dtype=np.int64)
+    stats = np.full((n, 2), np.nan)
+    for k in np.unique(cls):
+        stats[k] = tl.median_and_quantile(pieces["tok_per_s"].to_numpy(dtype=float)[cls == k], 0.1)
+    out = pd.DataFrame({
+        "class": CLASSES,
+        "samples": np.bincount(cls, minlength=n),
+        "median_tg_3s_tps": stats[:, 0],
+        "p10_tg_3s_tps": stats[:, 1],
+        "split_samples": np.bincount(cls[pieces["split"].to_numpy(dtype=bool)], minlength=n),
+        "tasks": pieces.groupby("cls")["task"].nunique().reindex(range(n), fill_value=0).to_numpy(dtype=np.int64),
+        "tokens": tokens.round().astype("int64"),
+        "seconds": seconds.round(3),
+    })
     with np.errstate(divide="ignore", invalid="ignore"):
         out["tok_per_s_pooled"] = np.where(out["seconds"] > 0, out["tokens"] / out["seconds"], np.nan)
     out["few_samples"] = out["samples"] < opts.min_samples
@@ -715,62 +436,82 @@ def stalls(ds: Dataset, opts: Options) -> pd.DataFrame:
     return out[STALL_COLUMNS]
 
 
-def _rows_of_tasks(ds: Dataset, keys: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:
-    """The task view's ``columns`` of the rows whose task keys are in one of ``keys`` (in the
-    view's order): what a left merge of those keys with the view finds. Read from disk
-    where the view is there, the view's keys a stored batch at a time (read whole, with their
-    join, they were stalls-worst's peak at 1 GB of log: +31 MB)."""
-    view = ds._view
-    n = len(view) if view is not None else 0
-    parts = ((lo, view.take(np.arange(lo, min(lo + store.ROWS_PER_BATCH, n)), _TASK_KEYS))
-             for lo in range(0, n, store.ROWS_PER_BATCH)) if view is not None else [(0, task_view(ds, _TASK_KEYS))]
-    found = [lo + tl.join_tasks(k[k["task_id"].notna().to_numpy()].astype({"task_id": tk["task_id"].dtype}), tk)[1]
-             for lo, tk in parts for k in keys if len(k)]
-    rows = np.unique(np.concatenate(found)) if found else np.zeros(0, dtype=np.int64)
-    if ds._view is not None:
-        return ds._view.take_scattered(rows, columns)
-    return task_view(ds, columns).iloc[rows].reset_index(drop=True)
-
-
-@register("stalls-worst")
-def worst_stalls(ds: Dataset, opts: Options) -> pd.DataFrame:
+def _worst_table(cand: pd.DataFrame, info: pd.DataFrame, opts: Options) -> pd.DataFrame:
     """The slowest pieces of generation at least ``WORST_MIN_S`` long, with the stalled task and
-    the largest other-slot prefill running during it (``cause_*``, NA when no prefill ran)."""
-    who = ["slot", "purpose", "user", "lora", "line", "file"]
-    p = _shared_summary(ds, opts).worst
+    the largest other-slot prefill running during it (``cause_*``, NA when no prefill ran);
+    ties in the order of the pieces (class, session, start, slot)."""
+    order = cand.assign(_tps=cand["tok_per_s"], _s=-cand["seconds"], _g=np.minimum(cand["cls"], 2))
+    order = order.sort_values(["_tps", "_s", "_g"] + tl.GROUP + ["seg_start_s", "slot", "tail"], kind="stable", na_position="last")
+    p = order.head(opts.worst).reset_index(drop=True)
+    ids = info.set_index("row")["task_id"]
+    cause_row = p["cause"].to_numpy()
+    p["cause_task_id"] = pd.array(ids.reindex(cause_row).to_numpy(dtype=float, na_value=np.nan), dtype="Int64") \
+        if len(p) else pd.array([], dtype="Int64")
     ckeys = p[tl.GROUP + ["cause_task_id"]].rename(columns={"cause_task_id": "task_id"})
-    # Only the view's rows of these tasks (a merge on the whole view copied its columns).
-    tv = _rows_of_tasks(ds, [p[_TASK_KEYS], ckeys], _TASK_KEYS + who + ["prompt_tokens_new"])
-    stalled = p[_TASK_KEYS].merge(tv[_TASK_KEYS + who], on=_TASK_KEYS, how="left").drop(columns="slot")
+    stalled = p[KEYS].merge(info[KEYS + _WHO], on=KEYS, how="left").drop(columns="slot")
     cause_cols = ["slot", "purpose", "user", "lora", "prompt_tokens_new", "line", "file"]
-    cinfo = tv[_TASK_KEYS + cause_cols].astype({"task_id": "Int64"})
-    cause = ckeys.merge(cinfo, on=_TASK_KEYS, how="left")
+    cause = ckeys.merge(info[KEYS + cause_cols].astype({"task_id": "Int64"}), on=KEYS, how="left")
     out = pd.DataFrame({
-        "class": p["class"].astype(str).to_numpy(),
+        "class": np.array(CLASSES, dtype=object)[p["cls"].to_numpy(dtype=np.int64)],
         "tok_per_s": p["tok_per_s"].round(3).to_numpy(),
         "tokens": p["tokens"].round().astype("int64").to_numpy(),
         "seconds": p["seconds"].round(3).to_numpy(),
-        "basis": np.where(p["split"], "split", "exact"),
+        "basis": np.where(p["split"].to_numpy(dtype=bool), "split", "exact"),
         "session": p["session"].to_numpy(),
         "seg_start_s": p["seg_start_s"].round(3).to_numpy(),
         "seg_end_s": p["seg_end_s"].round(3).to_numpy(),
         "slot": p["slot"].to_numpy(),
         "task_id": p["task_id"].to_numpy(),
-        "purpose": stalled["purpose"].to_numpy(),
-        "user": stalled["user"].to_numpy(),
-        "lora": stalled["lora"].to_numpy(),
-        "line": stalled["line"].to_numpy(),
+        **{c: stalled[c].to_numpy() for c in ("purpose", "user", "lora", "line")},
         "hb_line": p["hb_line"].to_numpy(),
+        "cause_task_id": p["cause_task_id"].to_numpy(),
+        **{"cause_" + c: cause[c].to_numpy() for c in cause_cols if c != "file"},
     })
-    out["cause_task_id"] = p["cause_task_id"].to_numpy()
-    for c in cause_cols:
-        out["cause_" + c] = cause[c].to_numpy()
     for c in ("cause_task_id", "cause_slot", "cause_prompt_tokens_new", "cause_line"):
         out[c] = pd.array(pd.to_numeric(out[c], errors="coerce"), dtype="Int64")
-    # where to find the lines: the server log (source, port) and the files of line and cause_line
-    out["source"] = p["source"].to_numpy()
-    out["port"] = p["port"].to_numpy()
-    out["file"] = stalled["file"].to_numpy()
-    out["cause_file"] = out.pop("cause_file")
-    out["hb_file"] = p["hb_file"].to_numpy()  # hb_line's (a task's heartbeats may span a rotation)
-    return out.reset_index(drop=True)
+    # where to find the lines: the server log (source, port), the files of line, cause_line and
+    # hb_line (a task's heartbeats may span a rotation)
+    for name, col in (("source", p["source"]), ("port", p["port"]), ("file", stalled["file"]), ("cause_file", cause["file"]),
+                      ("hb_file", p["hb_file"])):
+        out[name] = col.to_numpy()
+    return out
+
+
+QUESTION = ask(Question(("stalls", "stalls-worst"), per_part, merge))
+
+
+def _whole(ds: Dataset, tv: pd.DataFrame | None = None) -> Part:
+    """The whole log (or the tasks ``tv`` of it) as one part."""
+    tv = task_view(ds) if tv is None else tv.reset_index(drop=True)
+    return Part(tasks=tv, counted=np.ones(len(tv), dtype=bool), rows=np.arange(len(tv)), gen=ds.server.gen_samples,
+                prefill=ds.server.prefill_samples, sessions=ds.server.sessions)
+
+
+def stalls(ds: Dataset, opts: Options) -> pd.DataFrame:
+    """The ``stalls`` table, of the whole log as one part (see :func:`_stalls_table`)."""
+    return merge([per_part(_whole(ds), opts)], opts, ds)["stalls"]
+
+
+def worst_stalls(ds: Dataset, opts: Options) -> pd.DataFrame:
+    """The ``stalls-worst`` table, of the whole log as one part (see :func:`_worst_table`)."""
+    return merge([per_part(_whole(ds), opts)], opts, ds)["stalls-worst"]
+
+
+@dataclass
+class _Pieces:
+    """Each piece's class (of :data:`CLASSES`), seconds and tok/s."""
+
+    cls: np.ndarray
+    seconds: np.ndarray
+    tok_per_s: np.ndarray
+
+
+def _pieces(ds: Dataset, opts: Options, tv: pd.DataFrame | None = None) -> _Pieces:
+    """(breakdown.py's fallback of stretches alone reads these until it reads segment_pieces.)"""
+    p = segment_pieces(ds, opts, tv)
+    return _Pieces(p["class"].cat.codes.to_numpy(), p["seconds"].to_numpy(), p["tok_per_s"].to_numpy())
+
+
+def _shared_pieces(ds: Dataset, opts: Options) -> _Pieces:
+    """(See :func:`_pieces`.)"""
+    return _pieces(ds, opts)
