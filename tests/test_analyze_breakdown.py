@@ -8,8 +8,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from slotscope.analyze import TABLES, Options
-from slotscope.analyze.breakdown import BREAKDOWN_COLUMNS, breakdown, ran_alone
+from slotscope import analyze
+from slotscope.analyze import QUESTIONS, TABLES, Options
+from slotscope.analyze.breakdown import BREAKDOWN_COLUMNS, ran_alone
 from slotscope.dataset import Dataset, load, task_view
 
 from .conftest import REAL
@@ -18,6 +19,10 @@ from .conftest import REAL
 @lru_cache(maxsize=None)
 def _ds(path: str) -> Dataset:
     return load([REAL / path])
+
+
+def breakdown(ds: Dataset, opts: Options, part_tasks: int | None = None) -> pd.DataFrame:
+    return analyze.answer([QUESTIONS["breakdown"]], ds, opts, part_tasks=part_tasks)["breakdown"]
 
 
 def _components_sum_to_total(df: pd.DataFrame) -> None:
@@ -43,6 +48,28 @@ def test_components_sum_to_the_total_overall_and_per_purpose() -> None:
     assert per_purpose == pytest.approx(total, abs=0.01)
     assert set(df["purpose"]) == {"all", *tv["purpose"].dropna().astype(str)}
     assert {"own_generation", "own_prefill", "contention", "wait", "queue", "total"} <= set(df["component"])
+
+
+def test_chat_turns_lose_time_to_the_other_slots() -> None:
+    """In `before` four slots share the server: part of the chat turns' prefill and generation
+    time is contention (the other slots' prefills and generation), beside their own work."""
+    df = breakdown(_ds("before/logs"), Options())
+    chat = df[df["purpose"] == "chat"].set_index("component")
+    assert chat.loc["contention", "share"] > 0.2
+    assert chat.loc["own_generation", "share"] > 0.1 and chat.loc["own_prefill", "share"] > 0.01
+    # a turn's contention is its prefill and generation beyond its own time at the solo speeds
+    assert chat.loc["contention", "seconds"] < chat.loc["total", "seconds"] - chat.loc["wait", "seconds"]
+
+
+@pytest.mark.parametrize("scenario", ["before", "after", "restart"])
+def test_the_table_does_not_depend_on_the_part_size(scenario: str) -> None:
+    """Solo speeds are medians over the whole log, a task across a cut ran alone only if it
+    did on both sides, and the sums run in the task view's order: parts of a few tasks give
+    the table of the whole log, to the bit."""
+    ds = _ds(f"{scenario}/logs")
+    whole = breakdown(ds, Options())
+    pd.testing.assert_frame_equal(breakdown(ds, Options(), part_tasks=5), whole, check_exact=True)
+    pd.testing.assert_frame_equal(breakdown(ds, Options(), part_tasks=2), whole, check_exact=True)
 
 
 def test_solo_speeds_come_from_tasks_that_ran_alone() -> None:
@@ -142,46 +169,3 @@ def test_ran_alone_agrees_with_brute_force_on_random_tasks() -> None:
     got = ran_alone(tv)
     pd.testing.assert_frame_equal(got, _alone_by_brute_force(tv))
     assert got.to_numpy().any() and not got.to_numpy().all()
-
-
-def _alone_by_overlap_queries(code: np.ndarray, ps: np.ndarray, ft: np.ndarray, rel: np.ndarray) -> dict[str, np.ndarray]:
-    """ran_alone as it was computed before: the most other tasks active at once during each
-    phase, by timeline.overlap_arrays with the task's own span left out."""
-    from slotscope import timeline as tl
-
-    pre = ~np.isnan(ps) & ~np.isnan(ft) & (ft > ps)
-    gen = ~np.isnan(ft) & ~np.isnan(rel) & (rel > ft)
-    ivs = np.where(pre, ps, np.where(gen, ft, np.nan))
-    ive = np.where(gen, rel, np.where(pre, ft, np.nan))
-    out = {}
-    for name, a, z in (("alone_prefill", ps, ft), ("alone_generation", ft, rel)):
-        others = tl.overlap_arrays(code, a, z, code, ivs, ive, own_start=ps, own_end=rel, need=("max_count",))[1]
-        out[name] = (~np.isnan(a) & ~np.isnan(z) & (z > a)) & (others == 0)
-    return out
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_alone_by_counted_overlaps_equals_the_overlap_queries(monkeypatch, seed: int) -> None:
-    """Whether a phase ran alone, from how many intervals overlap it (sorted searches), equals
-    the step-function queries' answer: with times on a coarse grid (many ties: phases that
-    touch, zero-length ones), missing times, releases before the first token, several
-    sessions, and the tasks looked at a few at a time."""
-    from slotscope.analyze import breakdown as bd
-
-    monkeypatch.setattr(bd, "TASK_BLOCK", 7)
-    rng = np.random.default_rng(seed)
-    n = 400
-    grid = [0.0, 0.5, 1.0, 2.0, 3.0][seed % 3:]
-    ps = rng.integers(0, 2000, n) * 0.5
-    ft = ps + rng.choice(grid, n)
-    rel = ft + rng.choice(grid, n)
-    for v, share in ((ps, 0.1), (ft, 0.05), (rel, 0.1)):
-        v[rng.random(n) < share] = np.nan
-    back = rng.random(n) < 0.05
-    rel[back] = ft[back] - rng.choice([0.5, 3.0], back.sum())  # (a release before the first token, or before the prefill)
-    code = rng.integers(0, 1 + seed % 3, n)
-    got = bd._alone_flags(code, ps, ft, rel)
-    want = _alone_by_overlap_queries(code, ps, ft, rel)
-    for name in want:
-        assert got[name].tolist() == want[name].tolist(), name
-    assert any(want[k].any() for k in want) and not all(want[k].all() for k in want)

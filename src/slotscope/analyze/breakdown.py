@@ -13,226 +13,203 @@ prefilling or generating during their whole prefill / generation, unless
 generated alone from start to end; the generation speed then comes from the stretches of
 generation that ran alone (the ``alone`` class of :mod:`.stalls`), and failing those, as for
 prefill, from the 90th percentile over all tasks (``solo_*_basis`` says which).
+
+The solo speeds are medians over the whole log, so each busy period gives its tasks' raw
+times and speeds, and the merge estimates the speeds and splits the times.
 """
 
 from __future__ import annotations
 
-import gc
-from typing import Callable, Iterator
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import pandas as pd
 
-from .. import timeline as tl
-from ..dataset import Dataset, release_memory, task_view
-from . import Options, register
+from ..dataset import Dataset
+from ..periods import Part
+from ..timeline import GROUP, key_codes
+from . import Options, Question, ask
 
 COMPONENTS = ["own_generation", "own_prefill", "contention", "wait", "queue", "unsplit"]
 BREAKDOWN_COLUMNS = [
     "purpose", "component", "seconds", "share", "tasks", "few_samples",
     "solo_gen_tps", "solo_gen_n", "solo_gen_basis", "solo_prefill_tps", "solo_prefill_n", "solo_prefill_basis",
 ]
-_KEYS = tl.GROUP + ["task_id"]
+FLAGS = ["alone_prefill", "alone_generation"]
 
 
-def _free() -> None:
-    """Free the frames just dropped now, not at the next table: pandas objects hold one another
-    in cycles (their arrays wait for the collector), and the Arrow pool and glibc keep freed
-    pages (see :func:`release_memory`)."""
-    gc.collect(1)  # (the young generations: the frames were made in this table; a full collection took ~0.1 s)
-    release_memory()
+def _floats(tv: pd.DataFrame, name: str) -> np.ndarray:
+    """A column as float64, NaN for gaps (all NaN where ``tv`` has no such column)."""
+    if name not in tv.columns:
+        return np.full(len(tv), np.nan)
+    return pd.to_numeric(tv[name], errors="coerce").to_numpy(dtype="float64", na_value=np.nan)
 
-
-_f = tl._f  # (a float64 column's own values, not a copy)
 
 def ran_alone(tv: pd.DataFrame) -> pd.DataFrame:
-    """Per task: whether no other task was prefilling or generating during its whole prefill
-    (``alone_prefill``) and its whole generation (``alone_generation``)."""
-    code = tl.narrow(tl.key_codes([tv], tl.GROUP)[0])
-    flags = _alone_flags(code, *(_f(tv[c]) for c in ("prefill_start_s", "first_token_s", "release_s")))
-    return pd.DataFrame(flags, index=tv.index)
+    """Per task: whether no other task of its session was prefilling or generating during its
+    whole prefill (``alone_prefill``) and its whole generation (``alone_generation``).
 
-
-TASK_BLOCK = 1 << 16  # tasks looked at a time (bounds the temporaries of their searches and sums)
-
-
-def _alone_flags(code: np.ndarray, ps: np.ndarray, ft: np.ndarray, rel: np.ndarray) -> dict[str, np.ndarray]:
-    """:func:`ran_alone` on arrays: each task's session code and times."""
-    out = {name: np.zeros(len(ps), dtype=bool) for name in ("alone_prefill", "alone_generation")}
-    one = not len(code) or bool((code == code[0]).all())  # (one session, the usual case: no positions per session)
-    for rows in [None] if one else tl.rows_by_group(code, np.ones(len(code), dtype=bool)).values():
-        # The session's intervals' starts and ends, each sorted (at 1 GB of log 560k of each).
-        starts, ends = _activity(ps, ft, rel) if rows is None else _activity(ps[rows], ft[rows], rel[rows])
-        starts, ends = np.sort(starts[~np.isnan(starts)]), np.sort(ends[~np.isnan(ends)])
-        for at in range(0, len(ps) if rows is None else len(rows), TASK_BLOCK):
-            q = slice(at, at + TASK_BLOCK) if rows is None else rows[at:at + TASK_BLOCK]
-            s, e = _activity(ps[q], ft[q], rel[q])
-            for name, a, z in (("alone_prefill", ps[q], ft[q]), ("alone_generation", ft[q], rel[q])):
-                # Alone: no interval but the task's own overlaps the phase, and its own only
-                # inside the task's span [prefill start, release], which is left out (the span,
-                # where the log gives it, lies in the interval, as does a phase that lasts).
-                # By two sorted searches per phase, not a step function of the session and
-                # range-maximum queries on it (at 1 GB of log ~25 MB more, 2x the time).
-                n = np.searchsorted(starts, z, "left") - np.searchsorted(ends, a, "right")  # (intervals overlapping (a, z))
-                own = ~np.isnan(s) & (s < z) & (e > a)
-                c0, c1 = tl._clip_own(ps[q], rel[q], a, z)
-                outside = own & ((np.maximum(s, a) < c0) | (np.minimum(e, z) > c1))
-                out[name][q] = ~np.isnan(a) & ~np.isnan(z) & (z > a) & (n - own == 0) & ~outside
-    return out
-
-
-def _activity(ps: np.ndarray, ft: np.ndarray, rel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each task's prefill [ps, ft) and generation [ft, rel) (each where the log gives it and it
-    lasts) as one interval, from the first's start to the last's end (NaN: neither): the two
-    touch at ft, so it is active whenever one of them is (at 1 GB of log 560k intervals, not
-    1.1M)."""
+    A task is active from its prefill's start to its generation's end (each where the log gives
+    it and it lasts); a phase ran alone when no active stretch but its task's own overlaps it,
+    and the own one only inside the task's [prefill start, release]."""
+    ps, ft, rel = (_floats(tv, c) for c in ("prefill_start_s", "first_token_s", "release_s"))
     pre = ~np.isnan(ps) & ~np.isnan(ft) & (ft > ps)
     gen = ~np.isnan(ft) & ~np.isnan(rel) & (rel > ft)
-    return np.where(pre, ps, np.where(gen, ft, np.nan)), np.where(gen, rel, np.where(pre, ft, np.nan))
+    s = np.where(pre, ps, np.where(gen, ft, np.nan))
+    e = np.where(gen, rel, np.where(pre, ft, np.nan))
+    active = ~np.isnan(s)
+    # (session, time) pairs as one integer each (the time's rank among all times), so one
+    # sorted search counts a session's stretches: the other sessions' cancel out.
+    code = key_codes([tv], GROUP)[0] if len(tv) else np.zeros(0, np.int64)
+    times = np.unique(np.concatenate([ps, ft, rel]))
+    width = len(times) + 1
+
+    def key(x: np.ndarray) -> np.ndarray:
+        return code * width + np.searchsorted(times, x)
+
+    starts, ends = np.sort(key(s)[active]), np.sort(key(e)[active])
+    out = {}
+    for name, a, z in (("alone_prefill", ps, ft), ("alone_generation", ft, rel)):
+        overlapping = np.searchsorted(starts, key(z), "left") - np.searchsorted(ends, key(a), "right")
+        own = active & (s < z) & (e > a)
+        c0, c1 = _own_span_in(ps, rel, a, z)
+        outside = own & ((np.maximum(s, a) < c0) | (np.minimum(e, z) > c1))
+        out[name] = ~np.isnan(a) & ~np.isnan(z) & (z > a) & (overlapping - own == 0) & ~outside
+    return pd.DataFrame(out, index=tv.index)
 
 
-def solo_speeds(ds: Dataset, tv: pd.DataFrame, opts: Options, *, tv_is_task_view: bool = False) -> dict[str, object]:
-    """Solo prefill and generation speeds with their sample counts and basis.
-
-    ``tv_is_task_view`` says ``tv`` is ``task_view(ds)``: the stretches alone (a fallback) are
-    then the ones the ``stalls`` tables share instead of being computed anew.
-    """
-    return _solo_speeds(ran_alone(tv), opts, lambda col: _f(tv[col]) if col in tv.columns or not tv_is_task_view
-                        else _f(task_view(ds, [col])[col]), lambda: _alone_stretches(ds, tv, opts, tv_is_task_view))
-
-
-def _solo_speeds(alone: pd.DataFrame | dict[str, np.ndarray], opts: Options, speeds: Callable[[str], np.ndarray],
-                 stretches: Callable[[], pd.Series]) -> dict[str, object]:
-    """:func:`solo_speeds` of the tasks' ``alone`` flags (:func:`ran_alone`), each task's speeds
-    (``speeds(column)``) and the stretches of generation alone (``stretches()``, the fallback)."""
-    res: dict[str, object] = {}
-    for kind, col, flag, override in (
-        ("gen", "gen_tps", "alone_generation", opts.solo_gen_tps),
-        ("prefill", "prefill_tps", "alone_prefill", opts.solo_prefill_tps),
-    ):
-        v = pd.Series(speeds(col))
-        sample = v[np.asarray(alone[flag]) & v.notna().to_numpy() & (v > 0).to_numpy()]
-        if override is not None:
-            res[kind] = (float(override), pd.NA, "option")
-        elif len(sample):
-            res[kind] = (float(sample.median()), len(sample), "median of tasks alone")
-        elif kind == "gen" and len(got := stretches()):
-            res[kind] = (float(got.median()), len(got), "median of stretches alone")
-        else:
-            allv = v[v.notna() & (v > 0)]
-            res[kind] = (float(allv.quantile(0.9)) if len(allv) else np.nan, len(allv), "p90 of all tasks")
-    return res
+def _own_span_in(ps: np.ndarray, rel: np.ndarray, a: np.ndarray, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The task's span [ps, rel] clipped to the phase [a, z]; empty (at ``z``) where it misses
+    the phase or the log lacks an end."""
+    ok = ~np.isnan(ps) & ~np.isnan(rel)
+    c0 = np.where(ok, np.clip(ps, a, z), z)
+    c1 = np.where(ok, np.clip(rel, a, z), z)
+    empty = ~(c1 > c0)
+    return np.where(empty, z, c0), np.where(empty, z, c1)
 
 
-def _alone_stretches(ds: Dataset, tv: pd.DataFrame | None, opts: Options, tv_is_task_view: bool) -> pd.Series:
-    """The stretches of generation alone (:mod:`.stalls`): the ones its tables share when ``tv``
-    is the task view (None: it is), else those of ``tv``."""
-    from .stalls import CLASSES, MIN_PIECE_S, _pieces, _shared_pieces
+@dataclass
+class PartBreakdown:
+    """One part's tasks for the breakdown: ``tasks``, per task it counts, its row in the task
+    view, purpose, raw components and speeds and whether its phases ran alone here;
+    ``context``: the alone flags of the tasks it holds as context (a task across a cut ran
+    alone only if it did on both sides); ``has_queue``: whether any task has an app queue."""
 
-    p = _shared_pieces(ds, opts) if tv_is_task_view else _pieces(ds, opts, tv)
-    return pd.Series(p.tok_per_s[(p.cls == CLASSES.index("alone")) & (p.seconds >= MIN_PIECE_S)])
-
-
-def _components(column: Callable[[str], pd.Series | None], launch: np.ndarray, ps: np.ndarray, ft: np.ndarray,
-                rel: np.ndarray, has: np.ndarray, split: np.ndarray, pre_tps: float, gen_tps: float) -> Iterator[tuple[str, np.ndarray]]:
-    """Each component's seconds per task (``COMPONENTS``, in order), one array at a time, each
-    made :data:`TASK_BLOCK` tasks at a time (six arrays as long as the tasks, a table of them
-    and its copy for the tasks kept rose ~70 MB at 1 GB of log; the expressions' temporaries
-    for every task ~20 MB more), the columns besides the times read as they are used
-    (``column(name)``: None where the tasks do not have it)."""
-    n = len(launch)
-
-    def blockwise(f: Callable[..., np.ndarray], *cols: pd.Series | np.ndarray) -> np.ndarray:
-        """``f(block, *cols' values in it as floats)`` for each block of tasks, joined."""
-        out = np.empty(n)
-        for at in range(0, n, TASK_BLOCK):
-            b = slice(at, at + TASK_BLOCK)
-            out[b] = f(b, *(_f(c.iloc[b]) if isinstance(c, pd.Series) else c[b] for c in cols))
-        return out
-
-    def prefill(b: slice) -> np.ndarray:
-        return np.where(split[b], ft[b] - ps[b], 0.0)
-
-    def generation(b: slice) -> np.ndarray:
-        return np.where(split[b], rel[b] - ft[b], 0.0)
-
-    own_gen = blockwise(lambda b, g: np.minimum(np.nan_to_num(np.maximum(g - 1, 0) / gen_tps), generation(b)), column("n_gen"))
-    yield "own_generation", own_gen
-    own_pre = blockwise(lambda b, new: np.minimum(np.nan_to_num(new / pre_tps), prefill(b)), column("prompt_tokens_new"))
-    yield "own_prefill", own_pre
-    yield "contention", blockwise(lambda b, p, g: prefill(b) + generation(b) - p - g, own_pre, own_gen)
-    del own_pre, own_gen
-    yield "wait", blockwise(lambda b: np.where(split[b], ps[b] - launch[b], 0.0))
-    queue = column("queue_ms")
-    yield "queue", (blockwise(lambda b, q: np.where(has[b], np.maximum(np.nan_to_num(q / 1000), 0), 0.0), queue)
-                    if queue is not None else np.zeros(n))
-    del queue
-    yield "unsplit", blockwise(lambda b: np.where(has[b] & ~split[b], rel[b] - launch[b], 0.0))
+    tasks: pd.DataFrame
+    context: pd.DataFrame
+    has_queue: bool
 
 
-def _purposes(tv: pd.DataFrame, has: np.ndarray, fallback: str) -> tuple[np.ndarray, np.ndarray]:
-    """The ``has`` tasks' purposes (``fallback`` where none) factorized, sorted: each one's code
-    and the names. From the categories' codes where the purposes are categories of texts (the
-    task view's: a column of their texts, one per task, was ~48 MB at 1 GB of log)."""
-    col = tv["purpose"] if "purpose" in tv.columns else pd.Series(fallback, index=tv.index)
-    if not isinstance(col.dtype, pd.CategoricalDtype) or not all(isinstance(c, str) for c in col.cat.categories):
-        return pd.factorize(col.astype("object").where(col.notna(), fallback).to_numpy()[has], sort=True)
-    labels = [*col.cat.categories, fallback]
-    k = col.cat.codes.to_numpy()[has].astype(np.int64)
-    k[k < 0] = len(labels) - 1
-    present = np.unique(k)
-    names = sorted({labels[i] for i in present})  # (pd.factorize sorts texts as Python does)
-    to_name = np.zeros(len(labels), dtype=np.int64)
-    to_name[present] = [names.index(labels[i]) for i in present]
-    return to_name[k], np.array(names, dtype=object)
-
-
-@register("breakdown")
-def breakdown(ds: Dataset, opts: Options) -> pd.DataFrame:
-    """Seconds and share of each component, for all tasks (``purpose`` = ``all``) and per purpose
-    (``unlogged`` for tasks no app call matched; ``unknown`` when there is no app log)."""
-    # Read in two rounds, each only its columns: what the solo speeds ask (ran_alone's
-    # overlap queries), then what the components ask, the first dropped before the second is read.
-    # The sessions' codes first, their key columns dropped before the times are read.
-    code = tl.narrow(tl.key_codes([task_view(ds, tl.GROUP)], tl.GROUP)[0])
-    alone = _alone_flags(code, *(_f(task_view(ds, [c])[c]) for c in ("prefill_start_s", "first_token_s", "release_s")))
-    del code
-    solo = _solo_speeds(alone, opts, lambda col: _f(task_view(ds, [col])[col]), lambda: _alone_stretches(ds, None, opts, True))
-    del alone
-    gen_tps, gen_n, gen_basis = solo["gen"]  # type: ignore[misc]
-    pre_tps, pre_n, pre_basis = solo["prefill"]  # type: ignore[misc]
-    _free()
-    tv = task_view(ds, tl.TIMES + ["purpose"])
-    launch, ps, ft, rel = (_f(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))
+def breakdown_of_part(part: Part, opts: Options) -> PartBreakdown:
+    """The per-task times the breakdown splits, and what the solo speeds are estimated from."""
+    tv = part.tasks
+    alone = ran_alone(tv)
+    launch, ps, ft, rel = (_floats(tv, c) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))
     has = ~np.isnan(launch) & ~np.isnan(rel) & (rel >= launch)
     split = has & ~np.isnan(ps) & ~np.isnan(ft) & (ps >= launch) & (ft >= ps) & (rel >= ft)
+    queue = np.where(has, np.maximum(np.nan_to_num(_floats(tv, "queue_ms") / 1000), 0), 0.0)
+    t = pd.DataFrame({
+        "row": part.rows,
+        "purpose": tv["purpose"].array if "purpose" in tv.columns else pd.array([pd.NA] * len(tv), dtype="object"),
+        "has": has,
+        "generated": np.maximum(_floats(tv, "n_gen") - 1, 0),  # (the first token came with the prefill)
+        "new": _floats(tv, "prompt_tokens_new"),
+        "prefill": np.where(split, ft - ps, 0.0),
+        "generation": np.where(split, rel - ft, 0.0),
+        "wait": np.where(split, ps - launch, 0.0),
+        "queue": queue,
+        "unsplit": np.where(has & ~split, rel - launch, 0.0),
+        "gen_tps": _floats(tv, "gen_tps"),
+        "prefill_tps": _floats(tv, "prefill_tps"),
+        **{f: alone[f].to_numpy() for f in FLAGS},
+    })
+    counted = part.counted
+    context = t.loc[~counted, ["row", *FLAGS]]
+    has_queue = "queue_ms" in tv.columns and bool(tv["queue_ms"].notna().any())
+    return PartBreakdown(t[counted] if not counted.all() else t, context, has_queue)
+
+
+def _solo(speeds: np.ndarray, alone: np.ndarray, override: float | None,
+          fallback: Callable[[], pd.Series] | None = None) -> tuple[float, object, str]:
+    """A solo speed, its sample count and basis: the option, else the median over the tasks
+    alone, else that of ``fallback()`` (stretches alone), else the 90th percentile of all."""
+    v = pd.Series(speeds)
+    if override is not None:
+        return float(override), pd.NA, "option"
+    positive = v.notna().to_numpy() & (v > 0).to_numpy()
+    sample = v[alone & positive]
+    if len(sample):
+        return float(sample.median()), len(sample), "median of tasks alone"
+    if fallback is not None and len(got := fallback()):
+        return float(got.median()), len(got), "median of stretches alone"
+    allv = v[positive]
+    return (float(allv.quantile(0.9)) if len(allv) else np.nan), len(allv), "p90 of all tasks"
+
+
+def _stretches_alone(ds: Dataset, opts: Options) -> pd.Series:
+    """Speeds of the stretches of generation that ran alone, long enough for a median (from the
+    pieces of :mod:`.stalls`)."""
+    from .stalls import MIN_PIECE_S, segment_pieces
+
+    p = segment_pieces(ds, opts)
+    return p.loc[(p["class"] == "alone").to_numpy() & (p["seconds"] >= MIN_PIECE_S).to_numpy(), "tok_per_s"].reset_index(drop=True)
+
+
+def _tasks_of(answers: list[PartBreakdown]) -> pd.DataFrame:
+    """Every part's tasks in the task view's order, each phase alone only if it was in every
+    part that holds the task."""
+    t = pd.concat([a.tasks for a in answers], ignore_index=True)
+    t = t.iloc[np.argsort(t["row"].to_numpy(), kind="stable")].reset_index(drop=True)
+    context = pd.concat([a.context for a in answers], ignore_index=True)
+    if len(context):
+        at = np.searchsorted(t["row"].to_numpy(), context["row"].to_numpy())
+        for f in FLAGS:
+            flag = t[f].to_numpy().copy()
+            flag[at[~context[f].to_numpy()]] = False
+            t[f] = flag
+    return t
+
+
+def merge_breakdown(answers: list[PartBreakdown], opts: Options, ds: Dataset) -> dict[str, pd.DataFrame]:
+    """The breakdown table: solo speeds over every part's tasks, then each task's time split."""
+    if not answers:
+        return {"breakdown": pd.DataFrame({c: pd.Series(dtype="object") for c in BREAKDOWN_COLUMNS})}
+    t = _tasks_of(answers)
+    gen_tps, gen_n, gen_basis = _solo(t["gen_tps"].to_numpy(), t["alone_generation"].to_numpy(), opts.solo_gen_tps,
+                                      lambda: _stretches_alone(ds, opts))
+    pre_tps, pre_n, pre_basis = _solo(t["prefill_tps"].to_numpy(), t["alone_prefill"].to_numpy(), opts.solo_prefill_tps)
+    t = t[t["has"].to_numpy()]
+    own_gen = np.minimum(np.nan_to_num(t["generated"].to_numpy() / gen_tps), t["generation"].to_numpy())
+    own_pre = np.minimum(np.nan_to_num(t["new"].to_numpy() / pre_tps), t["prefill"].to_numpy())
+    components = {
+        "own_generation": own_gen, "own_prefill": own_pre,
+        "contention": t["prefill"].to_numpy() + t["generation"].to_numpy() - own_pre - own_gen,
+        "wait": t["wait"].to_numpy(), "queue": t["queue"].to_numpy(), "unsplit": t["unsplit"].to_numpy(),
+    }
     fallback = "unlogged" if ds.app is not None else "unknown"
-    codes, names = _purposes(tv, has, fallback)
-    codes = tl.narrow(codes)
-    # (the codes as a categorical's: the groupby sums as it sums integer keys, without factorizing them)
+    purpose = t["purpose"].astype("object")
+    codes, names = pd.factorize(purpose.where(purpose.notna(), fallback).to_numpy(), sort=True)
     by = pd.Categorical.from_codes(codes, categories=np.arange(len(names)))
-    queue = task_view(ds, ["queue_ms"])
-    has_queue = "queue_ms" in queue.columns and bool(queue["queue_ms"].notna().any())
-    del queue
-
-    def column(name: str) -> pd.Series | None:
-        got = task_view(ds, [name])
-        return got[name] if name in got.columns else None
-
-    # Per purpose (groupby sums: the same sums, to the bit, as the groupby of a table of all
-    # six) and over all tasks kept, one component at a time.
-    per_purpose, overall = {}, {}
-    for name, v in _components(column, launch, ps, ft, rel, has, split, pre_tps, gen_tps):
-        v = pd.Series(v[has])
-        per_purpose[name] = v.groupby(by, observed=True).sum().to_numpy()
-        overall[name] = v.sum()
-        del v
-        release_memory()  # (the last component's arrays: freed pages glibc would keep under the next)
-    del tv, launch, ps, ft, rel, by
-    per = pd.DataFrame(per_purpose, index=pd.Index(names, name="purpose"), columns=COMPONENTS)
-    per.loc["all"] = pd.Series(overall)
+    per = pd.DataFrame({name: pd.Series(v).groupby(by, observed=True).sum().to_numpy() for name, v in components.items()},
+                       index=pd.Index(names, name="purpose"), columns=COMPONENTS)
+    per.loc["all"] = pd.Series({name: pd.Series(v).sum() for name, v in components.items()})
     tasks = pd.Series(np.bincount(codes, minlength=len(names)), index=names)
     tasks.loc["all"] = len(codes)
+    long = _long(per, tasks, any(a.has_queue for a in answers), opts)
+    long["solo_gen_tps"] = round(gen_tps, 3)
+    long["solo_gen_n"] = pd.array([gen_n] * len(long), dtype="Int64")
+    long["solo_gen_basis"] = gen_basis
+    long["solo_prefill_tps"] = round(pre_tps, 3)
+    long["solo_prefill_n"] = pd.array([pre_n] * len(long), dtype="Int64")
+    long["solo_prefill_basis"] = pre_basis
+    return {"breakdown": long[BREAKDOWN_COLUMNS]}
+
+
+def _long(per: pd.DataFrame, tasks: pd.Series, has_queue: bool, opts: Options) -> pd.DataFrame:
+    """Seconds per purpose and component as rows with shares, a total per purpose, ``all``
+    first; components no task has are left out (the four main ones, and the queue where the
+    app gives one, always shown)."""
     long = per.reset_index(names="purpose").melt(id_vars="purpose", var_name="component", value_name="seconds")
     present = long.groupby("component", observed=True)["seconds"].transform("sum") > 0
     always = long["component"].isin(["own_generation", "own_prefill", "contention", "wait"])
@@ -253,10 +230,7 @@ def breakdown(ds: Dataset, opts: Options) -> pd.DataFrame:
     long["few_samples"] = long["tasks"] < opts.min_samples
     long["seconds"] = long["seconds"].round(3)
     long["share"] = long["share"].round(4)
-    long["solo_gen_tps"] = round(gen_tps, 3)
-    long["solo_gen_n"] = pd.array([gen_n] * len(long), dtype="Int64")
-    long["solo_gen_basis"] = gen_basis
-    long["solo_prefill_tps"] = round(pre_tps, 3)
-    long["solo_prefill_n"] = pd.array([pre_n] * len(long), dtype="Int64")
-    long["solo_prefill_basis"] = pre_basis
-    return long[BREAKDOWN_COLUMNS]
+    return long
+
+
+ask(Question(("breakdown",), breakdown_of_part, merge_breakdown))

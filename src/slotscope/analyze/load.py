@@ -1,76 +1,99 @@
 """How busy the server was: share of time with 0, 1, 2, ... tasks running.
 
 The observed span of a session is its first launch to its last release (idle time included);
-a task runs from its launch to its release (:func:`slotscope.timeline.concurrency`). Rows are
+a task runs from its launch to its end (:func:`slotscope.timeline.task_ends`). Rows are
 ``overall`` and, where wall times exist, one scope per calendar day in ``opts.tz`` (``--tz``;
 UTC by default; a day with a daylight-saving change is 23 or 25 hours long).
+
+Each busy period gives its seconds per running count from the step function of its tasks; the
+idle time between periods lies in no period, so the merge adds it from where each part's
+stretch of a session begins and ends.
 """
 
 from __future__ import annotations
 
-import gc
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
-from .. import timeline as tl
-from ..dataset import Dataset, release_memory, task_view
-from . import Options, register
+from ..dataset import Dataset
+from ..periods import Part
+from ..timeline import GROUP, key_codes, task_ends
+from . import Options, Question, ask
 
 LOAD_COLUMNS = ["scope", "running", "seconds", "share", "scope_seconds", "max_running", "n_slots"]
+OVERALL = "overall"
 
 
-def _free() -> None:
-    """Free the frames just dropped now, not at the next table: pandas objects hold one another
-    in cycles (their arrays wait for the collector), and the Arrow pool and glibc keep freed
-    pages (see :func:`release_memory`)."""
-    gc.collect(1)  # (the young generations: the frames were made in this table; a full collection took ~0.1 s)
-    release_memory()
+def _floats(tv: pd.DataFrame, name: str) -> np.ndarray:
+    """A column as float64, NaN for gaps."""
+    return pd.to_numeric(tv[name], errors="coerce").to_numpy(dtype="float64", na_value=np.nan)
 
 
-def _wall_offsets(tv: pd.DataFrame) -> pd.DataFrame:
-    """Per session: wall time (µs since epoch) of server-clock zero, where tasks carry wall times."""
+@dataclass
+class Steps:
+    """A step function of running counts, each session's steps in time order: ``session`` (a
+    code of the session, its place in an array of offsets), ``start``/``end`` (s, session
+    clock) and ``running``."""
+
+    session: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    running: np.ndarray
+
+
+def running_steps(tv: pd.DataFrame, sessions: pd.DataFrame | None) -> tuple[Steps, np.ndarray]:
+    """The steps of ``tv``'s sessions, and each task's session code (the steps' ``session``).
+
+    A step begins at each distinct time of a launch, end, prefill start, first token or release
+    in the session (as :func:`slotscope.timeline.concurrency` steps), and counts the tasks
+    launched by then and not yet ended."""
+    launch, ps, ft, rel = (_floats(tv, c) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))
+    end = task_ends(tv, sessions)
+    runs, pre, gen = (~np.isnan(a) & ~np.isnan(b) & (b >= a) for a, b in ((launch, end), (ps, ft), (ft, rel)))
+    code = key_codes([tv], GROUP)[0]
+    # Events: +1 at a launch, -1 at its end, 0 at the other times (they only cut steps).
+    picks = [(launch, runs, 1), (end, runs, -1), (ps, pre, 0), (ft, pre | gen, 0), (rel, gen & ~runs, 0)]
+    t = np.concatenate([v[m] for v, m, _ in picks])
+    g = np.concatenate([code[m] for _, m, _ in picks])
+    delta = np.concatenate([np.full(int(m.sum()), d, dtype=np.int64) for _, m, d in picks])
+    order = np.lexsort((t, g))
+    t, g = t[order], g[order]
+    # Every session's launches and ends balance, so the running sum needs no restart per session;
+    # a time's count is the sum after its last event.
+    count = np.cumsum(delta[order])
+    last = np.r_[(t[1:] != t[:-1]) | (g[1:] != g[:-1]), True] if len(t) else np.zeros(0, bool)
+    t, g, count = t[last], g[last], count[last]
+    step = np.flatnonzero(g[1:] == g[:-1]) if len(t) else np.zeros(0, np.int64)
+    return Steps(g[step], t[step], t[step + 1], count[step]), code
+
+
+def _clipped(steps: Steps, span: tuple[float, float] | None) -> Steps:
+    """The steps inside a cut period's piece (``span``, NaN: open end)."""
+    if span is None:
+        return steps
+    lo, hi = np.nan_to_num(span, nan=-np.inf)[0], np.nan_to_num(span, nan=np.inf)[1]
+    start, end = np.maximum(steps.start, lo), np.minimum(steps.end, hi)
+    keep = end > start
+    return Steps(steps.session[keep], start[keep], end[keep], steps.running[keep])
+
+
+def _offsets_us(tv: pd.DataFrame, code: np.ndarray, n_codes: int) -> np.ndarray:
+    """Per session code: wall time (µs since epoch) of its clock's zero, the median over its
+    tasks with a wall launch time (NaN: none)."""
+    out = np.full(n_codes, np.nan)
     if "launch_at" not in tv.columns:
-        return pd.DataFrame(columns=tl.GROUP + ["offset_us"])
-    at = tv["launch_at"]
-    ok = at.notna() & tv["launch_s"].notna()
+        return out
+    launch_s = _floats(tv, "launch_s")
+    ok = tv["launch_at"].notna().to_numpy() & ~np.isnan(launch_s)
     if not ok.any():
-        return pd.DataFrame(columns=tl.GROUP + ["offset_us"])
-    us = at[ok].dt.tz_convert("UTC").astype("datetime64[us, UTC]").astype("int64").to_numpy()
-    d = tv.loc[ok, tl.GROUP].assign(offset_us=us - tv.loc[ok, "launch_s"].to_numpy() * 1e6)
-    return d.groupby(tl.GROUP, dropna=False, observed=True)["offset_us"].median().reset_index()
-
-
-def _share_rows(key: np.ndarray, seconds: np.ndarray, width: int, names: np.ndarray) -> pd.DataFrame:
-    """Seconds per (scope, running), each row's pair given as one integer ``scope * width +
-    running``, scopes as codes into ``names`` (in their sort order): grouped by one integer per
-    row, not by a text per step (a 1 GB log has 2.2M steps) nor by two keys (whose group index
-    costs several arrays as long as the steps more), and not copied into a table first. The
-    integers are the codes of a categorical (in their narrowest type): the groupby sums them
-    as it sums integer keys (the same sums, in the same order) without factorizing them (at
-    2.2M steps, as many as at 1 GB of log, an integer key's groupby rose ~50 MB, this one ~19 MB):
-    codes of the integers that occur (the groupby recodes others into a copy as wide as a position)."""
-    n_keys = len(names) * width
-    codes = key.astype(next(t for t in (np.int8, np.int16, np.int32, np.int64) if n_keys <= np.iinfo(t).max), copy=False)
-    seen = np.unique(codes)
-    if len(seen) < n_keys:
-        rank = np.zeros(n_keys, dtype=codes.dtype)
-        rank[seen] = np.arange(len(seen))
-        codes = np.concatenate([rank[codes[at:at + STEP_BLOCK]] for at in range(0, len(codes), STEP_BLOCK)] or [codes])
-    by = pd.Categorical.from_codes(codes, categories=seen.astype(np.int64))
-    del codes
-    g = pd.Series(seconds, copy=False).groupby(by, observed=True).sum()
-    del by
-    key = np.asarray(g.index.categories)[g.index.codes]
-    g = g.rename("seconds").reset_index(drop=True).to_frame()
-    g.insert(0, "scope", key // width)
-    g.insert(1, "running", key % width)
-    tot = g.groupby("scope", observed=True)["seconds"].transform("sum")
-    g["share"] = g["seconds"] / tot
-    g["scope_seconds"] = tot
-    g["max_running"] = g.groupby("scope", observed=True)["running"].transform("max")
-    g["scope"] = names[g["scope"].to_numpy()]
-    return g
+        return out
+    at = tv["launch_at"] if ok.all() else tv["launch_at"][ok]
+    us = at.dt.tz_convert("UTC").astype("datetime64[us, UTC]").astype("int64").to_numpy()
+    d = pd.Series(us - launch_s[ok] * 1e6).groupby(code[ok]).median()
+    out[d.index.to_numpy()] = d.to_numpy()
+    return out
 
 
 def _midnights(first_us: float, last_us: float, tz: str) -> tuple[np.ndarray, np.ndarray]:
@@ -82,100 +105,95 @@ def _midnights(first_us: float, last_us: float, tz: str) -> tuple[np.ndarray, np
 
     dates = pd.date_range(local_date(first_us), local_date(np.nextafter(last_us, -np.inf)) + pd.Timedelta(days=1), freq="D")
     at = dates.tz_localize(tz, ambiguous=True, nonexistent="shift_forward").tz_convert("UTC")
-    starts = at.as_unit("us").asi8.astype(np.int64)
-    return starts, np.asarray(dates[:-1].strftime("%Y-%m-%d"), dtype=object)
+    return at.as_unit("us").asi8.astype(np.int64), np.asarray(dates[:-1].strftime("%Y-%m-%d"), dtype=object)
 
 
-STEP_BLOCK = 1 << 16  # steps cut at midnights at a time
+def _seconds(steps: Steps, offset_us: np.ndarray, tz: str) -> pd.DataFrame:
+    """Seconds per (scope, running) of the steps: ``overall``, and per calendar day in ``tz`` for
+    the sessions with a wall offset (a step across midnight: a piece on each side)."""
+    out = [_summed(np.zeros(len(steps.start), np.int64), steps.running, steps.end - steps.start, np.array([OVERALL], dtype=object))]
+    o = offset_us[steps.session] if len(steps.session) else np.zeros(0)
+    dated = ~np.isnan(o)
+    if dated.any():
+        a, z = o[dated] + steps.start[dated] * 1e6, o[dated] + steps.end[dated] * 1e6
+        starts, names = _midnights(a.min(), z.max(), tz)
+        d0 = np.searchsorted(starts, a, side="right") - 1
+        n = np.maximum(np.searchsorted(starts, np.nextafter(z, -np.inf), side="right") - d0, 1)
+        rep = np.repeat(np.arange(len(a)), n)
+        day = d0[rep] + np.arange(len(rep)) - np.repeat(np.cumsum(n) - n, n)
+        secs = np.minimum(z[rep], starts[day + 1]) / 1e6 - np.maximum(a[rep], starts[day]) / 1e6
+        out.append(_summed(day, steps.running[dated][rep], secs, names))
+    return pd.concat(out, ignore_index=True)
 
 
-def _day_pieces(a: np.ndarray, z: np.ndarray, running: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Steps from ``a`` to ``z`` (epoch µs) cut at the midnights ``starts``: each piece's
-    running count, seconds and day (index into ``starts``), in step order."""
-    d0 = np.searchsorted(starts, a, side="right") - 1
-    d1 = np.searchsorted(starts, np.nextafter(z, -np.inf), side="right") - 1
-    n = np.maximum(d1 - d0 + 1, 1)
-    del d1
-    if (n == 1).all():  # no step spans a midnight (the usual case): one piece per step
-        return running, np.minimum(z, starts[d0 + 1]) / 1e6 - np.maximum(a, starts[d0]) / 1e6, d0
-    rep = np.repeat(np.arange(len(a)), n)
-    day = d0[rep] + tl.within_ranges(n)
-    pa = np.maximum(a[rep], starts[day])
-    pz = np.minimum(z[rep], starts[day + 1])
-    return running[rep], pz / 1e6 - pa / 1e6, day
+def _summed(scope: np.ndarray, running: np.ndarray, seconds: np.ndarray, names: np.ndarray) -> pd.DataFrame:
+    """Seconds summed per (scope, running), scopes given as positions in ``names``."""
+    width = int(running.max(initial=0)) + 1
+    # (the keys as a categorical's codes: grouped as integers are, without factorizing them)
+    by = pd.Categorical.from_codes(scope * width + running, categories=np.arange(len(names) * width))
+    g = pd.Series(seconds).groupby(by, observed=True).sum()
+    key = np.asarray(g.index.categories)[g.index.codes]
+    return pd.DataFrame({"scope": names[key // width], "running": key % width, "seconds": g.to_numpy()})
 
 
-def _cat(arrays: list[np.ndarray]) -> np.ndarray:
-    """The arrays end to end (one: itself, not a copy)."""
-    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+@dataclass
+class PartLoad:
+    """One part's load: its seconds per (scope, running) and, per session it holds, its
+    stretch of the session's clock (``lo``, ``hi``) and wall offset."""
+
+    seconds: pd.DataFrame
+    stretches: pd.DataFrame
 
 
-def _day_keys(o: float, t: np.ndarray, running: np.ndarray, starts: np.ndarray, width: int, dtype: type) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`_day_pieces` of a session's steps (``t``, on its clock; ``o`` its offset in µs), a
-    block of steps at a time (their temporaries stay bounded), written into two arrays: each
-    piece's ``day * width + running`` (in ``dtype``) and seconds, in step order. Steps tile
-    the session's time, so each midnight cuts at most one of them: there are at most as many
-    pieces as steps and midnights (a list of blocks and its concatenation were twice that)."""
-    n = len(t) - 1
-    keys = np.empty(n + len(starts), dtype=dtype)
-    seconds = np.empty(n + len(starts))
-    at = 0
-    for i in range(0, n, STEP_BLOCK):
-        j = min(i + STEP_BLOCK, n)
-        run, secs, day = _day_pieces(o + t[i:j] * 1e6, o + t[i + 1:j + 1] * 1e6, running[i:j], starts)
-        k = len(secs)
-        keys[at:at + k] = day.astype(np.int64) * width + run
-        seconds[at:at + k] = secs
-        at += k
-    return keys[:at], seconds[:at]
+def load_of_part(part: Part, opts: Options) -> PartLoad:
+    """Seconds per running count within one part (only inside its span where it is a piece
+    of a cut period), overall and per day."""
+    tv = part.tasks
+    all_steps, code = running_steps(tv, part.sessions)
+    steps = _clipped(all_steps, part.span)
+    n_codes = int(code.max(initial=-1)) + 1
+    offset = _offsets_us(tv, code, n_codes)
+    # (steps are in session order, each session's in time order)
+    sessions, first = np.unique(steps.session, return_index=True)
+    last = np.r_[first[1:], len(steps.session)][:len(first)] - 1
+    codes, row = np.unique(code, return_index=True)
+    stretches = tv[GROUP].iloc[row[np.searchsorted(codes, sessions)]].reset_index(drop=True)
+    stretches["lo"], stretches["hi"] = steps.start[first], steps.end[last]
+    stretches["offset_us"] = offset[sessions]
+    return PartLoad(_seconds(steps, offset, opts.tz), stretches)
 
 
-@register("load")
-def load_table(ds: Dataset, opts: Options) -> pd.DataFrame:
-    """Seconds and share of the observed span with each number of tasks running, overall and
-    per calendar day (in ``opts.tz``); ``max_running`` is the scope's highest concurrency, ``n_slots`` the most slots
-    any session had."""
-    tv = task_view(ds, tl.GROUP + tl.TIMES)
-    # A session at a time (its steps' arrays, not ones as long as all steps for the session of
-    # each step and its offset): only the running count is read here.
-    parts = list(tl.concurrency_parts(tv, ds.server.sessions, running_only=True))
-    if not sum(len(t) - 1 for _, t, _ in parts):
-        return pd.DataFrame({c: pd.Series(dtype="float64") for c in LOAD_COLUMNS})
-    width = max(int(levels[0].max(initial=0)) for _, _, levels in parts) + 1
-    # (the running counts in the narrowest type that holds them: a byte or two a step)
-    parts = [(row, t, tl.narrow(levels[0])) for row, t, levels in parts]
-    for c in tl.TIMES[1:]:  # (what the wall offsets read stays, and the wall times join it)
-        del tv[c]
-    wall = task_view(ds, ["launch_at"])
-    if "launch_at" in wall.columns:
-        tv["launch_at"] = wall["launch_at"]
-    del wall
-    off = _wall_offsets(tv)
-    if len(off):
-        # Each session's offset (NaN: none; its steps have no calendar day).
-        tcode, ocode = tl.key_codes([tv, off], tl.GROUP)
-        offset = tl.by_code(ocode, off["offset_us"].to_numpy(dtype=np.float64), tcode[[row for row, _, _ in parts]], np.nan)
-        del tcode, ocode
-        dated = [(o, t, running) for o, (_, t, running) in zip(offset, parts) if not np.isnan(o) and len(t) > 1]
-    else:
-        dated = []
-    del tv, off
-    _free()  # (the view's columns, before the steps are summed)
-    seconds = _cat([t[1:] - t[:-1] for _, t, _ in parts])
-    rows = [_share_rows(_cat([running for _, _, running in parts]), seconds, width, np.array(["overall"], dtype=object))]
-    del seconds, parts
-    if dated:
-        # Cut steps at midnights: one piece per day each step touches; the pieces, in step
-        # order, summed at once. (Steps are in time order: a session's first and last bound them.)
-        starts, names = _midnights(min(o + t[0] * 1e6 for o, t, _ in dated), max(o + t[-1] * 1e6 for o, t, _ in dated), opts.tz)
-        dtype = next(t for t in (np.int8, np.int16, np.int32, np.int64) if len(names) * width <= np.iinfo(t).max)
-        pieces = [_day_keys(o, t, running, starts, width, dtype) for o, t, running in dated]
-        del dated
-        rows.append(_share_rows(_cat([k for k, _ in pieces]), _cat([v for _, v in pieces]), width, names))
-    out = pd.concat(rows, ignore_index=True)
+def _idle_between_parts(stretches: pd.DataFrame, tz: str) -> pd.DataFrame:
+    """Seconds per (scope, 0) of each session's idle time between the stretches of its parts."""
+    code = key_codes([stretches], GROUP)[0] if len(stretches) else np.zeros(0, np.int64)
+    order = np.lexsort((stretches["lo"].to_numpy(), code))
+    s = stretches.iloc[order].reset_index(drop=True)
+    c = code[order]
+    lo, hi = s["lo"].to_numpy(), s["hi"].to_numpy()
+    gap = np.flatnonzero((c[1:] == c[:-1]) & (lo[1:] > hi[:-1]))
+    steps = Steps(gap, hi[gap], lo[gap + 1], np.zeros(len(gap), dtype=np.int64))
+    return _seconds(steps, s["offset_us"].to_numpy(dtype="float64", na_value=np.nan), tz)
+
+
+def merge_load(answers: list[PartLoad], opts: Options, ds: Dataset) -> dict[str, pd.DataFrame]:
+    """The load table from every part's seconds and the idle time between parts."""
+    stretches = pd.concat([a.stretches for a in answers], ignore_index=True) if answers else pd.DataFrame()
+    if not len(stretches):
+        return {"load": pd.DataFrame({c: pd.Series(dtype="float64") for c in LOAD_COLUMNS})}
+    rows = pd.concat([a.seconds for a in answers] + [_idle_between_parts(stretches, opts.tz)], ignore_index=True)
+    g = rows.groupby(["scope", "running"], as_index=False)["seconds"].sum()
+    # ``overall`` first, then the days in date order, each by running count.
+    g = g.iloc[np.argsort(g["scope"].to_numpy() != OVERALL, kind="stable")].reset_index(drop=True)
+    g["running"] = g["running"].astype("int64")
+    tot = g.groupby("scope")["seconds"].transform("sum")
+    g["share"] = (g["seconds"] / tot).round(6)
+    g["scope_seconds"] = tot.round(3)
+    g["max_running"] = g.groupby("scope")["running"].transform("max")
+    g["seconds"] = g["seconds"].round(3)
+    g["scope"] = g["scope"].to_numpy(dtype=object)
     n_slots = pd.to_numeric(ds.server.sessions["n_slots"], errors="coerce").max() if len(ds.server.sessions) else np.nan
-    out["n_slots"] = pd.array([n_slots] * len(out), dtype="Int64") if pd.notna(n_slots) else pd.array([pd.NA] * len(out), dtype="Int64")
-    out["seconds"] = out["seconds"].round(3)
-    out["scope_seconds"] = out["scope_seconds"].round(3)
-    out["share"] = out["share"].round(6)
-    return out[LOAD_COLUMNS]
+    g["n_slots"] = pd.array([n_slots if pd.notna(n_slots) else pd.NA] * len(g), dtype="Int64")
+    return {"load": g[LOAD_COLUMNS]}
+
+
+ask(Question(("load",), load_of_part, merge_load))
