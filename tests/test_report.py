@@ -133,44 +133,6 @@ def test_long_runs_can_say_what_runs_next() -> None:
     assert said == [("stalls", 1, 2), ("load", 2, 2)]
 
 
-@pytest.mark.parametrize("what", ["turn pairs", "sample indexes"])
-def test_what_some_tables_need_is_dropped_once_they_ran(what: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tables that read the shared turn pairs run one after another, and so do those that
-    read the samples; the tables after them no longer hold the pairs (~90 MB at 1 GB of log)
-    or the samples' indexes by task (~60 MB), and every table is still computed."""
-    import functools
-
-    from slotscope.dataset import load
-
-    ds = load([REAL / "before" / "logs"])
-    group = analysis.SHARED_READERS if what == "turn pairs" else analysis.SAMPLE_READERS
-
-    def holds(ds) -> bool:  # type: ignore[no-untyped-def]
-        if what == "turn pairs":
-            return any(isinstance(k, tuple) and k[:1] == (analysis.SHARED,) for k in ds._memo)
-        return any(p._index is not None for kind in ("gen_samples", "prefill_samples")
-                   for p in ds.server.__dict__["_" + kind].parts)  # (built or not)
-
-    said: list[str] = []
-    held: dict[str, bool] = {}
-    analysis.table_names()  # (every analyzer module imported: all tables registered)
-    for name, fn in list(analysis.TABLES.items()):
-        @functools.wraps(fn)  # (its module too: run() frees a module's intermediates by it)
-        def spy(ds, opts, name=name, fn=fn):  # type: ignore[no-untyped-def]
-            held[name] = holds(ds)
-            out = fn(ds, opts)
-            held[name + " after"] = holds(ds)
-            return out
-        monkeypatch.setitem(analysis.TABLES, name, spy)
-    tables = analysis.run(ds, on_table=lambda name, i, n: said.append(name))
-    readers = [i for i, n in enumerate(said) if n in group]
-    assert len(readers) == len(group) and readers == list(range(readers[0], readers[0] + len(group)))
-    after = said[readers[-1] + 1:-1]  # (findings last: not a table function)
-    assert after and not any(held[n] for n in after)
-    assert any(held[said[i] + " after"] for i in readers)  # the readers had them (context reads the heartbeats without)
-    assert set(tables) == set(said)
-
-
 @pytest.mark.parametrize("name", ["stalls-worst", "waits-worst", "stalls"])
 def test_a_table_wider_than_the_page_is_split_not_cut(name: str) -> None:
     """At 100 columns the report's stalls-worst and waits-worst are wider than the page; rich

@@ -106,16 +106,22 @@ class Dataset:
         if self._view is not None:
             self._view.unload()
 
-    def parts(self, part_tasks: int | None = None) -> Iterator[Part]:
+    @contextmanager
+    def periods(self, part_tasks: int | None = None) -> Iterator[PartStore]:
         """The task view and the samples cut into busy periods (:mod:`slotscope.periods`),
-        a part at a time, in order."""
+        read a part at a time (as often as asked) until the block ends."""
         view: pd.DataFrame | store.StoredTable = self._view if self._view is not None else _task_view(self)
         samples = [self.server.on_disk(k) or getattr(self.server, k) for k in ("gen_samples", "prefill_samples")]
         parts = PartStore(view, samples[0], samples[1], self.server.sessions, part_tasks or PART_TASKS)
         try:
-            yield from parts.parts()
+            yield parts
         finally:
             parts.discard()
+
+    def parts(self, part_tasks: int | None = None) -> Iterator[Part]:
+        """The busy periods' parts, in order (see :meth:`periods`)."""
+        with self.periods(part_tasks) as periods:
+            yield from periods.parts()
 
     @property
     def n_tasks(self) -> int:

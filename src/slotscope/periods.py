@@ -152,7 +152,8 @@ def _cut(rows: np.ndarray, start: np.ndarray, end: np.ndarray, part_tasks: int
     cuts = []
     at = 0
     while n - at > part_tasks:
-        lo, hi = at + max(part_tasks // 2, 1), at + part_tasks
+        lo = at + max(part_tasks // 2, 1)
+        hi = max(at + part_tasks, lo + 1)
         i = lo + int(np.argmin(running[lo:hi]))
         while i > at + 1 and start[i] == start[i - 1]:  # (a cut between two tasks that start together)
             i -= 1
@@ -172,6 +173,8 @@ def _cut(rows: np.ndarray, start: np.ndarray, end: np.ndarray, part_tasks: int
 def _sample_parts(samples: pd.DataFrame, tasks: pd.DataFrame, pt: Partition) -> tuple[np.ndarray, np.ndarray]:
     """(sample row, part) pairs: each sample in every part its task is in; a sample of no
     task in the view goes with the part of the latest task of its session started before it."""
+    if not len(samples):
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
     keys = [samples, tasks]
     scode, tcode = key_codes(keys, TASK_KEYS)
     order = np.argsort(tcode, kind="stable")

@@ -442,8 +442,7 @@ class Buckets:
         return self._tmp.name
 
     def read(self) -> Iterator[tuple[int, dict[str, pd.DataFrame]]]:
-        """(part, {table: its rows}) for every part, in order; each bucket's files are removed
-        once read."""
+        """(part, {table: its rows}) for every part, in order (again at each call)."""
         per = self.PARTS_PER_BUCKET
         for b in range(-(-self.n_parts // per)):
             tables = {name: self._bucket(name, b) for name in self.names}
@@ -457,13 +456,11 @@ class Buckets:
 
     def _bucket(self, name: str, b: int) -> pa.Table:
         """Bucket ``b`` of table ``name``, sorted by part and row."""
-        paths = self._files.pop((name, b), [])
         schema = self._schema.get(name, pa.schema([("row", pa.int64()), ("_part", pa.int64())]))
-        pieces = self._held.pop((name, b), [])
-        for path in paths:
+        pieces = list(self._held.get((name, b), []))
+        for path in self._files.get((name, b), []):
             with pa.OSFile(path) as source:
                 pieces.append(pa.ipc.open_file(source).read_all())
-            os.remove(path)
         table = pa.concat_tables(pieces) if pieces else schema.empty_table()
         order = np.lexsort((table.column("row").to_numpy(), table.column("_part").to_numpy()))
         return table.take(pa.array(order))

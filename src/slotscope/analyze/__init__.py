@@ -43,11 +43,17 @@ class Question:
     """A question asked of every busy period: ``per_part(part, opts)`` answers it for one
     :class:`slotscope.periods.Part` (any value: rows, or what the merge needs), and
     ``merge(answers, opts, ds)`` makes the tables named ``tables`` of every part's answer, in
-    part order. ``ds`` gives what is not in the periods: the sessions, the app's calls."""
+    part order. ``ds`` gives what is not in the periods: the sessions, the app's calls.
+
+    ``prepare``: for a question that needs something of every period first (a session's
+    typical step), ``(of_part, combine)``: ``of_part(part, opts)`` per part, ``combine`` of
+    all of them, handed to ``per_part(part, opts, prepared)`` in a second pass.
+    """
 
     tables: tuple[str, ...]
-    per_part: Callable[[Part, Options], Any]
+    per_part: Callable[..., Any]
     merge: Callable[[list[Any], Options, Dataset], dict[str, pd.DataFrame]]
+    prepare: tuple[Callable[[Part, Options], Any], Callable[[list[Any]], Any]] | None = None
 
 
 QUESTIONS: dict[str, Question] = {}  # by table name
@@ -71,22 +77,54 @@ def _asked_alone(q: Question, name: str) -> Analyzer:
     return table
 
 
-def answer(questions: list[Question], ds: Dataset, opts: Options, part_tasks: int | None = None) -> dict[str, pd.DataFrame]:
-    """Every table of ``questions``, from one pass over the dataset's busy periods."""
-    from ..periods import PART_TASKS
+def answer(questions: list[Question], ds: Dataset, opts: Options, part_tasks: int | None = None, *,
+           strict: bool = True, on_table: Callable[[str], None] | None = None) -> dict[str, pd.DataFrame]:
+    """Every table of ``questions``, from one pass over the dataset's busy periods (two where
+    a question needs a first one, :attr:`Question.prepare`). Unless ``strict``, a question
+    that fails gives each of its tables a one-row note and the others go on.
+    ``on_table(name)``: the table is made next."""
+    failed: dict[int, Exception] = {}
 
+    def attempt(i: int, fn: Callable[[], Any]) -> Any:
+        if i in failed:
+            return None
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - one broken question must not hide the rest
+            if strict:
+                raise
+            failed[i] = e
+            return None
+
+    prepared: dict[int, Any] = {}
     answers: list[list[Any]] = [[] for _ in questions]
-    for part in ds.parts(part_tasks or PART_TASKS):
-        for got, q in zip(answers, questions):
-            got.append(q.per_part(part, opts))
+    with ds.periods(part_tasks) as periods:
+        early = [i for i, q in enumerate(questions) if q.prepare is not None]
+        if early:
+            firsts: dict[int, list[Any]] = {i: [] for i in early}
+            for part in periods.parts():
+                for i in early:
+                    firsts[i].append(attempt(i, lambda: questions[i].prepare[0](part, opts)))  # type: ignore[index]
+            prepared = {i: attempt(i, lambda: questions[i].prepare[1](firsts[i])) for i in early}  # type: ignore[index]
+        for part in periods.parts():
+            for i, q in enumerate(questions):
+                args = (part, opts, prepared[i]) if i in prepared else (part, opts)
+                answers[i].append(attempt(i, lambda: q.per_part(*args)))
     out: dict[str, pd.DataFrame] = {}
-    for got, q in zip(answers, questions):
-        out.update(q.merge(got, opts, ds))
+    for i, q in enumerate(questions):
+        for name in q.tables:
+            if on_table is not None:
+                on_table(name)
+        tables = attempt(i, lambda: q.merge(answers[i], opts, ds))
+        if i in failed:
+            e = failed[i]
+            tables = {n: pd.DataFrame({"note": [f"could not compute {n}: {type(e).__name__}: {e}"]}) for n in q.tables}
+        out.update(tables)
     return out
 
 
 def register(name: str) -> Callable[[Analyzer], Analyzer]:
-    """Decorator: make an analyzer available under its stable table name."""
+    """Decorator: make an analyzer of the whole dataset available under its stable table name."""
 
     def deco(fn: Analyzer) -> Analyzer:
         TABLES[name] = fn
@@ -170,27 +208,26 @@ def run(ds: Dataset, opts: Options | None = None, names: list[str] | None = None
     # are keyed ``(module, ...)`` by the module that defines them (stalls' pieces, waits'
     # classes) and dropped, to free their memory, once the tables of another module run; the
     # ``(SHARED, ...)`` ones once their last reader ran.
-    todo = _compute_order([n for n in needed if n != "findings"]) + (["findings"] if "findings" in wanted else [])
+    todo = _compute_order([n for n in needed if n != "findings"])
+    asked = list({id(QUESTIONS[n]): QUESTIONS[n] for n in todo if n in QUESTIONS}.values())
+    said = [n for q in asked for n in q.tables if n in needed]
+    todo = said + [n for n in todo if n not in QUESTIONS] + (["findings"] if "findings" in wanted else [])
     step = on_table or (lambda name, i, n: None)
     module = None
     ds.keep_on_disk()  # each table reads the columns it needs of the tasks, calls and task view
-    asked = list({id(QUESTIONS[n]): QUESTIONS[n] for n in todo if n in QUESTIONS}.values())
     if asked:
-        step("busy periods", 1, len(todo))
-        try:
-            out.update({n: t for n, t in answer(asked, ds, opts).items() if n in needed})
-        except Exception as e:  # noqa: BLE001 - one broken table must not hide the rest
-            if strict:
-                raise
-            for q in asked:
-                for n in q.tables:
-                    out[n] = pd.DataFrame({"note": [f"could not compute {n}: {type(e).__name__}: {e}"]})
-        todo = [n for n in todo if n not in QUESTIONS]
+        made = answer(asked, ds, opts, strict=strict,
+                      on_table=lambda name: step(name, todo.index(name) + 1, len(todo)) if name in needed else None)
+        out.update({n: t for n, t in made.items() if n in needed})
+        todo = todo[len(said):]
+        done = len(said)
+    else:
+        done = 0
     with ds.shared():
         for i, name in enumerate(todo):
             if name == "findings":
                 continue
-            step(name, i + 1, len(todo))
+            step(name, done + i + 1, done + len(todo))
             ds.forget(keep=_shared_with(TABLES[name].__module__, any(n in SHARED_READERS for n in todo[i:])))
             if TABLES[name].__module__ != module:  # sample tables built for the last module's tables
                 # (and the index by task of a kind no table still to run reads: at 1 GB of log
@@ -209,6 +246,6 @@ def run(ds: Dataset, opts: Options | None = None, names: list[str] | None = None
     if "findings" in wanted:
         from .findings import findings
 
-        step("findings", len(todo), len(todo))
+        step("findings", done + len(todo), done + len(todo))
         out["findings"] = findings(ds, opts, out)
     return {n: out[n] for n in wanted if n in out}

@@ -477,7 +477,7 @@ def _worst_table(cand: pd.DataFrame, info: pd.DataFrame, opts: Options) -> pd.Da
     return out
 
 
-QUESTION = ask(Question(("stalls", "stalls-worst"), per_part, merge))
+QUESTION = ask(Question(("stalls", "stalls-worst"), per_part, merge, prepare=(line_steps, typical_of)))
 
 
 def _whole(ds: Dataset, tv: pd.DataFrame | None = None) -> Part:
