@@ -22,7 +22,7 @@ import pandas as pd
 
 from ..dataset import Dataset
 from . import Options, register
-from .turns import is_chat_turn, measured_calls, needs_app_log
+from .turns import as_text, is_chat_turn, measured_calls, needs_app_log
 
 MISS_SHARE = 0.5
 SUMMARY = "summary"
@@ -41,11 +41,20 @@ PAIR_COLUMNS = [
 ]
 
 
+def by_user_and_start(user: pd.Series, start: pd.Series) -> np.ndarray:
+    """Row positions in the order of ``sort_values([user, start], kind="stable")`` (users as
+    text), sorted on integers: the users' places among their sorted texts and the times."""
+    code, texts = pd.factorize(user, sort=True)
+    code = np.where(code < 0, len(texts), code)  # (missing users last)
+    at = np.where(start.isna().to_numpy(), np.iinfo(np.int64).max, start.array.asi8)  # (missing starts last)
+    return np.lexsort((at, code))
+
+
 def _latest_summary(calls: pd.DataFrame, turns: pd.DataFrame) -> pd.Series:
     """For each turn (``user`` as text, ``start_at``, in start order), when its user's latest
     summary call started before it (NaT: none)."""
-    summaries = pd.DataFrame({"user": calls["user"].astype("string"), "summary_at": calls["start_at"]})
-    summaries = summaries.loc[(calls["purpose"].astype("string") == SUMMARY).fillna(False).to_numpy()]
+    summaries = pd.DataFrame({"user": as_text(calls["user"]), "summary_at": calls["start_at"]})
+    summaries = summaries.loc[(as_text(calls["purpose"]) == SUMMARY).fillna(False).to_numpy()]
     summaries = summaries.dropna().sort_values("summary_at", kind="stable")
     found = pd.merge_asof(turns[["user", "start_at"]], summaries, left_on="start_at", right_on="summary_at",
                           by="user", direction="backward", allow_exact_matches=False)
@@ -60,9 +69,10 @@ def turn_pairs(calls: pd.DataFrame, opts: Options) -> pd.DataFrame:
     is_turn = (measured_calls(calls) & is_chat_turn(calls["purpose"])).to_numpy()
     chat = calls.loc[is_turn, [c for c in PAIR_COLUMNS if c in calls.columns]]
     chat.insert(0, "pos", np.flatnonzero(is_turn))
-    chat["user"] = chat["user"].astype("string")
-    chat["session"] = chat["app_session"].astype("string") if "app_session" in chat else pd.Series(pd.NA, index=chat.index, dtype="string")
-    chat = chat.loc[chat["user"].notna().to_numpy()].sort_values(["user", "start_at"], kind="stable")
+    chat["user"] = as_text(chat["user"])
+    chat["session"] = as_text(chat["app_session"]) if "app_session" in chat else pd.Series(pd.NA, index=chat.index, dtype="string")
+    chat = chat.loc[chat["user"].notna().to_numpy()]
+    chat = chat.iloc[by_user_and_start(chat["user"], chat["start_at"])]
     chat["ended_at"] = chat["end_at"].fillna(chat["start_at"]) if "end_at" in chat else chat["start_at"]
     chat["left_tokens"] = chat["prompt_tokens"].astype("Float64") + chat["completion_tokens"].astype("Float64")
     of_previous = ["pos", "call_id", "start_at", "ended_at", "slot", "call_file", "call_line", "left_tokens", "session"]

@@ -24,8 +24,8 @@ import pandas as pd
 
 from ..dataset import Dataset, task_view
 from . import Options, register
-from .cache import SUMMARY, turn_pairs
-from .turns import needs_app_log
+from .cache import SUMMARY, by_user_and_start, turn_pairs
+from .turns import as_text, needs_app_log
 
 CAUSES = ["first_of_day", "first_of_session", "summary", "after_summary", "cache_miss", "other"]
 UNLOGGED = "(unlogged)"
@@ -36,11 +36,12 @@ KEY = ["call_file", "call_line"]  # which app call a task's is (ids may repeat a
 def call_causes(calls: pd.DataFrame, opts: Options) -> pd.Series:
     """The cause of each app call's prompt (one of :data:`CAUSES`), in the calls' order."""
     c = pd.DataFrame({
-        "user": calls["user"].astype("string").array,
+        "user": as_text(calls["user"]).array,
         "start_at": calls["start_at"].array,
-        "purpose": calls["purpose"].astype("string").array,
-        "session": calls["app_session"].astype("string").array if "app_session" in calls else pd.NA,
-    }).sort_values(["user", "start_at"], kind="stable")
+        "purpose": as_text(calls["purpose"]).array,
+        "session": as_text(calls["app_session"]).array if "app_session" in calls else pd.NA,
+    })
+    c = c.iloc[by_user_and_start(c["user"], c["start_at"])]
     missed = np.zeros(len(calls), dtype=bool)
     pairs = turn_pairs(calls, opts)
     missed[pairs.loc[pairs["miss"].to_numpy(), "pos"].to_numpy()] = True
@@ -68,7 +69,7 @@ def prefills(ds: Dataset, opts: Options) -> pd.DataFrame:
     causes = calls[KEY].assign(cause=call_causes(calls, opts)).dropna(subset=KEY).drop_duplicates(KEY, keep="last")
     big = big.merge(causes, on=KEY, how="left")
     big["cause"] = big["cause"].astype("string").fillna(UNLOGGED)
-    big["purpose"] = big["purpose"].astype("string").fillna(UNLOGGED)
+    big["purpose"] = as_text(big["purpose"]).fillna(UNLOGGED)
     label = f">= {opts.big_prefill_tokens:,} new tokens"
     big["all"] = label
     big["seconds"] = big["prompt_eval_ms"] / 1000

@@ -36,9 +36,18 @@ COLUMNS = [
 ]
 
 
+def as_text(col: pd.Series) -> pd.Series:
+    """The column as ``astype("string")`` gives it; of a category column, its categories' texts
+    taken by the codes (not a Python string per row made text again)."""
+    if not isinstance(col.dtype, pd.CategoricalDtype):
+        return col.astype("string")
+    texts = pd.array(col.cat.categories.astype("string"), dtype="string")
+    return pd.Series(texts.take(col.cat.codes.to_numpy(), allow_fill=True), index=col.index, name=col.name)
+
+
 def is_chat_turn(purpose: pd.Series) -> pd.Series:
     """Whether each purpose names a chat turn: ``chat`` itself or ``chat_<anything>``."""
-    p = purpose.astype("string")
+    p = as_text(purpose)
     return ((p == CHAT) | p.str.startswith(CHAT + "_")).fillna(False).astype(bool)
 
 
@@ -85,7 +94,7 @@ def turns(ds: Dataset, opts: Options) -> pd.DataFrame:
     used = calls.loc[ok]
     total = used["total_ms"].to_numpy(dtype="float64", na_value=np.nan) / 1000
     ttft = used["ttft_ms"].to_numpy(dtype="float64", na_value=np.nan) / 1000
-    purpose = used["purpose"].astype("string").fillna(NO_PURPOSE)
+    purpose = as_text(used["purpose"]).fillna(NO_PURPOSE)
     chat = is_chat_turn(used["purpose"]).to_numpy()
     cached = used["prompt_tokens_cached"].to_numpy(dtype="float64", na_value=np.nan)
     new = used["prompt_tokens_new"].to_numpy(dtype="float64", na_value=np.nan)
