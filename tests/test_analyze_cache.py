@@ -1,33 +1,43 @@
-"""cache / cache-misses: consecutive chat turns of one user, recounted straight from app.jsonl."""
+"""cache / cache-misses: consecutive chat turns of one user and the ones that missed the prompt cache."""
 
 from __future__ import annotations
 
 import json
 from datetime import datetime
+from pathlib import Path
+from typing import Callable
 
-import pandas as pd
 import pytest
 
 from slotscope.analyze import Options
-from slotscope.analyze.cache import cache, cache_misses
+from slotscope.analyze.cache import cache, cache_misses, turn_pairs
 from slotscope.analyze.turns import NEEDS_APP_LOG
-from slotscope import store
-from slotscope.dataset import load
+from slotscope.dataset import Dataset, load
 
 from .conftest import REAL
 
 
-def _app(scenario: str) -> list[dict]:
+def app_records(scenario: str) -> list[dict]:
+    """The app log of a real scenario, one record per call, in start order."""
     recs = [json.loads(l) for l in (REAL / scenario / "logs" / "app.jsonl").read_text().splitlines() if l.strip()]
     return sorted(recs, key=lambda r: datetime.fromisoformat(r["start"]))
 
 
-def _pairs_by_loops(scenario: str, window_s: float = 300.0) -> list[tuple[str, str, bool]]:
-    """(call id, previous turn's id, miss) for each consecutive chat turn, as the module docstring defines it."""
+def app_variant(tmp_path: Path, scenario: str, edit: Callable[[list[dict]], list[dict]]) -> Dataset:
+    """A real scenario's server log with its app log's records changed by ``edit``."""
+    logs = REAL / scenario / "logs"
+    (tmp_path / "llama-server.log").write_bytes((logs / "llama-server.log").read_bytes())
+    (tmp_path / "app.jsonl").write_text("".join(json.dumps(r) + "\n" for r in edit(app_records(scenario))))
+    return load([tmp_path])
+
+
+def _pairs_by_definition(scenario: str, window_s: float = 300.0) -> list[tuple[str, str, bool]]:
+    """(call id, previous turn's id, miss) of each consecutive chat turn, recounted from the
+    app log as the module docstring defines them."""
     out = []
     prev: dict[str, dict] = {}
     summary_at: dict[str, datetime] = {}
-    for r in _app(scenario):
+    for r in app_records(scenario):
         start = datetime.fromisoformat(r["start"])
         if r["purpose"] == "summary":
             summary_at[r["user"]] = start
@@ -51,7 +61,7 @@ def datasets() -> dict:
 
 @pytest.mark.parametrize("scenario", ["before", "after", "restart", "wallclock"])
 def test_counts_follow_the_definition(datasets: dict, scenario: str) -> None:
-    pairs = _pairs_by_loops(scenario)
+    pairs = _pairs_by_definition(scenario)
     table = cache(datasets[scenario], Options()).set_index("user")
     assert table.loc["all", "consecutive_turns"] == len(pairs)
     assert table.loc["all", "misses"] == sum(m for _, _, m in pairs)
@@ -68,6 +78,21 @@ def test_mixed_lora_misses_single_setting_does_not(datasets: dict) -> None:
     assert before["miss_share"] == pytest.approx(9 / 26, abs=0.001)
 
 
+def test_a_turn_that_moved_to_another_slot_lost_all_it_had_cached(datasets: dict) -> None:
+    """In `before`, u04's second turn began 29 s after its first ended, on slot 3 where the
+    first ran on slot 0: none of the 2,591 tokens the first left was reused."""
+    misses = cache_misses(datasets["before"], Options()).set_index("call_id")
+    row = misses.loc["c-00007"]
+    assert (row["user"], row["prev_call_id"], row["slot"], row["prev_slot"]) == ("u04", "c-00004", 3, 0)
+    assert (row["gap_s"], row["prev_left_tokens"], row["cached_tokens"]) == (28.637, 2591, 0)
+    assert row["note"] == "other slot than the previous turn"
+    assert (row["call_line"], row["prev_call_line"]) == (7, 2)  # where to read them in app.jsonl
+    # u02 missed on the slot its previous turn used: the slot's cache was taken by another prompt.
+    assert misses.loc["c-00018", ["slot", "prev_slot", "note"]].tolist() == [0, 0, ""]
+    table = cache(datasets["before"], Options()).set_index("user")
+    assert table.loc["all", "misses_on_other_slot"] == (misses["note"] != "").sum() == 5
+
+
 def test_miss_rows_show_what_was_lost(datasets: dict) -> None:
     misses = cache_misses(datasets["before"], Options())
     assert (misses["cached_tokens"] < 0.5 * misses["prev_left_tokens"]).all()
@@ -76,24 +101,37 @@ def test_miss_rows_show_what_was_lost(datasets: dict) -> None:
     assert ((misses["slot"] != misses["prev_slot"]) == (misses["note"] != "")).all()
 
 
-@pytest.mark.parametrize("scenario", ["before", "restart"])
-def test_misses_of_calls_on_disk_in_many_batches_equal_those_in_memory(scenario: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The calls' columns read at the misses' rows a stored batch at a time (batches of 7
-    calls) are the columns taken from the calls in memory, in the same dtypes."""
-    monkeypatch.setattr(store, "ROWS_PER_BATCH", 7)
-    ds = load([REAL / scenario / "logs"])
-    ds.matches.calls = ds.matches.calls.copy()  # (in memory)
-    want = cache_misses(ds, Options(cache_window_s=1e9))
-    ds.keep_on_disk()
-    got = cache_misses(ds, Options(cache_window_s=1e9))
-    assert len(got) > 1
-    pd.testing.assert_frame_equal(got, want)
+def test_a_summary_folds_the_history_so_the_next_turn_is_no_miss(datasets: dict) -> None:
+    """u00's and u03's turns after their summaries (c-00013, c-00015) reused nothing, as
+    expected: they pair with no earlier turn; the turns after them pair again."""
+    pairs = turn_pairs(datasets["before"].matches.calls, Options())
+    assert not {"c-00013", "c-00015"} & set(pairs["call_id"])
+    assert pairs.set_index("call_id").loc[["c-00017", "c-00021"], "prev_call_id"].tolist() == ["c-00013", "c-00015"]
+
+
+def test_a_new_app_session_is_a_new_conversation(datasets: dict, tmp_path: Path) -> None:
+    """u02's first turn of session u02-s2 started 16 s after its last turn of u02-s1 ended:
+    no pair. Without sessions in the app log the two are paired by time alone."""
+    pairs = turn_pairs(datasets["before"].matches.calls, Options())
+    assert "c-00024" not in set(pairs["call_id"])
+    no_sessions = app_variant(tmp_path, "before", lambda recs: [{k: v for k, v in r.items() if k != "session"} for r in recs])
+    pairs = turn_pairs(no_sessions.matches.calls, Options()).set_index("call_id")
+    assert pairs.loc["c-00024", ["prev_call_id", "gap_s"]].tolist() == ["c-00018", 16.086]
 
 
 def test_window_is_an_option(datasets: dict) -> None:
     short = cache(datasets["before"], Options(cache_window_s=30.0)).set_index("user").loc["all"]
-    assert short["consecutive_turns"] == len(_pairs_by_loops("before", 30.0))
+    assert short["consecutive_turns"] == len(_pairs_by_definition("before", 30.0))
     assert short["consecutive_turns"] < 26
+
+
+def test_no_chat_turns_no_pairs(tmp_path: Path) -> None:
+    """An app whose calls are all translations has no consecutive turns: the table says 0."""
+    ds = app_variant(tmp_path, "before", lambda recs: [dict(r, purpose="translation") for r in recs])
+    table = cache(ds, Options())
+    assert table["user"].tolist() == ["all"]
+    assert table[["consecutive_turns", "misses", "misses_on_other_slot"]].iloc[0].tolist() == [0, 0, 0]
+    assert cache_misses(ds, Options()).empty
 
 
 def test_without_app_log_only_the_note() -> None:
@@ -102,143 +140,3 @@ def test_without_app_log_only_the_note() -> None:
         table = fn(ds, Options())
         assert table["note"].tolist() == [NEEDS_APP_LOG]
         assert table.drop(columns="note").isna().all().all()
-
-
-def _pairs_by_sort_and_merge(calls, opts: Options):
-    """The turn pairs as they were made on a table of the turns (text users and sessions, a
-    sort, group shifts and an as-of merge on the summaries), for the comparisons below."""
-    import numpy as np
-    import pandas as pd
-
-    from slotscope.analyze.cache import MISS_SHARE, SUMMARY, _shifted
-    from slotscope.analyze.turns import is_chat_turn, measured_calls
-
-    chat_rows = np.flatnonzero((measured_calls(calls) & is_chat_turn(calls["purpose"].astype("string"))).to_numpy())
-    narrow = ["user", "start_at"] + [c for c in ("end_at", "app_session") if c in calls.columns]
-    chat = calls[narrow + ["prompt_tokens", "completion_tokens"]].iloc[chat_rows]
-    chat.insert(0, "pos", chat_rows)
-    chat["user"] = chat["user"].astype("string")
-    chat = chat.loc[chat["user"].notna()].sort_values(["user", "start_at"], kind="stable")
-    end = chat["end_at"].fillna(chat["start_at"]) if "end_at" in chat else chat["start_at"]
-    left = chat.pop("prompt_tokens").astype("Float64") + chat.pop("completion_tokens").astype("Float64")
-    chat["session"] = chat["app_session"].astype("string") if "app_session" in chat else pd.Series(pd.NA, index=chat.index, dtype="string")
-    g = chat.groupby("user", sort=False)
-    chat["prev_pos"] = g["pos"].shift(1)
-    chat["prev_start_at"] = g["start_at"].shift(1)
-    chat["prev_end_at"] = end.groupby(chat["user"], sort=False).shift(1)
-    chat["prev_left_tokens"] = left.groupby(chat["user"], sort=False).shift(1)
-    chat["prev_session"] = g["session"].shift(1)
-    chat["gap_s"] = ((chat["start_at"] - chat["prev_end_at"]).dt.total_seconds()).round(3)
-    summaries = calls.loc[calls["purpose"].astype("string") == SUMMARY, ["user", "start_at"]].copy()
-    summaries["user"] = summaries["user"].astype("string")
-    summaries = summaries.dropna().rename(columns={"start_at": "summary_at"}).sort_values("summary_at")
-    chat = pd.merge_asof(chat.sort_values("start_at", kind="stable"), summaries, left_on="start_at", right_on="summary_at",
-                         by="user", direction="backward", allow_exact_matches=False)
-    same_session = (chat["session"] == chat["prev_session"]).fillna(True)
-    folded = chat["summary_at"].notna() & (chat["summary_at"] > chat["prev_start_at"])
-    pair = chat["prev_pos"].notna() & (chat["gap_s"] <= opts.cache_window_s) & same_session & ~folded
-    chat = chat.loc[pair.fillna(False).to_numpy()].reset_index(drop=True)
-    before = chat["prev_pos"].to_numpy(dtype=np.int64)
-    pairs = calls.iloc[chat["pos"].to_numpy()].reset_index(drop=True)
-    pairs["user"] = chat["user"]
-    of_previous = {"prev_call_id": "call_id", "prev_slot": "slot", "prev_call_file": "call_file", "prev_call_line": "call_line"}
-    for name in ("prev_call_id", "prev_start_at", "prev_end_at", "prev_slot", "prev_call_file", "prev_call_line",
-                 "prev_left_tokens", "session", "prev_session", "gap_s", "summary_at"):
-        pairs[name] = _shifted(calls[of_previous[name]], before) if name in of_previous else chat[name]
-    pairs["cached"] = pairs["prompt_tokens_cached"].astype("Float64").fillna(pairs["cached_tokens"].astype("Float64"))
-    pairs["miss"] = (pairs["cached"] < MISS_SHARE * pairs["prev_left_tokens"]).fillna(False).astype(bool)
-    return pairs
-
-
-def _harder_calls(calls, variant: int):
-    """The real calls made harder: users and sessions shuffled, some missing, out of category
-    order or as plain text; more summaries, missing purposes and end times; starts moved (ties
-    from variant 3 on); from variant 5 on no sessions nor end times."""
-    import numpy as np
-    import pandas as pd
-
-    calls = calls.copy()
-    rng = np.random.default_rng(variant)
-    n = len(calls)
-    if variant >= 1:
-        names = np.array(["zoe", "Émile", "bob", "alice10", "alice9"], dtype=object)
-        user = pd.Series(names[rng.integers(0, len(names), n)], dtype="object")
-        user[rng.random(n) < 0.1] = None
-        calls["user"] = pd.Categorical(user, categories=["zoe", "bob", "Émile", "alice9", "alice10"]) if variant % 2 \
-            else user.astype("string")
-        calls["app_session"] = pd.Categorical(np.where(rng.random(n) < 0.3, None, rng.integers(0, 3, n).astype(str)))
-        calls["start_at"] = calls["start_at"] + pd.to_timedelta(rng.integers(0, 3, n) * 60, unit="s")
-        calls.loc[rng.random(n) < 0.05, "end_at"] = pd.NaT
-        purpose = calls["purpose"].astype("object")
-        purpose[rng.random(n) < 0.2] = "summary"
-        purpose[rng.random(n) < 0.05] = None
-        calls["purpose"] = purpose.astype("category") if variant % 2 else purpose.astype("string")
-    if variant >= 3:
-        calls["start_at"] = calls["start_at"].dt.floor("5min")
-        calls.loc[rng.random(n) < 0.1, "prompt_tokens_cached"] = pd.NA
-    if variant >= 5:
-        calls = calls.drop(columns=["app_session", "end_at"])
-    return calls
-
-
-@pytest.mark.parametrize("variant", range(6))
-@pytest.mark.parametrize("scenario", ["before", "restart", "wallclock"])
-def test_pairs_on_codes_equal_the_sort_and_merge(datasets: dict, scenario: str, variant: int) -> None:
-    """The turns paired on integer codes and positions give the pairs the sort and the as-of
-    merge gave, column for column, and so the cache tables (users grouped by code, not text)."""
-    import pandas as pd
-
-    from slotscope.analyze.cache import slim_calls, turn_pairs
-
-    calls = _harder_calls(datasets[scenario].matches.calls, variant)
-    for window in (300.0, 30.0):
-        expected = _pairs_by_sort_and_merge(slim_calls(calls), Options(cache_window_s=window))
-        pd.testing.assert_frame_equal(turn_pairs(slim_calls(calls), Options(cache_window_s=window)), expected)
-    ds = load([REAL / scenario / "logs"])
-    ds.matches.calls = calls
-    pairs = _pairs_by_sort_and_merge(slim_calls(calls), Options())
-    misses = cache_misses(ds, Options())
-    assert list(zip(misses["call_id"], misses["prev_call_id"])) == list(zip(*pairs.loc[pairs["miss"], ["call_id", "prev_call_id"]].T.to_numpy()))
-    pd.testing.assert_frame_equal(cache(ds, Options()), _cache_by_texts(pairs, Options()))
-
-
-def _cache_by_texts(pairs, opts: Options):
-    """The cache table as it was made: a groupby on the pairs' users as text."""
-    import pandas as pd
-
-    from slotscope.analyze.cache import COLUMNS, MISS_SHARE
-
-    pairs = pairs.assign(other_slot=pairs["miss"] & (pairs["slot"] != pairs["prev_slot"]).fillna(False))
-    by_user = pairs.groupby("user", sort=True, observed=True).agg(
-        consecutive_turns=("miss", "size"), misses=("miss", "sum"), misses_on_other_slot=("other_slot", "sum"))
-    total = pd.DataFrame({"consecutive_turns": [len(pairs)], "misses": [int(pairs["miss"].sum())],
-                          "misses_on_other_slot": [int(pairs["other_slot"].sum())]}, index=pd.Index(["all"], name="user"))
-    table = pd.concat([by_user, total]).reset_index(names="user")
-    counts = ["consecutive_turns", "misses", "misses_on_other_slot"]
-    table[counts] = table[counts].astype("int64")
-    table["miss_share"] = (table["misses"] / table["consecutive_turns"].where(table["consecutive_turns"] > 0)).round(3)
-    table["few_samples"] = table["consecutive_turns"] < opts.min_samples
-    table["note"] = ""
-    table.loc[table["user"] == "all", "note"] = (
-        f"chat turns <= {opts.cache_window_s:g} s after the user's previous one; "
-        f"miss = reused < {MISS_SHARE:.0%} of what the previous turn left")
-    return table[COLUMNS]
-
-
-def test_pairs_of_no_turns_and_of_a_turn_with_no_start(datasets: dict) -> None:
-    """No chat turn: no pairs (with the columns and dtypes of pairs); a chat turn with no start
-    time is refused as the as-of merge refused it."""
-    import pandas as pd
-
-    from slotscope.analyze.cache import slim_calls, turn_pairs
-
-    calls = datasets["before"].matches.calls.copy()
-    none = calls.assign(purpose=pd.Categorical(["translation"] * len(calls)))
-    pd.testing.assert_frame_equal(turn_pairs(slim_calls(none), Options()), _pairs_by_sort_and_merge(slim_calls(none), Options()))
-    ds = load([REAL / "before" / "logs"])
-    ds.matches.calls = none
-    pd.testing.assert_frame_equal(cache(ds, Options()), _cache_by_texts(_pairs_by_sort_and_merge(slim_calls(none), Options()), Options()))
-    calls.loc[calls.index[5], "start_at"] = pd.NaT
-    for pair in (turn_pairs, _pairs_by_sort_and_merge):
-        with pytest.raises(ValueError, match="null values on left"):
-            pair(slim_calls(calls), Options())

@@ -5,15 +5,17 @@ from __future__ import annotations
 import json
 import statistics
 from collections import Counter
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
 from slotscope.analyze import Options
-from slotscope.analyze.turns import NEEDS_APP_LOG, is_chat_turn, turns
+from slotscope.analyze.turns import NEEDS_APP_LOG, NO_PURPOSE, is_chat_turn, turns
 from slotscope.dataset import load
 
 from .conftest import REAL, load_truth
+from .test_analyze_cache import app_variant
 
 
 def _app(scenario: str) -> list[dict]:
@@ -104,70 +106,23 @@ def test_chat_turns_are_chat_and_chat_underscore() -> None:
     assert is_chat_turn(purposes).tolist() == [True, True, False, False, False]
 
 
-def _turns_by_texts(calls: pd.DataFrame, opts: Options) -> pd.DataFrame:
-    """The turns table as it was made on each call's purpose as text (before it was made on
-    the purposes' codes), for the comparison below."""
-    import numpy as np
-
-    from slotscope.analyze.turns import _stats, measured_calls
-
-    ok = measured_calls(calls)
-    used = calls.loc[ok]
-    total = used["total_ms"].to_numpy(dtype="float64", na_value=np.nan) / 1000
-    ttft = used["ttft_ms"].to_numpy(dtype="float64", na_value=np.nan) / 1000
-    purpose = used["purpose"].astype("string").fillna("(no purpose)")
-    subsets = [("purpose", p, total[m], ttft[m]) for p in purpose.value_counts(sort=True).index
-               for m in [(purpose == p).to_numpy(dtype=bool)]]
-    chat = is_chat_turn(used["purpose"].astype("string")).to_numpy()
-    cached = used["prompt_tokens_cached"].astype("float64").to_numpy(na_value=np.nan)
-    new = used["prompt_tokens_new"].astype("float64").to_numpy(na_value=np.nan)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        rate = cached / np.where(cached + new > 0, cached + new, np.nan)
-    for label, m in (("all", chat), (f"cache rate >= {opts.cache_rate:.0%}", chat & (rate >= opts.cache_rate)),
-                     (f">= {opts.uncached_tokens:,} new tokens", chat & (new >= opts.uncached_tokens))):
-        subsets.append(("chat turns", label, total[m], ttft[m]))
-    table = _stats(subsets, opts.min_samples)
-    table.loc[(table["by"] == "chat turns") & (table["group"] == "all"), "note"] = "purposes chat and chat_*"
-    left = calls.loc[~ok]
-    if len(left):
-        failed = ~left["ok"].fillna(False).astype(bool).to_numpy()
-        method = left["match_method"].astype("string").fillna("unmatched").to_numpy()
-        rows = pd.DataFrame({
-            "group": np.where(failed, "call failed", "no server task matched"),
-            "note": np.where(failed, "not in the times above: the app log marks the call failed",
-                             np.char.add("not in the times above: ", method.astype(str))),
-        }).groupby(["group", "note"], sort=True, observed=True).size().rename("count").reset_index()
-        table = pd.concat([table, rows.assign(by="left out", ttft_count=0, few_samples=False)], ignore_index=True)
-    return table[table.columns]
+def test_calls_without_a_purpose_are_counted_as_such(tmp_path: Path) -> None:
+    """An app that logs no purpose for its translations: they are counted under "(no
+    purpose)", in the order of the counts, and are no chat turns."""
+    ds = app_variant(tmp_path, "before", lambda recs: [
+        {k: v for k, v in r.items() if not (k == "purpose" and v == "translation")} for r in recs])
+    table = turns(ds, Options())
+    rows = _purpose_rows(table)
+    assert rows.index.tolist() == ["chat", NO_PURPOSE, "chat_first_of_day", "summary", "chat_after_summary"]
+    assert rows.loc[NO_PURPOSE, "count"] == 5
+    assert table.set_index(["by", "group"]).loc[("chat turns", "all"), "count"] == 37
 
 
-@pytest.mark.parametrize("case", ["as read", "many purposes, tied", "missing and '(no purpose)'", "texts", "none measured"])
-def test_purposes_by_code_as_by_text(case: str) -> None:
-    """The purposes counted by their category codes give the table the per-call texts gave:
-    with the counts tied among more purposes than an insertion sort orders (their order is the
-    texts' sort's), missing purposes next to a purpose named "(no purpose)", purposes as
-    plain text, and no call measured."""
-    import numpy as np
-
-    ds = load([REAL / "restart" / "logs"])
-    calls = ds.matches.calls.copy()
-    rng = np.random.default_rng(5)
-    n = len(calls)
-    if case == "many purposes, tied":  # 40 purposes, ~8 calls each (ties everywhere)
-        calls = pd.concat([calls] * 8, ignore_index=True)
-        n = len(calls)
-        names = np.array([f"p{i:02d}" for i in range(38)] + ["chat_x", "chat"], dtype=object)
-        calls["purpose"] = pd.Categorical(names[rng.integers(0, len(names), n)], categories=sorted(names, reverse=True))
-    elif case == "missing and '(no purpose)'":
-        p = calls["purpose"].astype("object")
-        p[rng.random(n) < 0.2] = None
-        p[rng.random(n) < 0.1] = "(no purpose)"
-        calls["purpose"] = p.astype("category")
-    elif case == "texts":
-        p = calls["purpose"].astype("string")
-        p[rng.random(n) < 0.2] = pd.NA
-        calls["purpose"] = p
-    elif case == "none measured":
-        calls["ok"] = False
-    ds.matches.calls = calls
-    pd.testing.assert_frame_equal(turns(ds, Options()), _turns_by_texts(calls, Options()))
+def test_no_call_measured_gives_empty_rows(tmp_path: Path) -> None:
+    """Every call failed: the purposes have no rows, the chat subsets say 0 and the calls are
+    left out as failed."""
+    ds = app_variant(tmp_path, "before", lambda recs: [dict(r, status=500) for r in recs])
+    table = turns(ds, Options())
+    assert table["by"].tolist() == ["chat turns"] * 3 + ["left out"]
+    assert table["count"].tolist() == [0, 0, 0, 45]
+    assert table["total_median_s"].isna().all()

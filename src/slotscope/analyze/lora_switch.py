@@ -9,122 +9,114 @@ app log line, or the first task of a session) are left out.
 ``prompt eval time`` of a task on a busy server is mostly other slots' work in the same passes,
 so beside all such tasks the table gives the ones whose prefill ran with no other task holding a
 slot (``alone_*``): the field report's measurement ("while the production model was idle").
+The slots held are counted in each busy period (:mod:`slotscope.periods`); the switches, which
+are mostly from one busy period to the next, over the per-task rows of every period.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
-import numpy as np
-
-from .. import store, timeline as tl
-from ..dataset import Dataset, release_memory, task_view, tasks_of
-from . import Options, register
-from .context import SESSION
-from .turns import needs_app_log, text_codes
+from ..dataset import Dataset
+from ..periods import Part
+from ..timeline import key_codes
+from . import Options, Question, answer, ask
+from .turns import needs_app_log
 
 SHORT_PROMPT_TOKENS = 1_000
+SESSION = ["source", "port", "session"]
+# What the merge gets of each task a part counts: its session and launch (to find the task
+# launched before it), its label, its row in the task view, and a short prefill's time (NaN: none).
+OWN = SESSION + ["launch_s", "task_id", "lora", "row", "prefill_ms"]
 COLUMNS = [
     "setting", "change", "lora", "count", "prefill_median_ms", "alone_count", "alone_prefill_median_ms",
     "few_samples",
 ]
 
 
-TASK_ROWS = 1 << 16  # tasks read at a time (see _holding_during)
+def _times(col: pd.Series) -> np.ndarray:
+    return col.to_numpy(dtype="float64", na_value=np.nan)
 
 
-def _holding_during(ds: Dataset, sessions: pd.DataFrame, session: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
-    """For each window [``start``, ``end``] of server session ``session`` (a row of ``sessions``,
-    its keys; -1: none), how many tasks of that session held a slot during it: what
-    :class:`.context.TasksDuring` counts, the task table read :data:`TASK_ROWS` tasks at a time
-    (every task's session and times, sorted per session at once, were the table's peak at 1 GB
-    of log: +47/+49 MB). The tasks begun before a window ends and those ended before it starts
-    are sums over parts of the tasks: each part's counts add up to them."""
-    out = np.zeros(len(session), dtype=np.int64)
-    rows_of = tl.rows_by_group(session, session >= 0)  # (the windows of each session)
-    if not rows_of:
-        return out
-    stored = store.stored(ds.server, "tasks")
-    n = len(stored) if stored is not None else 0
-    parts = ((stored.take(np.arange(lo, min(lo + TASK_ROWS, n)), SESSION + ["launch_s", "release_s"])
-              for lo in range(0, n, TASK_ROWS)) if stored is not None
-             else [tasks_of(ds, SESSION + ["launch_s", "release_s"])])
-    for part in parts:
-        ok = part[SESSION].notna().all(axis=1).to_numpy() & part["launch_s"].notna().to_numpy()
-        since = part["launch_s"].to_numpy(dtype=float, na_value=np.nan)
-        until = part["release_s"].to_numpy(dtype=float, na_value=np.inf)
-        known, pcode = tl.key_codes([sessions, part], SESSION)
-        for code, tasks in tl.rows_by_group(pcode, ok).items():
-            j = np.flatnonzero(known == code)
-            if not len(j) or int(j[0]) not in rows_of:
-                continue
-            rows = rows_of[int(j[0])]
-            # Begun before the window ends, minus ended before it starts.
-            out[rows] += (np.searchsorted(np.sort(since[tasks]), end[rows], side="left")
-                          - np.searchsorted(np.sort(until[tasks]), start[rows], side="right"))
-    return out
+def _holding(tasks: pd.DataFrame, among: np.ndarray, windows: np.ndarray) -> np.ndarray:
+    """For each of the ``windows`` (rows of ``tasks``: their prefill, from its start to the
+    first token), how many of the tasks ``among`` (a mask) of its session held a slot during
+    it: launched before the window ends, minus released before it starts (never released:
+    held to the end)."""
+    known = tasks[SESSION].notna().all(axis=1).to_numpy()
+    since, until = _times(tasks["launch_s"]), _times(tasks["release_s"])
+    held = among & known & ~np.isnan(since)
+    # Times as their ranks among every time here (exact, ties kept; a missing release above
+    # them all, a missing window end above that, as a sorted search puts NaN), keyed by session.
+    values = np.unique(np.r_[since, until, _times(tasks["prefill_start_s"]), _times(tasks["first_token_s"])])
+    values = values[~np.isnan(values)]
+    top = len(values) + 2
+
+    def key(code: np.ndarray, t: np.ndarray, missing: int) -> np.ndarray:
+        rank = np.where(np.isnan(t), missing, np.searchsorted(values, t))
+        return code * top + rank
+
+    code = key_codes([tasks], SESSION)[0]
+    begun = np.sort(key(code[held], since[held], top - 1))
+    ended = np.sort(key(code[held], until[held], top - 2))
+    code, known = code[windows], known[windows]
+    start, end = (key(code, _times(tasks[c])[windows], top - 1) for c in ("prefill_start_s", "first_token_s"))
+    count = np.searchsorted(begun, end, "left") - np.searchsorted(ended, start, "right")
+    # (from the session's first key on: no task of another session counts)
+    count += np.searchsorted(ended, code * top, "left") - np.searchsorted(begun, code * top, "left")
+    return np.where(known, count, 0)
 
 
-@register("lora-switch")
-def lora_switch(ds: Dataset, opts: Options) -> pd.DataFrame:
-    """Median prefill time of short prompts right after a LoRA change and after the same setting, by target setting."""
+def per_part(part: Part, opts: Options) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The part's own tasks (their session, launch, LoRA label, position in the task view and,
+    for a short prefill, its time), and for every short prefill in the part how many tasks
+    held a slot during it, of those this part counts the pair of."""
+    t = part.tasks
+    counted = part.counted
+    short = ((t["prompt_tokens_new"] < SHORT_PROMPT_TOKENS).fillna(False) & t["prompt_eval_ms"].notna()).to_numpy()
+    windows = np.flatnonzero(short)
+    # A task running across a cut of a long period is in both parts, as context in the later.
+    # A prefill is counted with the tasks the part counts, and in the part that counts it also
+    # with the context: so each pair of tasks is counted in one part.
+    held = np.where(counted[windows], _holding(t, np.ones(len(t), dtype=bool), windows), _holding(t, counted, windows))
+    own = t.loc[counted, OWN[:-2]].assign(row=part.rows[counted],
+                                          prefill_ms=np.where(short, _times(t["prompt_eval_ms"]), np.nan)[counted])
+    return own, pd.DataFrame({"row": part.rows[windows], "held": held})
+
+
+def merge(answers: list[tuple[pd.DataFrame, pd.DataFrame]], opts: Options, ds: Dataset) -> dict[str, pd.DataFrame]:
+    """The table: each short prefill after the task launched before it in its session, by
+    whether that task's LoRA label differs, and the label."""
     if ds.matches is None:
-        return needs_app_log(COLUMNS)
-    # On integer codes, a column of the task view read at a time: each task's session, its
-    # place in the session's launch order, its LoRA label's code. (The ten columns sorted
-    # whole, the labels as text and a groupby shift on them took +156 MB at 1 GB of log.)
-    def column(name: str) -> pd.Series:
-        return task_view(ds, [name])[name]
-
-    short = ((column("prompt_tokens_new") < SHORT_PROMPT_TOKENS).fillna(False) & column("prompt_eval_ms").notna()).to_numpy()
-    keys = task_view(ds, SESSION)
-    session = tl.narrow(tl.key_codes([keys], SESSION)[0])
-    no_session = keys.isna().any(axis=1).to_numpy()  # (no session: no previous task, as a groupby drops it)
-    sessions = keys.iloc[np.unique(session, return_index=True)[1]].reset_index(drop=True)  # (one row a code, in code order)
-    del keys
-    task_id = column("task_id")
-    # (ids as codes that sort as they do, gaps last, where a gap makes them not numbers)
-    task = task_id.to_numpy(dtype=np.int64) if not task_id.isna().any() else tl.key_codes([task_id.to_frame()], ["task_id"])[0]
-    order = np.lexsort((task, column("launch_s").to_numpy(dtype=float, na_value=np.nan), session))  # (NaN last, as sort_values)
-    del task_id, task
-    lora, texts = text_codes(column("lora"))
-    lora, same = lora[order], session[order]
-    first = np.r_[True, same[1:] != same[:-1]] if len(same) else np.zeros(0, dtype=bool)
-    prev = np.where(first | no_session[order], -1, np.r_[-1, lora[:-1]] if len(lora) else lora)
-    del same, first
-    known = short[order] & (lora >= 0) & (prev >= 0)
-    rows, lora, prev = order[known], lora[known], prev[known]  # (the short tasks with both labels, in launch order)
-    del order, short, known
-    at_session = np.where(no_session[rows], -1, session[rows])
-    del session, no_session
-    release_memory()  # (the columns read whole)
-
-    # Their prefills' company, their times, and their group: (change, label), as sorted text.
-    others = _holding_during(ds, sessions, at_session, *(column(c).to_numpy(dtype=float, na_value=np.nan)[rows]
-                                                         for c in ("prefill_start_s", "first_token_s"))) - 1
-    del at_session
-    ms = column("prompt_eval_ms").to_numpy(dtype=float, na_value=np.nan)[rows]
-    rank = np.argsort(np.argsort(np.asarray(texts.astype(object), dtype=object), kind="stable"), kind="stable")
-    group = (lora != prev).astype(np.int64) * (len(texts) + 1) + rank[lora]  # ("same" before "to", labels as text)
-    # Per group (a few), its count and median, as a groupby gives them, on arrays (the
-    # groupby of the 273k windows at 1 GB of log was the table's peak).
-    codes = np.unique(group)
-    stats = []
-    for k in codes:
-        v = ms[group == k]
-        alone = v[others[group == k] <= 0]
-        stats.append((int((~np.isnan(v)).sum()), tl.median(v), int((~np.isnan(alone)).sum()), tl.median(alone)))
-    table = pd.DataFrame(stats, columns=["count", "prefill_median_ms", "alone_count", "alone_prefill_median_ms"], index=codes)
-    table[["prefill_median_ms", "alone_prefill_median_ms"]] = table[["prefill_median_ms", "alone_prefill_median_ms"]].astype("float64")
-    code = table.index.to_numpy()
-    label = np.argsort(rank)[code % (len(texts) + 1)] if len(code) else code
-    table.insert(0, "change", pd.Series(code >= len(texts) + 1).map({True: "to", False: "same"}).array)
-    table.insert(1, "lora", texts.iloc[label].array)
-    table = table.reset_index(drop=True)
+        return {"lora-switch": needs_app_log(COLUMNS)}
+    tv = pd.concat([a[0] for a in answers], ignore_index=True) if answers else pd.DataFrame(columns=OWN)
+    held = pd.concat([a[1] for a in answers] or [pd.DataFrame(columns=["row", "held"])]).groupby("row")["held"].sum()
+    tv = tv.sort_values(SESSION + ["launch_s", "task_id", "row"], kind="stable")
+    tv["lora"] = tv["lora"].astype("string")
+    tv["prev_lora"] = tv.groupby(SESSION, sort=False, observed=True)["lora"].shift(1)
+    t = tv.loc[(tv["prefill_ms"].notna() & tv["lora"].notna() & tv["prev_lora"].notna()).to_numpy()]
+    t = t.assign(change=(t["lora"] != t["prev_lora"]).map({True: "to", False: "same"}),
+                 alone_ms=t["prefill_ms"].where((held.reindex(t["row"]).to_numpy() - 1 <= 0)))
+    g = t.groupby(["change", "lora"], sort=True)
+    table = pd.DataFrame({
+        "count": g["prefill_ms"].count(),
+        "prefill_median_ms": g["prefill_ms"].median(),
+        "alone_count": g["alone_ms"].count(),
+        "alone_prefill_median_ms": g["alone_ms"].median(),
+    }).reset_index()
     # Switches first, then the same-setting baselines.
     table = table.sort_values(["change", "lora"], ascending=[False, True], kind="stable").reset_index(drop=True)
     table["setting"] = table["change"] + " " + table["lora"]
     table[["count", "alone_count"]] = table[["count", "alone_count"]].astype("int64")
     table[["prefill_median_ms", "alone_prefill_median_ms"]] = table[["prefill_median_ms", "alone_prefill_median_ms"]].round(1)
     table["few_samples"] = table["count"] < opts.min_samples
-    return table[COLUMNS]
+    return {"lora-switch": table[COLUMNS]}
+
+
+QUESTION = ask(Question(("lora-switch",), per_part, merge))
+
+
+def lora_switch(ds: Dataset, opts: Options) -> pd.DataFrame:
+    """Median prefill time of short prompts right after a LoRA change and after the same setting, by target setting."""
+    return answer([QUESTION], ds, opts)["lora-switch"]
