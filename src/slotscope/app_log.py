@@ -29,6 +29,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pa_json
 
+from .app_fields import (
+    CANDIDATES, ALIASES, TIMINGS, nested_paths, path_index, resolve_fields,
+)
 from .errors import AppLogError
 from .sources import CHUNK_SIZE, Span, is_plain, iter_chunks, iter_spans, open_binary, read_span
 from . import store
@@ -36,35 +39,6 @@ from .store import StoredField
 from .tasks import release_memory
 from .workers import Pool
 
-# Specific names before generic ones: a record with both `start` and `ts` usually means
-# `ts` is when the line was written, i.e. the end of the call.
-CANDIDATES: dict[str, tuple[str, ...]] = {
-    "start": ("start", "started_at", "start_time", "request_time", "t_send", "ts", "timestamp", "time"),
-    "end": ("end", "ended_at", "finished_at", "end_time"),
-    "duration_ms": ("duration_ms", "latency_ms", "elapsed_ms"),
-    "duration_s": ("duration", "elapsed"),
-    "purpose": ("purpose", "kind", "type", "task"),
-    "user": ("user", "user_id", "conversation", "conversation_id", "session"),
-    "lora": ("lora", "adapter", "lora_adapter"),
-    "prompt_tokens": (
-        "prompt_tokens", "input_tokens", "usage.prompt_tokens", "usage.input_tokens", "tokens_evaluated",
-    ),
-    "completion_tokens": (
-        "completion_tokens", "output_tokens", "usage.completion_tokens", "usage.output_tokens", "tokens_predicted",
-    ),
-    "cached_tokens": (
-        "cached_tokens", "usage.prompt_tokens_details.cached_tokens", "timings.cache_n", "timings_cache_n",
-    ),
-    "status": ("status", "status_code", "http_status"),
-    "error": ("error", "error_message"),
-    "call_id": ("id", "call_id", "request_id"),
-    "session": ("session", "session_id"),
-    "turn": ("turn",),
-    "timings": ("timings",),
-}
-_ALIASES = {"id": "call_id", "duration": "duration_s"}
-TIMINGS: dict[str, str] = {"prompt_n": "Int64", "prompt_ms": "float64", "predicted_n": "Int64",
-                           "predicted_ms": "float64", "cache_n": "Int64"}
 _TIMING_COLS = tuple(f"timings_{k}" for k in TIMINGS)
 CALL_COLUMNS: tuple[str, ...] = (
     "call_id", "start_at", "end_at", "duration_ms", "purpose", "user", "lora", "prompt_tokens",
@@ -81,9 +55,6 @@ _DTYPES: dict[str, str] = {
 CHUNK_ROWS = 10_000  # records parsed at a time: their dicts are ~3 KB each, the peak of reading
 MAX_EXAMPLES = 5
 SPAN_BYTES = CHUNK_SIZE  # a plain JSONL file is read in parts of this size by worker processes
-# fields that, beside a start time, make a record a call rather than any timestamped line
-_STRONG = ("end", "duration_ms", "duration_s", "purpose", "lora", "prompt_tokens", "completion_tokens",
-           "cached_tokens")
 _Rows = Iterator[tuple[int, dict[str, Any]]]  # (1-based line, record)
 _EXTRA = "\x00extra"  # marks a CSV row with more cells than the header
 _OK_WORDS = {"ok", "success", "succeeded", "completed", "done"}
@@ -193,7 +164,7 @@ def load_column_file(path: str | PathLike[str]) -> dict[str, str]:
 
 
 def _checked(columns: Mapping[str, str]) -> dict[str, str]:
-    out = {_ALIASES.get(k.lower(), k.lower()): v for k, v in columns.items()}
+    out = {ALIASES.get(k.lower(), k.lower()): v for k, v in columns.items()}
     unknown = sorted(set(out) - set(CANDIDATES))
     if unknown:
         raise ValueError(f"unknown app-log field {', '.join(unknown)}; known: {', '.join(CANDIDATES)}")
@@ -251,33 +222,6 @@ def _lora_labels(values: Sequence[Any]) -> list[str]:
             label = lora_label(v)
         out.append(label)
     return out
-
-
-def looks_like_app_log(sample: bytes) -> bool:
-    """True if the (decompressed) start of a file reads as an app call log, JSONL or CSV.
-
-    llama-server text lines and journald/docker JSON wrappers around them are not app logs.
-    """
-    lines = [ln for ln in sample.decode("utf-8", "replace").lstrip("\ufeff").splitlines() if ln.strip()][:20]
-    if not lines:
-        return False
-    if lines[0].lstrip().startswith("{"):
-        records = []
-        for ln in lines:
-            try:
-                rec = json.loads(ln)
-            except ValueError:
-                continue  # the sample may end mid-line
-            if isinstance(rec, dict):
-                records.append(rec)
-        # journald (`journalctl -o json`) and docker json-file wrap server lines in JSON
-        if not records or any("MESSAGE" in r or "__CURSOR" in r or ("log" in r and "stream" in r) for r in records):
-            return False
-        index = _path_index(records, {})
-    else:
-        index = {h.strip().lower(): (h.strip(),) for h in next(csv.reader([lines[0]]))}
-    fields = _resolve(index, {})
-    return "start" in fields and any(k in fields for k in _STRONG)
 
 
 def read_app_logs(
@@ -556,60 +500,10 @@ def _csv_rows(name: str, numbered: Iterable[tuple[int, str]], tally: _Tally) -> 
         yield start, rec
 
 
-def _nested(override: Mapping[str, str]) -> set[str]:
-    """Lower-cased dotted paths of the objects a field could be inside."""
-    names = [n.lower() for ns in CANDIDATES.values() for n in ns] + [n.lower() for n in override.values()]
-    names += [f"{override.get('timings', 'timings').lower()}.{k}" for k in TIMINGS]
-    return {n.rsplit(".", i)[0] for n in names for i in range(1, n.count(".") + 1)}
-
-
-def _path_index(records: Iterable[Mapping[str, Any]], override: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
-    """Lower-cased dotted path -> the path as written, for every key a field could name."""
-    nested = _nested(override)
-    index: dict[str, tuple[str, ...]] = {}
-    seen: dict[tuple[tuple[str, ...], tuple[str, ...]], list[tuple[str, tuple[str, ...]]]] = {}
-
-    def walk(obj: Mapping[str, Any], prefix: tuple[str, ...]) -> None:
-        shape = (prefix, tuple(obj))  # most records share a handful of shapes: index each once
-        deeper = seen.get(shape)
-        if deeper is None:
-            deeper = seen[shape] = []
-            for k in obj:
-                path = (*prefix, k)
-                dotted = ".".join(path).lower()
-                index.setdefault(dotted, path)
-                if dotted in nested:
-                    deeper.append((k, path))
-        for k, path in deeper:
-            if isinstance(obj[k], dict):
-                walk(obj[k], path)
-
-    for rec in records:
-        walk(rec, ())
-    return index
-
-
-def _resolve(index: Mapping[str, tuple[str, ...]], override: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
-    fields: dict[str, tuple[str, ...]] = {}
-    for key, names in CANDIDATES.items():
-        if key == "timings":
-            continue
-        wanted = (override[key],) if key in override else names
-        hit = next((index[n.lower()] for n in wanted if n.lower() in index), None)
-        if hit is not None:
-            fields[key] = hit
-    prefix = override.get("timings", "timings").lower()
-    for sub in TIMINGS:
-        hit = index.get(f"{prefix}.{sub}") or index.get(f"{prefix}_{sub}")
-        if hit is not None:
-            fields[f"timings_{sub}"] = hit
-    return fields
-
-
 def _shapes(records: Sequence[Mapping[str, Any]], override: Mapping[str, str]) -> tuple[np.ndarray, list[int]]:
     """Each record's shape (its keys, and those of the objects a field could be inside) as a
     number, and one record of each shape."""
-    nested = _nested(override)
+    nested = nested_paths(override)
     deeper: dict[tuple[tuple[str, ...], tuple[str, ...]], list[str]] = {}  # per (prefix, keys): keys to look into
 
     def signature(obj: Mapping[str, Any], prefix: tuple[str, ...]) -> Any:
@@ -640,7 +534,7 @@ def _field_values(records: Sequence[Mapping[str, Any]], override: Mapping[str, s
     field's names (:data:`CANDIDATES`) present in the record itself. Records of other shapes in
     the same log (another name for a field, or a field nested differently) never hide it."""
     shape, first = _shapes(records, override)
-    paths = [_resolve(_path_index([records[i]], override), override) for i in first]
+    paths = [resolve_fields(path_index([records[i]], override), override) for i in first]
     values: dict[str, list[Any]] = {}
     for key in dict.fromkeys(k for fields in paths for k in fields):
         ways = {fields[key] for fields in paths if key in fields}
@@ -706,7 +600,7 @@ def _arrow_fields(block: bytes, override: Mapping[str, str]) -> tuple[int, dict[
     if table.num_rows != len(ends):
         return None
     table = table.combine_chunks()
-    nested = _nested(override)
+    nested = nested_paths(override)
     index: dict[str, tuple[str, ...]] = {}
     arrays: dict[tuple[str, ...], pa.Array] = {}
 
@@ -725,7 +619,7 @@ def _arrow_fields(block: bytes, override: Mapping[str, str]) -> tuple[int, dict[
 
     if not walk(table.schema, [c.chunk(0) if c.num_chunks else pa.nulls(0, c.type) for c in table.columns], ()):
         return None
-    fields = _resolve(index, override)
+    fields = resolve_fields(index, override)
     if "start" not in fields or _EXTRA.lower() in index:
         return None
     prefix = override.get("timings", "timings").lower()

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Iterator, Literal, Sequence
 
+from .app_fields import looks_like_app_log
 from .errors import InputError
 
 try:  # a faster inflater when installed; the standard library otherwise
@@ -167,8 +168,6 @@ def sniff(head: bytes) -> Kind | str:
     text_like = sum(1 for b in sample[:4096] if b >= 32 or b in (9, 10, 13, 27))
     if text_like < 0.9 * min(len(sample), 4096):
         return "binary data, not a text log"
-    from .app_log import looks_like_app_log  # local: app_log is a sibling stage
-
     if looks_like_app_log(sample):
         return "app"
     if _SERVER_HINTS.search(sample):
