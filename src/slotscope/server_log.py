@@ -24,7 +24,7 @@ import itertools
 import os
 import re
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable, Iterator, Sequence, TypeVar
+from typing import Any, BinaryIO, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 import pandas as pd
@@ -262,115 +262,146 @@ def parse_chunk(
     as a dict of numpy columns, not a DataFrame (for the worker processes: no table built and
     taken apart again per block).
     """
-    ends = chunk.endswith(b"\n")
+    lines, wall = _block_lines(chunk, state, account)
+    account.lines += len(lines)
+    read = _read_lines(lines)
+    legacy_rows = _unknown_lines(lines, read, wall, first_line, account)
+    account.ignored += int((read.valid & (read.kind == 0) & ~read.bad).sum())
+    account.used += int((read.kind != 0).sum()) + sum(1 for r in legacy_rows if r.get("kind", 0) != 0)
+    cols = _event_columns(read, wall, first_line)
+    if arrays and not legacy_rows:
+        return cols  # type: ignore[return-value]
+    ev = pd.DataFrame(cols)
+    if legacy_rows:
+        ev = _with_legacy(ev, legacy_rows)
+    ev = ev.reset_index(drop=True)
+    return {c: ev[c].to_numpy() for c in ev.columns} if arrays else ev  # type: ignore[return-value]
+
+
+def _block_lines(chunk: bytes, state: StreamState, account: FileAccount) -> tuple[pa.Array, np.ndarray]:
+    """The block's lines (each with its newline) with any wrapper prefix removed, and each
+    line's wall-clock stamp in µs from that prefix (-1: none). The first block of a stream
+    decides the wrapper."""
     wrapper = state.wrapper
     if not state.wrapper_known:
         state.wrapper = wrapper = prefixes.detect(chunk.split(b"\n", 400)[:400])
         state.wrapper_known = True
         account.wrapper = wrapper.name if wrapper else None
     if wrapper is not None and wrapper.stamp == "json":
-        lines_b = chunk.split(b"\n")
-        if lines_b and lines_b[-1] == b"":
-            lines_b.pop()
-        n = len(lines_b)
-        wall = np.full(n, -1, dtype=np.int64)
-        lines_b, json_walls = prefixes.decode_json_lines(lines_b, wrapper)
-        # A stamp no clock can show (a damaged record, beyond year 287,000) is no stamp.
-        wall[:] = [(int(round(x * 1e6)) if x is not None and abs(x) < 9e12 else -1) for x in json_walls]
-        # A message with a line break inside shifts what follows, as in a plain read of it.
-        text = _clean(b"\n".join(lines_b)).decode("utf-8").split("\n")
-        del text[n:]
-        lines = pa.array([t + "\n" for t in text], pa.string())
-    else:
-        lines = _split(_clean(chunk), ends)  # cleaning never adds or removes a newline
-        n = len(lines)
-        wall = np.full(n, -1, dtype=np.int64)
-        if wrapper is not None:
-            bare, wall = prefixes.strip(_without_newline(lines), wrapper, state.year, state.tz)
-            lines = pc.binary_join_element_wise(bare, "", "\n")
+        return _json_lines(chunk, wrapper)
+    lines = _split(_clean(chunk), chunk.endswith(b"\n"))  # cleaning never adds or removes a newline
+    wall = np.full(len(lines), -1, dtype=np.int64)
+    if wrapper is not None:
+        bare, wall = prefixes.strip(_without_newline(lines), wrapper, state.year, state.tz)
+        lines = pc.binary_join_element_wise(bare, "", "\n")
+    return lines, wall
 
-    account.lines += n
+
+def _json_lines(chunk: bytes, wrapper: prefixes.Wrapper) -> tuple[pa.Array, np.ndarray]:
+    """:func:`_block_lines` for a JSON wrapper (journald, docker): the messages and stamps."""
+    lines_b = chunk.split(b"\n")
+    if lines_b and lines_b[-1] == b"":
+        lines_b.pop()
+    n = len(lines_b)
+    wall = np.full(n, -1, dtype=np.int64)
+    lines_b, json_walls = prefixes.decode_json_lines(lines_b, wrapper)
+    # A stamp no clock can show (a damaged record, beyond year 287,000) is no stamp.
+    wall[:] = [(int(round(x * 1e6)) if x is not None and abs(x) < 9e12 else -1) for x in json_walls]
+    # A message with a line break inside shifts what follows, as in a plain read of it.
+    text = _clean(b"\n".join(lines_b)).decode("utf-8").split("\n")
+    del text[n:]
+    return pa.array([t + "\n" for t in text], pa.string()), wall
+
+
+def _read_lines(lines: pa.Array) -> _Exact:
+    """Every line's reading: the scanner's where it can prove it, else FAST_PATTERN's."""
+    n = len(lines)
     sc = scan(lines) if _USE_SCANNER else Scan.empty(n)
-    kind, port, ts, slot, task, v = sc.kind, sc.port, sc.ts, sc.slot, sc.task, sc.v
-    valid = sc.known.copy()
-    bad = np.zeros(n, bool)
-    cont = np.zeros(n, bool)
-    text = {r: t for r, t in sc.text.items() if sc.known[r]}  # MODEL/BUILD rows -> their text
+    read = _Exact(valid=sc.known.copy(), bad=np.zeros(n, bool), cont=np.zeros(n, bool), kind=sc.kind, port=sc.port,
+                  ts=sc.ts, slot=sc.slot, task=sc.task, v=sc.v,
+                  text={r: t for r, t in sc.text.items() if sc.known[r]})  # MODEL/BUILD rows -> their text
     asked = np.flatnonzero(~sc.known)
     if len(asked):
         ex = _parse_exact(_without_newline(lines.take(pa.array(asked))))
-        for full, part in ((kind, ex.kind), (port, ex.port), (ts, ex.ts), (slot, ex.slot), (task, ex.task),
-                           (valid, ex.valid), (bad, ex.bad), (cont, ex.cont), *zip(v, ex.v)):
+        for full, part in ((read.kind, ex.kind), (read.port, ex.port), (read.ts, ex.ts), (read.slot, ex.slot),
+                           (read.task, ex.task), (read.valid, ex.valid), (read.bad, ex.bad), (read.cont, ex.cont),
+                           *zip(read.v, ex.v)):
             full[asked] = part
-        text.update((int(asked[r]), t) for r, t in ex.text.items())
+        read.text.update((int(asked[r]), t) for r, t in ex.text.items())
+    return read
 
-    ignored = valid & (kind == 0) & ~bad
-    unknown_idx = np.flatnonzero(~valid | bad)
-    legacy_rows: list[dict] = []
-    if len(unknown_idx):
-        known_other = 0
-        texts = _without_newline(lines.take(pa.array(unknown_idx))).to_pylist()
-        for i, s in zip(unknown_idx, texts):
-            if bad[i]:
-                account.unrecognized += 1
-                if len(account.examples) < 5:
-                    account.examples.append((first_line + int(i), s[:200]))
-                continue
-            if not s.strip() or _KNOWN_OTHER.match(s):
-                known_other += 1
-                continue
-            row = legacy.parse_line(s)
-            if row is not None:
-                row["line"] = first_line + int(i)
-                own_wall = row.pop("wall_stamp_us", -1)
-                row["wall_us"] = int(wall[i]) if wall[i] >= 0 else own_wall
-                legacy_rows.append(row)
-                if row.get("kind", 0) == 0:
-                    known_other += 1
-                continue
-            account.unrecognized += 1
-            if len(account.examples) < 5:
-                account.examples.append((first_line + int(i), s[:200]))
-        account.ignored += known_other
-    account.ignored += int(ignored.sum())
-    used = kind != 0
-    account.used += int(used.sum()) + sum(1 for r in legacy_rows if r.get("kind", 0) != 0)
 
-    idx = np.flatnonzero(used)
+def _unknown_lines(lines: pa.Array, read: _Exact, wall: np.ndarray, first_line: int,
+                   account: FileAccount) -> list[dict[str, Any]]:
+    """The events of the lines FAST_PATTERN does not know, read one by one by
+    :mod:`slotscope.legacy` (older formats: rare); the others counted as ignored or
+    unrecognized."""
+    unknown_idx = np.flatnonzero(~read.valid | read.bad)
+    legacy_rows: list[dict[str, Any]] = []
+    if not len(unknown_idx):
+        return legacy_rows
+    known_other = 0
+    texts = _without_newline(lines.take(pa.array(unknown_idx))).to_pylist()
+    for i, s in zip(unknown_idx, texts):
+        if read.bad[i]:
+            account.add_unrecognized(first_line + int(i), s)
+            continue
+        if not s.strip() or _KNOWN_OTHER.match(s):
+            known_other += 1
+            continue
+        row = legacy.parse_line(s)
+        if row is None:
+            account.add_unrecognized(first_line + int(i), s)
+            continue
+        row["line"] = first_line + int(i)
+        own_wall = row.pop("wall_stamp_us", -1)
+        row["wall_us"] = int(wall[i]) if wall[i] >= 0 else own_wall
+        legacy_rows.append(row)
+        if row.get("kind", 0) == 0:
+            known_other += 1
+    account.ignored += known_other
+    return legacy_rows
+
+
+def _event_columns(read: _Exact, wall: np.ndarray, first_line: int) -> dict[str, np.ndarray]:
+    """The event rows of the lines that mean something, as numpy columns."""
+    idx = np.flatnonzero(read.kind != 0)
+    v = read.v
     cols = {
-        "line": (first_line + idx).astype(np.int64), "kind": kind[idx], "port": port[idx],
-        "ts_us": ts[idx], "wall_us": wall[idx], "slot": slot[idx], "task": task[idx],
-        "v1": v[0][idx], "v2": v[1][idx], "v3": v[2][idx], "v4": v[3][idx], "cont": cont[idx],
+        "line": (first_line + idx).astype(np.int64), "kind": read.kind[idx], "port": read.port[idx],
+        "ts_us": read.ts[idx], "wall_us": wall[idx], "slot": read.slot[idx], "task": read.task[idx],
+        "v1": v[0][idx], "v2": v[1][idx], "v3": v[2][idx], "v4": v[3][idx], "cont": read.cont[idx],
     }
-    if text:  # a column only where a block has such lines (start-ups): no objects per block else
+    if read.text:  # a column only where a block has such lines (start-ups): no objects per block else
         cols["text"] = np.full(len(idx), None, dtype=object)
-        rows = np.array(sorted(text))
-        cols["text"][np.searchsorted(idx, rows)] = [text[r] for r in rows.tolist()]
-    if arrays and not legacy_rows:
-        return cols  # type: ignore[return-value]
-    ev = pd.DataFrame(cols)
-    if legacy_rows:
-        lg = pd.DataFrame(legacy_rows)
-        lg = lg[lg["kind"] != 0]
-        if len(lg):
-            lg = lg.reindex(columns=ev.columns)
-            # A column all missing on one side takes the other side's type where that holds
-            # gaps (what pandas < 3 did, with a FutureWarning, and pandas 3 does not).
-            for c in ev.columns:
-                a, b = ev[c], lg[c]
-                if a.dtype != b.dtype:
-                    if b.isna().all() and a.dtype.kind in "fO":
-                        lg[c] = b.astype(a.dtype)
-                    elif a.isna().all() and b.dtype.kind in "fO":
-                        ev[c] = a.astype(b.dtype)
-            ev = pd.concat([ev, lg], ignore_index=True).sort_values("line", kind="stable")
-            ev["cont"] = ev["cont"].fillna(False).astype(bool)
-            ev["port"] = ev["port"].fillna(-1).astype(np.int64)
-            ev["ts_us"] = ev["ts_us"].fillna(-1).astype(np.int64)
-            ev["wall_us"] = ev["wall_us"].fillna(-1).astype(np.int64)
-            ev["kind"] = ev["kind"].astype(np.int8)
-    ev = ev.reset_index(drop=True)
-    return {c: ev[c].to_numpy() for c in ev.columns} if arrays else ev  # type: ignore[return-value]
+        rows = np.array(sorted(read.text))
+        cols["text"][np.searchsorted(idx, rows)] = [read.text[r] for r in rows.tolist()]
+    return cols
+
+
+def _with_legacy(ev: pd.DataFrame, legacy_rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """The events with those :mod:`slotscope.legacy` read, in line order."""
+    lg = pd.DataFrame(legacy_rows)
+    lg = lg[lg["kind"] != 0]
+    if not len(lg):
+        return ev
+    lg = lg.reindex(columns=ev.columns)
+    # A column all missing on one side takes the other side's type where that holds
+    # gaps (what pandas < 3 did, with a FutureWarning, and pandas 3 does not).
+    for c in ev.columns:
+        a, b = ev[c], lg[c]
+        if a.dtype != b.dtype:
+            if b.isna().all() and a.dtype.kind in "fO":
+                lg[c] = b.astype(a.dtype)
+            elif a.isna().all() and b.dtype.kind in "fO":
+                ev[c] = a.astype(b.dtype)
+    ev = pd.concat([ev, lg], ignore_index=True).sort_values("line", kind="stable")
+    ev["cont"] = ev["cont"].fillna(False).astype(bool)
+    ev["port"] = ev["port"].fillna(-1).astype(np.int64)
+    ev["ts_us"] = ev["ts_us"].fillna(-1).astype(np.int64)
+    ev["wall_us"] = ev["wall_us"].fillna(-1).astype(np.int64)
+    ev["kind"] = ev["kind"].astype(np.int8)
+    return ev
 
 
 def assign_sessions(ev: pd.DataFrame, state: StreamState) -> pd.DataFrame:
@@ -694,14 +725,7 @@ def read_stream(
             jobs = ((b, _given(state), keep_samples) for b in blocks)
             for got in (pool.map(_parse_block, jobs, ahead) if pool is not None else map(_parse_block, jobs)):
                 offset = account.lines
-                part = got.account
-                for i, text in part.examples:
-                    if len(account.examples) < 5:
-                        account.examples.append((i + offset, text))
-                account.lines += part.lines
-                account.used += part.used
-                account.ignored += part.ignored
-                account.unrecognized += part.unrecognized
+                account.absorb(got.account)
                 if got.block is not None:
                     assert got.ports is not None
                     shift = resolve_sessions(got.ports, state)
