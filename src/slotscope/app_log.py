@@ -577,6 +577,37 @@ def _arrow_fields(block: bytes, override: Mapping[str, str]) -> tuple[int, dict[
     - a LoRA value is text, a number, a boolean, null or an object of such values (no list);
     - a LoRA object gives a scale wherever it has one (absent and null scales differ).
     """
+    n = _object_lines(block)
+    if n is None:
+        return None
+    table = _json_table(block, n)
+    if table is None:
+        return None
+    found = _arrow_paths(table, nested_paths(override))
+    if found is None:
+        return None
+    index, arrays = found
+    fields = resolve_fields(index, override)
+    if "start" not in fields or _EXTRA.lower() in index:
+        return None
+    prefix = override.get("timings", "timings").lower()
+    names: dict[str, list[str]] = {key: [override[key]] if key in override else list(ns)
+                                   for key, ns in CANDIDATES.items() if key != "timings"}
+    names.update({f"timings_{sub}": [f"{prefix}.{sub}", f"{prefix}_{sub}"] for sub in TIMINGS})
+    get: dict[str, Sequence[Any]] = {}
+    for key, path in fields.items():
+        if _hidden_by_later_name([arrays[index[name.lower()]] for name in names[key] if name.lower() in index]):
+            return None
+        got = _arrow_values(key, arrays[path])
+        if got is None:
+            return None
+        get[key] = got
+    return n, get
+
+
+def _object_lines(block: bytes) -> int | None:
+    """How many lines the block has, if each is one JSON object on its own ('{' first, '}'
+    last, an '\\r' at most after it); else None."""
     buf = np.frombuffer(block, dtype=np.uint8)
     if not len(buf):
         return None
@@ -591,16 +622,28 @@ def _arrow_fields(block: bytes, override: Mapping[str, str]) -> tuple[int, dict[
     # (an empty line's first byte is its newline: it fails the first test)
     if not ((buf[starts] == _OPEN).all() and (buf[last] == _CLOSE).all()):
         return None
+    return len(ends)
+
+
+def _json_table(block: bytes, rows: int) -> pa.Table | None:
+    """The block read by pyarrow's JSON reader, one chunk; None where it refuses the block
+    (invalid JSON or UTF-8, a duplicate key, a field of two types) or reads other than
+    ``rows`` records."""
     try:
         table = pa_json.read_json(io.BytesIO(block), read_options=pa_json.ReadOptions(use_threads=False,
                                                                                     block_size=len(block) + 1))
         table.validate(full=True)  # the reader keeps invalid UTF-8 in strings; this refuses it
     except (pa.ArrowInvalid, UnicodeDecodeError, ValueError):
         return None
-    if table.num_rows != len(ends):
+    if table.num_rows != rows:
         return None
-    table = table.combine_chunks()
-    nested = nested_paths(override)
+    return table.combine_chunks()
+
+
+def _arrow_paths(table: pa.Table, nested: set[str]) -> tuple[dict[str, tuple[str, ...]], dict[tuple[str, ...], pa.Array]] | None:
+    """:func:`slotscope.app_fields.path_index` of the table's columns (and of the fields of
+    the objects a field could be inside), and each path's array; None where two paths differ
+    only by case (records may each have their own)."""
     index: dict[str, tuple[str, ...]] = {}
     arrays: dict[tuple[str, ...], pa.Array] = {}
 
@@ -608,7 +651,7 @@ def _arrow_fields(block: bytes, override: Mapping[str, str]) -> tuple[int, dict[
         for f, arr in zip(fields, values):
             path = (*prefix, f.name)
             dotted = ".".join(path).lower()
-            if dotted in index:  # two names alike but for case: records may each have their own
+            if dotted in index:
                 return False
             index[dotted] = path
             arrays[path] = arr
@@ -619,38 +662,33 @@ def _arrow_fields(block: bytes, override: Mapping[str, str]) -> tuple[int, dict[
 
     if not walk(table.schema, [c.chunk(0) if c.num_chunks else pa.nulls(0, c.type) for c in table.columns], ()):
         return None
-    fields = resolve_fields(index, override)
-    if "start" not in fields or _EXTRA.lower() in index:
+    return index, arrays
+
+
+def _hidden_by_later_name(there: list[pa.Array]) -> bool:
+    """Whether the first of a field's names present (``there``, in name order) is missing in
+    a row where a later one is set (a record without it is read from the later name)."""
+    if len(there) < 2:
+        return False
+    later = there[1].is_valid()
+    for arr in there[2:]:
+        later = pc.or_(later, arr.is_valid())
+    return bool(pc.any(pc.and_(later, there[0].is_null())).as_py())
+
+
+def _arrow_values(key: str, arr: pa.Array) -> Sequence[Any] | None:
+    """A field's values from its column as :func:`_field_values` reads them from the records;
+    None where they could differ."""
+    if key == "lora":
+        return _arrow_lora_labels(arr)
+    if not any(ok(arr.type) for ok in (_AS_TEXT if key in _TEXT_FIELDS else _AS_NUMBER)):
         return None
-    prefix = override.get("timings", "timings").lower()
-    names: dict[str, list[str]] = {key: [override[key]] if key in override else list(ns)
-                                   for key, ns in CANDIDATES.items() if key != "timings"}
-    names.update({f"timings_{sub}": [f"{prefix}.{sub}", f"{prefix}_{sub}"] for sub in TIMINGS})
-    get: dict[str, Sequence[Any]] = {}
-    for key, path in fields.items():
-        there = [arrays[index[n.lower()]] for n in names[key] if n.lower() in index]
-        if len(there) > 1:
-            later = there[1].is_valid()
-            for arr in there[2:]:
-                later = pc.or_(later, arr.is_valid())
-            if pc.any(pc.and_(later, there[0].is_null())).as_py():
-                return None
-        arr = arrays[path]
-        if key == "lora":
-            got = _arrow_lora_labels(arr)
-        elif not any(ok(arr.type) for ok in (_AS_TEXT if key in _TEXT_FIELDS else _AS_NUMBER)):
-            got = None
-        elif _number_type(arr.type) and _beyond_exact_integers(arr):
-            got = None
-        elif key not in _TEXT_FIELDS and (_number_type(arr.type) or pa.types.is_null(arr.type)):
-            # Read as numbers only: floats, NaN where missing (what _numbers makes of ints, floats, None).
-            got = arr.cast(pa.float64()).to_numpy(zero_copy_only=False)
-        else:
-            got = arr.to_pylist()
-        if got is None:
-            return None
-        get[key] = got
-    return len(ends), get
+    if _number_type(arr.type) and _beyond_exact_integers(arr):
+        return None
+    if key not in _TEXT_FIELDS and (_number_type(arr.type) or pa.types.is_null(arr.type)):
+        # Read as numbers only: floats, NaN where missing (what _numbers makes of ints, floats, None).
+        return arr.cast(pa.float64()).to_numpy(zero_copy_only=False)
+    return arr.to_pylist()
 
 
 def _number_type(t: pa.DataType) -> bool:
@@ -946,46 +984,113 @@ class _StoredChunk:
         return self.table.read([c])[c]
 
 
-def _finish(frames: list[Any], tally: _Tally, on_disk: bool = False) -> AppLog:
-    # The chunks' tables joined a column at a time, each sorted and cast to its dtype as it is
-    # joined, and the chunks' column then dropped: the calls are held twice at most (the
-    # chunks and the result), not four times (joined, sorted, completed, cast). ``on_disk``:
-    # the chunks wait on disk (see _keep) and each finished column goes there, so a few
-    # columns are held (reading the 1 GB bench's app log peaked at 483 MB, 385-412 with the
-    # columns joined one by one, 247-254 on disk). A column is joined as a join of the whole
-    # tables makes it (gaps where a chunk lacks it).
-    frames = frames or [pd.DataFrame(columns=list(CALL_COLUMNS))]
-    sizes = [len(f) for f in frames]
-    # Each chunk's columns apart (each is a block of its own as the chunks are made): a column
-    # popped once joined frees its memory.
-    chunks = [_StoredChunk(f) if isinstance(f, store.StoredTable) else {c: f[c] for c in f.columns} for f in frames]
-    frames.clear()  # (the caller's list: its tables, now in ``chunks``)
-    present = {c for d in chunks for c in d}
+class _Chunks:
+    """The chunks' tables, their columns apart (each is a block of its own as the chunks are
+    made), joined a column at a time: a column popped once joined frees its memory. A column
+    is joined as a join of the whole tables makes it (gaps where a chunk lacks it)."""
 
-    def joined(c: str) -> pd.Series:
+    def __init__(self, frames: list[Any]) -> None:
+        self.sizes = [len(f) for f in frames]
+        self.parts: list[Any] = [_StoredChunk(f) if isinstance(f, store.StoredTable) else {c: f[c] for c in f.columns}
+                                 for f in frames]
+        self.present = {c for d in self.parts for c in d}
+
+    def joined(self, c: str) -> pd.Series:
         parts = [d.pop(c).to_frame(c).set_axis(pd.RangeIndex(n)) if c in d else pd.DataFrame(index=pd.RangeIndex(n))
-                 for d, n in zip(chunks, sizes)]
+                 for d, n in zip(self.parts, self.sizes)]
         return pd.concat(parts, ignore_index=True)[c]
 
-    def joined_codes(c: str) -> tuple[np.ndarray, pd.Index]:
-        """``pd.factorize(joined(c))``, a chunk at a time: a chunk has one file name, and the
-        joined names (as read, a text per call) factorized whole added ~40 MB at 1 GB."""
-        parts = [pd.factorize(d.pop(c)) if c in d else (np.full(n, -1, dtype=np.int64), None) for d, n in zip(chunks, sizes)]
+    def joined_codes(self, c: str) -> tuple[np.ndarray, pd.Index]:
+        """``pd.factorize(self.joined(c))``, a chunk at a time: a chunk has one file name, and
+        the joined names (as read, a text per call) need not be held whole."""
+        parts = [pd.factorize(d.pop(c)) if c in d else (np.full(n, -1, dtype=np.int64), None)
+                 for d, n in zip(self.parts, self.sizes)]
         found = [u for _, u in parts if u is not None and len(u)]
         # (no names at all: the type of the joined column's, as its factorizing gives it)
         names = pd.Index(pd.concat([u.to_series() for u in found or [u for _, u in parts if u is not None]]
                                    or [pd.Series([], dtype=object)], ignore_index=True).unique())
-        out = np.empty(sum(sizes), dtype=np.int64)
+        out = np.empty(sum(self.sizes), dtype=np.int64)
         at = 0
-        for (k, u), n in zip(parts, sizes):
+        for (k, u), n in zip(parts, self.sizes):
             out[at:at + n] = names.get_indexer(u)[k] if u is not None and len(u) else -1
             at += n
         return out, names
 
-    # By start, then file (in reading order), then line: file order from each distinct name.
-    # (The sort keys, joined here, are the loop's below: not joined again.)
-    codes, names = joined_codes("file")
-    keys = {c: joined(c) for c in ("line", "start_us")}
+    def discard(self) -> None:
+        """Remove the chunks' files (now read) now, not when the collector finds them."""
+        for d in self.parts:
+            if isinstance(d, _StoredChunk):
+                d.table.discard()
+        self.parts.clear()
+
+
+class _Calls:
+    """Where :func:`_finish` puts the finished columns (in memory, or on disk through a
+    column writer), noting repeated call ids and starts before 2000 on the way."""
+
+    def __init__(self, on_disk: bool) -> None:
+        self.writer = store.ColumnWriter("app calls") if on_disk else None
+        self.out: dict[str, pd.Series] = {}
+        self.dup = self.early = 0
+
+    def put(self, c: str, col: pd.Series) -> None:
+        if c == "call_id":
+            self.dup = _repeats(col)
+        elif c == "start_us":
+            self.early = int((col < 946_684_800_000_000).sum())  # 2000-01-01
+        if self.writer is not None:
+            self.writer.add(c, col)
+        else:
+            self.out[c] = col
+
+    def done(self, columns: list[str]) -> pd.DataFrame | store.StoredTable:
+        if self.writer is not None:
+            return self.writer.done(columns)
+        return pd.DataFrame({c: self.out.pop(c) for c in columns}, copy=False)  # (not consolidated: no copy)
+
+
+def _finish(frames: list[Any], tally: _Tally, on_disk: bool = False) -> AppLog:
+    """The calls table of the chunks' tables (``frames``, emptied), sorted by start, and its
+    accounting. ``on_disk``: the chunks wait on disk (see :func:`_keep`) and each finished
+    column goes there.
+
+    The chunks are joined a column at a time, each sorted and cast to its dtype as it is
+    joined, and the chunks' column then dropped: the calls are held twice at most (the chunks
+    and the result), not four times (joined, sorted, completed, cast); on disk, a few columns.
+    """
+    frames = frames or [pd.DataFrame(columns=list(CALL_COLUMNS))]
+    chunks = _Chunks(frames)
+    frames.clear()  # (the caller's list: its tables, now in ``chunks``)
+    order, file, keys = _call_order(chunks, tally)
+    extra = [c for c in ("session", "turn") if c in chunks.present]
+    index = pd.RangeIndex(len(order))
+    calls = _Calls(on_disk)
+    # The call ids last: their check for repeats (a hash of every id) then runs beside the
+    # last of the chunks, not all of them.
+    for c in sorted([*CALL_COLUMNS, *extra], key=lambda c: c == "call_id"):
+        if c in ("start_at", "end_at"):
+            continue
+        if c == "file":
+            calls.put(c, file)
+            continue
+        col = ((keys.pop(c) if c in keys else chunks.joined(c)).take(order).set_axis(index) if c in chunks.present
+               else pd.Series(np.nan, index=index))
+        if c in ("start_us", "end_us"):  # (the wall times from the values as read, before the cast)
+            calls.put(c[:-3] + "_at", pd.to_datetime(col, unit="us", utc=True).dt.as_unit("us"))
+        calls.put(c, col.astype(_DTYPES[c]))
+        if on_disk or col.dtype.kind not in "biufcmM":  # a text column's temporaries wait in pyarrow's pool otherwise
+            del col
+            release_memory()
+    chunks.discard()
+    table = calls.done([*CALL_COLUMNS, *extra])
+    return AppLog(table, _accounting(tally, len(table), calls.dup, calls.early))
+
+
+def _call_order(chunks: _Chunks, tally: _Tally) -> tuple[np.ndarray, pd.Series, dict[str, pd.Series]]:
+    """The calls' order (by start, then file in reading order, then line), their file column
+    in that order, and the sort keys as joined (``line``, ``start_us``: not joined again)."""
+    codes, names = chunks.joined_codes("file")
+    keys = {c: chunks.joined(c) for c in ("line", "start_us")}
     file_order = np.array([tally.files[n] for n in names], dtype=np.int64)[codes]
     order = np.lexsort((keys["line"].to_numpy(), file_order, keys["start_us"].to_numpy()))
     del file_order
@@ -993,60 +1098,20 @@ def _finish(frames: list[Any], tally: _Tally, on_disk: bool = False) -> AppLog:
     # their cast gives, from their codes: categories sorted, in the names' own type.
     cats = names.sort_values()
     file = pd.Series(pd.Categorical.from_codes(np.argsort(names.argsort())[codes[order]], dtype=pd.CategoricalDtype(cats)))
-    del codes, names
-    extra = [c for c in ("session", "turn") if c in present]
-    index = pd.RangeIndex(len(order))
-    out: dict[str, pd.Series] = {}
-    writer = store.ColumnWriter("app calls") if on_disk else None
-    dup = early = 0
+    return order, file, keys
 
-    def put(c: str, col: pd.Series) -> None:
-        nonlocal dup, early
-        if c == "call_id":
-            dup = _repeats(col)
-        elif c == "start_us":
-            early = int((col < 946_684_800_000_000).sum())  # 2000-01-01
-        if writer is not None:
-            writer.add(c, col)
-        else:
-            out[c] = col
 
-    # The call ids last: their check for repeats (a hash of every id) then runs beside the
-    # last of the chunks, not all of them.
-    for c in sorted([*CALL_COLUMNS, *extra], key=lambda c: c == "call_id"):
-        if c in ("start_at", "end_at"):
-            continue
-        if c == "file":
-            put(c, file)
-            continue
-        col = (keys.pop(c) if c in keys else joined(c)).take(order).set_axis(index) if c in present else pd.Series(np.nan, index=index)
-        if c in ("start_us", "end_us"):  # (the wall times from the values as read, before the cast)
-            put(c[:-3] + "_at", pd.to_datetime(col, unit="us", utc=True).dt.as_unit("us"))
-        put(c, col.astype(_DTYPES[c]))
-        if on_disk or col.dtype.kind not in "biufcmM":  # a text column's temporaries wait in pyarrow's pool otherwise
-            del col
-            release_memory()
-    for d in chunks:  # (the chunks' files, now read: removed now, not when the collector finds them)
-        if isinstance(d, _StoredChunk):
-            d.table.discard()
-    chunks.clear()
-    order_out = [*CALL_COLUMNS, *extra]
-    if writer is not None:
-        calls = writer.done(order_out)
-        n_calls = len(calls)
-    else:
-        calls = pd.DataFrame({c: out.pop(c) for c in order_out}, copy=False)  # (not consolidated: no copy)
-        n_calls = len(calls)
+def _accounting(tally: _Tally, n_calls: int, dup: int, early: int) -> AppAccounting:
+    """What reading the app logs found, with the notes on the calls as a whole."""
     for name, (n, zone) in tally.naive.items():
         tally.notes[f"{name}: {n} timestamp(s) without a zone read as {zone} (set --tz if wrong)"] = None
     if dup:
         tally.notes[f"{dup} call id(s) appear more than once"] = None
     if early:
         tally.notes[f"{early} call(s) start before 2000: relative times rather than wall clock?"] = None
-    accounting = AppAccounting(
+    return AppAccounting(
         lines_read=tally.lines_read, rows_loaded=n_calls, rows_with_problems=tally.problem_rows,
         rows_dropped=tally.dropped, empty_lines=tally.empty_lines,
         problems=tuple(sorted(tally.examples, key=lambda p: (tally.files[p.file], p.line))[:MAX_EXAMPLES]),
         notes=tuple(tally.notes),
     )
-    return AppLog(calls, accounting)
