@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, islice, repeat
 from os import PathLike, fspath
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import numpy as np
@@ -94,7 +94,7 @@ class AppLog:
     """The calls table and the accounting of how it was read."""
 
     calls: pd.DataFrame = StoredField()  # type: ignore[assignment]
-    accounting: AppAccounting
+    accounting: AppAccounting  # type: ignore[misc]  # (StoredField above is no default: its __get__ raises on the class)
 
 
 @dataclass
@@ -544,7 +544,8 @@ def _field_values(records: Sequence[Mapping[str, Any]], override: Mapping[str, s
         out: list[Any] = [None] * len(records)
         for way in ways:
             at = np.flatnonzero(np.isin(shape, [s for s, fields in enumerate(paths) if fields.get(key) == way]))
-            for i, v in zip(at.tolist(), _pluck([records[i] for i in at], way)):
+            rows = at.tolist()
+            for i, v in zip(rows, _pluck([records[i] for i in rows], way)):
                 out[i] = v
         values[key] = out
     return values
@@ -757,7 +758,7 @@ def _exact_text(arr: pa.Array) -> pa.Array:
 
 def _pluck(records: Sequence[Mapping[str, Any]], path: tuple[str, ...]) -> list[Any]:
     if len(path) == 1:
-        return list(map(dict.get, records, repeat(path[0])))  # a C loop: the records are dicts
+        return list(map(dict.get, cast(Sequence[dict[str, Any]], records), repeat(path[0])))  # a C loop: the records are dicts
     out = []
     for r in records:
         v: Any = r
@@ -812,7 +813,7 @@ def _times_us(values: Sequence[Any], zone: str) -> tuple[pd.Series, np.ndarray, 
         num = pd.Series(np.full(len(values), np.nan))
         rest = np.flatnonzero(~clock)
         if len(rest):
-            num.iloc[rest] = _numbers([values[i] for i in rest])[0].to_numpy()
+            num.iloc[rest] = _numbers([values[i] for i in rest.tolist()])[0].to_numpy()
     else:
         num, _ = _numbers(values)
     mag = num.abs()
@@ -882,7 +883,7 @@ def _frame(
 
 
 def _table(
-    name: str, lines: np.ndarray, get: dict[str, Sequence[Any]], override: Mapping[str, str], zone: str, tally: _Tally
+    name: str, lines: np.ndarray, get: Mapping[str, Sequence[Any]], override: Mapping[str, str], zone: str, tally: _Tally
 ) -> pd.DataFrame:
     """The calls of one chunk from each field's values (``get``, see :func:`_field_values`)."""
     for key, col in override.items():

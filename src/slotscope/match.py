@@ -39,8 +39,8 @@ class Matches:
     """The joined calls, the server tasks no call explains, and the alignment used."""
 
     calls: pd.DataFrame = StoredField()  # type: ignore[assignment]
-    unlogged: pd.DataFrame
-    aligned: pd.DataFrame
+    unlogged: pd.DataFrame  # type: ignore[misc]  # (StoredField above is no default: its __get__ raises on the class)
+    aligned: pd.DataFrame  # type: ignore[misc]
 
 
 def _window_pairs(cl: pd.DataFrame, launch: np.ndarray, release: np.ndarray, tol_us: float) -> tuple[np.ndarray, np.ndarray]:
@@ -251,7 +251,7 @@ class _Joined:
         self.index = cl.index
         ci = pairs["_ci"].to_numpy(dtype=np.int64)
         rows = np.int32 if max(len(tk), len(pairs)) < 2**31 else np.int64  # (a row per call: half the size)
-        self._task_row = np.full(len(cl), -1, dtype=rows)
+        self._task_row: np.ndarray = np.full(len(cl), -1, dtype=rows)
         self._task_row[ci] = pairs["_ti"].to_numpy(dtype=np.int64)
         self._pair_row = np.full(len(cl), -1, dtype=rows)
         self._pair_row[ci] = np.arange(len(pairs))

@@ -242,7 +242,7 @@ def _parse_exact(lines: pa.Array) -> _Exact:
     if cont.any():
         v1[cont] = _num(f["c_ms"])[cont]
         v2[cont] = _num(f["c_n"])[cont]
-    text = {}
+    text: dict[int, str] = {}
     for code, name in ((MODEL, "model"), (BUILD, "build")):
         rows = np.flatnonzero(kind == code)
         if len(rows):
@@ -622,8 +622,8 @@ class ServerLogs:
     tasks: pd.DataFrame = StoredField()  # type: ignore[assignment]
     gen_samples: pd.DataFrame = StoredField()  # type: ignore[assignment]
     prefill_samples: pd.DataFrame = StoredField()  # type: ignore[assignment]
-    sessions: pd.DataFrame
-    accounting: Accounting
+    sessions: pd.DataFrame  # type: ignore[misc]  # (StoredField above is no default: its __get__ raises on the class)
+    accounting: Accounting  # type: ignore[misc]
 
     def on_disk(self, kind: str) -> Samples | None:
         """The :class:`Samples` behind ``gen_samples`` or ``prefill_samples`` (``kind``) while
@@ -655,7 +655,7 @@ class _Parsed:
     events: dict[str, np.ndarray] | None = None
 
 
-def _parse_block(job: tuple[bytes | Span, StreamState, bool]) -> _Parsed:
+def _parse_block(job: tuple[bytes | Span, StreamState, bool | int]) -> _Parsed:
     """Parse and fold one block with nothing from the blocks before it (in a worker process)."""
     block, state, keep_samples = job  # the state: a fresh one per block (_given), this block's to change
     data = read_span(block) if isinstance(block, Span) else block
@@ -786,18 +786,22 @@ def read_server_logs(
     ``samples_on_disk``): the task table is written to one too, a batch at a time as the
     tasks are finished (:class:`slotscope.store.StoredTable`), never whole in memory.
     """
-    tasks, gens, prefills, sessions = [], [], [], []
     on_disk = samples_on_disk and tasks_on_disk
     assemblers, acc = _read_all(paths, inputs, keep_samples=keep_samples, tz=tz, year=year, progress=progress,
                                 chunk_size=chunk_size, jobs=jobs, spill_samples=samples_on_disk,
                                 spill_rows=TASK_ROWS if on_disk else None)
     if on_disk:
-        stored, gens, prefills, sessions, counts = _finish_on_disk(assemblers)
-        out = ServerLogs(tasks=stored, gen_samples=Samples(gens, GEN_COLUMNS), prefill_samples=Samples(prefills, PREFILL_COLUMNS),
-                         sessions=_concat(sessions, SESSION_COLUMNS), accounting=acc)
+        stored, gen_parts, prefill_parts, stream_sessions, counts = _finish_on_disk(assemblers)
+        out = ServerLogs(tasks=stored, gen_samples=Samples(gen_parts, GEN_COLUMNS),
+                         prefill_samples=Samples(prefill_parts, PREFILL_COLUMNS),
+                         sessions=_concat(stream_sessions, SESSION_COLUMNS), accounting=acc)
         acc.tasks_complete, acc.tasks_cancelled, acc.tasks_incomplete = counts
         acc.sessions = len(out.sessions)
         return out
+    tasks: list[pd.DataFrame] = []
+    gens: list[pd.DataFrame | SampleSource] = []  # (sources where the samples stay on disk)
+    prefills: list[pd.DataFrame | SampleSource] = []
+    sessions = []
     for asm in assemblers:
         t, g, p, s = asm.finish_later() if samples_on_disk else asm.finish()
         tasks.append(t)
@@ -831,7 +835,7 @@ def _finish_on_disk(assemblers: list[TaskAssembler]) -> tuple[StoredTable, list[
     # _concat gives them (taken from a one-row batch of each stream).
     cats: dict[str, list[str]] = {}
     if len(streams) > 1:
-        cats = _joined_categories([_task_batch((dataclasses.replace(parts[0], idx=parts[0].idx[:1]), 0, with_wall, None))[0]
+        cats = _joined_categories([_task_table(dataclasses.replace(parts[0], idx=parts[0].idx[:1]), with_wall)
                                    for _, parts in streams])
     counts = np.zeros(3, np.int64)
     samples: dict[int, tuple[SampleSource, SampleSource]] = {}  # per stream (id of its assembler)
@@ -840,8 +844,8 @@ def _finish_on_disk(assemblers: list[TaskAssembler]) -> tuple[StoredTable, list[
     def batches() -> Iterator[pd.DataFrame]:
         for asm, parts in streams:
             for part in parts:
-                table, n = _task_batch((part, 0, with_wall, None))
-                counts[:] += n
+                table = _task_table(part, with_wall)
+                counts[:] += _status_counts(table)
                 firsts.append([table[c].to_numpy(dtype=np.int64) for c in ("port", "session", "task_id")]
                               + [table["first_token_s"].to_numpy(dtype=np.float64, na_value=np.nan)])
                 yield table.assign(**{c: table[c].cat.set_categories(v) for c, v in cats.items()}) if cats else table
@@ -893,7 +897,7 @@ def read_task_batches(
         raise
     acc.sessions = sum(len(s) for _, s in ends)
     with_wall = any(a.has_wall_rows for a in assemblers if a.n_finished)
-    todo = [b for asm, (parts, _) in zip(assemblers, ends) if asm.n_finished for b in parts]
+    todo: list[TaskBatch | None] = [b for asm, (parts, _) in zip(assemblers, ends) if asm.n_finished for b in parts]
     if not todo:
         todo = [None]
     work = [(b, i, with_wall, then) for i, b in enumerate(todo)]
@@ -983,11 +987,18 @@ def _sample_batch(job: tuple[SampleBatch | None, int, Callable[[pd.DataFrame, in
 def _task_batch(job: tuple[TaskBatch | None, int, bool, Callable[[pd.DataFrame, int], object] | None]) -> tuple[object, tuple[int, int, int]]:
     """One batch of the task table (in a worker process, or here), and its status counts."""
     batch, i, with_wall, then = job
+    part = _task_table(batch, with_wall)
+    return (then(part, i) if then is not None else part), _status_counts(part)
+
+
+def _task_table(batch: TaskBatch | None, with_wall: bool) -> pd.DataFrame:
+    """One batch of the task table (None: the empty table); ``with_wall``: with the wall-clock
+    columns, NaT where this stream has none (another stream has wall clocks)."""
     part = batch.table() if batch is not None else _concat([], TASK_COLUMNS)
-    if with_wall and "launch_at" not in part.columns:  # another stream has wall clocks
+    if with_wall and "launch_at" not in part.columns:
         for c in ("launch_at", "release_at", "prefill_start_at", "first_token_at"):
             part[c] = pd.Series(pd.NaT, index=part.index, dtype="datetime64[us, UTC]")
-    return (then(part, i) if then is not None else part), _status_counts(part)
+    return part
 
 
 def _read_all(

@@ -15,14 +15,16 @@ import re
 import sys
 import tempfile
 import threading
+import types
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Iterator, Literal, Sequence
+from typing import BinaryIO, Iterator, Literal, Sequence, cast
 
 from .app_fields import looks_like_app_log
 from .errors import InputError
 
+_zlib: types.ModuleType
 try:  # a faster inflater when installed; the standard library otherwise
     from isal import isal_zlib as _zlib  # type: ignore[import-not-found]
 except ImportError:  # pragma: no cover - depends on the environment
@@ -106,7 +108,7 @@ def open_binary(path: str) -> BinaryIO:
     if path == STDIN:
         raw: BinaryIO = sys.stdin.buffer
         if not hasattr(raw, "peek"):
-            raw = io.BufferedReader(raw)  # type: ignore[arg-type]
+            raw = cast(BinaryIO, io.BufferedReader(cast(io.RawIOBase, raw)))  # (a raw stream, then)
     else:
         try:
             raw = open(path, "rb")
@@ -212,7 +214,7 @@ def collect(paths: Sequence[str | os.PathLike[str]]) -> Inputs:
                 inputs.unusable.append((f, str(kind)))
             continue
         if f == STDIN:
-            inputs.stdin = _Prepended(head, stream)
+            inputs.stdin = cast(BinaryIO, _Prepended(head, stream))  # (read as one: read(n) -> bytes)
         if kind == "app":
             inputs.app.append(LogFile(f, "app", f, 0))
             continue
@@ -341,7 +343,7 @@ def reopen(lf: LogFile, inputs: Inputs) -> BinaryIO:
     """Open a collected file again for the full read (stdin is handed back as collected)."""
     if lf.path == STDIN:
         assert inputs.stdin is not None
-        return inputs.stdin  # type: ignore[return-value]
+        return inputs.stdin
     return open_binary(lf.path)
 
 
@@ -446,7 +448,7 @@ def _block_pieces(stream: BinaryIO, path: str, size: int) -> Iterator[list]:
 
 def _salvage(stream: BinaryIO, path: str) -> tuple[bytes, InputError]:
     """After a failed read, what a decompressor still hands out in small reads, and the error."""
-    parts = []
+    parts: list[bytes] = []
     while True:
         try:
             piece = stream.read(4096)
