@@ -110,8 +110,8 @@ def _pair_arrays(tasks: pd.DataFrame, calls: pd.DataFrame, tcode: np.ndarray | N
     still contains the true pairs when the log covers the calls.
     """
     # Row positions and numbers only: a token key and a session as one integer each, groups
-    # counted and ranked with numpy (the tables and merges of keys these replace held ~100 MB
-    # at 1 GB of log, the sessions' texts repeated on every task among them).
+    # counted and ranked with numpy (tables and merges of the keys would repeat the sessions'
+    # texts on every task).
     # (positions as int32 where they fit: every pair-long array of them is half the size)
     tr = _positions(np.flatnonzero((tasks["status"] == "complete").to_numpy(dtype=bool, na_value=False)), len(tasks))
     cr = _positions(np.flatnonzero((calls["prompt_tokens"].notna() & calls["completion_tokens"].notna()).to_numpy()), len(calls))
@@ -149,8 +149,8 @@ def _pair_arrays(tasks: pd.DataFrame, calls: pd.DataFrame, tcode: np.ndarray | N
     del kc, kt, group, small
     # What the vote reads of each pair (no ids: a string per pair): its task, its offset
     # interval, whether exact; made a block of pairs at a time into arrays sized once (no
-    # pair-long array of calls, no pair-long temporaries: ~5 pairs a call, 22 MB per array of
-    # floats at 1 GB of log). A pair whose call kept the server's timings is kept only where
+    # pair-long array of calls, no pair-long temporaries: there are several pairs a call).
+    # A pair whose call kept the server's timings is kept only where
     # they are the task's (then it is exact).
     total = sum(_count_pairs(lk + shift, rk) for lk, shift, rk, _, _ in joins)
     ti = np.empty(total, dtype=tr.dtype if task_of is None else task_of.dtype)
@@ -178,8 +178,8 @@ def _pair_arrays(tasks: pd.DataFrame, calls: pd.DataFrame, tcode: np.ndarray | N
                 keep = ~has_timings | ex
                 yield ci[keep], tb[keep], ex[keep]
 
-    # Twice over the pairs: their starts, then their ends (each pass reads two columns: at
-    # 1 GB of log 9 MB, and ``hi`` untouched until the second).
+    # Twice over the pairs: their starts, then their ends (each pass reads two columns, and
+    # ``hi`` is untouched until the second).
     start, launch = calls["start_us"].to_numpy(dtype=float), tasks["launch_s"].to_numpy(dtype=float)
     release_memory()  # the columns' temporaries as read
     k = 0
@@ -367,7 +367,7 @@ def _warn_overlaps(aligned: pd.DataFrame, sessions: pd.DataFrame) -> None:
 
 def app_clock_offsets(frame: pd.DataFrame, aligned: pd.DataFrame) -> np.ndarray:
     """Per row of ``frame``: its session's clock offset (µs, app clock; NaN where unaligned).
-    (A lookup by session code: a merge copied the key columns of every row, 90 MB at 1 GB.)"""
+    (A lookup by session code: a merge would copy the key columns of every row.)"""
     fcode, acode = key_codes([frame, aligned], SESSION_KEY)
     return by_code(acode, aligned["offset_us"].to_numpy(dtype=np.float64, na_value=np.nan), fcode, np.nan)
 

@@ -271,8 +271,8 @@ def read_app_log_lines(
 
 
 def _keep(on_disk: bool) -> Callable[[pd.DataFrame], "pd.DataFrame | store.StoredTable"]:
-    """How a chunk's table waits for :func:`_finish`: as it is, or on disk (the chunks of the
-    1 GB bench's app log are ~117 MB; :func:`_finish` then reads them a column at a time)."""
+    """How a chunk's table waits for :func:`_finish`: as it is, or on disk (then
+    :func:`_finish` reads them a column at a time)."""
     return (lambda f: store.StoredTable(f, "app log chunk")) if on_disk else (lambda f: f)
 
 
@@ -396,9 +396,9 @@ def _span_frames(job: tuple[Span, str, Mapping[str, str], str, bool]) -> tuple[l
     span, name, override, zone, first = job
     tally = _Tally(files={name: 0})
     frames = _json_block_frames(name, read_span(span), 1, override, zone, tally, bom=first)
-    # What the span's reading freed, handed back before the next span: kept, a worker grew by
-    # ~80 MB over the 1 GB bench's app log (pandas' cycles wait for the collector, pyarrow's
-    # pool and glibc keep freed pages).
+    # What the span's reading freed, handed back before the next span: else a worker grows
+    # span after span (pandas' cycles wait for the collector, pyarrow's pool and glibc keep
+    # freed pages).
     gc.collect()
     release_memory()
     return frames, tally
@@ -562,9 +562,9 @@ _LORA_NAMES = ("name", "id", "path")  # what lora_label reads of an adapter obje
 
 def _arrow_fields(block: bytes, override: Mapping[str, str]) -> tuple[int, dict[str, Sequence[Any]]] | None:
     """``(lines, get)``: the block's line count and each field's values exactly as
-    :func:`_field_values` reads them from its records, read by pyarrow's JSON reader (an
-    8 MiB block of the bench's app log: 130 ms, against 310-400 ms for json.loads and
-    per-record lookups); None where that could differ, and the block is read record by record.
+    :func:`_field_values` reads them from its records, read by pyarrow's JSON reader (a few
+    times faster than json.loads and per-record lookups); None where that could differ, and
+    the block is read record by record.
 
     It is read so when every line is one object on its own ('{' first, '}' last, an '\r' at
     most after it: no blank line, no object across lines or two on one), pyarrow reads it
@@ -954,7 +954,7 @@ def _table(
 
 def _repeats(col: pd.Series) -> int:
     """``col.duplicated().sum()`` of a text column, from its values sorted by pyarrow: no hash
-    table of Python strings (at 1 GB of log the call ids' took ~90 MB, this ~25 MB)."""
+    table of Python strings (several times the size of the sorted values)."""
     values = pa.array(col.array)  # (pyarrow's own where pandas keeps it so)
     nulls = values.null_count
     if nulls:

@@ -8,8 +8,7 @@ current llama.cpp grammar column-wise (``scan``). The scanner only takes lines w
 by the single RE2 pattern ``FAST_PATTERN`` it can prove, and gives the same reading; the rest
 (older multi-line timings, damaged lines) go through ``FAST_PATTERN`` itself, and lines it does
 not know either go to :mod:`slotscope.legacy` one by one (older formats, which are rare).
-Measured on the bench's 1 GB log: 70-100 MB/s for the whole parse on one core (the shared
-machine varies), where ``FAST_PATTERN`` on every line ran at ~6 MB/s.
+``FAST_PATTERN`` on every line would be an order of magnitude slower than the scanner.
 
 Keys are message texts, not the 12-character function field (it moved between versions).
 Each event row carries its file line so every figure can be traced back.
@@ -678,8 +677,7 @@ def _blocks(stream: BinaryIO, lf: LogFile, size: int, pool: Pool | None) -> tupl
     if pool is None or pool.jobs < 2:
         return iter_chunks(stream, lf.path, size), None
     # Compressed or piped: each block goes to the workers through a temporary file. (Blocks
-    # of the full size: with the C scanner, half-size ones cost ~0.5 s per GB more in per-block
-    # work, for ~30 MB less memory at any input size: 1 GB .gz 220 MB against 190.)
+    # of the full size: smaller ones save little memory and add per-block work.)
     return staged(iter_chunks(stream, lf.path, size, pieces=True)), None
 
 
@@ -1036,8 +1034,8 @@ def _same_categories(frames: list[pd.DataFrame]) -> list[pd.DataFrame]:
     given one set of categories, sorted (so the column sorts as its text does).
 
     pandas joins categoricals with different categories as text: with two or more server
-    logs, ``source`` and ``file`` became a string per row (the 1 GB bench read as two logs:
-    0.8 GB more) and their dtype depended on how many servers were read.
+    logs, ``source`` and ``file`` would become a string per row, and their dtype would
+    depend on how many servers were read.
     """
     for c, cats in _joined_categories(frames).items():
         frames = [f.assign(**{c: f[c].cat.set_categories(cats)}) for f in frames]
