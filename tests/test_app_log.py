@@ -16,12 +16,12 @@ from slotscope.app_log import (
     CALL_COLUMNS,
     lora_label,
     load_column_file,
-    looks_like_app_log,
     parse_column_spec,
     read_app_log_lines,
     read_app_log_stream,
     read_app_logs,
 )
+from slotscope.app_fields import looks_like_app_log
 from slotscope.errors import AppLogError
 
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+EXAMPLES = 5  # unrecognized lines kept per file to show
+
 
 @dataclass
 class FileAccount:
@@ -18,6 +20,23 @@ class FileAccount:
     examples: list[tuple[int, str]] = field(default_factory=list)  # (line, text) of unrecognized lines
     wrapper: str | None = None
     error: str | None = None  # why the file could not be (fully) read
+
+    def add_unrecognized(self, line: int, text: str) -> None:
+        """Count one unrecognized line, and keep it as an example while there are few."""
+        self.unrecognized += 1
+        if len(self.examples) < EXAMPLES:
+            self.examples.append((line, text[:200]))
+
+    def absorb(self, part: "FileAccount") -> None:
+        """Add the counts of the next block of this file, read on its own (its lines counted from 1)."""
+        offset = self.lines
+        for line, text in part.examples:
+            if len(self.examples) < EXAMPLES:
+                self.examples.append((line + offset, text))
+        self.lines += part.lines
+        self.used += part.used
+        self.ignored += part.ignored
+        self.unrecognized += part.unrecognized
 
 
 @dataclass

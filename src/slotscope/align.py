@@ -19,7 +19,7 @@ app's clock) and the difference between the two is reported as the app clock's s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 import pandas as pd
@@ -110,8 +110,8 @@ def _pair_arrays(tasks: pd.DataFrame, calls: pd.DataFrame, tcode: np.ndarray | N
     still contains the true pairs when the log covers the calls.
     """
     # Row positions and numbers only: a token key and a session as one integer each, groups
-    # counted and ranked with numpy (the tables and merges of keys these replace held ~100 MB
-    # at 1 GB of log, the sessions' texts repeated on every task among them).
+    # counted and ranked with numpy (tables and merges of the keys would repeat the sessions'
+    # texts on every task).
     # (positions as int32 where they fit: every pair-long array of them is half the size)
     tr = _positions(np.flatnonzero((tasks["status"] == "complete").to_numpy(dtype=bool, na_value=False)), len(tasks))
     cr = _positions(np.flatnonzero((calls["prompt_tokens"].notna() & calls["completion_tokens"].notna()).to_numpy()), len(calls))
@@ -149,8 +149,8 @@ def _pair_arrays(tasks: pd.DataFrame, calls: pd.DataFrame, tcode: np.ndarray | N
     del kc, kt, group, small
     # What the vote reads of each pair (no ids: a string per pair): its task, its offset
     # interval, whether exact; made a block of pairs at a time into arrays sized once (no
-    # pair-long array of calls, no pair-long temporaries: ~5 pairs a call, 22 MB per array of
-    # floats at 1 GB of log). A pair whose call kept the server's timings is kept only where
+    # pair-long array of calls, no pair-long temporaries: there are several pairs a call).
+    # A pair whose call kept the server's timings is kept only where
     # they are the task's (then it is exact).
     total = sum(_count_pairs(lk + shift, rk) for lk, shift, rk, _, _ in joins)
     ti = np.empty(total, dtype=tr.dtype if task_of is None else task_of.dtype)
@@ -178,8 +178,8 @@ def _pair_arrays(tasks: pd.DataFrame, calls: pd.DataFrame, tcode: np.ndarray | N
                 keep = ~has_timings | ex
                 yield ci[keep], tb[keep], ex[keep]
 
-    # Twice over the pairs: their starts, then their ends (each pass reads two columns: at
-    # 1 GB of log 9 MB, and ``hi`` untouched until the second).
+    # Twice over the pairs: their starts, then their ends (each pass reads two columns, and
+    # ``hi`` is untouched until the second).
     start, launch = calls["start_us"].to_numpy(dtype=float), tasks["launch_s"].to_numpy(dtype=float)
     release_memory()  # the columns' temporaries as read
     k = 0
@@ -276,61 +276,78 @@ def align(
     server_start: pd.Timestamp | None = None,
 ) -> pd.DataFrame:
     """One row per server session: its clock offset (µs since the epoch, app clock) and how it was found."""
-    rows = []
-    by_session: dict[int, np.ndarray | None] = {}  # each session's pairs (None: all of them)
-    scode = np.zeros(len(sessions), dtype=np.int64)
-    if calls is not None and len(calls) and len(tasks):
-        tcode, scode = key_codes([tasks, sessions], SESSION_KEY)
-        tcode = narrow(tcode)  # (a byte a task where sessions are few: it is held under the pairs)
-        # Each pair's session (a byte a pair where they are few), not its task.
-        pcode, lo, hi, exact = _pair_arrays(tasks, calls, tcode, task_of=tcode)
-        usable = _usable(lo, hi)
-        if len(pcode) and (tcode == tcode[0]).all():  # one session (the usual case): no row lists
-            by_session = {int(tcode[0]): None}
-        else:
-            by_session = rows_by_group(pcode, np.ones(len(pcode), dtype=bool))
-        del pcode, tcode
-    for i, (_, s) in enumerate(sessions.iterrows()):  # a handful of sessions, not a hot path
-        key = (s["source"], s["port"], s["session"])
-        wrapper = s.get("wall_offset_us")
-        wrapper = None if wrapper is None or pd.isna(wrapper) else float(wrapper)
-        row = dict(zip(SESSION_KEY, key), method="none", offset_us=np.nan, support=0, spread_ms=np.nan,
-                   wrapper_offset_us=wrapper, app_clock_skew_s=np.nan, warning="")
-        vote = None
-        if int(scode[i]) in by_session:
-            p = by_session[int(scode[i])]
-            timed = bool((exact if p is None else exact[p]).any())
-            if timed:  # the exact pairs alone
-                p = np.flatnonzero(exact) if p is None else p[exact[p]]
-            keep = usable if p is None else usable[p]
-            if p is None:  # the only session's pairs: voted on as they are (the unusable dropped)
-                if not keep.all():
-                    lo, hi = kept_in_place(lo, keep, PAIR_BLOCK), kept_in_place(hi, keep, PAIR_BLOCK)
-                vote = _vote(lo, hi)
-            else:
-                vote = _vote(lo[p[keep]], hi[p[keep]])
-            if vote is not None:
-                row.update(method="app-timings" if timed else "app-tokens", offset_us=vote.offset,
-                           support=vote.support, spread_ms=(vote.high - vote.low) / 1e3)
-                if vote.support < MIN_SUPPORT:
-                    row["warning"] = f"weak evidence: only {vote.support} call(s) agree on this clock offset"
-        if server_start is not None:
-            row.update(method="manual", offset_us=float(server_start.value // 1000), support=0, spread_ms=np.nan)
-        elif (vote is None or vote.support < MIN_SUPPORT) and wrapper is not None:
-            row.update(method="wrapper", offset_us=wrapper, support=int(s.get("wall_offset_support") or 0), spread_ms=np.nan,
-                       warning="")
-        if wrapper is not None and vote is not None and vote.support >= MIN_SUPPORT:
-            skew = (vote.offset - wrapper) / 1e6
-            row["app_clock_skew_s"] = round(skew, 3)
-            if abs(skew) > 1:
-                row["warning"] = f"the app's clock is {skew:+.1f} s off the server's wall clock; aligned by the app log"
-        if row["method"] == "none":
-            row["warning"] = "no clock anchor: no wrapper stamps and no app call whose token counts match a task"
-        rows.append(row)
+    votes = _app_votes(tasks, sessions, calls)
+    # (a handful of sessions, not a hot path)
+    rows = [_session_row(s, *votes[i], server_start) for i, (_, s) in enumerate(sessions.iterrows())]
     out = pd.DataFrame(rows, columns=[c for c in ALIGN_COLUMNS if c != "server_start_at"])
     out["server_start_at"] = pd.to_datetime(out["offset_us"].round().astype("Int64"), unit="us", utc=True)
     _warn_overlaps(out, sessions)
     return out[ALIGN_COLUMNS]
+
+
+def _app_votes(tasks: pd.DataFrame, sessions: pd.DataFrame, calls: pd.DataFrame | None) -> list[tuple[Vote | None, bool]]:
+    """Per session (row of ``sessions``): the app calls' vote on its clock offset (None: no
+    usable pair), and whether it came from exact pairs (the app kept the server's timings)."""
+    votes: list[tuple[Vote | None, bool]] = [(None, False)] * len(sessions)
+    if calls is None or not len(calls) or not len(tasks):
+        return votes
+    tcode, scode = key_codes([tasks, sessions], SESSION_KEY)
+    tcode = narrow(tcode)  # (a byte a task where sessions are few: it is held under the pairs)
+    # Each pair's session (a byte a pair where they are few), not its task.
+    pcode, lo, hi, exact = _pair_arrays(tasks, calls, tcode, task_of=tcode)
+    usable = _usable(lo, hi)
+    by_session: Mapping[int, np.ndarray | None]  # each session's pairs (None: all of them)
+    if len(pcode) and (tcode == tcode[0]).all():  # one session (the usual case): no row lists
+        by_session = {int(tcode[0]): None}
+    else:
+        by_session = rows_by_group(pcode, np.ones(len(pcode), dtype=bool))
+    del pcode, tcode
+    for i, code in enumerate(scode.tolist()):
+        if code in by_session:
+            votes[i] = _session_vote(by_session[code], lo, hi, exact, usable)
+    return votes
+
+
+def _session_vote(p: np.ndarray | None, lo: np.ndarray, hi: np.ndarray, exact: np.ndarray,
+                  usable: np.ndarray) -> tuple[Vote | None, bool]:
+    """The vote of one session's pairs (rows ``p`` of the pair arrays; None: all of them), on
+    its exact pairs alone where it has some; and whether it had."""
+    timed = bool((exact if p is None else exact[p]).any())
+    if timed:
+        p = np.flatnonzero(exact) if p is None else p[exact[p]]
+    keep = usable if p is None else usable[p]
+    if p is None:  # the only session's pairs: voted on as they are (the unusable dropped)
+        if not keep.all():
+            lo, hi = kept_in_place(lo, keep, PAIR_BLOCK), kept_in_place(hi, keep, PAIR_BLOCK)
+        return _vote(lo, hi), timed
+    return _vote(lo[p[keep]], hi[p[keep]]), timed
+
+
+def _session_row(s: pd.Series, vote: Vote | None, timed: bool, server_start: pd.Timestamp | None) -> dict[str, Any]:
+    """One session's row of :func:`align`: the offset from the first anchor that holds (the
+    user's ``server_start``, the app's vote with enough support, the wrapper's stamps)."""
+    wrapper = s.get("wall_offset_us")
+    wrapper = None if wrapper is None or pd.isna(wrapper) else float(wrapper)
+    row = dict(zip(SESSION_KEY, (s["source"], s["port"], s["session"])), method="none", offset_us=np.nan, support=0,
+               spread_ms=np.nan, wrapper_offset_us=wrapper, app_clock_skew_s=np.nan, warning="")
+    if vote is not None:
+        row.update(method="app-timings" if timed else "app-tokens", offset_us=vote.offset,
+                   support=vote.support, spread_ms=(vote.high - vote.low) / 1e3)
+        if vote.support < MIN_SUPPORT:
+            row["warning"] = f"weak evidence: only {vote.support} call(s) agree on this clock offset"
+    if server_start is not None:
+        row.update(method="manual", offset_us=float(server_start.value // 1000), support=0, spread_ms=np.nan)
+    elif (vote is None or vote.support < MIN_SUPPORT) and wrapper is not None:
+        row.update(method="wrapper", offset_us=wrapper, support=int(s.get("wall_offset_support") or 0), spread_ms=np.nan,
+                   warning="")
+    if wrapper is not None and vote is not None and vote.support >= MIN_SUPPORT:
+        skew = (vote.offset - wrapper) / 1e6
+        row["app_clock_skew_s"] = round(skew, 3)
+        if abs(skew) > 1:
+            row["warning"] = f"the app's clock is {skew:+.1f} s off the server's wall clock; aligned by the app log"
+    if row["method"] == "none":
+        row["warning"] = "no clock anchor: no wrapper stamps and no app call whose token counts match a task"
+    return row
 
 
 def _warn_overlaps(aligned: pd.DataFrame, sessions: pd.DataFrame) -> None:
@@ -350,7 +367,7 @@ def _warn_overlaps(aligned: pd.DataFrame, sessions: pd.DataFrame) -> None:
 
 def app_clock_offsets(frame: pd.DataFrame, aligned: pd.DataFrame) -> np.ndarray:
     """Per row of ``frame``: its session's clock offset (µs, app clock; NaN where unaligned).
-    (A lookup by session code: a merge copied the key columns of every row, 90 MB at 1 GB.)"""
+    (A lookup by session code: a merge would copy the key columns of every row.)"""
     fcode, acode = key_codes([frame, aligned], SESSION_KEY)
     return by_code(acode, aligned["offset_us"].to_numpy(dtype=np.float64, na_value=np.nan), fcode, np.nan)
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, islice, repeat
 from os import PathLike, fspath
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import numpy as np
@@ -29,6 +29,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pa_json
 
+from .app_fields import (
+    CANDIDATES, ALIASES, TIMINGS, nested_paths, path_index, resolve_fields,
+)
 from .errors import AppLogError
 from .sources import CHUNK_SIZE, Span, is_plain, iter_chunks, iter_spans, open_binary, read_span
 from . import store
@@ -36,35 +39,6 @@ from .store import StoredField
 from .tasks import release_memory
 from .workers import Pool
 
-# Specific names before generic ones: a record with both `start` and `ts` usually means
-# `ts` is when the line was written, i.e. the end of the call.
-CANDIDATES: dict[str, tuple[str, ...]] = {
-    "start": ("start", "started_at", "start_time", "request_time", "t_send", "ts", "timestamp", "time"),
-    "end": ("end", "ended_at", "finished_at", "end_time"),
-    "duration_ms": ("duration_ms", "latency_ms", "elapsed_ms"),
-    "duration_s": ("duration", "elapsed"),
-    "purpose": ("purpose", "kind", "type", "task"),
-    "user": ("user", "user_id", "conversation", "conversation_id", "session"),
-    "lora": ("lora", "adapter", "lora_adapter"),
-    "prompt_tokens": (
-        "prompt_tokens", "input_tokens", "usage.prompt_tokens", "usage.input_tokens", "tokens_evaluated",
-    ),
-    "completion_tokens": (
-        "completion_tokens", "output_tokens", "usage.completion_tokens", "usage.output_tokens", "tokens_predicted",
-    ),
-    "cached_tokens": (
-        "cached_tokens", "usage.prompt_tokens_details.cached_tokens", "timings.cache_n", "timings_cache_n",
-    ),
-    "status": ("status", "status_code", "http_status"),
-    "error": ("error", "error_message"),
-    "call_id": ("id", "call_id", "request_id"),
-    "session": ("session", "session_id"),
-    "turn": ("turn",),
-    "timings": ("timings",),
-}
-_ALIASES = {"id": "call_id", "duration": "duration_s"}
-TIMINGS: dict[str, str] = {"prompt_n": "Int64", "prompt_ms": "float64", "predicted_n": "Int64",
-                           "predicted_ms": "float64", "cache_n": "Int64"}
 _TIMING_COLS = tuple(f"timings_{k}" for k in TIMINGS)
 CALL_COLUMNS: tuple[str, ...] = (
     "call_id", "start_at", "end_at", "duration_ms", "purpose", "user", "lora", "prompt_tokens",
@@ -81,9 +55,6 @@ _DTYPES: dict[str, str] = {
 CHUNK_ROWS = 10_000  # records parsed at a time: their dicts are ~3 KB each, the peak of reading
 MAX_EXAMPLES = 5
 SPAN_BYTES = CHUNK_SIZE  # a plain JSONL file is read in parts of this size by worker processes
-# fields that, beside a start time, make a record a call rather than any timestamped line
-_STRONG = ("end", "duration_ms", "duration_s", "purpose", "lora", "prompt_tokens", "completion_tokens",
-           "cached_tokens")
 _Rows = Iterator[tuple[int, dict[str, Any]]]  # (1-based line, record)
 _EXTRA = "\x00extra"  # marks a CSV row with more cells than the header
 _OK_WORDS = {"ok", "success", "succeeded", "completed", "done"}
@@ -123,7 +94,7 @@ class AppLog:
     """The calls table and the accounting of how it was read."""
 
     calls: pd.DataFrame = StoredField()  # type: ignore[assignment]
-    accounting: AppAccounting
+    accounting: AppAccounting  # type: ignore[misc]  # (StoredField above is no default: its __get__ raises on the class)
 
 
 @dataclass
@@ -193,7 +164,7 @@ def load_column_file(path: str | PathLike[str]) -> dict[str, str]:
 
 
 def _checked(columns: Mapping[str, str]) -> dict[str, str]:
-    out = {_ALIASES.get(k.lower(), k.lower()): v for k, v in columns.items()}
+    out = {ALIASES.get(k.lower(), k.lower()): v for k, v in columns.items()}
     unknown = sorted(set(out) - set(CANDIDATES))
     if unknown:
         raise ValueError(f"unknown app-log field {', '.join(unknown)}; known: {', '.join(CANDIDATES)}")
@@ -253,33 +224,6 @@ def _lora_labels(values: Sequence[Any]) -> list[str]:
     return out
 
 
-def looks_like_app_log(sample: bytes) -> bool:
-    """True if the (decompressed) start of a file reads as an app call log, JSONL or CSV.
-
-    llama-server text lines and journald/docker JSON wrappers around them are not app logs.
-    """
-    lines = [ln for ln in sample.decode("utf-8", "replace").lstrip("\ufeff").splitlines() if ln.strip()][:20]
-    if not lines:
-        return False
-    if lines[0].lstrip().startswith("{"):
-        records = []
-        for ln in lines:
-            try:
-                rec = json.loads(ln)
-            except ValueError:
-                continue  # the sample may end mid-line
-            if isinstance(rec, dict):
-                records.append(rec)
-        # journald (`journalctl -o json`) and docker json-file wrap server lines in JSON
-        if not records or any("MESSAGE" in r or "__CURSOR" in r or ("log" in r and "stream" in r) for r in records):
-            return False
-        index = _path_index(records, {})
-    else:
-        index = {h.strip().lower(): (h.strip(),) for h in next(csv.reader([lines[0]]))}
-    fields = _resolve(index, {})
-    return "start" in fields and any(k in fields for k in _STRONG)
-
-
 def read_app_logs(
     paths: Iterable[str | PathLike[str]], *, columns: Mapping[str, str] | None = None, tz: str | None = None
 ) -> AppLog:
@@ -327,8 +271,8 @@ def read_app_log_lines(
 
 
 def _keep(on_disk: bool) -> Callable[[pd.DataFrame], "pd.DataFrame | store.StoredTable"]:
-    """How a chunk's table waits for :func:`_finish`: as it is, or on disk (the chunks of the
-    1 GB bench's app log are ~117 MB; :func:`_finish` then reads them a column at a time)."""
+    """How a chunk's table waits for :func:`_finish`: as it is, or on disk (then
+    :func:`_finish` reads them a column at a time)."""
     return (lambda f: store.StoredTable(f, "app log chunk")) if on_disk else (lambda f: f)
 
 
@@ -452,9 +396,9 @@ def _span_frames(job: tuple[Span, str, Mapping[str, str], str, bool]) -> tuple[l
     span, name, override, zone, first = job
     tally = _Tally(files={name: 0})
     frames = _json_block_frames(name, read_span(span), 1, override, zone, tally, bom=first)
-    # What the span's reading freed, handed back before the next span: kept, a worker grew by
-    # ~80 MB over the 1 GB bench's app log (pandas' cycles wait for the collector, pyarrow's
-    # pool and glibc keep freed pages).
+    # What the span's reading freed, handed back before the next span: else a worker grows
+    # span after span (pandas' cycles wait for the collector, pyarrow's pool and glibc keep
+    # freed pages).
     gc.collect()
     release_memory()
     return frames, tally
@@ -556,60 +500,10 @@ def _csv_rows(name: str, numbered: Iterable[tuple[int, str]], tally: _Tally) -> 
         yield start, rec
 
 
-def _nested(override: Mapping[str, str]) -> set[str]:
-    """Lower-cased dotted paths of the objects a field could be inside."""
-    names = [n.lower() for ns in CANDIDATES.values() for n in ns] + [n.lower() for n in override.values()]
-    names += [f"{override.get('timings', 'timings').lower()}.{k}" for k in TIMINGS]
-    return {n.rsplit(".", i)[0] for n in names for i in range(1, n.count(".") + 1)}
-
-
-def _path_index(records: Iterable[Mapping[str, Any]], override: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
-    """Lower-cased dotted path -> the path as written, for every key a field could name."""
-    nested = _nested(override)
-    index: dict[str, tuple[str, ...]] = {}
-    seen: dict[tuple[tuple[str, ...], tuple[str, ...]], list[tuple[str, tuple[str, ...]]]] = {}
-
-    def walk(obj: Mapping[str, Any], prefix: tuple[str, ...]) -> None:
-        shape = (prefix, tuple(obj))  # most records share a handful of shapes: index each once
-        deeper = seen.get(shape)
-        if deeper is None:
-            deeper = seen[shape] = []
-            for k in obj:
-                path = (*prefix, k)
-                dotted = ".".join(path).lower()
-                index.setdefault(dotted, path)
-                if dotted in nested:
-                    deeper.append((k, path))
-        for k, path in deeper:
-            if isinstance(obj[k], dict):
-                walk(obj[k], path)
-
-    for rec in records:
-        walk(rec, ())
-    return index
-
-
-def _resolve(index: Mapping[str, tuple[str, ...]], override: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
-    fields: dict[str, tuple[str, ...]] = {}
-    for key, names in CANDIDATES.items():
-        if key == "timings":
-            continue
-        wanted = (override[key],) if key in override else names
-        hit = next((index[n.lower()] for n in wanted if n.lower() in index), None)
-        if hit is not None:
-            fields[key] = hit
-    prefix = override.get("timings", "timings").lower()
-    for sub in TIMINGS:
-        hit = index.get(f"{prefix}.{sub}") or index.get(f"{prefix}_{sub}")
-        if hit is not None:
-            fields[f"timings_{sub}"] = hit
-    return fields
-
-
 def _shapes(records: Sequence[Mapping[str, Any]], override: Mapping[str, str]) -> tuple[np.ndarray, list[int]]:
     """Each record's shape (its keys, and those of the objects a field could be inside) as a
     number, and one record of each shape."""
-    nested = _nested(override)
+    nested = nested_paths(override)
     deeper: dict[tuple[tuple[str, ...], tuple[str, ...]], list[str]] = {}  # per (prefix, keys): keys to look into
 
     def signature(obj: Mapping[str, Any], prefix: tuple[str, ...]) -> Any:
@@ -640,7 +534,7 @@ def _field_values(records: Sequence[Mapping[str, Any]], override: Mapping[str, s
     field's names (:data:`CANDIDATES`) present in the record itself. Records of other shapes in
     the same log (another name for a field, or a field nested differently) never hide it."""
     shape, first = _shapes(records, override)
-    paths = [_resolve(_path_index([records[i]], override), override) for i in first]
+    paths = [resolve_fields(path_index([records[i]], override), override) for i in first]
     values: dict[str, list[Any]] = {}
     for key in dict.fromkeys(k for fields in paths for k in fields):
         ways = {fields[key] for fields in paths if key in fields}
@@ -650,7 +544,8 @@ def _field_values(records: Sequence[Mapping[str, Any]], override: Mapping[str, s
         out: list[Any] = [None] * len(records)
         for way in ways:
             at = np.flatnonzero(np.isin(shape, [s for s, fields in enumerate(paths) if fields.get(key) == way]))
-            for i, v in zip(at.tolist(), _pluck([records[i] for i in at], way)):
+            rows = at.tolist()
+            for i, v in zip(rows, _pluck([records[i] for i in rows], way)):
                 out[i] = v
         values[key] = out
     return values
@@ -667,9 +562,9 @@ _LORA_NAMES = ("name", "id", "path")  # what lora_label reads of an adapter obje
 
 def _arrow_fields(block: bytes, override: Mapping[str, str]) -> tuple[int, dict[str, Sequence[Any]]] | None:
     """``(lines, get)``: the block's line count and each field's values exactly as
-    :func:`_field_values` reads them from its records, read by pyarrow's JSON reader (an
-    8 MiB block of the bench's app log: 130 ms, against 310-400 ms for json.loads and
-    per-record lookups); None where that could differ, and the block is read record by record.
+    :func:`_field_values` reads them from its records, read by pyarrow's JSON reader (a few
+    times faster than json.loads and per-record lookups); None where that could differ, and
+    the block is read record by record.
 
     It is read so when every line is one object on its own ('{' first, '}' last, an '\r' at
     most after it: no blank line, no object across lines or two on one), pyarrow reads it
@@ -683,6 +578,37 @@ def _arrow_fields(block: bytes, override: Mapping[str, str]) -> tuple[int, dict[
     - a LoRA value is text, a number, a boolean, null or an object of such values (no list);
     - a LoRA object gives a scale wherever it has one (absent and null scales differ).
     """
+    n = _object_lines(block)
+    if n is None:
+        return None
+    table = _json_table(block, n)
+    if table is None:
+        return None
+    found = _arrow_paths(table, nested_paths(override))
+    if found is None:
+        return None
+    index, arrays = found
+    fields = resolve_fields(index, override)
+    if "start" not in fields or _EXTRA.lower() in index:
+        return None
+    prefix = override.get("timings", "timings").lower()
+    names: dict[str, list[str]] = {key: [override[key]] if key in override else list(ns)
+                                   for key, ns in CANDIDATES.items() if key != "timings"}
+    names.update({f"timings_{sub}": [f"{prefix}.{sub}", f"{prefix}_{sub}"] for sub in TIMINGS})
+    get: dict[str, Sequence[Any]] = {}
+    for key, path in fields.items():
+        if _hidden_by_later_name([arrays[index[name.lower()]] for name in names[key] if name.lower() in index]):
+            return None
+        got = _arrow_values(key, arrays[path])
+        if got is None:
+            return None
+        get[key] = got
+    return n, get
+
+
+def _object_lines(block: bytes) -> int | None:
+    """How many lines the block has, if each is one JSON object on its own ('{' first, '}'
+    last, an '\\r' at most after it); else None."""
     buf = np.frombuffer(block, dtype=np.uint8)
     if not len(buf):
         return None
@@ -697,16 +623,28 @@ def _arrow_fields(block: bytes, override: Mapping[str, str]) -> tuple[int, dict[
     # (an empty line's first byte is its newline: it fails the first test)
     if not ((buf[starts] == _OPEN).all() and (buf[last] == _CLOSE).all()):
         return None
+    return len(ends)
+
+
+def _json_table(block: bytes, rows: int) -> pa.Table | None:
+    """The block read by pyarrow's JSON reader, one chunk; None where it refuses the block
+    (invalid JSON or UTF-8, a duplicate key, a field of two types) or reads other than
+    ``rows`` records."""
     try:
         table = pa_json.read_json(io.BytesIO(block), read_options=pa_json.ReadOptions(use_threads=False,
                                                                                     block_size=len(block) + 1))
         table.validate(full=True)  # the reader keeps invalid UTF-8 in strings; this refuses it
     except (pa.ArrowInvalid, UnicodeDecodeError, ValueError):
         return None
-    if table.num_rows != len(ends):
+    if table.num_rows != rows:
         return None
-    table = table.combine_chunks()
-    nested = _nested(override)
+    return table.combine_chunks()
+
+
+def _arrow_paths(table: pa.Table, nested: set[str]) -> tuple[dict[str, tuple[str, ...]], dict[tuple[str, ...], pa.Array]] | None:
+    """:func:`slotscope.app_fields.path_index` of the table's columns (and of the fields of
+    the objects a field could be inside), and each path's array; None where two paths differ
+    only by case (records may each have their own)."""
     index: dict[str, tuple[str, ...]] = {}
     arrays: dict[tuple[str, ...], pa.Array] = {}
 
@@ -714,7 +652,7 @@ def _arrow_fields(block: bytes, override: Mapping[str, str]) -> tuple[int, dict[
         for f, arr in zip(fields, values):
             path = (*prefix, f.name)
             dotted = ".".join(path).lower()
-            if dotted in index:  # two names alike but for case: records may each have their own
+            if dotted in index:
                 return False
             index[dotted] = path
             arrays[path] = arr
@@ -725,38 +663,33 @@ def _arrow_fields(block: bytes, override: Mapping[str, str]) -> tuple[int, dict[
 
     if not walk(table.schema, [c.chunk(0) if c.num_chunks else pa.nulls(0, c.type) for c in table.columns], ()):
         return None
-    fields = _resolve(index, override)
-    if "start" not in fields or _EXTRA.lower() in index:
+    return index, arrays
+
+
+def _hidden_by_later_name(there: list[pa.Array]) -> bool:
+    """Whether the first of a field's names present (``there``, in name order) is missing in
+    a row where a later one is set (a record without it is read from the later name)."""
+    if len(there) < 2:
+        return False
+    later = there[1].is_valid()
+    for arr in there[2:]:
+        later = pc.or_(later, arr.is_valid())
+    return bool(pc.any(pc.and_(later, there[0].is_null())).as_py())
+
+
+def _arrow_values(key: str, arr: pa.Array) -> Sequence[Any] | None:
+    """A field's values from its column as :func:`_field_values` reads them from the records;
+    None where they could differ."""
+    if key == "lora":
+        return _arrow_lora_labels(arr)
+    if not any(ok(arr.type) for ok in (_AS_TEXT if key in _TEXT_FIELDS else _AS_NUMBER)):
         return None
-    prefix = override.get("timings", "timings").lower()
-    names: dict[str, list[str]] = {key: [override[key]] if key in override else list(ns)
-                                   for key, ns in CANDIDATES.items() if key != "timings"}
-    names.update({f"timings_{sub}": [f"{prefix}.{sub}", f"{prefix}_{sub}"] for sub in TIMINGS})
-    get: dict[str, Sequence[Any]] = {}
-    for key, path in fields.items():
-        there = [arrays[index[n.lower()]] for n in names[key] if n.lower() in index]
-        if len(there) > 1:
-            later = there[1].is_valid()
-            for arr in there[2:]:
-                later = pc.or_(later, arr.is_valid())
-            if pc.any(pc.and_(later, there[0].is_null())).as_py():
-                return None
-        arr = arrays[path]
-        if key == "lora":
-            got = _arrow_lora_labels(arr)
-        elif not any(ok(arr.type) for ok in (_AS_TEXT if key in _TEXT_FIELDS else _AS_NUMBER)):
-            got = None
-        elif _number_type(arr.type) and _beyond_exact_integers(arr):
-            got = None
-        elif key not in _TEXT_FIELDS and (_number_type(arr.type) or pa.types.is_null(arr.type)):
-            # Read as numbers only: floats, NaN where missing (what _numbers makes of ints, floats, None).
-            got = arr.cast(pa.float64()).to_numpy(zero_copy_only=False)
-        else:
-            got = arr.to_pylist()
-        if got is None:
-            return None
-        get[key] = got
-    return len(ends), get
+    if _number_type(arr.type) and _beyond_exact_integers(arr):
+        return None
+    if key not in _TEXT_FIELDS and (_number_type(arr.type) or pa.types.is_null(arr.type)):
+        # Read as numbers only: floats, NaN where missing (what _numbers makes of ints, floats, None).
+        return arr.cast(pa.float64()).to_numpy(zero_copy_only=False)
+    return arr.to_pylist()
 
 
 def _number_type(t: pa.DataType) -> bool:
@@ -825,7 +758,7 @@ def _exact_text(arr: pa.Array) -> pa.Array:
 
 def _pluck(records: Sequence[Mapping[str, Any]], path: tuple[str, ...]) -> list[Any]:
     if len(path) == 1:
-        return list(map(dict.get, records, repeat(path[0])))  # a C loop: the records are dicts
+        return list(map(dict.get, cast(Sequence[dict[str, Any]], records), repeat(path[0])))  # a C loop: the records are dicts
     out = []
     for r in records:
         v: Any = r
@@ -880,7 +813,7 @@ def _times_us(values: Sequence[Any], zone: str) -> tuple[pd.Series, np.ndarray, 
         num = pd.Series(np.full(len(values), np.nan))
         rest = np.flatnonzero(~clock)
         if len(rest):
-            num.iloc[rest] = _numbers([values[i] for i in rest])[0].to_numpy()
+            num.iloc[rest] = _numbers([values[i] for i in rest.tolist()])[0].to_numpy()
     else:
         num, _ = _numbers(values)
     mag = num.abs()
@@ -950,7 +883,7 @@ def _frame(
 
 
 def _table(
-    name: str, lines: np.ndarray, get: dict[str, Sequence[Any]], override: Mapping[str, str], zone: str, tally: _Tally
+    name: str, lines: np.ndarray, get: Mapping[str, Sequence[Any]], override: Mapping[str, str], zone: str, tally: _Tally
 ) -> pd.DataFrame:
     """The calls of one chunk from each field's values (``get``, see :func:`_field_values`)."""
     for key, col in override.items():
@@ -1021,7 +954,7 @@ def _table(
 
 def _repeats(col: pd.Series) -> int:
     """``col.duplicated().sum()`` of a text column, from its values sorted by pyarrow: no hash
-    table of Python strings (at 1 GB of log the call ids' took ~90 MB, this ~25 MB)."""
+    table of Python strings (several times the size of the sorted values)."""
     values = pa.array(col.array)  # (pyarrow's own where pandas keeps it so)
     nulls = values.null_count
     if nulls:
@@ -1052,46 +985,113 @@ class _StoredChunk:
         return self.table.read([c])[c]
 
 
-def _finish(frames: list[Any], tally: _Tally, on_disk: bool = False) -> AppLog:
-    # The chunks' tables joined a column at a time, each sorted and cast to its dtype as it is
-    # joined, and the chunks' column then dropped: the calls are held twice at most (the
-    # chunks and the result), not four times (joined, sorted, completed, cast). ``on_disk``:
-    # the chunks wait on disk (see _keep) and each finished column goes there, so a few
-    # columns are held (reading the 1 GB bench's app log peaked at 483 MB, 385-412 with the
-    # columns joined one by one, 247-254 on disk). A column is joined as a join of the whole
-    # tables makes it (gaps where a chunk lacks it).
-    frames = frames or [pd.DataFrame(columns=list(CALL_COLUMNS))]
-    sizes = [len(f) for f in frames]
-    # Each chunk's columns apart (each is a block of its own as the chunks are made): a column
-    # popped once joined frees its memory.
-    chunks = [_StoredChunk(f) if isinstance(f, store.StoredTable) else {c: f[c] for c in f.columns} for f in frames]
-    frames.clear()  # (the caller's list: its tables, now in ``chunks``)
-    present = {c for d in chunks for c in d}
+class _Chunks:
+    """The chunks' tables, their columns apart (each is a block of its own as the chunks are
+    made), joined a column at a time: a column popped once joined frees its memory. A column
+    is joined as a join of the whole tables makes it (gaps where a chunk lacks it)."""
 
-    def joined(c: str) -> pd.Series:
+    def __init__(self, frames: list[Any]) -> None:
+        self.sizes = [len(f) for f in frames]
+        self.parts: list[Any] = [_StoredChunk(f) if isinstance(f, store.StoredTable) else {c: f[c] for c in f.columns}
+                                 for f in frames]
+        self.present = {c for d in self.parts for c in d}
+
+    def joined(self, c: str) -> pd.Series:
         parts = [d.pop(c).to_frame(c).set_axis(pd.RangeIndex(n)) if c in d else pd.DataFrame(index=pd.RangeIndex(n))
-                 for d, n in zip(chunks, sizes)]
+                 for d, n in zip(self.parts, self.sizes)]
         return pd.concat(parts, ignore_index=True)[c]
 
-    def joined_codes(c: str) -> tuple[np.ndarray, pd.Index]:
-        """``pd.factorize(joined(c))``, a chunk at a time: a chunk has one file name, and the
-        joined names (as read, a text per call) factorized whole added ~40 MB at 1 GB."""
-        parts = [pd.factorize(d.pop(c)) if c in d else (np.full(n, -1, dtype=np.int64), None) for d, n in zip(chunks, sizes)]
+    def joined_codes(self, c: str) -> tuple[np.ndarray, pd.Index]:
+        """``pd.factorize(self.joined(c))``, a chunk at a time: a chunk has one file name, and
+        the joined names (as read, a text per call) need not be held whole."""
+        parts = [pd.factorize(d.pop(c)) if c in d else (np.full(n, -1, dtype=np.int64), None)
+                 for d, n in zip(self.parts, self.sizes)]
         found = [u for _, u in parts if u is not None and len(u)]
         # (no names at all: the type of the joined column's, as its factorizing gives it)
         names = pd.Index(pd.concat([u.to_series() for u in found or [u for _, u in parts if u is not None]]
                                    or [pd.Series([], dtype=object)], ignore_index=True).unique())
-        out = np.empty(sum(sizes), dtype=np.int64)
+        out = np.empty(sum(self.sizes), dtype=np.int64)
         at = 0
-        for (k, u), n in zip(parts, sizes):
+        for (k, u), n in zip(parts, self.sizes):
             out[at:at + n] = names.get_indexer(u)[k] if u is not None and len(u) else -1
             at += n
         return out, names
 
-    # By start, then file (in reading order), then line: file order from each distinct name.
-    # (The sort keys, joined here, are the loop's below: not joined again.)
-    codes, names = joined_codes("file")
-    keys = {c: joined(c) for c in ("line", "start_us")}
+    def discard(self) -> None:
+        """Remove the chunks' files (now read) now, not when the collector finds them."""
+        for d in self.parts:
+            if isinstance(d, _StoredChunk):
+                d.table.discard()
+        self.parts.clear()
+
+
+class _Calls:
+    """Where :func:`_finish` puts the finished columns (in memory, or on disk through a
+    column writer), noting repeated call ids and starts before 2000 on the way."""
+
+    def __init__(self, on_disk: bool) -> None:
+        self.writer = store.ColumnWriter("app calls") if on_disk else None
+        self.out: dict[str, pd.Series] = {}
+        self.dup = self.early = 0
+
+    def put(self, c: str, col: pd.Series) -> None:
+        if c == "call_id":
+            self.dup = _repeats(col)
+        elif c == "start_us":
+            self.early = int((col < 946_684_800_000_000).sum())  # 2000-01-01
+        if self.writer is not None:
+            self.writer.add(c, col)
+        else:
+            self.out[c] = col
+
+    def done(self, columns: list[str]) -> pd.DataFrame | store.StoredTable:
+        if self.writer is not None:
+            return self.writer.done(columns)
+        return pd.DataFrame({c: self.out.pop(c) for c in columns}, copy=False)  # (not consolidated: no copy)
+
+
+def _finish(frames: list[Any], tally: _Tally, on_disk: bool = False) -> AppLog:
+    """The calls table of the chunks' tables (``frames``, emptied), sorted by start, and its
+    accounting. ``on_disk``: the chunks wait on disk (see :func:`_keep`) and each finished
+    column goes there.
+
+    The chunks are joined a column at a time, each sorted and cast to its dtype as it is
+    joined, and the chunks' column then dropped: the calls are held twice at most (the chunks
+    and the result), not four times (joined, sorted, completed, cast); on disk, a few columns.
+    """
+    frames = frames or [pd.DataFrame(columns=list(CALL_COLUMNS))]
+    chunks = _Chunks(frames)
+    frames.clear()  # (the caller's list: its tables, now in ``chunks``)
+    order, file, keys = _call_order(chunks, tally)
+    extra = [c for c in ("session", "turn") if c in chunks.present]
+    index = pd.RangeIndex(len(order))
+    calls = _Calls(on_disk)
+    # The call ids last: their check for repeats (a hash of every id) then runs beside the
+    # last of the chunks, not all of them.
+    for c in sorted([*CALL_COLUMNS, *extra], key=lambda c: c == "call_id"):
+        if c in ("start_at", "end_at"):
+            continue
+        if c == "file":
+            calls.put(c, file)
+            continue
+        col = ((keys.pop(c) if c in keys else chunks.joined(c)).take(order).set_axis(index) if c in chunks.present
+               else pd.Series(np.nan, index=index))
+        if c in ("start_us", "end_us"):  # (the wall times from the values as read, before the cast)
+            calls.put(c[:-3] + "_at", pd.to_datetime(col, unit="us", utc=True).dt.as_unit("us"))
+        calls.put(c, col.astype(_DTYPES[c]))
+        if on_disk or col.dtype.kind not in "biufcmM":  # a text column's temporaries wait in pyarrow's pool otherwise
+            del col
+            release_memory()
+    chunks.discard()
+    table = calls.done([*CALL_COLUMNS, *extra])
+    return AppLog(table, _accounting(tally, len(table), calls.dup, calls.early))
+
+
+def _call_order(chunks: _Chunks, tally: _Tally) -> tuple[np.ndarray, pd.Series, dict[str, pd.Series]]:
+    """The calls' order (by start, then file in reading order, then line), their file column
+    in that order, and the sort keys as joined (``line``, ``start_us``: not joined again)."""
+    codes, names = chunks.joined_codes("file")
+    keys = {c: chunks.joined(c) for c in ("line", "start_us")}
     file_order = np.array([tally.files[n] for n in names], dtype=np.int64)[codes]
     order = np.lexsort((keys["line"].to_numpy(), file_order, keys["start_us"].to_numpy()))
     del file_order
@@ -1099,60 +1099,20 @@ def _finish(frames: list[Any], tally: _Tally, on_disk: bool = False) -> AppLog:
     # their cast gives, from their codes: categories sorted, in the names' own type.
     cats = names.sort_values()
     file = pd.Series(pd.Categorical.from_codes(np.argsort(names.argsort())[codes[order]], dtype=pd.CategoricalDtype(cats)))
-    del codes, names
-    extra = [c for c in ("session", "turn") if c in present]
-    index = pd.RangeIndex(len(order))
-    out: dict[str, pd.Series] = {}
-    writer = store.ColumnWriter("app calls") if on_disk else None
-    dup = early = 0
+    return order, file, keys
 
-    def put(c: str, col: pd.Series) -> None:
-        nonlocal dup, early
-        if c == "call_id":
-            dup = _repeats(col)
-        elif c == "start_us":
-            early = int((col < 946_684_800_000_000).sum())  # 2000-01-01
-        if writer is not None:
-            writer.add(c, col)
-        else:
-            out[c] = col
 
-    # The call ids last: their check for repeats (a hash of every id) then runs beside the
-    # last of the chunks, not all of them.
-    for c in sorted([*CALL_COLUMNS, *extra], key=lambda c: c == "call_id"):
-        if c in ("start_at", "end_at"):
-            continue
-        if c == "file":
-            put(c, file)
-            continue
-        col = (keys.pop(c) if c in keys else joined(c)).take(order).set_axis(index) if c in present else pd.Series(np.nan, index=index)
-        if c in ("start_us", "end_us"):  # (the wall times from the values as read, before the cast)
-            put(c[:-3] + "_at", pd.to_datetime(col, unit="us", utc=True).dt.as_unit("us"))
-        put(c, col.astype(_DTYPES[c]))
-        if on_disk or col.dtype.kind not in "biufcmM":  # a text column's temporaries wait in pyarrow's pool otherwise
-            del col
-            release_memory()
-    for d in chunks:  # (the chunks' files, now read: removed now, not when the collector finds them)
-        if isinstance(d, _StoredChunk):
-            d.table.discard()
-    chunks.clear()
-    order_out = [*CALL_COLUMNS, *extra]
-    if writer is not None:
-        calls = writer.done(order_out)
-        n_calls = len(calls)
-    else:
-        calls = pd.DataFrame({c: out.pop(c) for c in order_out}, copy=False)  # (not consolidated: no copy)
-        n_calls = len(calls)
+def _accounting(tally: _Tally, n_calls: int, dup: int, early: int) -> AppAccounting:
+    """What reading the app logs found, with the notes on the calls as a whole."""
     for name, (n, zone) in tally.naive.items():
         tally.notes[f"{name}: {n} timestamp(s) without a zone read as {zone} (set --tz if wrong)"] = None
     if dup:
         tally.notes[f"{dup} call id(s) appear more than once"] = None
     if early:
         tally.notes[f"{early} call(s) start before 2000: relative times rather than wall clock?"] = None
-    accounting = AppAccounting(
+    return AppAccounting(
         lines_read=tally.lines_read, rows_loaded=n_calls, rows_with_problems=tally.problem_rows,
         rows_dropped=tally.dropped, empty_lines=tally.empty_lines,
         problems=tuple(sorted(tally.examples, key=lambda p: (tally.files[p.file], p.line))[:MAX_EXAMPLES]),
         notes=tuple(tally.notes),
     )
-    return AppLog(calls, accounting)

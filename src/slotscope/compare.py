@@ -341,8 +341,8 @@ def _turns(ds: Dataset, tv: pd.DataFrame, subj: np.ndarray, opts: Options, short
     for own, mask in ((False, ~own_big), (True, own_big)):
         if not mask.any():
             continue
-        kw = {"own_start": f(t.loc[mask, "prefill_start_s"]), "own_end": f(t.loc[mask, "first_token_s"])} if own else {}
-        big_cov[mask] = tl.overlaps(span[mask], big, **kw)["covered_s"].to_numpy()
+        big_cov[mask] = tl.overlaps(span[mask], big, own_start=f(t.loc[mask, "prefill_start_s"]) if own else None,
+                                    own_end=f(t.loc[mask, "first_token_s"]) if own else None)["covered_s"].to_numpy()
     condition = np.select([big_cov > 0, others >= 1], CONDITIONS[:0:-1], CONDITIONS[0])
     out = pd.DataFrame({"measured": np.ones(len(t), dtype=bool), "ttft_s": f(t["ttft_ms"]) / 1000,
                         "short": (f(t["prompt_tokens_new"]) < short_tokens), "condition": condition})

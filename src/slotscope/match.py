@@ -39,8 +39,8 @@ class Matches:
     """The joined calls, the server tasks no call explains, and the alignment used."""
 
     calls: pd.DataFrame = StoredField()  # type: ignore[assignment]
-    unlogged: pd.DataFrame
-    aligned: pd.DataFrame
+    unlogged: pd.DataFrame  # type: ignore[misc]  # (StoredField above is no default: its __get__ raises on the class)
+    aligned: pd.DataFrame  # type: ignore[misc]
 
 
 def _window_pairs(cl: pd.DataFrame, launch: np.ndarray, release: np.ndarray, tol_us: float) -> tuple[np.ndarray, np.ndarray]:
@@ -60,7 +60,7 @@ def _window_pairs(cl: pd.DataFrame, launch: np.ndarray, release: np.ndarray, tol
     cnt = np.maximum(hi - lo, 0)
     del start, hi
     # A block of calls at a time: the pairs of the launch window (~2x those kept) and their
-    # temporaries are held for one block, not for all calls (1.8M pairs at 1 GB of log).
+    # temporaries are held for one block, not for all calls (several pairs a call).
     parts = []
     for a in range(0, len(cl), CALL_BLOCK):
         n = cnt[a:a + CALL_BLOCK]
@@ -97,8 +97,8 @@ class _Pairs:
 
     def frame(self, mask: pd.Series | np.ndarray, taken_c: np.ndarray, taken_t: np.ndarray) -> pd.DataFrame:
         """The pairs under ``mask`` whose call and task are not taken yet (those :func:`_assign`
-        keeps: at 1 GB of log the time test's pairs, most of them taken by then, were match's
-        peak) as it reads them: ``_ci``, ``_ti``, ``start_us``, ``launch_us``."""
+        keeps: the time test's pairs, most of them taken by then, would be match's peak) as
+        it reads them: ``_ci``, ``_ti``, ``start_us``, ``launch_us``."""
         m = np.asarray(mask, dtype=bool) & ~taken_c[self.ci] & ~taken_t[self.ti]
         ci, ti = self.ci[m], self.ti[m]
         return pd.DataFrame({"_ci": ci, "_ti": ti, "start_us": self.cl["start_us"].array.take(ci),
@@ -107,8 +107,8 @@ class _Pairs:
 
 def _floats(col: pd.Series) -> np.ndarray:
     """A column as floats: NaN where missing or (as ``pd.to_numeric(errors="coerce")`` reads
-    it) not a number. (Per pair, numpy arrays: the nullable columns taken per pair and compared
-    as pandas compares them held ~16 MB each, twice, at 1 GB of log.)"""
+    it) not a number. (Per pair, numpy arrays: nullable columns taken per pair and compared as
+    pandas compares them are held twice, with their masks.)"""
     if not pd.api.types.is_numeric_dtype(col.dtype):
         col = pd.to_numeric(col, errors="coerce")
     return col.to_numpy(dtype="float64", na_value=np.nan)
@@ -185,7 +185,7 @@ def match(calls: pd.DataFrame | Columns, tasks: pd.DataFrame, aligned: pd.DataFr
     positions, all its columns, where ``tasks`` holds only :data:`TASK_COLUMNS` of it (a
     table waiting on disk). ``on_disk``: the matched calls go to disk as they are made."""
     tol = tolerance_ms * 1000
-    # Rows are addressed by position; neither table is copied (at 1 GB of log each is >100 MB).
+    # Rows are addressed by position; neither table is copied (both grow with the log).
     tk, cl = _positional(tasks), _positional(calls)
     us = app_clock_us(tk, aligned)
     taken_c = np.zeros(len(cl), dtype=bool)
@@ -251,7 +251,7 @@ class _Joined:
         self.index = cl.index
         ci = pairs["_ci"].to_numpy(dtype=np.int64)
         rows = np.int32 if max(len(tk), len(pairs)) < 2**31 else np.int64  # (a row per call: half the size)
-        self._task_row = np.full(len(cl), -1, dtype=rows)
+        self._task_row: np.ndarray = np.full(len(cl), -1, dtype=rows)
         self._task_row[ci] = pairs["_ti"].to_numpy(dtype=np.int64)
         self._pair_row = np.full(len(cl), -1, dtype=rows)
         self._pair_row[ci] = np.arange(len(pairs))
@@ -302,7 +302,7 @@ class _Joined:
 def _unmatched_reason(cl: pd.DataFrame, rows: np.ndarray, launch_us: np.ndarray, taken_t: np.ndarray, aligned: pd.DataFrame,
                       sessions: pd.DataFrame, tol: float) -> pd.Series:
     """Why each call at ``rows`` (the unmatched ones) found no task, indexed as ``cl`` is (only
-    these calls: at 1 GB of log, done for every call, this was the peak of matching)."""
+    these calls: done for every call, this would be the peak of matching)."""
     span = sessions[SESSION_KEY + ["first_s", "last_s"]].merge(aligned[SESSION_KEY + ["offset_us"]], on=SESSION_KEY)
     a = (span["offset_us"] + span["first_s"] * 1e6).to_numpy(dtype=float)
     b = (span["offset_us"] + span["last_s"] * 1e6).to_numpy(dtype=float)
@@ -315,8 +315,8 @@ def _unmatched_reason(cl: pd.DataFrame, rows: np.ndarray, launch_us: np.ndarray,
     i1 = np.searchsorted(launches, end + tol, side="right")
     in_window = i1 > i0
     failed = ~cl["ok"].to_numpy(dtype=bool)[rows] if "ok" in cl else np.zeros(len(rows), bool)
-    # A reason's place in _REASONS per call (the texts themselves as numpy strings took 108
-    # bytes a call, twice: 170 MB at 1 GB of log).
+    # A reason's place in _REASONS per call (the texts themselves as numpy strings would
+    # take ~100 bytes a call, twice).
     code = np.select([~covered, failed, in_window], [0, 1, 2], 3)
     return pd.Series(np.asarray(_REASONS, dtype=object)[code], index=cl.index[rows])
 
@@ -330,7 +330,7 @@ def _ms(us: pd.Series) -> pd.Series:
 
 def _derive(j: _Joined, on_disk: bool = False) -> pd.DataFrame | StoredTable:
     """The matched calls table. ``on_disk``: each column goes to disk as it is made (a
-    :class:`slotscope.store.StoredTable`; at 1 GB of log the table is ~140 MB), unless the
+    :class:`slotscope.store.StoredTable`: the table grows with the calls), unless the
     calls are not in time order (then it is sorted whole first)."""
     start_at = j["start_at"] if "start_at" in j else None
     in_order = start_at is None or start_at.is_monotonic_increasing  # app logs are read in time order

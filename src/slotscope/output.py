@@ -58,7 +58,7 @@ def choose_format(fmt: str | None, out: str | None, stdout_is_tty: bool) -> Form
 
 
 def _iso_utc(col: pd.Series) -> pd.Series | None:
-    """``iso`` of a UTC column without strftime (~20x faster), the same text.
+    """``iso`` of a UTC column without strftime (a Python call per value), the same text.
 
     pyarrow casts the naive times to "YYYY-MM-DD HH:MM:SS.ffffff" (26 bytes each); as rows of
     a byte matrix those become "YYYY-MM-DDTHH:MM:SS[.ffffff]+00:00" (".000000" dropped, as
@@ -154,7 +154,7 @@ def for_text(df: pd.DataFrame) -> pd.DataFrame:
 # are always pandas' own.
 
 _EOL = os.linesep
-_CHUNK_CELLS = 1 << 18  # cells formatted and joined at a time: the writer needs ~10 MB whatever the batch
+_CHUNK_CELLS = 1 << 18  # cells formatted and joined at a time: the writer's memory stays the same whatever the batch
 
 
 def _csv_dialect() -> tuple[list[int], str]:
@@ -209,7 +209,7 @@ def _utf8(text: pa.Array) -> memoryview:
 def _quoted(text: pa.Array) -> pa.Array:
     """Fields the csv module would quote, quoted (inner quotes doubled); the rest as they are."""
     raw = bytes(_utf8(text))
-    if not any(c in raw for c in _QUOTE_BYTES):  # memchr: ~10x faster than the regex below
+    if not any(c in raw for c in _QUOTE_BYTES):  # memchr: no regex machinery for the usual text
         return text
     need = pc.match_substring_regex(text, _QUOTE_RE)
     if not pc.any(need).as_py():
@@ -278,8 +278,8 @@ def _float_text(x: np.ndarray, null: np.ndarray | None) -> pa.Array:
 # 1e9 doubles are less than 1e-6 apart (< 2**-23), so no other decimal of at most six places
 # reads back as it, and a shorter one would be such a decimal. Numpy would write it the same
 # way: positional from 1e-4 up. The 16 characters are four 4-character pieces looked up in one
-# table (a uint32 each), zeros to be cut written as blanks, which pyarrow trims: ~4x faster
-# than pyarrow's float cast and the fix-ups of _any_float_text.
+# table (a uint32 each), zeros to be cut written as blanks, which pyarrow trims: no pass of
+# pyarrow's float cast and the fix-ups of _any_float_text.
 def _pieces(texts: list[str]) -> np.ndarray:
     return np.frombuffer("".join(texts).encode("ascii"), dtype=np.uint32)
 

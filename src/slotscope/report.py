@@ -80,7 +80,7 @@ def render(ds: Dataset, tables: dict[str, pd.DataFrame], file: IO[str] | None = 
            max_rows: int = 12) -> None:
     """Print the whole report: alignment, findings first, then every table with its caption."""
     console = Console(file=file, width=width, soft_wrap=False, highlight=False)
-    # (the distinct sources made text, not each task's: 560k texts at 1 GB of log)
+    # (the distinct sources made text, not each task's: one text per task otherwise)
     # (only the columns read here: the tables may wait on disk, see Dataset.keep_on_disk)
     src = ", ".join(sorted(set(map(str, pd.unique(tasks_of(ds, ["source"])["source"]))))) if ds.n_tasks else "(no server log)"
     console.print(Rule(f"slotscope report: {src}", align="left"))

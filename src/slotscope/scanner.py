@@ -11,15 +11,18 @@ extension ``_cscan`` where it was built, and by numpy (:func:`_laid_out_heads`,
 
 from __future__ import annotations
 
+import importlib
 import re
+import types
 from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+_cscan: types.ModuleType | None
 try:  # the C fast path for llama-server's own line layout (optional: numpy reads the same)
-    from . import _cscan
+    _cscan = importlib.import_module("._cscan", __package__)
 except ImportError:  # not built (no C compiler where slotscope was installed)
     _cscan = None
 
@@ -83,7 +86,7 @@ class _Words:
         buf = np.zeros(size, np.uint8)
         buf[: len(data)] = data
         # One overlapping (stride-1, unaligned) view: word i is bytes i..i+7. Indexing it is
-        # ~5x cheaper than two aligned gathers and a funnel shift.
+        # one gather, where aligned words need two gathers and a funnel shift.
         self._w = np.ndarray((size - 8,), dtype="<u8", buffer=buf, strides=(1,))
         self._last = size - 9
 
@@ -214,13 +217,13 @@ class _Cursor:
                 value[more] = value[more] * _POW10[n2] + np.where(neg[more], -1.0, 1.0) * _value(x2, n2)
                 pos[more] += n2
                 unsure[more] = n2 == 8
-        unsure = np.flatnonzero(unsure)
-        if len(unsure):
-            sub = _Cursor(self.w, self.pos[unsure])
+        again = np.flatnonzero(unsure)
+        if len(again):
+            sub = _Cursor(self.w, self.pos[again])
             if blanks is not None:
                 sub.blanks(blanks)
             v = sub.signed() if sign else sub.decimal() if frac else sub.uint()
-            value[unsure], ok[unsure], pos[unsure] = v, sub.ok, sub.pos
+            value[again], ok[again], pos[again] = v, sub.ok, sub.pos
         self.ok &= ok
         self.pos = pos
         return value
@@ -389,6 +392,7 @@ def _c_laid_out(raw: np.ndarray, s: np.ndarray, e: np.ndarray, out: Scan) -> tup
     :func:`_messages`, where their messages start)."""
     state = np.empty(len(s), np.int8)
     m = np.empty(len(s), np.int64)
+    assert _cscan is not None
     _cscan.laid_out(raw, np.ascontiguousarray(s, np.int64), np.ascontiguousarray(e, np.int64), out.ts, out.slot,
                     out.task, out.known, out.kind, *out.v, state, m)
     rows = np.flatnonzero(state == 2)

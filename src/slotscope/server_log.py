@@ -8,8 +8,7 @@ current llama.cpp grammar column-wise (``scan``). The scanner only takes lines w
 by the single RE2 pattern ``FAST_PATTERN`` it can prove, and gives the same reading; the rest
 (older multi-line timings, damaged lines) go through ``FAST_PATTERN`` itself, and lines it does
 not know either go to :mod:`slotscope.legacy` one by one (older formats, which are rare).
-Measured on the bench's 1 GB log: 70-100 MB/s for the whole parse on one core (the shared
-machine varies), where ``FAST_PATTERN`` on every line ran at ~6 MB/s.
+``FAST_PATTERN`` on every line would be an order of magnitude slower than the scanner.
 
 Keys are message texts, not the 12-character function field (it moved between versions).
 Each event row carries its file line so every figure can be traced back.
@@ -24,7 +23,7 @@ import itertools
 import os
 import re
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable, Iterator, Sequence, TypeVar
+from typing import Any, BinaryIO, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 import pandas as pd
@@ -242,7 +241,7 @@ def _parse_exact(lines: pa.Array) -> _Exact:
     if cont.any():
         v1[cont] = _num(f["c_ms"])[cont]
         v2[cont] = _num(f["c_n"])[cont]
-    text = {}
+    text: dict[int, str] = {}
     for code, name in ((MODEL, "model"), (BUILD, "build")):
         rows = np.flatnonzero(kind == code)
         if len(rows):
@@ -262,115 +261,146 @@ def parse_chunk(
     as a dict of numpy columns, not a DataFrame (for the worker processes: no table built and
     taken apart again per block).
     """
-    ends = chunk.endswith(b"\n")
+    lines, wall = _block_lines(chunk, state, account)
+    account.lines += len(lines)
+    read = _read_lines(lines)
+    legacy_rows = _unknown_lines(lines, read, wall, first_line, account)
+    account.ignored += int((read.valid & (read.kind == 0) & ~read.bad).sum())
+    account.used += int((read.kind != 0).sum()) + sum(1 for r in legacy_rows if r.get("kind", 0) != 0)
+    cols = _event_columns(read, wall, first_line)
+    if arrays and not legacy_rows:
+        return cols  # type: ignore[return-value]
+    ev = pd.DataFrame(cols)
+    if legacy_rows:
+        ev = _with_legacy(ev, legacy_rows)
+    ev = ev.reset_index(drop=True)
+    return {c: ev[c].to_numpy() for c in ev.columns} if arrays else ev  # type: ignore[return-value]
+
+
+def _block_lines(chunk: bytes, state: StreamState, account: FileAccount) -> tuple[pa.Array, np.ndarray]:
+    """The block's lines (each with its newline) with any wrapper prefix removed, and each
+    line's wall-clock stamp in µs from that prefix (-1: none). The first block of a stream
+    decides the wrapper."""
     wrapper = state.wrapper
     if not state.wrapper_known:
         state.wrapper = wrapper = prefixes.detect(chunk.split(b"\n", 400)[:400])
         state.wrapper_known = True
         account.wrapper = wrapper.name if wrapper else None
     if wrapper is not None and wrapper.stamp == "json":
-        lines_b = chunk.split(b"\n")
-        if lines_b and lines_b[-1] == b"":
-            lines_b.pop()
-        n = len(lines_b)
-        wall = np.full(n, -1, dtype=np.int64)
-        lines_b, json_walls = prefixes.decode_json_lines(lines_b, wrapper)
-        # A stamp no clock can show (a damaged record, beyond year 287,000) is no stamp.
-        wall[:] = [(int(round(x * 1e6)) if x is not None and abs(x) < 9e12 else -1) for x in json_walls]
-        # A message with a line break inside shifts what follows, as in a plain read of it.
-        text = _clean(b"\n".join(lines_b)).decode("utf-8").split("\n")
-        del text[n:]
-        lines = pa.array([t + "\n" for t in text], pa.string())
-    else:
-        lines = _split(_clean(chunk), ends)  # cleaning never adds or removes a newline
-        n = len(lines)
-        wall = np.full(n, -1, dtype=np.int64)
-        if wrapper is not None:
-            bare, wall = prefixes.strip(_without_newline(lines), wrapper, state.year, state.tz)
-            lines = pc.binary_join_element_wise(bare, "", "\n")
+        return _json_lines(chunk, wrapper)
+    lines = _split(_clean(chunk), chunk.endswith(b"\n"))  # cleaning never adds or removes a newline
+    wall = np.full(len(lines), -1, dtype=np.int64)
+    if wrapper is not None:
+        bare, wall = prefixes.strip(_without_newline(lines), wrapper, state.year, state.tz)
+        lines = pc.binary_join_element_wise(bare, "", "\n")
+    return lines, wall
 
-    account.lines += n
+
+def _json_lines(chunk: bytes, wrapper: prefixes.Wrapper) -> tuple[pa.Array, np.ndarray]:
+    """:func:`_block_lines` for a JSON wrapper (journald, docker): the messages and stamps."""
+    lines_b = chunk.split(b"\n")
+    if lines_b and lines_b[-1] == b"":
+        lines_b.pop()
+    n = len(lines_b)
+    wall = np.full(n, -1, dtype=np.int64)
+    lines_b, json_walls = prefixes.decode_json_lines(lines_b, wrapper)
+    # A stamp no clock can show (a damaged record, beyond year 287,000) is no stamp.
+    wall[:] = [(int(round(x * 1e6)) if x is not None and abs(x) < 9e12 else -1) for x in json_walls]
+    # A message with a line break inside shifts what follows, as in a plain read of it.
+    text = _clean(b"\n".join(lines_b)).decode("utf-8").split("\n")
+    del text[n:]
+    return pa.array([t + "\n" for t in text], pa.string()), wall
+
+
+def _read_lines(lines: pa.Array) -> _Exact:
+    """Every line's reading: the scanner's where it can prove it, else FAST_PATTERN's."""
+    n = len(lines)
     sc = scan(lines) if _USE_SCANNER else Scan.empty(n)
-    kind, port, ts, slot, task, v = sc.kind, sc.port, sc.ts, sc.slot, sc.task, sc.v
-    valid = sc.known.copy()
-    bad = np.zeros(n, bool)
-    cont = np.zeros(n, bool)
-    text = {r: t for r, t in sc.text.items() if sc.known[r]}  # MODEL/BUILD rows -> their text
+    read = _Exact(valid=sc.known.copy(), bad=np.zeros(n, bool), cont=np.zeros(n, bool), kind=sc.kind, port=sc.port,
+                  ts=sc.ts, slot=sc.slot, task=sc.task, v=sc.v,
+                  text={r: t for r, t in sc.text.items() if sc.known[r]})  # MODEL/BUILD rows -> their text
     asked = np.flatnonzero(~sc.known)
     if len(asked):
         ex = _parse_exact(_without_newline(lines.take(pa.array(asked))))
-        for full, part in ((kind, ex.kind), (port, ex.port), (ts, ex.ts), (slot, ex.slot), (task, ex.task),
-                           (valid, ex.valid), (bad, ex.bad), (cont, ex.cont), *zip(v, ex.v)):
+        for full, part in ((read.kind, ex.kind), (read.port, ex.port), (read.ts, ex.ts), (read.slot, ex.slot),
+                           (read.task, ex.task), (read.valid, ex.valid), (read.bad, ex.bad), (read.cont, ex.cont),
+                           *zip(read.v, ex.v)):
             full[asked] = part
-        text.update((int(asked[r]), t) for r, t in ex.text.items())
+        read.text.update((int(asked[r]), t) for r, t in ex.text.items())
+    return read
 
-    ignored = valid & (kind == 0) & ~bad
-    unknown_idx = np.flatnonzero(~valid | bad)
-    legacy_rows: list[dict] = []
-    if len(unknown_idx):
-        known_other = 0
-        texts = _without_newline(lines.take(pa.array(unknown_idx))).to_pylist()
-        for i, s in zip(unknown_idx, texts):
-            if bad[i]:
-                account.unrecognized += 1
-                if len(account.examples) < 5:
-                    account.examples.append((first_line + int(i), s[:200]))
-                continue
-            if not s.strip() or _KNOWN_OTHER.match(s):
-                known_other += 1
-                continue
-            row = legacy.parse_line(s)
-            if row is not None:
-                row["line"] = first_line + int(i)
-                own_wall = row.pop("wall_stamp_us", -1)
-                row["wall_us"] = int(wall[i]) if wall[i] >= 0 else own_wall
-                legacy_rows.append(row)
-                if row.get("kind", 0) == 0:
-                    known_other += 1
-                continue
-            account.unrecognized += 1
-            if len(account.examples) < 5:
-                account.examples.append((first_line + int(i), s[:200]))
-        account.ignored += known_other
-    account.ignored += int(ignored.sum())
-    used = kind != 0
-    account.used += int(used.sum()) + sum(1 for r in legacy_rows if r.get("kind", 0) != 0)
 
-    idx = np.flatnonzero(used)
+def _unknown_lines(lines: pa.Array, read: _Exact, wall: np.ndarray, first_line: int,
+                   account: FileAccount) -> list[dict[str, Any]]:
+    """The events of the lines FAST_PATTERN does not know, read one by one by
+    :mod:`slotscope.legacy` (older formats: rare); the others counted as ignored or
+    unrecognized."""
+    unknown_idx = np.flatnonzero(~read.valid | read.bad)
+    legacy_rows: list[dict[str, Any]] = []
+    if not len(unknown_idx):
+        return legacy_rows
+    known_other = 0
+    texts = _without_newline(lines.take(pa.array(unknown_idx))).to_pylist()
+    for i, s in zip(unknown_idx, texts):
+        if read.bad[i]:
+            account.add_unrecognized(first_line + int(i), s)
+            continue
+        if not s.strip() or _KNOWN_OTHER.match(s):
+            known_other += 1
+            continue
+        row = legacy.parse_line(s)
+        if row is None:
+            account.add_unrecognized(first_line + int(i), s)
+            continue
+        row["line"] = first_line + int(i)
+        own_wall = row.pop("wall_stamp_us", -1)
+        row["wall_us"] = int(wall[i]) if wall[i] >= 0 else own_wall
+        legacy_rows.append(row)
+        if row.get("kind", 0) == 0:
+            known_other += 1
+    account.ignored += known_other
+    return legacy_rows
+
+
+def _event_columns(read: _Exact, wall: np.ndarray, first_line: int) -> dict[str, np.ndarray]:
+    """The event rows of the lines that mean something, as numpy columns."""
+    idx = np.flatnonzero(read.kind != 0)
+    v = read.v
     cols = {
-        "line": (first_line + idx).astype(np.int64), "kind": kind[idx], "port": port[idx],
-        "ts_us": ts[idx], "wall_us": wall[idx], "slot": slot[idx], "task": task[idx],
-        "v1": v[0][idx], "v2": v[1][idx], "v3": v[2][idx], "v4": v[3][idx], "cont": cont[idx],
+        "line": (first_line + idx).astype(np.int64), "kind": read.kind[idx], "port": read.port[idx],
+        "ts_us": read.ts[idx], "wall_us": wall[idx], "slot": read.slot[idx], "task": read.task[idx],
+        "v1": v[0][idx], "v2": v[1][idx], "v3": v[2][idx], "v4": v[3][idx], "cont": read.cont[idx],
     }
-    if text:  # a column only where a block has such lines (start-ups): no objects per block else
+    if read.text:  # a column only where a block has such lines (start-ups): no objects per block else
         cols["text"] = np.full(len(idx), None, dtype=object)
-        rows = np.array(sorted(text))
-        cols["text"][np.searchsorted(idx, rows)] = [text[r] for r in rows.tolist()]
-    if arrays and not legacy_rows:
-        return cols  # type: ignore[return-value]
-    ev = pd.DataFrame(cols)
-    if legacy_rows:
-        lg = pd.DataFrame(legacy_rows)
-        lg = lg[lg["kind"] != 0]
-        if len(lg):
-            lg = lg.reindex(columns=ev.columns)
-            # A column all missing on one side takes the other side's type where that holds
-            # gaps (what pandas < 3 did, with a FutureWarning, and pandas 3 does not).
-            for c in ev.columns:
-                a, b = ev[c], lg[c]
-                if a.dtype != b.dtype:
-                    if b.isna().all() and a.dtype.kind in "fO":
-                        lg[c] = b.astype(a.dtype)
-                    elif a.isna().all() and b.dtype.kind in "fO":
-                        ev[c] = a.astype(b.dtype)
-            ev = pd.concat([ev, lg], ignore_index=True).sort_values("line", kind="stable")
-            ev["cont"] = ev["cont"].fillna(False).astype(bool)
-            ev["port"] = ev["port"].fillna(-1).astype(np.int64)
-            ev["ts_us"] = ev["ts_us"].fillna(-1).astype(np.int64)
-            ev["wall_us"] = ev["wall_us"].fillna(-1).astype(np.int64)
-            ev["kind"] = ev["kind"].astype(np.int8)
-    ev = ev.reset_index(drop=True)
-    return {c: ev[c].to_numpy() for c in ev.columns} if arrays else ev  # type: ignore[return-value]
+        rows = np.array(sorted(read.text))
+        cols["text"][np.searchsorted(idx, rows)] = [read.text[r] for r in rows.tolist()]
+    return cols
+
+
+def _with_legacy(ev: pd.DataFrame, legacy_rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """The events with those :mod:`slotscope.legacy` read, in line order."""
+    lg = pd.DataFrame(legacy_rows)
+    lg = lg[lg["kind"] != 0]
+    if not len(lg):
+        return ev
+    lg = lg.reindex(columns=ev.columns)
+    # A column all missing on one side takes the other side's type where that holds
+    # gaps (what pandas < 3 did, with a FutureWarning, and pandas 3 does not).
+    for c in ev.columns:
+        a, b = ev[c], lg[c]
+        if a.dtype != b.dtype:
+            if b.isna().all() and a.dtype.kind in "fO":
+                lg[c] = b.astype(a.dtype)
+            elif a.isna().all() and b.dtype.kind in "fO":
+                ev[c] = a.astype(b.dtype)
+    ev = pd.concat([ev, lg], ignore_index=True).sort_values("line", kind="stable")
+    ev["cont"] = ev["cont"].fillna(False).astype(bool)
+    ev["port"] = ev["port"].fillna(-1).astype(np.int64)
+    ev["ts_us"] = ev["ts_us"].fillna(-1).astype(np.int64)
+    ev["wall_us"] = ev["wall_us"].fillna(-1).astype(np.int64)
+    ev["kind"] = ev["kind"].astype(np.int8)
+    return ev
 
 
 def assign_sessions(ev: pd.DataFrame, state: StreamState) -> pd.DataFrame:
@@ -591,8 +621,8 @@ class ServerLogs:
     tasks: pd.DataFrame = StoredField()  # type: ignore[assignment]
     gen_samples: pd.DataFrame = StoredField()  # type: ignore[assignment]
     prefill_samples: pd.DataFrame = StoredField()  # type: ignore[assignment]
-    sessions: pd.DataFrame
-    accounting: Accounting
+    sessions: pd.DataFrame  # type: ignore[misc]  # (StoredField above is no default: its __get__ raises on the class)
+    accounting: Accounting  # type: ignore[misc]
 
     def on_disk(self, kind: str) -> Samples | None:
         """The :class:`Samples` behind ``gen_samples`` or ``prefill_samples`` (``kind``) while
@@ -624,7 +654,7 @@ class _Parsed:
     events: dict[str, np.ndarray] | None = None
 
 
-def _parse_block(job: tuple[bytes | Span, StreamState, bool]) -> _Parsed:
+def _parse_block(job: tuple[bytes | Span, StreamState, bool | int]) -> _Parsed:
     """Parse and fold one block with nothing from the blocks before it (in a worker process)."""
     block, state, keep_samples = job  # the state: a fresh one per block (_given), this block's to change
     data = read_span(block) if isinstance(block, Span) else block
@@ -647,8 +677,7 @@ def _blocks(stream: BinaryIO, lf: LogFile, size: int, pool: Pool | None) -> tupl
     if pool is None or pool.jobs < 2:
         return iter_chunks(stream, lf.path, size), None
     # Compressed or piped: each block goes to the workers through a temporary file. (Blocks
-    # of the full size: with the C scanner, half-size ones cost ~0.5 s per GB more in per-block
-    # work, for ~30 MB less memory at any input size: 1 GB .gz 220 MB against 190.)
+    # of the full size: smaller ones save little memory and add per-block work.)
     return staged(iter_chunks(stream, lf.path, size, pieces=True)), None
 
 
@@ -694,14 +723,7 @@ def read_stream(
             jobs = ((b, _given(state), keep_samples) for b in blocks)
             for got in (pool.map(_parse_block, jobs, ahead) if pool is not None else map(_parse_block, jobs)):
                 offset = account.lines
-                part = got.account
-                for i, text in part.examples:
-                    if len(account.examples) < 5:
-                        account.examples.append((i + offset, text))
-                account.lines += part.lines
-                account.used += part.used
-                account.ignored += part.ignored
-                account.unrecognized += part.unrecognized
+                account.absorb(got.account)
                 if got.block is not None:
                     assert got.ports is not None
                     shift = resolve_sessions(got.ports, state)
@@ -762,18 +784,22 @@ def read_server_logs(
     ``samples_on_disk``): the task table is written to one too, a batch at a time as the
     tasks are finished (:class:`slotscope.store.StoredTable`), never whole in memory.
     """
-    tasks, gens, prefills, sessions = [], [], [], []
     on_disk = samples_on_disk and tasks_on_disk
     assemblers, acc = _read_all(paths, inputs, keep_samples=keep_samples, tz=tz, year=year, progress=progress,
                                 chunk_size=chunk_size, jobs=jobs, spill_samples=samples_on_disk,
                                 spill_rows=TASK_ROWS if on_disk else None)
     if on_disk:
-        stored, gens, prefills, sessions, counts = _finish_on_disk(assemblers)
-        out = ServerLogs(tasks=stored, gen_samples=Samples(gens, GEN_COLUMNS), prefill_samples=Samples(prefills, PREFILL_COLUMNS),
-                         sessions=_concat(sessions, SESSION_COLUMNS), accounting=acc)
+        stored, gen_parts, prefill_parts, stream_sessions, counts = _finish_on_disk(assemblers)
+        out = ServerLogs(tasks=stored, gen_samples=Samples(gen_parts, GEN_COLUMNS),
+                         prefill_samples=Samples(prefill_parts, PREFILL_COLUMNS),
+                         sessions=_concat(stream_sessions, SESSION_COLUMNS), accounting=acc)
         acc.tasks_complete, acc.tasks_cancelled, acc.tasks_incomplete = counts
         acc.sessions = len(out.sessions)
         return out
+    tasks: list[pd.DataFrame] = []
+    gens: list[pd.DataFrame | SampleSource] = []  # (sources where the samples stay on disk)
+    prefills: list[pd.DataFrame | SampleSource] = []
+    sessions = []
     for asm in assemblers:
         t, g, p, s = asm.finish_later() if samples_on_disk else asm.finish()
         tasks.append(t)
@@ -807,7 +833,7 @@ def _finish_on_disk(assemblers: list[TaskAssembler]) -> tuple[StoredTable, list[
     # _concat gives them (taken from a one-row batch of each stream).
     cats: dict[str, list[str]] = {}
     if len(streams) > 1:
-        cats = _joined_categories([_task_batch((dataclasses.replace(parts[0], idx=parts[0].idx[:1]), 0, with_wall, None))[0]
+        cats = _joined_categories([_task_table(dataclasses.replace(parts[0], idx=parts[0].idx[:1]), with_wall)
                                    for _, parts in streams])
     counts = np.zeros(3, np.int64)
     samples: dict[int, tuple[SampleSource, SampleSource]] = {}  # per stream (id of its assembler)
@@ -816,8 +842,8 @@ def _finish_on_disk(assemblers: list[TaskAssembler]) -> tuple[StoredTable, list[
     def batches() -> Iterator[pd.DataFrame]:
         for asm, parts in streams:
             for part in parts:
-                table, n = _task_batch((part, 0, with_wall, None))
-                counts[:] += n
+                table = _task_table(part, with_wall)
+                counts[:] += _status_counts(table)
                 firsts.append([table[c].to_numpy(dtype=np.int64) for c in ("port", "session", "task_id")]
                               + [table["first_token_s"].to_numpy(dtype=np.float64, na_value=np.nan)])
                 yield table.assign(**{c: table[c].cat.set_categories(v) for c, v in cats.items()}) if cats else table
@@ -869,7 +895,7 @@ def read_task_batches(
         raise
     acc.sessions = sum(len(s) for _, s in ends)
     with_wall = any(a.has_wall_rows for a in assemblers if a.n_finished)
-    todo = [b for asm, (parts, _) in zip(assemblers, ends) if asm.n_finished for b in parts]
+    todo: list[TaskBatch | None] = [b for asm, (parts, _) in zip(assemblers, ends) if asm.n_finished for b in parts]
     if not todo:
         todo = [None]
     work = [(b, i, with_wall, then) for i, b in enumerate(todo)]
@@ -959,11 +985,18 @@ def _sample_batch(job: tuple[SampleBatch | None, int, Callable[[pd.DataFrame, in
 def _task_batch(job: tuple[TaskBatch | None, int, bool, Callable[[pd.DataFrame, int], object] | None]) -> tuple[object, tuple[int, int, int]]:
     """One batch of the task table (in a worker process, or here), and its status counts."""
     batch, i, with_wall, then = job
+    part = _task_table(batch, with_wall)
+    return (then(part, i) if then is not None else part), _status_counts(part)
+
+
+def _task_table(batch: TaskBatch | None, with_wall: bool) -> pd.DataFrame:
+    """One batch of the task table (None: the empty table); ``with_wall``: with the wall-clock
+    columns, NaT where this stream has none (another stream has wall clocks)."""
     part = batch.table() if batch is not None else _concat([], TASK_COLUMNS)
-    if with_wall and "launch_at" not in part.columns:  # another stream has wall clocks
+    if with_wall and "launch_at" not in part.columns:
         for c in ("launch_at", "release_at", "prefill_start_at", "first_token_at"):
             part[c] = pd.Series(pd.NaT, index=part.index, dtype="datetime64[us, UTC]")
-    return (then(part, i) if then is not None else part), _status_counts(part)
+    return part
 
 
 def _read_all(
@@ -1001,8 +1034,8 @@ def _same_categories(frames: list[pd.DataFrame]) -> list[pd.DataFrame]:
     given one set of categories, sorted (so the column sorts as its text does).
 
     pandas joins categoricals with different categories as text: with two or more server
-    logs, ``source`` and ``file`` became a string per row (the 1 GB bench read as two logs:
-    0.8 GB more) and their dtype depended on how many servers were read.
+    logs, ``source`` and ``file`` would become a string per row, and their dtype would
+    depend on how many servers were read.
     """
     for c, cats in _joined_categories(frames).items():
         frames = [f.assign(**{c: f[c].cat.set_categories(cats)}) for f in frames]

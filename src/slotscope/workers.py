@@ -45,8 +45,8 @@ def default_jobs() -> int:
 
 def _worker_start() -> None:
     """Keep freed block-sized arrays in the worker's heap (glibc): each block allocates and
-    frees the same ~100 MB of arrays, and handing them back to the kernel every time cost
-    ~15% of the parse in page faults (sys time 0.15 -> 0.06 s per 100 MB). Elsewhere: nothing."""
+    frees the same large arrays, and handing them back to the kernel every time costs the
+    parse its page faults again. Elsewhere: nothing."""
     try:
         import ctypes
 

@@ -1,0 +1,124 @@
+"""Which fields of an app call log mean what, found by name, and whether data reads as one.
+
+Kept apart from :mod:`slotscope.app_log` so that :mod:`slotscope.sources` can tell an app log
+from a server log by content without importing the app-log reader (which reads its files
+through :mod:`slotscope.sources`).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+# Specific names before generic ones: a record with both `start` and `ts` usually means
+# `ts` is when the line was written, i.e. the end of the call.
+CANDIDATES: dict[str, tuple[str, ...]] = {
+    "start": ("start", "started_at", "start_time", "request_time", "t_send", "ts", "timestamp", "time"),
+    "end": ("end", "ended_at", "finished_at", "end_time"),
+    "duration_ms": ("duration_ms", "latency_ms", "elapsed_ms"),
+    "duration_s": ("duration", "elapsed"),
+    "purpose": ("purpose", "kind", "type", "task"),
+    "user": ("user", "user_id", "conversation", "conversation_id", "session"),
+    "lora": ("lora", "adapter", "lora_adapter"),
+    "prompt_tokens": (
+        "prompt_tokens", "input_tokens", "usage.prompt_tokens", "usage.input_tokens", "tokens_evaluated",
+    ),
+    "completion_tokens": (
+        "completion_tokens", "output_tokens", "usage.completion_tokens", "usage.output_tokens", "tokens_predicted",
+    ),
+    "cached_tokens": (
+        "cached_tokens", "usage.prompt_tokens_details.cached_tokens", "timings.cache_n", "timings_cache_n",
+    ),
+    "status": ("status", "status_code", "http_status"),
+    "error": ("error", "error_message"),
+    "call_id": ("id", "call_id", "request_id"),
+    "session": ("session", "session_id"),
+    "turn": ("turn",),
+    "timings": ("timings",),
+}
+ALIASES = {"id": "call_id", "duration": "duration_s"}
+TIMINGS: dict[str, str] = {"prompt_n": "Int64", "prompt_ms": "float64", "predicted_n": "Int64",
+                           "predicted_ms": "float64", "cache_n": "Int64"}
+# fields that, beside a start time, make a record a call rather than any timestamped line
+STRONG = ("end", "duration_ms", "duration_s", "purpose", "lora", "prompt_tokens", "completion_tokens",
+          "cached_tokens")
+
+
+def nested_paths(override: Mapping[str, str]) -> set[str]:
+    """Lower-cased dotted paths of the objects a field could be inside."""
+    names = [n.lower() for ns in CANDIDATES.values() for n in ns] + [n.lower() for n in override.values()]
+    names += [f"{override.get('timings', 'timings').lower()}.{k}" for k in TIMINGS]
+    return {n.rsplit(".", i)[0] for n in names for i in range(1, n.count(".") + 1)}
+
+
+def path_index(records: Iterable[Mapping[str, Any]], override: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
+    """Lower-cased dotted path -> the path as written, for every key a field could name."""
+    nested = nested_paths(override)
+    index: dict[str, tuple[str, ...]] = {}
+    seen: dict[tuple[tuple[str, ...], tuple[str, ...]], list[tuple[str, tuple[str, ...]]]] = {}
+
+    def walk(obj: Mapping[str, Any], prefix: tuple[str, ...]) -> None:
+        shape = (prefix, tuple(obj))  # most records share a handful of shapes: index each once
+        deeper = seen.get(shape)
+        if deeper is None:
+            deeper = seen[shape] = []
+            for k in obj:
+                path = (*prefix, k)
+                dotted = ".".join(path).lower()
+                index.setdefault(dotted, path)
+                if dotted in nested:
+                    deeper.append((k, path))
+        for k, path in deeper:
+            if isinstance(obj[k], dict):
+                walk(obj[k], path)
+
+    for rec in records:
+        walk(rec, ())
+    return index
+
+
+def resolve_fields(index: Mapping[str, tuple[str, ...]], override: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
+    """Each field's path in records indexed by :func:`path_index`: the first of its names there."""
+    fields: dict[str, tuple[str, ...]] = {}
+    for key, names in CANDIDATES.items():
+        if key == "timings":
+            continue
+        wanted = (override[key],) if key in override else names
+        hit = next((index[n.lower()] for n in wanted if n.lower() in index), None)
+        if hit is not None:
+            fields[key] = hit
+    prefix = override.get("timings", "timings").lower()
+    for sub in TIMINGS:
+        hit = index.get(f"{prefix}.{sub}") or index.get(f"{prefix}_{sub}")
+        if hit is not None:
+            fields[f"timings_{sub}"] = hit
+    return fields
+
+
+def looks_like_app_log(sample: bytes) -> bool:
+    """True if the (decompressed) start of a file reads as an app call log, JSONL or CSV.
+
+    llama-server text lines and journald/docker JSON wrappers around them are not app logs.
+    """
+    lines = [ln for ln in sample.decode("utf-8", "replace").lstrip("\ufeff").splitlines() if ln.strip()][:20]
+    if not lines:
+        return False
+    if lines[0].lstrip().startswith("{"):
+        records = []
+        for ln in lines:
+            try:
+                rec = json.loads(ln)
+            except ValueError:
+                continue  # the sample may end mid-line
+            if isinstance(rec, dict):
+                records.append(rec)
+        # journald (`journalctl -o json`) and docker json-file wrap server lines in JSON
+        if not records or any("MESSAGE" in r or "__CURSOR" in r or ("log" in r and "stream" in r) for r in records):
+            return False
+        index = path_index(records, {})
+    else:
+        index = {h.strip().lower(): (h.strip(),) for h in next(csv.reader([lines[0]]))}
+    fields = resolve_fields(index, {})
+    return "start" in fields and any(k in fields for k in STRONG)
