@@ -1,4 +1,4 @@
-"""context: generation speed by context length, recomputed window by window with plain loops."""
+"""context: how fast does generation run at each context size, alone and beside other work?"""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from slotscope import analyze
 from slotscope.analyze import Options
-from slotscope.analyze.context import LABELS, context, tasks_during
+from slotscope.analyze.context import LABELS, QUESTION, context, tasks_during
 from slotscope.dataset import load
 
 from .conftest import REAL
@@ -85,73 +86,30 @@ def test_tasks_during_counts_overlaps_per_session() -> None:
     assert tasks_during(tasks, at, "a", "b").tolist() == [1, 1, 0, 1, 1, 0]
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_tally_by_part_equals_the_windows_kept_whole(seed: int) -> None:
-    """The windows tallied a part at a time (counts, tasks, medians read off each value's
-    count) give what the windows kept whole give: bincount, distinct tasks and the median of
-    the values, to the bit; with repeated and missing speeds, odd and even counts, empty bins
-    and parts, and windows of no bin."""
-    from slotscope import timeline as tl
-    from slotscope.analyze.context import BASES, _Tally
-
-    rng = np.random.default_rng(seed)
-    n, n_tasks = 5000, 300
-    w = pd.DataFrame({
-        "tg_3s_tps": np.round(rng.gamma(5, 8, n), 1 + seed % 3),  # (from 0.1 to 0.001 apart: many or few repeats)
-        "alone": rng.random(n) < 0.3, "no_prefill": rng.random(n) < 0.7,
-        "bin": rng.choice(np.array([-1, 0, 1, 2, 4], dtype=np.int8), n),  # (bin 3 empty, -1: no bin)
-        "task": rng.integers(0, n_tasks, n)})
-    w.loc[rng.random(n) < 0.05, "tg_3s_tps"] = np.nan
-    tally = _Tally(n_tasks)
-    for lo, hi in ((0, 0), (0, 1), (1, 1700), (1700, 1700), (1700, n)):  # (empty parts too)
-        tally.add(w.iloc[lo:hi])
-    for b in BASES:
-        kept = w[w[b].to_numpy() & (w["bin"].to_numpy() >= 0)]
-        c, v, task = kept["bin"].to_numpy().astype(np.int64), kept["tg_3s_tps"].to_numpy(), kept["task"].to_numpy()
-        expected = pd.DataFrame({
-            "samples": np.bincount(c[~np.isnan(v)], minlength=len(LABELS)),
-            "tasks": tl.distinct_per_group(c, task, len(LABELS)),
-            "median_tg_3s_tps": [tl.median(v[c == k]) for k in range(len(LABELS))],
-        }, index=pd.Index(LABELS, name="bin"))
-        pd.testing.assert_frame_equal(tally.table(b), expected)
+@pytest.mark.parametrize("scenario", ["before", "restart", "wallclock"])
+@pytest.mark.parametrize("part_tasks", [2, 5])
+def test_the_speeds_do_not_depend_on_how_the_busy_periods_are_cut(scenario: str, part_tasks: int) -> None:
+    """Parts of a few tasks cut the busy periods where windows of the tasks across the cut
+    run beside tasks of the next piece; every window is counted once, beside every task."""
+    ds = load([REAL / scenario / "logs"])
+    spans = [p.span for p in ds.parts(part_tasks)]
+    assert sum(s is not None for s in spans) > 3  # (the periods were cut)
+    whole = analyze.answer([QUESTION], ds, Options())["context"]
+    assert whole["samples"].sum() > 0
+    pd.testing.assert_frame_equal(analyze.answer([QUESTION], ds, Options(), part_tasks=part_tasks)["context"], whole,
+                                  check_exact=True)
 
 
-@pytest.mark.parametrize("stored", ["as_read", "tasks_interleaved", "back_in_time"])
-def test_windows_read_as_stored_equal_the_tables(monkeypatch, stored: str) -> None:
-    """The heartbeats read as they were stored, a few rows at a time (each window started at
-    its task's last heartbeat so far), give the table that reading them in the table's order
-    gives, to the bit: with other tasks' rows stored in between, and, where a task's times go
-    back in stored order (the table sorts them by time), by falling back to the table's order."""
-    from slotscope import timeline as tl
-    from slotscope.analyze import context as ctx
-    from slotscope.tasks import FinishedRows
-
-    ds = load([REAL / "before" / "logs"])
-    part = ds.server.on_disk("gen_samples").parts[0]
-    if stored != "as_read":
-        rows = part.store.gather(np.arange(len(part.store)))
-        key = tl.packed_task_keys(rows["port"], rows["session"], rows["task"])
-        by_key = np.argsort(key, kind="stable")
-        if stored == "tasks_interleaved":  # stored in a random order, each task's rows still in theirs
-            task_at = key[np.random.default_rng(0).permutation(len(key))]  # (which task's row each place holds)
-            order = np.empty(len(key), dtype=np.int64)
-            order[np.argsort(task_at, kind="stable")] = by_key
-        else:  # a task's two heartbeats stored the other way round
-            k, ts = key[by_key], rows["ts_us"][by_key]
-            i = np.flatnonzero((k[1:] == k[:-1]) & (ts[1:] > ts[:-1]))[0]
-            order = np.arange(len(key))
-            order[[by_key[i], by_key[i + 1]]] = order[[by_key[i + 1], by_key[i]]]
-        store = FinishedRows()
-        store.append({c: v[order] for c, v in rows.items()})
-        store.close()
-        part.store = store
-        part.forget_index()
-    monkeypatch.setattr(ctx, "HEARTBEAT_ROWS", 7)  # (parts that split tasks' heartbeats)
-    by_table, real = [], ctx._tally_by_table
-    monkeypatch.setattr(ctx, "_tally_by_table", lambda *a: (by_table.append(1), real(*a))[1])
-    got = context(ds, Options())
-    assert by_table == ([1] if stored == "back_in_time" else [])
-    monkeypatch.setattr(ctx._InStoredOrder, "of", classmethod(lambda cls, ds, lazy: None))
-    want = context(ds, Options())
-    pd.testing.assert_frame_equal(got, want, check_exact=True)
-    assert want["samples"].sum() > 0
+def test_each_bucket_counts_its_windows_and_their_tasks(datasets: dict) -> None:
+    """The table says how many windows and how many distinct tasks each speed rests on."""
+    ds = datasets["before"]
+    table = context(ds, Options()).set_index(["basis", "context_tokens"])
+    hb = ds.server.gen_samples
+    hb = hb[hb["window_s"].between(2.5, 4.0)].merge(ds.server.tasks[["session", "task_id", "prompt_tokens"]])
+    label = pd.cut(hb["prompt_tokens"] + hb["n_gen"], EDGES, right=False, labels=LABELS)
+    by_bucket = hb.groupby(label, observed=False)["task_id"]
+    no_prefill = table.xs("no_prefill")
+    assert (no_prefill["samples"] <= by_bucket.size()).all()
+    assert (no_prefill["tasks"] <= by_bucket.nunique()).all()
+    assert (table["tasks"] <= table["samples"]).all() and ((table["tasks"] > 0) == (table["samples"] > 0)).all()
+    assert no_prefill.loc["15K+", "tasks"] >= 2

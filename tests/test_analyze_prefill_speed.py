@@ -1,4 +1,4 @@
-"""prefill-speed: tok/s per pass size and the effective chunk, recomputed from the raw progress lines."""
+"""prefill-speed: how fast does a prefill go per batch pass, and how big is a pass (n_batch)?"""
 
 from __future__ import annotations
 
@@ -90,93 +90,28 @@ def test_no_progress_lines_no_chunk(datasets: dict) -> None:
     assert (table["steps"] == 0).all() and table["effective_chunk_tokens"].isna().all()
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_pairs_counted_by_part_give_the_table_of_every_step(seed: int) -> None:
-    """Steps counted as distinct (tokens, seconds) pairs a part at a time give the table the
-    steps one by one gave (a groupby median per bin, value_counts for the chunk): with
-    repeated and unique pairs, odd and even counts, empty bins, an empty part, steps that did
-    not advance, and no recurring size (seed 3)."""
-    import numpy as np
-
-    from slotscope.analyze.prefill_speed import COLUMNS, EDGES, _add, _chunk, _pairs, _steps_of, _table
-
-    rng = np.random.default_rng(seed)
-    n = 3000
-    sizes = np.array([1, 7, 63, 64, 300, 509, 510, 512, 2048]) if seed < 3 else np.arange(64, 64 + n)
-    tokens = pd.array(rng.choice(sizes, n), dtype="Int64")
-    tokens[rng.random(n) < 0.05] = 0  # (did not advance)
-    seconds = np.round(rng.gamma(2, 0.3, n), 2 + seed % 3)  # (0.01 to 0.0001 apart)
-    p = pd.DataFrame({"step_tokens": tokens, "step_s": seconds})
-    counted = _pairs(np.zeros(0), np.zeros(0), np.zeros(0, dtype=np.int64))
-    for lo, hi in ((0, 0), (0, 1000), (1000, n)):
-        counted = _add(counted, _steps_of(p.iloc[lo:hi]))
-    # The table of every step, as it was made.
-    t, s = p["step_tokens"].astype("float64").to_numpy(), p["step_s"].to_numpy()
-    steps = pd.DataFrame({"tokens": t[(t >= 1) & (s > 0)], "seconds": s[(t >= 1) & (s > 0)]})
-    large = steps.loc[steps["tokens"] >= 64, "tokens"].astype("int64")
-    counts = large.value_counts()
-    recurring = counts[(counts >= 2) & (counts >= 0.05 * len(large))]
-    size = int(recurring.index.max()) if len(recurring) else int(counts[counts == counts.max()].index.max())
-    assert _chunk(counted) == (size, int(counts[size]))
-    steps = steps.assign(tps=steps["tokens"] / steps["seconds"], bin=pd.cut(steps["tokens"], EDGES, right=False, labels=LABELS))
-    g = steps.groupby("bin", observed=False)
-    want = pd.DataFrame({"steps": g["tps"].count().astype("int64"), "median_tps": g["tps"].median().round(1),
-                         "median_step_tokens": g["tokens"].median()}).rename_axis("step_tokens").reset_index()
-    want["step_tokens"] = want["step_tokens"].astype("string")
-    want["effective_chunk_tokens"] = pd.array([size] * len(want), dtype="Int64")
-    want["chunk_steps"] = int(counts[size])
-    want["few_samples"] = want["steps"] < 10
-    pd.testing.assert_frame_equal(_table(counted, Options()), want[COLUMNS])
+def test_a_2048_batch_prefills_in_full_chunks_a_512_one_in_small_ones(datasets: dict) -> None:
+    """`before` ran -b 2048, `after` -b 512: the same prompts go through in passes of ~2048
+    tokens there, of ~509 here (three slots generating take a token each), each at about the
+    solo prefill speed; the smaller passes only cost a little speed each."""
+    before = prefill_speed(datasets["before"], Options()).set_index("step_tokens")
+    after = prefill_speed(datasets["after"], Options()).set_index("step_tokens")
+    assert before["steps"].idxmax() == "1500-2100" and after["steps"].idxmax() == "256-600"
+    assert before.loc["1500-2100", "median_step_tokens"] == 2047 and after.loc["256-600", "median_step_tokens"] == 509
+    assert after.loc["256-600", "median_tps"] < before.loc["1500-2100", "median_tps"] < 1.1 * after.loc["256-600", "median_tps"]
+    assert before["effective_chunk_tokens"].iloc[0] == 2048 and after["effective_chunk_tokens"].iloc[0] == 511
 
 
-def _rechunked(samples, rows: int, edit=None):
-    """``samples`` (server_log.Samples) with each part's rows in stored chunks of ``rows``
-    lines (``edit(columns)``: changed first)."""
-    from dataclasses import replace as changed
-
-    from slotscope.server_log import Samples
-    from slotscope.tasks import FinishedRows
-
-    parts = []
-    for p in samples.parts:
-        cols = {c: p.store.column(c) for c in p.store._names()}
-        if edit is not None:
-            edit(cols)
-        store = FinishedRows(spill_rows=rows)
-        for lo in range(0, len(cols["task"]), 3):
-            store.append({c: v[lo:lo + 3] for c, v in cols.items()})
-        store.close(on_disk=True)
-        parts.append(changed(p, store=store))
-    return Samples(parts, samples.columns)
-
-
-@pytest.mark.parametrize("scenario", ["before", "after", "restart", "wallclock"])
-@pytest.mark.parametrize("rows", [7, 20, 1 << 18])
-def test_steps_as_read_chunk_by_chunk_equal_the_tables_parts(scenario: str, rows: int) -> None:
-    """The steps from the lines as read, a stored chunk at a time (a task's lines across
-    chunks), are those of the table's parts in task order; where a task's time goes back (the
-    table sorts its lines by time) they are not made, and the table's parts count them."""
-    import numpy as np
-
-    from slotscope.analyze import prefill_speed as ps
+@pytest.mark.parametrize("scenario", ["before", "after", "restart"])
+@pytest.mark.parametrize("part_tasks", [2, 5])
+def test_the_steps_do_not_depend_on_how_the_busy_periods_are_cut(scenario: str, part_tasks: int) -> None:
+    """A task prefilling across a cut is in both pieces; each of its progress lines counts once."""
+    from slotscope import analyze
+    from slotscope.analyze.prefill_speed import QUESTION
 
     ds = load([REAL / scenario / "logs"])
-    read = ds.server.on_disk("prefill_samples")
-    assert read is not None
-    want = ps._steps(replace(ds, server=replace(ds.server, prefill_samples=read.table().copy())))
-    read.unload()
-    lazy = _rechunked(read, rows)
-    assert rows > 7 or len(lazy.parts[0].store._chunks) > 3
-    got = ps._steps_as_read(lazy)
-    pd.testing.assert_frame_equal(got, want)
-
-    def back(cols: dict) -> None:  # a task's second line before its first
-        ids, lines = np.unique(cols["task"], return_counts=True)
-        same = np.flatnonzero(cols["task"] == ids[lines.argmax()])
-        cols["ts_us"][same[1]] = cols["ts_us"][same[0]] - 1
-
-    lazy = _rechunked(read, rows, back)
-    assert ps._steps_as_read(lazy) is None
-    ds.server.__dict__["_prefill_samples"] = lazy
-    want = ps._steps(replace(ds, server=replace(ds.server, prefill_samples=lazy.table().copy())))
-    pd.testing.assert_frame_equal(ps._steps(ds), want)
+    assert sum(p.span is not None for p in ds.parts(part_tasks)) > 3  # (the periods were cut)
+    whole = analyze.answer([QUESTION], ds, Options())["prefill-speed"]
+    assert whole["steps"].sum() > 0
+    pd.testing.assert_frame_equal(analyze.answer([QUESTION], ds, Options(), part_tasks=part_tasks)["prefill-speed"],
+                                  whole, check_exact=True)

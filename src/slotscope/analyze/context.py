@@ -13,18 +13,24 @@ Two bases, each with its own counts:
 ``no_prefill``  no other task was prefilling (between its prefill start and its first token)
                 during the window; others may have been generating in the same passes, which
                 costs each of them some speed whatever the context
+
+A busy period's part counts the windows that start in its stretch of time (all of them for
+whole periods). Every task running then is in the part, except the tasks of the next piece
+of a cut period that start before such a window ends: those are added in the merge, from
+each part's tasks that start within a window's length of its own start.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
 from .. import timeline as tl
-from ..dataset import Dataset, release_memory, tasks_of
-from ..server_log import Samples
-from ..tasks import HEARTBEAT, SampleSource, _seconds
-from . import Options, register
+from ..dataset import Dataset
+from ..periods import TASK_KEYS, Part
+from . import Options, Question, ask
 
 EDGES = [0, 2_000, 5_000, 10_000, 15_000, np.inf]
 LABELS = ["0-2K", "2-5K", "5-10K", "10-15K", "15K+"]
@@ -35,10 +41,9 @@ BASES = {
     "alone": "tg_3s, 2.5-4 s windows, no other task on the server",
     "no_prefill": "tg_3s, 2.5-4 s windows, no other task prefilling",
 }
-# Heartbeats read at a time: at 1 GB of log the table's peak was its parts of 1<<18 (306 MB),
-# 1<<16 gave 268-271 in about the same time (one run each; 2.0-2.8 s, was 2.5).
-HEARTBEAT_ROWS = 1 << 16
 COLUMNS = ["basis", "context_tokens", "samples", "tasks", "median_tg_3s_tps", "few_samples", "note"]
+HOLDING = ("launch_s", "release_s")  # (since, until) of a task holding a slot
+PREFILLING = ("prefill_start_s", "first_token_s")
 
 
 def tasks_during(tasks: pd.DataFrame, at: pd.DataFrame, start: str, end: str,
@@ -47,216 +52,158 @@ def tasks_during(tasks: pd.DataFrame, at: pd.DataFrame, start: str, end: str,
 
     By default that is holding a slot: from launch to release (to the end of time if never
     released); ``prefill_start_s``/``first_token_s`` count prefills instead. Counts the row's own
-    task too when it is one of them. One sorted-array sweep per session (:class:`TasksDuring`).
+    task too when it is one of them. Rows with a gap in their session key are in no session.
     """
     return TasksDuring(tasks, since, until).count(at, start, end)
 
 
 class TasksDuring:
-    """:func:`tasks_during` for many sets of rows: each session's sorted ``since`` and
-    ``until`` times are made once (not once per part of the heartbeats)."""
+    """:func:`tasks_during` of one set of tasks, for several sets of rows."""
 
     def __init__(self, tasks: pd.DataFrame, since: str = "launch_s", until: str = "release_s") -> None:
-        # Rows whose session key has a gap belong to no session (as in a groupby).
-        ok = tasks[SESSION].notna().all(axis=1).to_numpy() & tasks[since].notna().to_numpy()
-        code = tl.key_codes([tasks], SESSION)[0]
-        t_since = tasks[since].to_numpy(dtype=float, na_value=np.nan)
-        t_until = tasks[until].to_numpy(dtype=float, na_value=np.inf)
-        groups = tl.rows_by_group(code, ok)
-        self.keys = tasks[SESSION].iloc[[int(rows[0]) for rows in groups.values()]].reset_index(drop=True)  # one row a session
-        self.times = [(np.sort(t_since[rows]), np.sort(t_until[rows])) for rows in groups.values()]
+        self.tasks = tasks[tasks[SESSION].notna().all(axis=1).to_numpy()]
+        self.since, self.until = since, until
 
     def count(self, at: pd.DataFrame, start: str, end: str) -> np.ndarray:
-        out = np.zeros(len(at), dtype=np.int64)
-        if at.empty or not len(self.keys):
-            return out
-        kcode, acode = tl.key_codes([self.keys, at], SESSION)
-        a_ok = at[SESSION].notna().all(axis=1).to_numpy()
-        a_start = at[start].to_numpy(dtype=float, na_value=np.nan)
-        a_end = at[end].to_numpy(dtype=float, na_value=np.nan)
-        for code, rows in tl.rows_by_group(acode, a_ok).items():
-            k = np.flatnonzero(kcode == code)
-            if not len(k):
-                continue
-            starts, ends = self.times[int(k[0])]
-            # Begun before the window ends, minus ended before it starts.
-            out[rows] = np.searchsorted(starts, a_end[rows], side="left") - np.searchsorted(ends, a_start[rows], side="right")
-        return out
+        """For each row of ``at``, the tasks of its session between since and until during [start, end]."""
+        tcode, acode = tl.key_codes([self.tasks, at], SESSION)
+        out = count_during(tcode, _f(self.tasks[self.since]), _f(self.tasks[self.until]), acode, _f(at[start]), _f(at[end]))
+        return np.where(at[SESSION].notna().all(axis=1).to_numpy(), out, 0)
 
 
-def _windows(hb: pd.DataFrame, prompt: pd.DataFrame, tokens: np.ndarray, holding: TasksDuring,
-             prefilling: TasksDuring) -> pd.DataFrame:
-    """The unstalled heartbeat windows of ``hb`` with a context: ``tg_3s_tps``, ``alone``,
-    ``no_prefill``, ``bin`` (the context bin's code: ``LABELS``) and ``task`` (the task's row in
-    ``prompt``, whose prompt tokens are ``tokens``)."""
-    # Unstalled windows of the tasks the log has (an inner join on the task keys; prompt's are unique).
-    unstalled = ((hb["window_s"] >= WINDOW_MIN_S) & (hb["window_s"] <= WINDOW_MAX_S) & hb["tg_3s_tps"].notna()).to_numpy()
-    rows, p_row = tl.join_tasks(hb, prompt)
-    keep = unstalled[rows]
-    rows, p_row = rows[keep], p_row[keep]
-    n_gen = hb["n_gen"].astype("float64").to_numpy(na_value=np.nan)[rows]
-    w = hb[SESSION + ["window_start_s", "t_s", "tg_3s_tps"]].iloc[rows].reset_index(drop=True)
-    return _counted(w, tokens[p_row] + n_gen, p_row, holding, prefilling)
+def count_during(task_code: np.ndarray, since: np.ndarray, until: np.ndarray,
+                 code: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """For each window [start, end] of the session ``code``, how many tasks of that session
+    (``task_code``, codes of one :func:`slotscope.timeline.key_codes` call) began (``since``)
+    before it ends, minus those that ended (``until``, NaN: never) by its start; tasks without
+    a ``since`` are left out."""
+    has = ~np.isnan(since)
+    task_code, since, until = task_code[has], since[has], np.where(np.isnan(until[has]), np.inf, until[has])
+    if len(task_code) and (task_code == task_code[0]).all() and (code == task_code[0]).all():  # (one session)
+        return np.searchsorted(np.sort(since), end, "left") - np.searchsorted(np.sort(until), start, "right")
+    # Each time as its place among all of them, after its session's code: one sorted array of
+    # integers for every session, searched once (equal times: equal places).
+    values, place = np.unique(np.concatenate([since, until, start, end]), return_inverse=True)
+    n = max(len(values), 1)
+    s_at, u_at, a_at, b_at = np.split(place.reshape(-1), np.cumsum([len(since), len(until), len(start)]))
+    began, ended = np.sort(task_code * n + s_at), np.sort(task_code * n + u_at)
+    first = code * n
+    return ((np.searchsorted(began, first + b_at, "left") - np.searchsorted(began, first, "left"))
+            - (np.searchsorted(ended, first + a_at, "right") - np.searchsorted(ended, first, "left")))
 
 
-def _counted(w: pd.DataFrame, ctx: np.ndarray, task: np.ndarray, holding: TasksDuring, prefilling: TasksDuring) -> pd.DataFrame:
-    """:func:`_windows` of the unstalled windows ``w`` (``SESSION``, ``window_start_s``, ``t_s``,
-    ``tg_3s_tps``) with their contexts ``ctx`` (NaN: none, left out) and tasks."""
-    keep = ~np.isnan(ctx)
-    if not keep.all():
-        w, ctx, task = w[keep].reset_index(drop=True), ctx[keep], task[keep]
-    return pd.DataFrame({
-        "tg_3s_tps": w["tg_3s_tps"].to_numpy(),
-        "alone": holding.count(w, "window_start_s", "t_s") <= 1,
-        # The task itself finished its prefill before its first heartbeat window, so any count is another's.
-        "no_prefill": prefilling.count(w, "window_start_s", "t_s") == 0,
-        "bin": pd.cut(ctx, EDGES, right=False, labels=LABELS).codes,  # (one byte a window, not its tokens)
-        "task": task,  # one number per task (was its keys as text)
+def _f(col: pd.Series) -> np.ndarray:
+    return col.to_numpy(dtype="float64", na_value=np.nan)
+
+
+def counted_at(part: Part, t_s: pd.Series) -> np.ndarray:
+    """Whether ``part`` counts what happened at these times of its session: every time for
+    whole periods, else those in its stretch ``[from_s, to_s)`` (an open end: NaN), and no
+    time (NaN) in the first piece only. A task running at such a time is in the part, so each
+    of its samples is counted in exactly one part."""
+    t = t_s.to_numpy(dtype="float64", na_value=np.nan)
+    if part.span is None:
+        return np.ones(len(t), dtype=bool)
+    lo, hi = part.span
+    return np.where(np.isnan(t), np.isnan(lo), (np.isnan(lo) | (t >= lo)) & (np.isnan(hi) | (t < hi)))
+
+
+@dataclass(frozen=True)
+class Windows:
+    """One part's unstalled windows: ``counts`` of each speed per group (``group``: basis
+    times bins plus bin, ``tg_3s_tps``, ``windows``) and the ``tasks`` that had them
+    (``group``, ``task``: a row of the task view). For a piece of a cut period also ``edge``:
+    its windows that end after it, to be settled in the merge, and ``early``: its tasks that
+    start within a window's length of its start."""
+
+    counts: pd.DataFrame
+    tasks: pd.DataFrame
+    edge: pd.DataFrame
+    early: pd.DataFrame
+
+
+def part_windows(part: Part, opts: Options) -> Windows:
+    """The unstalled windows that start in the part, with the other tasks holding a slot and
+    prefilling during each."""
+    hb = part.gen
+    hb_task, task = tl.key_codes([hb, part.tasks], TASK_KEYS)
+    first = np.zeros(len(task), dtype=bool)
+    first[np.unique(task, return_index=True)[1]] = True  # (a task with two calls: its first row)
+    tasks = part.tasks.loc[first, TASK_KEYS + list(HOLDING + PREFILLING) + ["prompt_tokens"]]
+    row = tl.by_code(task[first], np.arange(len(tasks)), hb_task, -1)  # (each heartbeat's task; -1: not in the view)
+    ctx = np.where(row >= 0, _f(tasks["prompt_tokens"])[row], np.nan) + _f(hb["n_gen"])
+    window, tg = _f(hb["window_s"]), _f(hb["tg_3s_tps"])
+    keep = ((window >= WINDOW_MIN_S) & (window <= WINDOW_MAX_S) & ~np.isnan(tg) & ~np.isnan(ctx)
+            & counted_at(part, hb["window_start_s"]))
+    w = hb.loc[keep, SESSION + ["window_start_s", "t_s", "tg_3s_tps"]].assign(
+        bin=np.searchsorted(EDGES, ctx[keep], side="right") - 1, task=part.rows[first][row[keep]])  # (bins [lo, hi))
+    hb_session, session = tl.key_codes([w, tasks], SESSION)
+    start, end = _f(w["window_start_s"]), _f(w["t_s"])
+    for what, (since, until) in (("holding", HOLDING), ("prefilling", PREFILLING)):
+        w[what] = count_during(session, _f(tasks[since]), _f(tasks[until]), hb_session, start, end)
+    lo, hi = part.span if part.span is not None else (np.nan, np.nan)
+    beyond = end > hi  # (False for an open end)
+    soon = lo + WINDOW_MAX_S
+    starts = part.counted[first] & ((_f(tasks[HOLDING[0]]) < soon) | (_f(tasks[PREFILLING[0]]) < soon))
+    return Windows(*_tally(w[~beyond]), w[beyond].assign(part=part.index),
+                   tasks.loc[starts, SESSION + list(HOLDING + PREFILLING)].assign(part=part.index))
+
+
+def _tally(w: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """:class:`Windows`' ``counts`` and ``tasks`` of the windows ``w`` (``bin``, ``tg_3s_tps``,
+    ``task``, and their ``holding`` and ``prefilling`` counts, the window's own task among the
+    first)."""
+    # (The task itself finished its prefill before its first heartbeat window, so any prefill is another's.)
+    bases = [(w["holding"] <= 1).to_numpy(), (w["prefilling"] == 0).to_numpy()]
+    group = np.concatenate([w["bin"].to_numpy()[b].astype(np.int64) + k * len(LABELS) for k, b in enumerate(bases)])
+    tg = np.concatenate([w["tg_3s_tps"].to_numpy()[b] for b in bases])
+    task = np.concatenate([w["task"].to_numpy()[b] for b in bases])
+    # Distinct (group, speed) pairs as complex numbers: numpy sorts them by real part, then imaginary.
+    pair, at = np.unique(group + 1j * tg, return_inverse=True)
+    counts = pd.DataFrame({"group": pair.real.astype(np.int64), "tg_3s_tps": pair.imag.copy(),
+                           "windows": np.bincount(at.reshape(-1), minlength=len(pair)).astype(np.int64)})
+    return counts, pd.DataFrame({"group": group, "task": task}).drop_duplicates()
+
+
+def _settled(edge: pd.DataFrame, early: pd.DataFrame) -> pd.DataFrame:
+    """The windows that end after their piece of a cut period, with the tasks of later pieces
+    of their session that held a slot or prefilled during them added to their counts."""
+    pairs = edge.assign(window=np.arange(len(edge))).merge(early, on=SESSION, suffixes=("", "_task"))
+    pairs = pairs[(pairs["part_task"] > pairs["part"]).to_numpy()]
+    window = pairs["window"].to_numpy()
+    for what, (since, until) in (("holding", HOLDING), ("prefilling", PREFILLING)):
+        # (as count_during counts: begun before the window ends, minus ended by its start)
+        began = (pairs[since] < pairs["t_s"]).to_numpy()
+        ended = pairs[since].notna().to_numpy() & (_f(pairs[until]) <= pairs["window_start_s"].to_numpy())
+        added = np.bincount(window, weights=began.astype(np.int64) - ended, minlength=len(edge)).astype(np.int64)
+        edge = edge.assign(**{what: edge[what].to_numpy() + added})
+    return edge
+
+
+def merge_windows(answers: list[Windows], opts: Options, ds: Dataset) -> dict[str, pd.DataFrame]:
+    """The table of every part's windows: per basis and context bin, the windows, their tasks
+    and the median of their speeds."""
+    edge = pd.concat([a.edge for a in answers], ignore_index=True)
+    counts = [a.counts for a in answers]
+    tasks = [a.tasks for a in answers]
+    if len(edge):
+        c, t = _tally(_settled(edge, pd.concat([a.early for a in answers], ignore_index=True)))
+        counts.append(c)
+        tasks.append(t)
+    by_speed = pd.concat(counts).groupby(["group", "tg_3s_tps"])["windows"].sum()
+    groups = range(len(BASES) * len(LABELS))
+    medians = {k: median_of_counts(g.index.get_level_values("tg_3s_tps").to_numpy(), g.to_numpy())
+               for k, g in by_speed.groupby(level="group")}
+    table = pd.DataFrame({
+        "basis": np.repeat(list(BASES), len(LABELS)),
+        "context_tokens": pd.array(LABELS * len(BASES), dtype="string"),
+        "samples": by_speed.groupby(level="group").sum().reindex(groups, fill_value=0).to_numpy(dtype=np.int64),
+        "tasks": pd.concat(tasks).drop_duplicates()["group"].value_counts().reindex(groups, fill_value=0).to_numpy(dtype=np.int64),
+        "median_tg_3s_tps": np.round(np.array([medians.get(k, np.nan) for k in groups], dtype="float64"), 2),
     })
-
-
-class _NotAsStored(Exception):
-    """The table's order of a task's heartbeats is not their stored order: their times go
-    back, or a key does not fit the index (then the table sorts them by time)."""
-
-
-class _InStoredOrder:
-    """The heartbeats' windows read as the rows were stored (a log's order), :data:`HEARTBEAT_ROWS`
-    at a time, without the table or its index by task: at 1 GB of log the index is ~30 MB
-    and reading the table's order through it gathered every column of a chunk per part.
-    The table lists a task's heartbeats in stored order where their times do not go back (a
-    stable sort by task), so a heartbeat's window starts at the last one of its task stored
-    before it, else at its task's first token (:func:`slotscope.tasks._sample_table`). Each
-    task's last heartbeat time so far is kept per task of the task table (the others'
-    windows are not counted). Only for one stream of samples and tasks whose keys pack into
-    one integer (:func:`slotscope.timeline.packed_task_keys`): :meth:`of` is None otherwise."""
-
-    def __init__(self, part: SampleSource, keys: np.ndarray, tokens: np.ndarray) -> None:
-        self.part, self.keys, self.tokens = part, keys, tokens
-
-    @classmethod
-    def of(cls, ds: Dataset, lazy: Samples | None) -> _InStoredOrder | None:
-        """The tasks' distinct packed keys, sorted (a task is its place among them), and each
-        one's prompt tokens (its first row's, where a task is listed twice), read a column at
-        a time (a frame of the four key columns was ~19 MB at 1 GB of log)."""
-        if lazy is None:
-            return None
-        parts = [p for p in lazy.parts if len(p.store)]
-        if len(parts) != 1 or parts[0].kind != HEARTBEAT:
-            return None
-        source = tasks_of(ds, ["source"])["source"]
-        if not tl._one_value([source]) or (len(source) and source.iloc[0] != parts[0].source):
-            return None
-        del source
-        key = None
-        for c, shift in (("port", 46), ("session", 32), ("task_id", 0)):  # (as packed_task_keys packs them)
-            v = tl._ints(tasks_of(ds, [c])[c])
-            if v is None:
-                return None
-            lo, hi = {"port": (-1, 65535), "session": (0, (1 << 14) - 1), "task_id": (0, (1 << 32) - 1)}[c]
-            if len(v) and (v.min() < lo or v.max() > hi):
-                return None
-            v = (v + 1 if c == "port" else v) << shift
-            key = v if key is None else np.bitwise_or(key, v, out=key)
-            del v
-        if key is None or not len(key):
-            return cls(parts[0], np.zeros(0, dtype=np.int64), np.zeros(0))
-        order = np.argsort(key, kind="stable")
-        key = key[order]
-        first = np.r_[True, key[1:] != key[:-1]]  # (each key's first row: stable sort)
-        key = key[first]
-        rows = order[first]
-        del order, first
-        tokens = tasks_of(ds, ["prompt_tokens"])["prompt_tokens"].astype("float64").to_numpy(na_value=np.nan)[rows]
-        return cls(parts[0], key, tokens)
-
-    def _rows(self, key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The rows whose key a task has, and that task's place among the keys."""
-        if not len(self.keys):
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        at = np.minimum(np.searchsorted(self.keys, key), len(self.keys) - 1)
-        hit = np.flatnonzero(self.keys[at] == key)
-        return hit, at[hit]
-
-    def tally(self, tally: _Tally, holding: TasksDuring, prefilling: TasksDuring) -> None:
-        """Tally every unstalled window; raises :class:`_NotAsStored` (part of them tallied)
-        where the table's order is not the stored one."""
-        part = self.part
-        last = np.full(len(self.keys), -1, dtype=np.int64)  # each task's last heartbeat so far (µs; -1: none)
-        for port, session, task, ts, n_gen, tg in part.store.by_part(HEARTBEAT_ROWS, "port", "session", "task", "ts_us", "v1", "v3"):
-            key = tl.packed_task_keys(port, session, task)
-            if (key < 0).any():
-                raise _NotAsStored
-            rows, p_row = self._rows(key)
-            del key
-            # The part's rows by task, stored order within each (stable).
-            o = np.argsort(p_row, kind="stable")
-            rows, p_row = rows[o], p_row[o]
-            t_us = ts[rows].astype(np.int64)
-            same = np.zeros(len(rows), dtype=bool)
-            same[1:] = p_row[1:] == p_row[:-1]
-            prev = np.where(same, np.r_[-1, t_us[:-1]], last[p_row])
-            if (t_us < 0).any() or (t_us < prev).any():
-                raise _NotAsStored
-            ends = np.flatnonzero(np.r_[~same[1:], True]) if len(rows) else np.zeros(0, dtype=np.int64)
-            last[p_row[ends]] = t_us[ends]
-            t_s = _seconds(t_us)
-            step = t_s - _seconds(prev)
-            first = np.flatnonzero(prev < 0)
-            if len(first):  # (the first heartbeat's window starts at the task's first token)
-                ft = (part.first_tokens.at(*(np.asarray(v[rows[first]], dtype=np.int64) for v in (port, session, task)))
-                      if part.first_tokens is not None else np.full(len(first), np.nan))
-                step[first] = t_s[first] - ft
-            window = np.round(step, 6)
-            tg_3s = tg[rows].astype(np.float64)
-            keep = np.flatnonzero((window >= WINDOW_MIN_S) & (window <= WINDOW_MAX_S) & ~np.isnan(tg_3s))
-            keep = keep[np.argsort(t_s[keep], kind="stable")]  # (in time order: the counts' searches took 1.3 s, not 1.7)
-            w = pd.DataFrame({"source": pd.Categorical.from_codes(np.zeros(len(keep), dtype=np.int8), categories=[part.source]),
-                              "port": port[rows[keep]].astype(np.int64), "session": session[rows[keep]].astype(np.int64),
-                              "window_start_s": np.round(t_s[keep] - window[keep], 6), "t_s": t_s[keep], "tg_3s_tps": tg_3s[keep]})
-            ctx = self.tokens[p_row[keep]] + n_gen[rows[keep]].astype(np.float64)
-            tally.add(_counted(w, ctx, p_row[keep], holding, prefilling))
-            del w, ctx, rows, p_row, t_us, prev, t_s, step, window, tg_3s, keep, port, session, task, ts, n_gen, tg
-            release_memory()  # (the part's arrays: freed pages glibc would keep)
-
-
-class _Tally:
-    """Per basis and context bin, what the table needs of the windows seen so far, summed a
-    part of the heartbeats at a time: how many windows, which tasks (a byte per task, a bit
-    per bin: at 1 GB of log 1.1 MB, a byte per task and bin was 5.6),
-    and how many windows had each tg_3s value (its distinct values, sorted: the speeds are
-    printed with two decimals, at 1 GB of log 855 of them for 2.9M heartbeats). Each bin's
-    median is read off its counts (as :func:`slotscope.timeline.median` of the values gives it).
-    (Every window was kept as three arrays until the end: memory that grew with the log.)"""
-
-    def __init__(self, n_tasks: int) -> None:
-        self.samples = {b: np.zeros(len(LABELS), dtype=np.int64) for b in BASES}
-        self.tasks = {b: np.zeros(n_tasks, dtype=np.uint8) for b in BASES}  # (bit k: bin k; LABELS has 5)
-        self.values = {b: [(np.zeros(0), np.zeros(0, dtype=np.int64)) for _ in LABELS] for b in BASES}
-
-    def add(self, w: pd.DataFrame) -> None:
-        """The windows ``w`` (:func:`_windows`): per basis, those in it with a context bin."""
-        bins = w["bin"].to_numpy()
-        tg, task = w["tg_3s_tps"].to_numpy(dtype=float), w["task"].to_numpy(dtype=np.int64)
-        for b in BASES:
-            sel = w[b].to_numpy() & (bins >= 0)
-            for k in np.unique(bins[sel]):
-                at = sel & (bins == k)
-                self.tasks[b][task[at]] |= np.uint8(1 << int(k))
-                v = tg[at]
-                v = v[~np.isnan(v)]
-                self.samples[b][k] += len(v)
-                seen, counts = self.values[b][k]
-                values, inverse = np.unique(np.concatenate([seen, v]), return_inverse=True)
-                self.values[b][k] = values, np.bincount(inverse.reshape(-1), np.r_[counts, np.ones(len(v), dtype=np.int64)],
-                                                        minlength=len(values)).astype(np.int64)
-
-    def table(self, b: str) -> pd.DataFrame:
-        return pd.DataFrame({
-            "samples": self.samples[b],
-            "tasks": [np.count_nonzero(self.tasks[b] & np.uint8(1 << k)) for k in range(len(LABELS))],
-            "median_tg_3s_tps": [median_of_counts(*self.values[b][k]) for k in range(len(LABELS))],
-        }, index=pd.Index(LABELS, name="bin"))
+    table["few_samples"] = table["samples"] < opts.min_samples
+    table["note"] = table["basis"].map(BASES)
+    return {"context": table[COLUMNS]}
 
 
 def median_of_counts(values: np.ndarray, counts: np.ndarray) -> float:
@@ -270,65 +217,11 @@ def median_of_counts(values: np.ndarray, counts: np.ndarray) -> float:
     return float(middle[0]) if n % 2 else float(np.median(middle))
 
 
-def _prompts(ds: Dataset) -> tuple[pd.DataFrame, np.ndarray]:
-    """Each task's keys (its first row where one is listed twice) and prompt tokens (float64)."""
-    prompt = tasks_of(ds, SESSION + ["task_id", "prompt_tokens"])
-    first = tl.first_of_each_task(prompt)
-    if first is not None:  # a task listed twice: its first row
-        prompt = prompt.iloc[first]
-    tokens = prompt.pop("prompt_tokens").astype("float64").to_numpy(na_value=np.nan)
-    return prompt, tokens
+QUESTION = ask(Question(("context",), part_windows, merge_windows))
 
 
-def _tally_by_table(ds: Dataset, lazy: Samples | None, tally: _Tally, prompt: pd.DataFrame, tokens: np.ndarray,
-                    holding: TasksDuring, prefilling: TasksDuring) -> None:
-    """Tally the heartbeat table's windows: a part at a time where they wait on disk (the table
-    is never built, read in its order through the index by task), else the table."""
-    if lazy is not None:
-        for part in lazy.parts:
-            part.index()
-        release_memory()
-    n_parts = 0
-    for hb in lazy.batches(HEARTBEAT_ROWS) if lazy is not None else [ds.server.gen_samples]:
-        w = _windows(hb, prompt, tokens, holding, prefilling)
-        del hb
-        tally.add(w)
-        del w
-        n_parts += 1
-    if not n_parts:
-        tally.add(_windows(ds.server.gen_samples, prompt, tokens, holding, prefilling))
-
-
-@register("context")
 def context(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Median tg_3s of unstalled heartbeat windows per context-length bin, alone and in any company."""
-    lazy = ds.server.on_disk("gen_samples")
-    # The tasks' columns a few at a time: each count's times, then the prompts.
-    holding = TasksDuring(tasks_of(ds, SESSION + ["launch_s", "release_s"]))
-    prefilling = TasksDuring(tasks_of(ds, SESSION + ["prefill_start_s", "first_token_s"]), "prefill_start_s", "first_token_s")
-    release_memory()  # (the columns read whole for the counts' times)
-    stored = _InStoredOrder.of(ds, lazy)
-    tally = None
-    if stored is not None:  # the heartbeats as stored, where they wait on disk (the usual case)
-        tally = _Tally(len(stored.keys))
-        try:
-            stored.tally(tally, holding, prefilling)
-        except _NotAsStored:  # (then in the table's order, from the start)
-            tally = None
-        del stored
-    if tally is None:
-        prompt, tokens = _prompts(ds)
-        tally = _Tally(len(prompt))
-        _tally_by_table(ds, lazy, tally, prompt, tokens, holding, prefilling)
-        del prompt, tokens
-    del holding, prefilling
-    per_basis = [tally.table(b) for b in BASES]
-    table = pd.concat(per_basis, keys=list(BASES), names=["basis", "bin"])
-    table = table.reindex(pd.MultiIndex.from_product([list(BASES), LABELS], names=["basis", "context_tokens"]))
-    table = table.reset_index()
-    table[["samples", "tasks"]] = table[["samples", "tasks"]].fillna(0).astype("int64")
-    table["median_tg_3s_tps"] = table["median_tg_3s_tps"].astype("float64").round(2)
-    table["context_tokens"] = table["context_tokens"].astype("string")
-    table["few_samples"] = table["samples"] < opts.min_samples
-    table["note"] = table["basis"].map(BASES)
-    return table[COLUMNS]
+    from . import answer
+
+    return answer([QUESTION], ds, opts)["context"]

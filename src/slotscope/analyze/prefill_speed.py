@@ -21,143 +21,24 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from .. import timeline as tl
-from ..dataset import Dataset, release_memory
-from ..server_log import Samples
-from . import Options, register
-from .context import median_of_counts
+from ..dataset import Dataset
+from ..periods import Part
+from . import Options, Question, ask
+from .context import counted_at, median_of_counts
 
 EDGES = [1, 64, 256, 600, 1500, 2100, np.inf]
 LABELS = ["1-64", "64-256", "256-600", "600-1500", "1500-2100", "2100+"]
 LARGE_STEP = 64
 RECUR_SHARE = 0.05
-PART_ROWS = 1 << 17  # samples a part (at 1 << 18 a part and its gathering were the peak)
 COLUMNS = ["step_tokens", "steps", "median_tps", "median_step_tokens", "effective_chunk_tokens", "chunk_steps", "few_samples"]
 
 
-def _steps(ds: Dataset) -> pd.DataFrame:
-    """Every progress step that advanced, as each distinct (``tokens``, ``seconds``) pair and
-    how many steps had it (``steps``), sorted. The steps' numbers repeat: tokens are the chunk
-    sizes, seconds have six decimals (at 1 GB of log 1.3M lines: 21 sizes, 478 durations)."""
-    lazy = ds.server.on_disk("prefill_samples")
-    if lazy is not None:
-        steps = _steps_as_read(lazy)
-        if steps is not None:
-            return steps
-    # The samples a part at a time where they wait on disk (the table is never built), each
-    # part's pairs counted and the part dropped (every step kept took ~+15 MB at 1 GB of log).
-    if lazy is not None:  # the samples' index by task first: its making does not stack on a part
-        for part in lazy.parts:
-            part.index()
-        release_memory()
-    counted = _pairs(np.zeros(0), np.zeros(0), np.zeros(0, dtype=np.int64))
-    n_parts = 0
-    for p in (lazy.batches(PART_ROWS) if lazy is not None else []):
-        counted = _add(counted, _steps_of(p))
-        n_parts += 1
-    return counted if n_parts else _add(counted, _steps_of(ds.server.prefill_samples))
-
-
-def _steps_as_read(lazy: Samples) -> pd.DataFrame | None:
-    """:func:`_steps` from the progress lines as read (log order), five of their columns read
-    a stored chunk at a time and taken :data:`SLICE_ROWS` lines at a time, without the table's
-    order by task or its other columns: each line's step is from its task's line before it, in
-    the slice or, for a task's first line in it, the task's last line of the slices before.
-    None where that is not the table's step (a task's time going back, or keys out of range:
-    the table sorts those lines by time)."""
-    # (The table's parts of 1 << 17 rows, every column, with the samples' index by task, were
-    # the table's peak at 1 GB of log: +46 MB; whole chunks of 1 << 18 lines here, +44.)
-    counted = _pairs(np.zeros(0), np.zeros(0), np.zeros(0, dtype=np.int64))
-    for part in lazy.parts:
-        last = _Last()
-        for port, session, task, us, n in part.store.by_chunk("port", "session", "task", "ts_us", "v1"):
-            for lo in range(0, len(task), SLICE_ROWS):
-                at = slice(lo, lo + SLICE_ROWS)
-                pairs = _slice_steps(tl.packed_task_keys(port[at], session[at], task[at]), us[at], n[at], last)
-                if pairs is None:
-                    return None
-                counted = _add(counted, pairs)
-            del port, session, task, us, n
-            release_memory()  # (a chunk's columns: the next chunk's, a few lines longer, did not fit where they were)
-    return counted
-
-
-SLICE_ROWS = 1 << 16  # progress lines a slice (see _steps_as_read)
-
-
-class _Last:
-    """Each task's last progress line so far: its key (sorted), time (µs) and tokens, in
-    arrays with room to grow. A new task's key mostly comes after every key seen (task ids
-    grow): appended, not merged (not three arrays of every task seen made anew for each
-    slice: at 1 GB of log 183k tasks, 21 slices)."""
-
-    def __init__(self) -> None:
-        self.size = 0
-        self.key, self.us, self.n = np.zeros(1024, dtype=np.int64), np.zeros(1024, dtype=np.int64), np.zeros(1024)
-
-    def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Where each of ``keys`` is (an index into the arrays) and whether it is there."""
-        if not self.size:
-            return np.zeros(len(keys), dtype=np.int64), np.zeros(len(keys), dtype=bool)
-        at = np.minimum(np.searchsorted(self.key[:self.size], keys), self.size - 1)
-        return at, self.key[at] == keys
-
-    def set(self, keys: np.ndarray, us: np.ndarray, n: np.ndarray) -> None:
-        """These tasks' last lines (``keys`` sorted, distinct) are these."""
-        at, hit = self.find(keys)
-        self.us[at[hit]], self.n[at[hit]] = us[hit], n[hit]
-        new = ~hit
-        if not new.any():
-            return
-        keys, us, n = keys[new], us[new], n[new]
-        if self.size and keys[0] < self.key[self.size - 1]:  # (not all after: merged, sorted anew)
-            keys, us, n = (np.r_[v[:self.size], w] for v, w in ((self.key, keys), (self.us, us), (self.n, n)))
-            order = np.argsort(keys, kind="stable")
-            keys, us, n = keys[order], us[order], n[order]
-            self.size = 0
-        end = self.size + len(keys)
-        if end > len(self.key):
-            room = max(end, 2 * len(self.key))
-            self.key, self.us, self.n = (np.resize(v[:self.size], room) for v in (self.key, self.us, self.n))
-        self.key[self.size:end], self.us[self.size:end], self.n[self.size:end] = keys, us, n
-        self.size = end
-
-
-def _slice_steps(key: np.ndarray, us: np.ndarray, n: np.ndarray, last: _Last) -> pd.DataFrame | None:
-    """The steps of lines with these task keys, times and tokens (in log order) as
-    :func:`_pairs`, ``last`` set to each task's last line after them; None where a key is out
-    of range or a task's time goes back."""
-    if (key < 0).any():
-        return None
-    order = np.argsort(key, kind="stable")  # (by task, then as read)
-    key, us, n = key[order], us[order].astype(np.int64), n[order].astype(np.float64)
-    del order
-    first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]]) if len(key) else np.zeros(0, dtype=np.int64)
-    prev_us, prev_n = np.r_[np.int64(0), us[:-1]], np.r_[np.nan, n[:-1]]
-    has_prev = np.ones(len(key), dtype=bool)
-    seen, hit = last.find(key[first])
-    prev_us[first] = np.where(hit, last.us[seen], 0)
-    prev_n[first] = np.where(hit, last.n[seen], np.nan)
-    has_prev[first] = hit
-    if (us[has_prev] < prev_us[has_prev]).any():
-        return None
-    # (as the table computes them: seconds from µs, NaN for a missing time)
-    tokens = np.where(has_prev, n - prev_n, np.nan)
-    seconds = np.where(has_prev, np.round(_seconds(us) - _seconds(prev_us), 6), np.nan)
-    keep = (tokens >= 1) & (seconds > 0)
-    ends = np.r_[first[1:] - 1, len(key) - 1] if len(key) else first
-    last.set(key[ends], us[ends], n[ends])
-    return _pairs(tokens[keep], seconds[keep], np.ones(int(keep.sum()), dtype=np.int64))
-
-
-def _seconds(us: np.ndarray) -> np.ndarray:
-    """Times in µs as the samples table has them in seconds (a negative time: missing, NaN)."""
-    v = us.astype(np.float64)
-    return np.where(v >= 0, v, np.nan) / 1e6
-
-
-def _steps_of(p: pd.DataFrame) -> pd.DataFrame:
-    tokens, seconds = p["step_tokens"].astype("float64").to_numpy(), p["step_s"].astype("float64").to_numpy()
+def steps_of(samples: pd.DataFrame) -> pd.DataFrame:
+    """The progress steps of ``samples`` that advanced, as each distinct (``tokens``,
+    ``seconds``) pair with how many steps had it (``steps``), sorted: the steps' numbers
+    repeat (tokens are the chunk sizes, seconds have six decimals)."""
+    tokens = samples["step_tokens"].astype("float64").to_numpy(na_value=np.nan)
+    seconds = samples["step_s"].astype("float64").to_numpy(na_value=np.nan)
     keep = (tokens >= 1) & (seconds > 0)
     return _pairs(tokens[keep], seconds[keep], np.ones(int(keep.sum()), dtype=np.int64))
 
@@ -170,8 +51,15 @@ def _pairs(tokens: np.ndarray, seconds: np.ndarray, steps: np.ndarray) -> pd.Dat
                          "steps": np.bincount(at.reshape(-1), steps, minlength=len(pair)).astype(np.int64)})
 
 
-def _add(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
-    return _pairs(*(np.r_[a[c].to_numpy(), b[c].to_numpy()] for c in ("tokens", "seconds", "steps")))
+def part_steps(part: Part, opts: Options) -> pd.DataFrame:
+    """:func:`steps_of` the progress lines the part counts."""
+    return steps_of(part.prefill[counted_at(part, part.prefill["t_s"])])
+
+
+def merge_steps(answers: list[pd.DataFrame], opts: Options, ds: Dataset) -> dict[str, pd.DataFrame]:
+    """The table of every part's steps."""
+    steps = pd.concat(answers) if answers else steps_of(pd.DataFrame({"step_tokens": [], "step_s": []}))
+    return {"prefill-speed": _table(_pairs(*(steps[c].to_numpy() for c in ("tokens", "seconds", "steps"))), opts)}
 
 
 def _chunk(steps: pd.DataFrame) -> tuple[int | None, int]:
@@ -190,18 +78,24 @@ def _chunk(steps: pd.DataFrame) -> tuple[int | None, int]:
 
 
 def effective_chunk_tokens(ds: Dataset) -> int | None:
-    """Prompt tokens one batch pass takes from one slot (about ``n_batch``), or None without progress lines."""
-    return _chunk(_steps(ds))[0]
+    """Prompt tokens one batch pass takes from one slot (about ``n_batch``), or None without
+    progress lines; of the dataset's progress lines table as it is (``compare`` gives each
+    window's own)."""
+    return _chunk(steps_of(ds.server.prefill_samples))[0]
 
 
-@register("prefill-speed")
+QUESTION = ask(Question(("prefill-speed",), part_steps, merge_steps))
+
+
 def prefill_speed(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Median prefill tok/s per bin of tokens advanced in one pass, with the effective chunk size."""
-    return _table(_steps(ds), opts)
+    from . import answer
+
+    return answer([QUESTION], ds, opts)["prefill-speed"]
 
 
 def _table(steps: pd.DataFrame, opts: Options) -> pd.DataFrame:
-    """The table of the steps as :func:`_steps` counts them."""
+    """The table of the steps as :func:`steps_of` counts them."""
     chunk, chunk_steps = _chunk(steps)
     # Per bin, the steps and the medians of their speeds and sizes, read off each pair's count.
     tps = (steps["tokens"] / steps["seconds"]).to_numpy()
