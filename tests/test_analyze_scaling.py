@@ -18,7 +18,7 @@ from slotscope import analyze, store
 from slotscope import timeline as tl
 from slotscope.analyze import Options
 from slotscope.app_log import _json, _numbers
-from slotscope.dataset import TASK_VIEW, Dataset, load, task_view
+from slotscope.dataset import Dataset, load, task_view
 
 from .conftest import REAL
 
@@ -43,21 +43,6 @@ def test_tables_do_not_depend_on_block_sizes(scenario: str, monkeypatch: pytest.
     for name in ("stalls", "stalls-worst"):
         pd.testing.assert_frame_equal(whole[name], analyze.TABLES[name](fresh, Options()))
     assert fresh._view is None
-
-
-def test_shared_task_view_is_private_to_each_caller_and_dropped_after_the_block() -> None:
-    ds = load([REAL / "before" / "logs"])  # (in memory: analyze.run moves a dataset's tables to disk)
-    plain = task_view(ds)
-    with ds.shared():
-        a = task_view(ds)
-        a["purpose"] = "changed"
-        a.loc[a.index[0], "launch_s"] = -1.0
-        b = task_view(ds)
-        pd.testing.assert_frame_equal(b, plain)
-        assert TASK_VIEW in ds._memo
-    assert ds._memo is None
-    pd.testing.assert_frame_equal(task_view(ds), plain)
-    assert ds.server.tasks["launch_s"].iloc[0] != -1.0
 
 
 def test_run_gives_the_tables_one_by_one_gives() -> None:
@@ -218,21 +203,3 @@ def test_distinct_per_group_counts_as_a_groupby_nunique() -> None:
         assert tl.distinct_per_group(group, item, groups).tolist() == want.tolist()
 
 
-@pytest.mark.parametrize("kind", ["gen_samples", "prefill_samples"])
-def test_tables_not_listed_as_readers_of_a_sample_kind_never_read_it(kind: str) -> None:
-    """run() drops a kind's index by task once no table still to run reads that kind
-    (analyze.READERS_OF): every other table computes with those samples unreadable."""
-
-    class Unreadable:
-        def table(self) -> pd.DataFrame:
-            raise AssertionError(f"{kind} read")
-
-    ds = load([REAL / "before" / "logs"])
-    others = [n for n in analyze.table_names() if n != "findings" and n not in analyze.READERS_OF[kind]]
-    want = analyze.run(ds, Options(), others, strict=True)
-    ds.server.__dict__["_" + kind] = Unreadable()
-    got = analyze.run(ds, Options(), others, strict=True)
-    for name in others:
-        pd.testing.assert_frame_equal(want[name], got[name])
-    with pytest.raises(AssertionError, match="read"):
-        analyze.run(ds, Options(), sorted(analyze.READERS_OF[kind])[:1], strict=True)

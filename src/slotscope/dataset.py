@@ -10,7 +10,7 @@ import gc
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import pandas as pd
@@ -36,40 +36,8 @@ class Dataset:
     app: AppLog | None
     matches: Matches | None
     accounting: Accounting
-    # Intermediates several analyzers share (see :meth:`shared`); None outside such a block.
-    _memo: dict[Any, Any] | None = field(default=None, init=False, repr=False, compare=False)
     # The task view on disk (see :meth:`keep_on_disk`); not carried to a dataclasses.replace copy.
     _view: store.StoredTable | None = field(default=None, init=False, repr=False, compare=False)
-
-    @contextmanager
-    def shared(self) -> Iterator[Dataset]:
-        """Within this block, :meth:`memo` computes each shared intermediate once.
-
-        Outside it nothing is kept, so a caller who changes the tables between two calls never
-        sees a stale result. Nested blocks share the outer one's results.
-        """
-        if self._memo is not None:
-            yield self
-            return
-        self._memo = {}
-        try:
-            yield self
-        finally:
-            self._memo = None
-
-    def memo(self, key: Any, make: Callable[[], Any]) -> Any:
-        """``make()``, computed once per :meth:`shared` block under ``key`` (every call outside one)."""
-        if self._memo is None:
-            return make()
-        if key not in self._memo:
-            self._memo[key] = make()
-        return self._memo[key]
-
-    def forget(self, keep: Callable[[Any], bool] = lambda key: False) -> None:
-        """Drop the shared intermediates (but those ``keep`` names), to free their memory."""
-        if self._memo is not None:
-            for key in [k for k in self._memo if not keep(k)]:
-                del self._memo[key]
 
     def keep_on_disk(self) -> None:
         """Move the big tables to disk: the tasks, the calls and the task view (built here).
@@ -231,9 +199,6 @@ TASK_VIEW_EXTRA = ["call_id", "purpose", "user", "lora", "call_start_at", "queue
                    "call_file", "call_line"]  # a call is (file, line): ids may repeat across app logs
 
 
-TASK_VIEW = "task_view"  # its memo key
-
-
 def task_view(ds: Dataset, columns: Sequence[str] | None = None) -> pd.DataFrame:
     """Tasks with what the app says about them (purpose, user, LoRA, queue wait) where matched.
 
@@ -241,16 +206,12 @@ def task_view(ds: Dataset, columns: Sequence[str] | None = None) -> pd.DataFrame
     is aligned, ``*_at`` columns give wall times (app clock when an app log aligned it, else the
     wrapper's). Unlogged tasks keep NA in the app columns.
 
-    Inside :meth:`Dataset.shared` every caller gets its own shallow copy of one computed table
-    (copy-on-write: adding or changing a column never reaches the others).
-
     ``columns``: only those of them the view has (in its order); after
     :meth:`Dataset.keep_on_disk` only they are read.
     """
-    if ds._view is not None and (columns is not None or ds._memo is None):
+    if ds._view is not None:
         return ds._view.read(columns)
-    make = (lambda: ds._view.read()) if ds._view is not None else (lambda: _task_view(ds))  # type: ignore[union-attr]
-    tv = make() if ds._memo is None else own_copy(ds.memo(TASK_VIEW, make))
+    tv = _task_view(ds)
     return tv if columns is None else tv[[c for c in tv.columns if c in set(columns)]]
 
 

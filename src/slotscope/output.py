@@ -25,7 +25,7 @@ from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
 
-from .errors import SlotscopeError, UsageError  # noqa: F401 - UsageError raised here and by the CLI
+from .errors import UsageError  # noqa: F401 - raised here and by the CLI
 
 Format = Literal["table", "csv", "json", "parquet"]
 FORMATS = ("table", "csv", "json", "parquet")

@@ -7,13 +7,12 @@ count; rows resting on fewer than ``opts.min_samples`` samples say so (``few_sam
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import pandas as pd
 
-from ..dataset import TASK_VIEW, Dataset, release_memory
+from ..dataset import Dataset
 from ..periods import Part
 
 
@@ -155,46 +154,16 @@ def table_names() -> list[str]:
     return names + [n for n in TABLES if n not in REPORT_ORDER]
 
 
-SHARED = "shared"  # memo keys ``(SHARED, ...)``: intermediates tables of several modules read
-SHARED_READERS = {"prefills", "cache", "cache-misses"}  # the tables that read them (the turn pairs)
-SAMPLE_READERS = {"stalls", "stalls-worst", "prefill-speed", "context"}  # the tables that read the samples
-READERS_OF = {"gen_samples": {"stalls", "stalls-worst", "context"},  # ... of each kind (stalls-worst: stalls' pieces)
-              "prefill_samples": {"stalls", "stalls-worst", "prefill-speed"}}
-# ... of each kind through its index by task (context reads the heartbeats, prefill-speed the
-# progress lines as they were stored; each makes the index again where a task's times go back)
-INDEX_READERS_OF = {"gen_samples": READERS_OF["gen_samples"] - {"context"},
-                    "prefill_samples": READERS_OF["prefill_samples"] - {"prefill-speed"}}
-
-
-def _compute_order(names: list[str]) -> list[str]:
-    """The order to compute ``names`` in: report order, but the readers of the samples, and
-    those of the shared intermediates, one after another from the first of them on, so what
-    they alone need is dropped before the rest run (at 1 GB of log: ~60 MB of sample indexes,
-    ~90 MB of turn pairs)."""
-    for group in (SAMPLE_READERS, SHARED_READERS):
-        readers = [n for n in names if n in group]
-        if readers:
-            at = names.index(readers[0])
-            rest = [n for n in names if n not in group]
-            names = rest[:at] + readers + rest[at:]
-    return names
-
-
-def _shared_with(module: str, shared: bool) -> Callable[[object], bool]:
-    """Which memo keys the tables of ``module`` may still use: the task view, their own, and
-    the intermediates of several modules while ``shared`` (a reader of them is still to run)."""
-    prefixes = ((module,), (SHARED,)) if shared else ((module,),)
-    return lambda key: key == TASK_VIEW or (isinstance(key, tuple) and key[:1] in prefixes)
-
-
 def run(ds: Dataset, opts: Options | None = None, names: list[str] | None = None, *, strict: bool = False,
         on_table: Callable[[str, int, int], None] | None = None) -> dict[str, pd.DataFrame]:
     """Compute the report's tables (all, or ``names``) in report order.
 
-    ``findings`` is computed from the other tables, so asking for it computes them too. A table
-    that fails on unusual input becomes a one-row note instead of ending the report, unless
-    ``strict`` (tests and ``--debug``) asks for the error. ``on_table(name, i, n)``: the i-th
-    of n tables is computed next (for a status line on long runs).
+    The questions of the busy periods are answered together, in one pass over them (two where
+    one needs a first); the tables of the per-call table after them. ``findings`` is computed
+    from the other tables, so asking for it computes them too. A table that fails on unusual
+    input becomes a one-row note instead of ending the report, unless ``strict`` (tests and
+    ``--debug``) asks for the error. ``on_table(name, i, n)``: the i-th of n tables is made
+    next (for a status line on long runs).
     """
     opts = opts or Options()
     _import_all()
@@ -202,50 +171,28 @@ def run(ds: Dataset, opts: Options | None = None, names: list[str] | None = None
     unknown = [n for n in wanted if n not in TABLES and n != "findings"]
     if unknown:
         raise KeyError(f"unknown table(s) {', '.join(unknown)}; tables: {', '.join(table_names())}")
-    needed = table_names() if "findings" in wanted else wanted
-    out: dict[str, pd.DataFrame] = {}
-    # Tables share intermediates through ``ds.memo``: the task view serves every table, the rest
-    # are keyed ``(module, ...)`` by the module that defines them (stalls' pieces, waits'
-    # classes) and dropped, to free their memory, once the tables of another module run; the
-    # ``(SHARED, ...)`` ones once their last reader ran.
-    todo = _compute_order([n for n in needed if n != "findings"])
-    asked = list({id(QUESTIONS[n]): QUESTIONS[n] for n in todo if n in QUESTIONS}.values())
-    said = [n for q in asked for n in q.tables if n in needed]
-    todo = said + [n for n in todo if n not in QUESTIONS] + (["findings"] if "findings" in wanted else [])
+    needed = [n for n in (table_names() if "findings" in wanted else wanted) if n != "findings"]
+    asked = list({id(QUESTIONS[n]): QUESTIONS[n] for n in needed if n in QUESTIONS}.values())
+    plain = [n for n in needed if n not in QUESTIONS]
+    order = [n for q in asked for n in q.tables if n in needed] + plain + (["findings"] if "findings" in wanted else [])
     step = on_table or (lambda name, i, n: None)
-    module = None
-    ds.keep_on_disk()  # each table reads the columns it needs of the tasks, calls and task view
+    said = lambda name: step(name, order.index(name) + 1, len(order)) if name in order else None  # noqa: E731
+    ds.keep_on_disk()  # the tasks, calls and task view wait on disk; each table reads its columns
+    out: dict[str, pd.DataFrame] = {}
     if asked:
-        made = answer(asked, ds, opts, strict=strict,
-                      on_table=lambda name: step(name, todo.index(name) + 1, len(todo)) if name in needed else None)
-        out.update({n: t for n, t in made.items() if n in needed})
-        todo = todo[len(said):]
-        done = len(said)
-    else:
-        done = 0
-    with ds.shared():
-        for i, name in enumerate(todo):
-            if name == "findings":
-                continue
-            step(name, done + i + 1, done + len(todo))
-            ds.forget(keep=_shared_with(TABLES[name].__module__, any(n in SHARED_READERS for n in todo[i:])))
-            if TABLES[name].__module__ != module:  # sample tables built for the last module's tables
-                # (and the index by task of a kind no table still to run reads: at 1 GB of log
-                # the gen samples' is ~30 MB, the prefill samples' ~11)
-                ds.server.unload_samples(indexes=[k for k, readers in INDEX_READERS_OF.items() if not readers & set(todo[i:])])
-                module = TABLES[name].__module__
-            ds.unload()  # tables a previous one read whole
-            gc.collect()  # (pandas objects hold one another in cycles: their arrays wait for the collector)
-            release_memory()  # what the previous table dropped: its peak is not the next one's base
-            try:
-                out[name] = TABLES[name](ds, opts)
-            except Exception as e:  # noqa: BLE001 - one broken table must not hide the rest
-                if strict:
-                    raise
-                out[name] = pd.DataFrame({"note": [f"could not compute {name}: {type(e).__name__}: {e}"]})
+        out.update({n: t for n, t in answer(asked, ds, opts, strict=strict, on_table=said).items() if n in needed})
+    for name in plain:
+        said(name)
+        try:
+            out[name] = TABLES[name](ds, opts)
+        except Exception as e:  # noqa: BLE001 - one broken table must not hide the rest
+            if strict:
+                raise
+            out[name] = pd.DataFrame({"note": [f"could not compute {name}: {type(e).__name__}: {e}"]})
+        ds.unload()  # a table it read whole
     if "findings" in wanted:
         from .findings import findings
 
-        step("findings", done + len(todo), done + len(todo))
+        said("findings")
         out["findings"] = findings(ds, opts, out)
     return {n: out[n] for n in wanted if n in out}
