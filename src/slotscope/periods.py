@@ -326,9 +326,8 @@ def _joined(frames: list[pd.DataFrame], streams: list[SampleSource]) -> pd.DataF
 
 def _table(samples: object, kind: str) -> pd.DataFrame:
     """A samples table whole (as stored, or as the parse stored it)."""
-    if isinstance(samples, Samples):
-        return samples.table()
-    if samples is None:
+    table = samples.table() if isinstance(samples, Samples) else samples
+    if table is None or not len(table):  # (every column of the table, as a log with samples has)
         return empty_samples(HEARTBEAT if kind == "gen" else PROGRESS)
-    assert isinstance(samples, pd.DataFrame)
-    return samples
+    assert isinstance(table, pd.DataFrame)
+    return table

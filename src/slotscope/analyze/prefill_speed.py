@@ -37,6 +37,8 @@ def steps_of(samples: pd.DataFrame) -> pd.DataFrame:
     """The progress steps of ``samples`` that advanced, as each distinct (``tokens``,
     ``seconds``) pair with how many steps had it (``steps``), sorted: the steps' numbers
     repeat (tokens are the chunk sizes, seconds have six decimals)."""
+    if "step_s" not in samples:  # (a log without progress lines: its table lacks the step's seconds)
+        return _pairs(np.zeros(0), np.zeros(0), np.zeros(0, dtype=np.int64))
     tokens = samples["step_tokens"].astype("float64").to_numpy(na_value=np.nan)
     seconds = samples["step_s"].astype("float64").to_numpy(na_value=np.nan)
     keep = (tokens >= 1) & (seconds > 0)
