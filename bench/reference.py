@@ -25,6 +25,7 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
+from typing import Callable
 
 import pandas as pd
 
@@ -32,7 +33,16 @@ REPO = Path(__file__).resolve().parent.parent
 PAIRS = [("before", "after"), ("before", "b2048-unified"), ("b2048-unified", "after")]
 
 
-def scenarios(bench: list[str]) -> dict[str, list[str]]:
+def _made_in(reference: Path, name: str) -> Path:
+    """The folder a bench scenario's reference was made in (its tables name it), or a new one."""
+    try:
+        sessions = pickle.loads((reference / name / "server.sessions.pkl").read_bytes())
+        return Path(str(sessions["source"].iloc[0])).parent
+    except (OSError, KeyError, IndexError, pickle.UnpicklingError):
+        return Path(tempfile.mkdtemp(prefix="slotscope-ref-"))
+
+
+def scenarios(bench: list[str], reuse: Path | None = None) -> dict[str, list[str]]:
     """Scenario name -> the paths slotscope is given."""
     out: dict[str, list[str]] = {}
     for d in sorted((REPO / "fixtures" / "real").iterdir()):
@@ -42,8 +52,12 @@ def scenarios(bench: list[str]) -> dict[str, list[str]]:
         if f.name.endswith((".log", ".gz", ".zst")) or f.is_dir():
             out[f"format-{f.name}"] = [str(f)]
     for b in bench:
-        # Hard links to the log and the app log only (the folder also holds the .gz copy).
-        tmp = Path(tempfile.mkdtemp(prefix="slotscope-ref-"))
+        # Hard links to the log and the app log only (the folder also holds the .gz copy), in
+        # the folder the reference was made in where it is still there: the tables name it.
+        tmp = Path(tempfile.mkdtemp(prefix="slotscope-ref-")) if reuse is None else _made_in(reuse, f"bench-{Path(b).name}")
+        if (tmp / "llama-server.log").exists():
+            out[f"bench-{Path(b).name}"] = [str(tmp)]
+            continue
         for name in ("llama-server.log", "app.jsonl"):
             os.link(Path(b) / name, tmp / name)
         out[f"bench-{Path(b).name}"] = [str(tmp)]
@@ -93,8 +107,8 @@ def compare_tables(before: list[str], after: list[str]) -> dict[str, pd.DataFram
     return {f"compare.{k}": v for k, v in tables.items()}
 
 
-def all_scenarios(bench: list[str], only: list[str] | None) -> dict[str, callable]:
-    sc = scenarios(bench)
+def all_scenarios(bench: list[str], only: list[str] | None, reuse: Path | None = None) -> dict[str, Callable[[], dict[str, pd.DataFrame]]]:
+    sc = scenarios(bench, reuse)
     jobs = {name: (lambda p=paths: tables_of(p)) for name, paths in sc.items()}
     for b, a in PAIRS:
         if f"real-{b}" in sc and f"real-{a}" in sc:
@@ -112,7 +126,7 @@ def main() -> int:
     ap.add_argument("--bench", action="append", default=[])
     args = ap.parse_args()
     failed = 0
-    for name, job in all_scenarios(args.bench, args.scenario).items():
+    for name, job in all_scenarios(args.bench, args.scenario, args.out if args.action == "check" else None).items():
         d = args.out / name
         try:
             got = job()
