@@ -156,13 +156,14 @@ def test_samples_on_disk_give_the_tables_of_samples_in_memory(monkeypatch: pytes
     in_memory = pickle.loads(pickle.dumps(ds))  # (pickled, the samples are tables)
     assert isinstance(in_memory.server.__dict__["_gen_samples"], pd.DataFrame)
     names = ["stalls", "stalls-worst", "context", "prefill-speed"]
-    monkeypatch.setattr(Samples, "batches",
-                        lambda self, rows=1 << 18, f=Samples.batches: f(self, rows=5))  # parts of 5 rows
-    on_disk = analyze.run(ds, Options(), names, strict=True)
-    assert not ds.server.__dict__["_gen_samples"].built and not ds.server.__dict__["_prefill_samples"].built
     want = analyze.run(in_memory, Options(), names, strict=True)
+    on_disk = analyze.run(ds, Options(), names, strict=True)
+    questions = list({id(analyze.QUESTIONS[n]): analyze.QUESTIONS[n] for n in names}.values())
+    ds.server.unload_samples()
+    in_parts = analyze.answer(questions, ds, Options(), part_tasks=7)  # (each part's samples from the two streams as stored)
     for name in names:
         pd.testing.assert_frame_equal(on_disk[name], want[name])
+        pd.testing.assert_frame_equal(in_parts[name], want[name])
 
 
 def test_task_ids_too_large_to_index_read_the_sample_tables(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -320,7 +320,9 @@ def _joined(frames: list[pd.DataFrame], streams: list[SampleSource]) -> pd.DataF
         at = streams.index(used[0]) if used else 0
         return frames[at]
     cats = {"source": sorted({src.source for src in used}), "file": sorted(set().union(*(src.files for src in used)))}
-    frames = [f.assign(**{c: f[c].cat.set_categories(v) for c, v in cats.items()}) for f, src in zip(frames, streams) if len(src.store)]
+    frames = [f.assign(**{c: f[c].cat.set_categories(v) for c, v in cats.items()}) for f in frames if len(f)]
+    if not frames:
+        return empty_samples(used[0].kind).astype({c: pd.CategoricalDtype(v) for c, v in cats.items()})
     return pd.concat(frames, ignore_index=True)
 
 
