@@ -329,7 +329,6 @@ def _joined(frames: list[pd.DataFrame], streams: list[SampleSource]) -> pd.DataF
 def _table(samples: object, kind: str) -> pd.DataFrame:
     """A samples table whole (as stored, or as the parse stored it)."""
     table = samples.table() if isinstance(samples, Samples) else samples
-    if table is None or not len(table):  # (every column of the table, as a log with samples has)
+    if not isinstance(table, pd.DataFrame) or not len(table):  # (every column of the table, as a log with samples has)
         return empty_samples(HEARTBEAT if kind == "gen" else PROGRESS)
-    assert isinstance(table, pd.DataFrame)
     return table

@@ -14,7 +14,7 @@ import os
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NoReturn, Sequence
 
 import numpy as np
 import pandas as pd
@@ -914,7 +914,7 @@ class _MappedArrays:
     def __getitem__(self, name: str) -> np.ndarray:
         return np.asarray(np.load(os.path.join(self.path, name + ".npy"), mmap_mode="r"))  # (unmapped with its last view)
 
-    def _failed(self, e: OSError) -> None:
+    def _failed(self, e: OSError) -> NoReturn:
         raise SlotscopeError(getattr(e, "filename", None) or tempfile.gettempdir(), None,
                              f"cannot write {self.what} to the temporary directory ({e.strerror or e}); "
                              "set TMPDIR to a directory with room") from None

@@ -505,6 +505,7 @@ def overlap_arrays(
             lo = np.maximum(a[1] - 1, 0)
             hi = np.minimum(z[2] - 1, len(starts) - 1)
             hi = np.where(z[0] > a[0], hi, -1)
+            assert rmc is not None  # (asked only with "max_count" in need)
             return rmc.query(lo, hi, 0)
 
         # Queries in blocks: their temporaries stay bounded however many there are.
@@ -517,18 +518,21 @@ def overlap_arrays(
             if has_own:
                 own = qi if own_rows is None else own_rows[qi]
                 c0, c1 = _clip_own(os_[own], oe_[own], a, z)
-                if "covered" in need:
+                if covered is not None:
                     covered[qi] = cover(a, z, f1) - cover(c0, c1, f1) + cover(c0, c1, f2)
-                if "max_count" in need:
+                if max_count is not None:
+                    assert pa_ is not None and pz is not None
                     p0, p1 = (c0, *places(c0)), (c1, *places(c1))
                     inside = np.maximum(rng_max(p0, p1) - 1, 0)
                     max_count[qi] = np.maximum.reduce([rng_max(pa_, p0), inside, rng_max(p1, pz)])
             else:
-                if "covered" in need:
+                if covered is not None:
                     covered[qi] = cover(a, z, f1)
-                if "max_count" in need:
+                if max_count is not None:
+                    assert pa_ is not None and pz is not None
                     max_count[qi] = rng_max(pa_, pz)
             if vals is not None:
+                assert pa_ is not None and pz is not None and max_pos is not None
                 lo = np.maximum(pa_[1] - 1, 0)
                 hi = np.minimum(pz[2] - 1, len(starts) - 1)
                 pos = rmv.query(lo, hi, -1)
@@ -1004,7 +1008,7 @@ def _packed(frames: Sequence[pd.DataFrame]) -> list[np.ndarray] | None:
     ints = [[_ints(f[c]) for c in ("port", "session", "task_id")] for f in frames]
     if any(v is None for cols in ints for v in cols):
         return None
-    packed = [packed_task_keys(*cols) for cols in ints]
+    packed = [packed_task_keys(*cols) for cols in ints]  # type: ignore[arg-type]  # (none is None: checked above)
     return None if any((p < 0).any() for p in packed) else packed
 
 
