@@ -26,7 +26,7 @@ from . import store
 from .server_log import Samples
 from .events import HEARTBEAT, PROGRESS
 from .tasks import SampleSource, empty_samples, source_column as _source_column
-from .timeline import GROUP, key_codes, task_ends
+from .timeline import GROUP, key_codes, task_ends, within_ranges
 
 TASK_KEYS = GROUP + ["task_id"]
 # Tasks a part holds: large enough that the analyzers' per-call overhead is small next to
@@ -190,13 +190,8 @@ def _sample_parts(samples: pd.DataFrame, tasks: pd.DataFrame, pt: Partition) -> 
         task = np.where(found, task, _nearest_task(samples[~found], tasks, ~found, task))
     n_in = np.where(task >= 0, last[np.maximum(task, 0)] - first[np.maximum(task, 0)], 0)
     sample_row = np.repeat(np.arange(len(samples)), n_in)
-    offs = np.repeat(first[np.maximum(task, 0)], n_in) + _within(n_in)
+    offs = np.repeat(first[np.maximum(task, 0)], n_in) + within_ranges(n_in)
     return sample_row, pt.part[by_task[offs]]
-
-
-def _within(counts: np.ndarray) -> np.ndarray:
-    counts = np.asarray(counts, dtype=np.int64)
-    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def _nearest_task(lost: pd.DataFrame, tasks: pd.DataFrame, mask: np.ndarray, task: np.ndarray) -> np.ndarray:
