@@ -129,8 +129,8 @@ def test_a_table_written_in_parts_reads_back_as_the_parts_joined(monkeypatch: py
 def test_parts_that_differ_in_dtypes_are_an_error_and_leave_nothing_behind(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     import tempfile
 
+    df = _ds("before").server.tasks[["task_id", "slot"]]  # (read first: a load has files of its own)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    df = _ds("before").server.tasks[["task_id", "slot"]]
     parts = [df.iloc[:5], df.iloc[5:].astype({"slot": "float64"})]
     with pytest.raises(ValueError, match="dtypes differ"):
         store.StoredTable.of_parts(iter(parts), "tasks")
