@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..dataset import Dataset
+from ..dataset import Dataset, calls_of
 from . import Options, register
 from .turns import as_text, is_chat_turn, measured_calls, needs_app_log
 
@@ -39,6 +39,8 @@ PAIR_COLUMNS = [
     "cached_tokens", "prompt_tokens_cached", "prompt_tokens_new", "app_session", "call_file", "call_line",
     "source", "port", "task_file", "task_line",
 ]
+# What turn_pairs reads of the calls table: the pairs' columns, and what picks the turns.
+TURN_COLUMNS = PAIR_COLUMNS + ["ok"]
 
 
 def by_user_and_start(user: pd.Series, start: pd.Series) -> np.ndarray:
@@ -94,7 +96,7 @@ def cache(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Consecutive chat turns of each user within the cache window, and how many missed the prompt cache."""
     if ds.matches is None:
         return needs_app_log(COLUMNS)
-    pairs = turn_pairs(ds.matches.calls, opts)
+    pairs = turn_pairs(calls_of(ds, TURN_COLUMNS), opts)
     pairs["other_slot"] = pairs["miss"] & (pairs["slot"] != pairs["prev_slot"]).fillna(False)
     counts = ["consecutive_turns", "misses", "misses_on_other_slot"]
     by_user = pairs.groupby("user", sort=True).agg(
@@ -117,7 +119,7 @@ def cache_misses(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Each consecutive chat turn that missed the prompt cache, with the turn before it."""
     if ds.matches is None:
         return needs_app_log(MISS_COLUMNS)
-    pairs = turn_pairs(ds.matches.calls, opts)
+    pairs = turn_pairs(calls_of(ds, TURN_COLUMNS), opts)
     m = pairs.loc[pairs["miss"].to_numpy()].reset_index(drop=True)
     m["cached_tokens"] = m["cached"].astype("Int64")
     m["new_tokens"] = m["prompt_tokens_new"]

@@ -22,9 +22,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..dataset import Dataset, task_view
+from ..dataset import Dataset, calls_of, task_view
 from . import Options, register
-from .cache import SUMMARY, by_user_and_start, turn_pairs
+from .cache import SUMMARY, TURN_COLUMNS, by_user_and_start, turn_pairs
 from .turns import as_text, needs_app_log
 
 CAUSES = ["first_of_day", "first_of_session", "summary", "after_summary", "cache_miss", "other"]
@@ -61,7 +61,7 @@ def prefills(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Count, new tokens and prefill seconds of the big prefills, by purpose and by cause."""
     if ds.matches is None:
         return needs_app_log(COLUMNS)
-    calls = ds.matches.calls
+    calls = calls_of(ds, list(dict.fromkeys(TURN_COLUMNS + KEY)))
     tv = task_view(ds, ["task_id", "purpose", "prompt_tokens_new", "prompt_eval_ms"] + KEY)
     big = tv.loc[(tv["prompt_tokens_new"] >= opts.big_prefill_tokens).fillna(False).to_numpy()]
     # Each big prefill's call by its key (a key with a missing part names no call; of calls

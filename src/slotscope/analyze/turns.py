@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from .. import timeline as tl
-from ..dataset import Dataset
+from ..dataset import Dataset, calls_of
 from . import Options, register
 
 CHAT = "chat"
@@ -34,6 +34,8 @@ COLUMNS = [
     "by", "group", "count", "total_median_s", "total_p95_s", "total_max_s",
     "ttft_count", "ttft_median_s", "ttft_p95_s", "ttft_max_s", "few_samples", "note",
 ]
+# What the table reads of the calls table.
+CALL_COLUMNS = ["ok", "task_id", "total_ms", "ttft_ms", "purpose", "prompt_tokens_cached", "prompt_tokens_new", "match_method"]
 
 
 def as_text(col: pd.Series) -> pd.Series:
@@ -89,7 +91,7 @@ def turns(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Count, median, p95 and max of call duration and time to first token, per purpose and for chat turns."""
     if ds.matches is None:
         return needs_app_log(COLUMNS)
-    calls = ds.matches.calls
+    calls = calls_of(ds, CALL_COLUMNS)
     ok = measured_calls(calls).to_numpy()
     used = calls.loc[ok]
     total = used["total_ms"].to_numpy(dtype="float64", na_value=np.nan) / 1000
