@@ -170,28 +170,55 @@ def _cut(rows: np.ndarray, start: np.ndarray, end: np.ndarray, part_tasks: int
                (float(t0), float(t1)))
 
 
-def _sample_parts(samples: pd.DataFrame, tasks: pd.DataFrame, pt: Partition) -> tuple[np.ndarray, np.ndarray]:
-    """(sample row, part) pairs: each sample in every part its task is in; a sample of no
-    task in the view goes with the part of the latest task of its session started before it."""
-    if not len(samples):
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    keys = [samples, tasks]
-    scode, tcode = key_codes(keys, TASK_KEYS)
-    order = np.argsort(tcode, kind="stable")
-    st = tcode[order]
-    at = np.minimum(np.searchsorted(st, scode), max(len(st) - 1, 0))
-    found = (st[at] == scode) if len(st) else np.zeros(len(scode), bool)
-    task = np.where(found, order[at], -1)
-    # Parts of each task row (a task in two parts: two pairs).
-    by_task = np.argsort(pt.task_row, kind="stable")
-    first = np.searchsorted(pt.task_row[by_task], np.arange(len(tasks)), "left")
-    last = np.searchsorted(pt.task_row[by_task], np.arange(len(tasks)), "right")
-    if (~found).any():
-        task = np.where(found, task, _nearest_task(samples[~found], tasks, ~found, task))
-    n_in = np.where(task >= 0, last[np.maximum(task, 0)] - first[np.maximum(task, 0)], 0)
-    sample_row = np.repeat(np.arange(len(samples)), n_in)
-    offs = np.repeat(first[np.maximum(task, 0)], n_in) + within_ranges(n_in)
-    return sample_row, pt.part[by_task[offs]]
+class _TaskIndex:
+    """Where each task of the view is: its key packed in one int64 (session code, then id),
+    sorted, and its (task row, part) pairs of the partition by task row. Built once, so that
+    a chunk of samples finds its tasks' parts by binary search alone."""
+
+    def __init__(self, tasks: pd.DataFrame, pt: Partition) -> None:
+        self.tasks = tasks
+        gcode = key_codes([tasks], GROUP)[0]
+        first = np.unique(gcode, return_index=True)[1]
+        self.groups = tasks[GROUP].iloc[first].reset_index(drop=True)  # (row i: code i)
+        ids = tasks["task_id"].to_numpy(dtype=np.int64)
+        self.lo = int(ids.min(initial=0))
+        self.span = int(ids.max(initial=0)) - self.lo + 1
+        packed = gcode * self.span + (ids - self.lo)
+        self.order = np.argsort(packed, kind="stable")
+        self.packed = packed[self.order]
+        self.by_task = np.argsort(pt.task_row, kind="stable")
+        rows = np.arange(len(tasks))
+        self.first = np.searchsorted(pt.task_row[self.by_task], rows, "left")
+        self.last = np.searchsorted(pt.task_row[self.by_task], rows, "right")
+        self.part = pt.part
+
+    def task_rows(self, samples: pd.DataFrame) -> np.ndarray:
+        """Each sample's task row in the view (-1: its task is not there)."""
+        scode, gcode = key_codes([samples, self.groups], GROUP)
+        group = np.full(int(max(scode.max(initial=0), gcode.max(initial=0))) + 1, -1, dtype=np.int64)
+        group[gcode] = np.arange(len(gcode))
+        g = group[scode]
+        ids = samples["task_id"].to_numpy(dtype=np.int64) - self.lo
+        q = g * self.span + ids
+        at = np.minimum(np.searchsorted(self.packed, q), max(len(self.packed) - 1, 0))
+        found = (g >= 0) & (ids >= 0) & (ids < self.span)
+        found &= (self.packed[at] == q) if len(self.packed) else False
+        return np.where(found, self.order[at], -1)
+
+    def sample_parts(self, samples: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+        """(sample row, part) pairs: each sample in every part its task is in; a sample of no
+        task in the view goes with the part of the latest task of its session started before it."""
+        if not len(samples):
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        task = self.task_rows(samples)
+        lost = task < 0
+        if lost.any():
+            task[lost] = _nearest_task(samples[lost], self.tasks, lost, task)
+        t = np.maximum(task, 0)
+        n_in = np.where(task >= 0, self.last[t] - self.first[t], 0)
+        sample_row = np.repeat(np.arange(len(samples)), n_in)
+        offs = np.repeat(self.first[t], n_in) + within_ranges(n_in)
+        return sample_row, self.part[self.by_task[offs]]
 
 
 def _nearest_task(lost: pd.DataFrame, tasks: pd.DataFrame, mask: np.ndarray, task: np.ndarray) -> np.ndarray:
@@ -236,13 +263,14 @@ class PartStore:
             self._buckets.add("tasks", batch.iloc[pt.task_row[pairs] - lo],
                               pt.part[pairs], extra={"row": pt.task_row[pairs], "counted": pt.counted[pairs]})
         self._streams: dict[str, list[SampleSource]] = {}
+        index = _TaskIndex(keys, pt)
         for kind, samples in (("gen", gen), ("prefill", prefill)):
             if isinstance(samples, Samples):  # as the parse stored them: their table is made per part
                 self._streams[kind] = samples.parts
-                self._add_stored(kind, samples, keys, pt)
+                self._add_stored(kind, samples, index)
                 continue
             for lo, batch in _batches(samples):
-                rows, parts = _sample_parts(batch, keys, pt)
+                rows, parts = index.sample_parts(batch)
                 self._buckets.add(kind, batch.iloc[rows], parts, extra={"row": lo + rows})
 
     def parts(self) -> Iterator[Part]:
@@ -262,7 +290,7 @@ class PartStore:
         if self._whole is None:
             self._buckets.discard()
 
-    def _add_stored(self, kind: str, samples: Samples, tasks: pd.DataFrame, pt: Partition) -> None:
+    def _add_stored(self, kind: str, samples: Samples, index: _TaskIndex) -> None:
         """The samples' rows as the parse stored them (a chunk at a time, in the order read),
         each into the buckets of its task's parts, with its stream and place in that order."""
         seq = 0
@@ -270,7 +298,7 @@ class PartStore:
             for chunk in src.store.chunks():
                 frame = pd.DataFrame({"source": _source_column(src.source, len(chunk["task"])), "port": chunk["port"],
                                       "session": chunk["session"], "task_id": chunk["task"], "t_s": chunk["ts_us"] / 1e6})
-                rows, parts = _sample_parts(frame, tasks, pt)
+                rows, parts = index.sample_parts(frame)
                 raw = pd.DataFrame({c: v[rows] for c, v in chunk.items()})
                 self._buckets.add(kind, raw, parts, extra={"row": seq + rows, "_stream": np.full(len(rows), stream, np.int16)})
                 seq += len(chunk["task"])
