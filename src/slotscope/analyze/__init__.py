@@ -105,6 +105,7 @@ def answer(questions: list[Question], ds: Dataset, opts: Options, part_tasks: in
                 for i in early:
                     firsts[i].append(attempt(i, lambda: questions[i].prepare[0](part, opts)))  # type: ignore[index]
             prepared = {i: attempt(i, lambda: questions[i].prepare[1](firsts[i])) for i in early}  # type: ignore[index]
+            del firsts  # (what the first pass gave is folded: the second holds only that)
         for part in periods.parts():
             for i, q in enumerate(questions):
                 args = (part, opts, prepared[i]) if i in prepared else (part, opts)

@@ -309,35 +309,58 @@ def typical_of(steps: list[pd.DataFrame]) -> pd.DataFrame:
 
 
 @dataclass
-class PartAnswer:
-    """A part's share of the stalls tables: its pieces of at least ``MIN_PIECE_S`` (``cls``,
-    ``tok_per_s``, ``split``, ``task`` = row in the task view); per class the tokens and seconds
-    of all its pieces; its slowest pieces of at least ``WORST_MIN_S`` (``worst``, as
-    :func:`_with_shown` gives them); the segments that run across its ends, measured over its
-    share of them (``across``: :func:`_shown` and :func:`_measure` columns); and the task-view rows the
-    worst pieces and those segments name (``info``)."""
+class Folded:
+    """Pieces of generation as the tables read them: per class, the tok/s of the pieces of at
+    least ``MIN_PIECE_S`` (``speeds``), how many of those were split, and which tasks (rows of
+    the task view) they are of; the tokens and seconds of all pieces per class; the slowest
+    pieces of at least ``WORST_MIN_S`` (``worst``, :func:`_split`'s rows)."""
 
-    pieces: pd.DataFrame
+    speeds: list[np.ndarray]
+    split: np.ndarray
+    tasks: list[np.ndarray]
     tokens: np.ndarray
     seconds: np.ndarray
     worst: pd.DataFrame
+
+
+@dataclass
+class PartAnswer:
+    """A part's share of the stalls tables: its own pieces :class:`Folded` (``worst`` as
+    :func:`_with_shown` gives them); the segments that run across its ends, measured over its
+    share of them (``across``: :func:`_shown` and :func:`_measure` columns); and the task-view
+    rows the worst pieces and those segments name (``info``)."""
+
+    folded: Folded
     across: pd.DataFrame
     info: pd.DataFrame
 
 
-def _fold(seg: pd.DataFrame, task: np.ndarray, opts: Options) -> tuple[pd.DataFrame, np.ndarray, np.ndarray, pd.DataFrame]:
+def _fold(seg: pd.DataFrame, task: np.ndarray, opts: Options) -> Folded:
     """Split measured segments (``task``: each one's row in the view) and keep what the tables
-    read of the pieces: those of at least ``MIN_PIECE_S``, the tokens and seconds per class,
-    and the slowest of at least ``WORST_MIN_S`` (:func:`_split`'s rows)."""
+    read of the pieces."""
     p = _split(seg)
-    enough = p[p["seconds"] >= MIN_PIECE_S]
-    long_enough = pd.DataFrame({"cls": enough["cls"].to_numpy(), "tok_per_s": enough["tok_per_s"].to_numpy(),
-                                "split": enough["split"].to_numpy(), "task": task[enough["seg"].to_numpy()]})
-    tokens = np.bincount(p["cls"], weights=p["tokens"], minlength=len(CLASSES)).astype(float)
-    seconds = np.bincount(p["cls"], weights=p["seconds"], minlength=len(CLASSES)).astype(float)
-    cand = p[p["seconds"] >= WORST_MIN_S]
+    cls, secs = p["cls"].to_numpy(), p["seconds"].to_numpy()
+    enough = secs >= MIN_PIECE_S
+    speeds, tasks = [], []
+    for k in range(len(CLASSES)):
+        mine = enough & (cls == k)
+        speeds.append(p["tok_per_s"].to_numpy()[mine])
+        tasks.append(np.unique(task[p["seg"].to_numpy()[mine]]))
+    split = np.bincount(cls[enough & p["split"].to_numpy()], minlength=len(CLASSES))
+    tokens = np.bincount(cls, weights=p["tokens"], minlength=len(CLASSES)).astype(float)
+    seconds = np.bincount(cls, weights=secs, minlength=len(CLASSES)).astype(float)
+    cand = p[secs >= WORST_MIN_S]
     worst = cand.iloc[np.lexsort((-cand["seconds"].to_numpy(), cand["tok_per_s"].to_numpy()))][: opts.worst]
-    return long_enough, tokens, seconds, worst.reset_index(drop=True)
+    return Folded(speeds, split, tasks, tokens, seconds, worst.reset_index(drop=True))
+
+
+def _all_of(folded: list[Folded]) -> Folded:
+    """Several parts' pieces as one's (the worst of each, one after another)."""
+    n = range(len(CLASSES))
+    return Folded([np.concatenate([f.speeds[k] for f in folded]) for k in n], np.sum([f.split for f in folded], axis=0),
+                  [np.unique(np.concatenate([f.tasks[k] for f in folded])) for k in n],
+                  np.sum([f.tokens for f in folded], axis=0), np.sum([f.seconds for f in folded], axis=0),
+                  _joined_rows([f.worst for f in folded]))
 
 
 def per_part(part: Part, opts: Options, typical: pd.DataFrame | None = None) -> PartAnswer:
@@ -351,15 +374,15 @@ def per_part(part: Part, opts: Options, typical: pd.DataFrame | None = None) -> 
     inside = (start >= window[0]) & (end <= window[1])
     share = ~inside & (np.minimum(end, window[1]) > np.maximum(start, window[0]))
     own = seg[inside].reset_index(drop=True)
-    long_enough, tokens, seconds, worst = _fold(own, rows[own["row"].to_numpy()], opts)
-    worst = _with_shown(worst, _shown(tasks, part.gen, own, rows))
+    folded = _fold(own, rows[own["row"].to_numpy()], opts)
+    folded.worst = worst = _with_shown(folded.worst, _shown(tasks, part.gen, own, rows))
     across = seg[share].reset_index(drop=True)
     across = pd.concat([_shown(tasks, part.gen, across, rows), across[_MEASURES + ["long_new", "long_cause", "short_new", "short_cause"]]],
                        axis=1)
     named = np.r_[worst["task"], worst["cause"], across["task"], across["long_cause"], across["short_cause"]]
     at = np.flatnonzero(np.isin(rows, named))
     info = tasks[KEYS + _WHO + ["prompt_tokens_new"]].iloc[at].assign(row=rows[at]).reset_index(drop=True)
-    return PartAnswer(long_enough, tokens, seconds, worst, across, info)
+    return PartAnswer(folded, across, info)
 
 
 def _joined(across: pd.DataFrame) -> pd.DataFrame:
@@ -390,19 +413,19 @@ def merge(answers: list[PartAnswer], opts: Options, ds: Dataset) -> dict[str, pd
     """The ``stalls`` and ``stalls-worst`` tables of every part's answer."""
     if not answers:  # (no tasks: the tables of an empty part)
         answers = [per_part(_whole(ds, task_view(ds).iloc[:0]), opts)]
-    folded = [(a.pieces, a.tokens, a.seconds, a.worst) for a in answers]
+    folded = [a.folded for a in answers]
     across = [a.across for a in answers if len(a.across)]
     if across:
         joined = _joined(pd.concat(across, ignore_index=True))
-        long_enough, tokens, seconds, worst = _fold(joined, joined["task"].to_numpy(), opts)
-        folded.append((long_enough, tokens, seconds, _with_shown(worst, joined)))
-    pieces, worst = _joined_rows([f[0] for f in folded]), _joined_rows([f[3] for f in folded])
+        f = _fold(joined, joined["task"].to_numpy(), opts)
+        f.worst = _with_shown(f.worst, joined)
+        folded.append(f)
+    every = _all_of(folded)
     info = _joined_rows([a.info for a in answers]).drop_duplicates("row")
-    tokens, seconds = np.sum([f[1] for f in folded], axis=0), np.sum([f[2] for f in folded], axis=0)
-    return {"stalls": _stalls_table(pieces, tokens, seconds, opts), "stalls-worst": _worst_table(worst, info, opts)}
+    return {"stalls": _stalls_table(every, opts), "stalls-worst": _worst_table(every.worst, info, opts)}
 
 
-def _stalls_table(pieces: pd.DataFrame, tokens: np.ndarray, seconds: np.ndarray, opts: Options) -> pd.DataFrame:
+def _stalls_table(pieces: Folded, opts: Options) -> pd.DataFrame:
     """Median generation speed per class of what the other slots did (see the module doc).
 
     ``median_tg_3s_tps``/``p10_tg_3s_tps`` keep their historical names; they are the median and
@@ -410,20 +433,16 @@ def _stalls_table(pieces: pd.DataFrame, tokens: np.ndarray, seconds: np.ndarray,
     number. ``tok_per_s_pooled`` is all tokens over all seconds of the class. ``basis`` says
     whether the class rests on exact segment counts, pass-cadence splits, or both.
     """
-    n = len(CLASSES)
-    cls = pieces["cls"].to_numpy(dtype=np.int64)
-    stats = np.full((n, 2), np.nan)
-    for k in np.unique(cls):
-        stats[k] = tl.median_and_quantile(pieces["tok_per_s"].to_numpy(dtype=float)[cls == k], 0.1)
+    stats = np.array([tl.median_and_quantile(v.astype(float), 0.1) if len(v) else (np.nan, np.nan) for v in pieces.speeds])
     out = pd.DataFrame({
         "class": CLASSES,
-        "samples": np.bincount(cls, minlength=n),
+        "samples": np.array([len(v) for v in pieces.speeds], dtype=np.int64),
         "median_tg_3s_tps": stats[:, 0],
         "p10_tg_3s_tps": stats[:, 1],
-        "split_samples": np.bincount(cls[pieces["split"].to_numpy(dtype=bool)], minlength=n),
-        "tasks": pieces.groupby("cls")["task"].nunique().reindex(range(n), fill_value=0).to_numpy(dtype=np.int64),
-        "tokens": tokens.round().astype("int64"),
-        "seconds": seconds.round(3),
+        "split_samples": pieces.split.astype(np.int64),
+        "tasks": np.array([len(t) for t in pieces.tasks], dtype=np.int64),
+        "tokens": pieces.tokens.round().astype("int64"),
+        "seconds": pieces.seconds.round(3),
     })
     with np.errstate(divide="ignore", invalid="ignore"):
         out["tok_per_s_pooled"] = np.where(out["seconds"] > 0, out["tokens"] / out["seconds"], np.nan)
