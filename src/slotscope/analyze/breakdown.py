@@ -20,13 +20,12 @@ times and speeds, and the merge estimates the speeds and splits the times.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import pandas as pd
 
-from ..dataset import Dataset
+from ..dataset import Dataset, task_view
 from ..periods import Part
 from ..timeline import GROUP, key_codes
 from . import Options, Question, ask
@@ -89,28 +88,20 @@ def _own_span_in(ps: np.ndarray, rel: np.ndarray, a: np.ndarray, z: np.ndarray) 
     return np.where(empty, z, c0), np.where(empty, z, c1)
 
 
-@dataclass
-class PartBreakdown:
-    """One part's tasks for the breakdown: ``tasks``, per task it counts, its row in the task
-    view, purpose, raw components and speeds and whether its phases ran alone here;
-    ``context``: the alone flags of the tasks it holds as context (a task across a cut ran
-    alone only if it did on both sides); ``has_queue``: whether any task has an app queue."""
-
-    tasks: pd.DataFrame
-    context: pd.DataFrame
-    has_queue: bool
+def alone_in_part(part: Part, opts: Options) -> pd.DataFrame:
+    """Whether each of the part's tasks (``row`` in the task view) ran its phases alone here
+    (:func:`ran_alone`): the only question of the breakdown that needs the busy period."""
+    return ran_alone(part.tasks).assign(row=part.rows)[["row", *FLAGS]]
 
 
-def breakdown_of_part(part: Part, opts: Options) -> PartBreakdown:
-    """The per-task times the breakdown splits, and what the solo speeds are estimated from."""
-    tv = part.tasks
-    alone = ran_alone(tv)
+def raw_times(tv: pd.DataFrame) -> pd.DataFrame:
+    """Per task of ``tv``: purpose, whether it has a launch..release (``has``), the raw
+    components the breakdown splits, and its speeds."""
     launch, ps, ft, rel = (_floats(tv, c) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))
     has = ~np.isnan(launch) & ~np.isnan(rel) & (rel >= launch)
     split = has & ~np.isnan(ps) & ~np.isnan(ft) & (ps >= launch) & (ft >= ps) & (rel >= ft)
     queue = np.where(has, np.maximum(np.nan_to_num(_floats(tv, "queue_ms") / 1000), 0), 0.0)
-    t = pd.DataFrame({
-        "row": part.rows,
+    return pd.DataFrame({
         "purpose": tv["purpose"].array if "purpose" in tv.columns else pd.array([pd.NA] * len(tv), dtype="object"),
         "has": has,
         "generated": np.maximum(_floats(tv, "n_gen") - 1, 0),  # (the first token came with the prefill)
@@ -122,12 +113,12 @@ def breakdown_of_part(part: Part, opts: Options) -> PartBreakdown:
         "unsplit": np.where(has & ~split, rel - launch, 0.0),
         "gen_tps": _floats(tv, "gen_tps"),
         "prefill_tps": _floats(tv, "prefill_tps"),
-        **{f: alone[f].to_numpy() for f in FLAGS},
     })
-    counted = part.counted
-    context = t.loc[~counted, ["row", *FLAGS]]
-    has_queue = "queue_ms" in tv.columns and bool(tv["queue_ms"].notna().any())
-    return PartBreakdown(t[counted] if not counted.all() else t, context, has_queue)
+
+
+# What raw_times reads of the task view.
+VIEW_COLUMNS = ["purpose", "launch_s", "prefill_start_s", "first_token_s", "release_s", "queue_ms", "n_gen",
+                "prompt_tokens_new", "gen_tps", "prefill_tps"]
 
 
 def _solo(speeds: np.ndarray, alone: np.ndarray, override: float | None,
@@ -156,26 +147,25 @@ def _stretches_alone(ds: Dataset, opts: Options) -> pd.Series:
     return p.loc[(p["class"] == "alone").to_numpy() & (p["seconds"] >= MIN_PIECE_S).to_numpy(), "tok_per_s"].reset_index(drop=True)
 
 
-def _tasks_of(answers: list[PartBreakdown]) -> pd.DataFrame:
-    """Every part's tasks in the task view's order, each phase alone only if it was in every
-    part that holds the task."""
-    t = pd.concat([a.tasks for a in answers], ignore_index=True)
-    t = t.iloc[np.argsort(t["row"].to_numpy(), kind="stable")].reset_index(drop=True)
-    context = pd.concat([a.context for a in answers], ignore_index=True)
-    if len(context):
-        at = np.searchsorted(t["row"].to_numpy(), context["row"].to_numpy())
-        for f in FLAGS:
-            flag = t[f].to_numpy().copy()
-            flag[at[~context[f].to_numpy()]] = False
-            t[f] = flag
-    return t
+def _tasks_of(answers: list[pd.DataFrame], ds: Dataset) -> tuple[pd.DataFrame, bool]:
+    """Every task's :func:`raw_times`, in the task view's order, each phase alone only if it
+    was in every part that holds the task (a task across a cut is in two); and whether any
+    task has an app queue."""
+    tv = task_view(ds, VIEW_COLUMNS)
+    t = raw_times(tv)
+    has_queue = "queue_ms" in tv.columns and bool(tv["queue_ms"].notna().any())
+    del tv
+    flags = pd.concat(answers, ignore_index=True).groupby("row", sort=True)[FLAGS].all()
+    for f in FLAGS:
+        t[f] = flags[f].reindex(np.arange(len(t)), fill_value=False).to_numpy(dtype=bool)
+    return t, has_queue
 
 
-def merge_breakdown(answers: list[PartBreakdown], opts: Options, ds: Dataset) -> dict[str, pd.DataFrame]:
-    """The breakdown table: solo speeds over every part's tasks, then each task's time split."""
+def merge_breakdown(answers: list[pd.DataFrame], opts: Options, ds: Dataset) -> dict[str, pd.DataFrame]:
+    """The breakdown table: solo speeds over every task, then each task's time split."""
     if not answers:
         return {"breakdown": pd.DataFrame({c: pd.Series(dtype="object") for c in BREAKDOWN_COLUMNS})}
-    t = _tasks_of(answers)
+    t, has_queue = _tasks_of(answers, ds)
     gen_tps, gen_n, gen_basis = _solo(t["gen_tps"].to_numpy(), t["alone_generation"].to_numpy(), opts.solo_gen_tps,
                                       lambda: _stretches_alone(ds, opts))
     pre_tps, pre_n, pre_basis = _solo(t["prefill_tps"].to_numpy(), t["alone_prefill"].to_numpy(), opts.solo_prefill_tps)
@@ -196,7 +186,7 @@ def merge_breakdown(answers: list[PartBreakdown], opts: Options, ds: Dataset) ->
     per.loc["all"] = pd.Series({name: pd.Series(v).sum() for name, v in components.items()})
     tasks = pd.Series(np.bincount(codes, minlength=len(names)), index=names)
     tasks.loc["all"] = len(codes)
-    long = _long(per, tasks, any(a.has_queue for a in answers), opts)
+    long = _long(per, tasks, has_queue, opts)
     long["solo_gen_tps"] = round(gen_tps, 3)
     long["solo_gen_n"] = pd.array([gen_n] * len(long), dtype="Int64")
     long["solo_gen_basis"] = gen_basis
@@ -233,4 +223,4 @@ def _long(per: pd.DataFrame, tasks: pd.Series, has_queue: bool, opts: Options) -
     return long
 
 
-ask(Question(("breakdown",), breakdown_of_part, merge_breakdown))
+ask(Question(("breakdown",), alone_in_part, merge_breakdown))

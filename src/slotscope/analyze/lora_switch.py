@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..dataset import Dataset
+from ..dataset import Dataset, task_view
 from ..periods import Part
 from ..timeline import key_codes
 from . import Options, Question, answer, ask
@@ -26,9 +26,10 @@ from .turns import needs_app_log
 
 SHORT_PROMPT_TOKENS = 1_000
 SESSION = ["source", "port", "session"]
-# What the merge gets of each task a part counts: its session and launch (to find the task
-# launched before it), its label, its row in the task view, and a short prefill's time (NaN: none).
+# What the merge reads of each task: its session and launch (to find the task launched before
+# it), its label, its row in the task view, and a short prefill's time (NaN: none).
 OWN = SESSION + ["launch_s", "task_id", "lora", "row", "prefill_ms"]
+VIEW_COLUMNS = OWN[:-2] + ["prompt_tokens_new", "prompt_eval_ms"]
 COLUMNS = [
     "setting", "change", "lora", "count", "prefill_median_ms", "alone_count", "alone_prefill_median_ms",
     "few_samples",
@@ -68,30 +69,34 @@ def _holding(tasks: pd.DataFrame, among: np.ndarray, windows: np.ndarray) -> np.
     return np.where(known, count, 0)
 
 
-def per_part(part: Part, opts: Options) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The part's own tasks (their session, launch, LoRA label, position in the task view and,
-    for a short prefill, its time), and for every short prefill in the part how many tasks
-    held a slot during it, of those this part counts the pair of."""
+def per_part(part: Part, opts: Options) -> pd.DataFrame:
+    """For every short prefill in the part (``row`` in the task view), how many tasks held a
+    slot during it (``held``), of those this part counts the pair of."""
     t = part.tasks
     counted = part.counted
-    short = ((t["prompt_tokens_new"] < SHORT_PROMPT_TOKENS).fillna(False) & t["prompt_eval_ms"].notna()).to_numpy()
-    windows = np.flatnonzero(short)
+    windows = np.flatnonzero(_short(t))
     # A task running across a cut of a long period is in both parts, as context in the later.
     # A prefill is counted with the tasks the part counts, and in the part that counts it also
     # with the context: so each pair of tasks is counted in one part.
     held = np.where(counted[windows], _holding(t, np.ones(len(t), dtype=bool), windows), _holding(t, counted, windows))
-    own = t.loc[counted, OWN[:-2]].assign(row=part.rows[counted],
-                                          prefill_ms=np.where(short, _times(t["prompt_eval_ms"]), np.nan)[counted])
-    return own, pd.DataFrame({"row": part.rows[windows], "held": held})
+    return pd.DataFrame({"row": part.rows[windows], "held": held})
 
 
-def merge(answers: list[tuple[pd.DataFrame, pd.DataFrame]], opts: Options, ds: Dataset) -> dict[str, pd.DataFrame]:
+def _short(t: pd.DataFrame) -> np.ndarray:
+    """Which tasks had a short prefill, with its time."""
+    return ((t["prompt_tokens_new"] < SHORT_PROMPT_TOKENS).fillna(False) & t["prompt_eval_ms"].notna()).to_numpy()
+
+
+def merge(answers: list[pd.DataFrame], opts: Options, ds: Dataset) -> dict[str, pd.DataFrame]:
     """The table: each short prefill after the task launched before it in its session, by
     whether that task's LoRA label differs, and the label."""
     if ds.matches is None:
         return {"lora-switch": needs_app_log(COLUMNS)}
-    tv = pd.concat([a[0] for a in answers], ignore_index=True) if answers else pd.DataFrame(columns=OWN)
-    held = pd.concat([a[1] for a in answers] or [pd.DataFrame(columns=["row", "held"])]).groupby("row")["held"].sum()
+    # (which task was launched before which is a question of each session's sequence of tasks)
+    tv = task_view(ds, VIEW_COLUMNS)
+    short = _short(tv)
+    tv = tv[OWN[:-2]].assign(row=np.arange(len(tv)), prefill_ms=np.where(short, _times(tv["prompt_eval_ms"]), np.nan))
+    held = pd.concat(answers or [pd.DataFrame(columns=["row", "held"])]).groupby("row")["held"].sum()
     tv = tv.sort_values(SESSION + ["launch_s", "task_id", "row"], kind="stable")
     tv["lora"] = tv["lora"].astype("string")
     tv["prev_lora"] = tv.groupby(SESSION, sort=False, observed=True)["lora"].shift(1)

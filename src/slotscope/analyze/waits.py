@@ -41,6 +41,8 @@ COVERED = ["different_lora_s", "same_lora_s", "unknown_lora_s"]  # seconds of a 
 # The task times the deferred launches are found by (``session``: the row of the task's
 # session among the sessions table's first rows).
 TIMES = ["row", "session", "task_id", "launch_s", "release_s", "end_s", "queue_ms"]
+# What _times reads of the task view.
+TIME_COLUMNS = tl.GROUP + ["task_id", "launch_s", "prefill_start_s", "first_token_s", "release_s", "queue_ms"]
 
 
 def _f(s: pd.Series) -> np.ndarray:
@@ -259,13 +261,12 @@ class PartWaits:
     """One part's answer: ``waits``, each wait of its tasks (``row`` in the view, ``counted``,
     ``wait_s``) with its :data:`COVERED` seconds within the part; ``listed``, its longest
     waits with their columns of waits-worst, and ``holders``, the best holder of each in the
-    part; its tasks' LoRA labels; and :data:`TIMES` of the tasks it counts."""
+    part; and its tasks' LoRA labels."""
 
     waits: pd.DataFrame
     listed: pd.DataFrame
     holders: pd.DataFrame
     labels: np.ndarray
-    times: pd.DataFrame
 
 
 def per_part(part: Part, opts: Options) -> PartWaits:
@@ -282,12 +283,9 @@ def per_part(part: Part, opts: Options) -> PartWaits:
     waits = _waits(tv, at)
     covered = _covered_by(tv, held, waits, at, part.span)
     listed, holders = _worst(part, held, waits, at, opts.worst)
-    times = _times(tv, part.sessions)
-    times = times[part.counted[times["row"].to_numpy()]]
-    times["row"] = part.rows[times["row"].to_numpy()]
     rows = pd.DataFrame({"row": part.rows[at], "counted": part.counted[at], "wait_s": waits["wait_s"].to_numpy()})
     return PartWaits(pd.concat([rows, covered], axis=1), listed, holders,
-                     pd.unique(tv["lora"].astype("object").to_numpy()), times)
+                     pd.unique(tv["lora"].astype("object").to_numpy()))
 
 
 def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
@@ -307,7 +305,8 @@ def merge(answers: list[PartWaits], opts: Options, ds: Dataset) -> dict[str, pd.
     if len(w) < len(got):
         w[COVERED] = got.groupby("row", sort=True)[COVERED].sum().loc[w["row"]].to_numpy()
     w = _with_cause(w)
-    t = _concat([a.times for a in answers]).sort_values("row", kind="stable")
+    # (the deferred launches are a question of each session's sequence of tasks: no periods)
+    t = _times(task_view(ds, TIME_COLUMNS), ds.server.sessions)
     d = _deferred(t, _f(ds.server.sessions.drop_duplicates(tl.GROUP)["n_slots"]))
     labels = pd.unique(np.concatenate([a.labels for a in answers]))
     return {"waits": _table(w, d["queue_ms"].to_numpy() / 1000, opts),
