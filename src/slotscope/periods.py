@@ -296,11 +296,12 @@ class PartStore:
         seq = 0
         for stream, src in enumerate(samples.parts):
             for chunk in src.store.chunks():
-                frame = pd.DataFrame({"source": _source_column(src.source, len(chunk["task"])), "port": chunk["port"],
-                                      "session": chunk["session"], "task_id": chunk["task"], "t_s": chunk["ts_us"] / 1e6})
-                rows, parts = index.sample_parts(frame)
-                raw = pd.DataFrame({c: v[rows] for c, v in chunk.items()})
-                self._buckets.add(kind, raw, parts, extra={"row": seq + rows, "_stream": np.full(len(rows), stream, np.int16)})
+                keys = pd.DataFrame({"source": _source_column(src.source, len(chunk["task"])), "port": chunk["port"],
+                                     "session": chunk["session"], "task_id": chunk["task"], "t_s": chunk["ts_us"] / 1e6})
+                rows, parts = index.sample_parts(keys)
+                del keys
+                self._buckets.add(kind, {c: v[rows] for c, v in chunk.items()}, parts,
+                                  extra={"row": seq + rows, "_stream": np.full(len(rows), stream, np.int16)})
                 seq += len(chunk["task"])
 
     def _samples(self, kind: str, rows: pd.DataFrame) -> pd.DataFrame:

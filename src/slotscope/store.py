@@ -28,6 +28,22 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+
+def _returning_pool() -> None:
+    """Arrow's buffers from jemalloc, set to hand freed pages back at once. Arrow's default
+    pools keep freed pages for reuse, per thread: what the storage moved between pandas and
+    disk would stay resident. A pool the user chose (``ARROW_DEFAULT_MEMORY_POOL``) stays."""
+    if os.environ.get("ARROW_DEFAULT_MEMORY_POOL"):
+        return
+    try:
+        pa.set_memory_pool(pa.jemalloc_memory_pool())
+        pa.jemalloc_set_decay_ms(0)
+    except NotImplementedError:  # (a pyarrow built without jemalloc: its default pool)
+        pass
+
+
+_returning_pool()
+
 from .errors import SlotscopeError
 
 ROWS_PER_BATCH = 1 << 16  # rows converted to Arrow at a time while writing
@@ -392,7 +408,7 @@ class Buckets:
     buckets of :data:`PARTS_PER_BUCKET`, an Arrow IPC file per added piece of a bucket."""
 
     PARTS_PER_BUCKET = 4
-    HELD_BYTES = 64 << 20  # rows held in memory before they go to disk
+    HELD_BYTES = 16 << 20  # rows held in memory before they go to disk
 
     def __init__(self, n_parts: int, names: Sequence[str]) -> None:
         self.n_parts, self.names = n_parts, list(names)
@@ -403,11 +419,16 @@ class Buckets:
         self._dtypes: dict[str, pd.Series] = {}
         self._schema: dict[str, pa.Schema] = {}
 
-    def add(self, name: str, rows: pd.DataFrame, part: np.ndarray, extra: dict[str, np.ndarray] | None = None) -> None:
-        """``rows`` of table ``name``, row i in part ``part[i]``; ``extra``: more columns."""
-        if name not in self._dtypes:
-            self._dtypes[name] = rows.dtypes
-        table = pa.Table.from_pandas(rows, preserve_index=False)
+    def add(self, name: str, rows: pd.DataFrame | dict[str, np.ndarray], part: np.ndarray,
+            extra: dict[str, np.ndarray] | None = None) -> None:
+        """``rows`` of table ``name`` (a frame, or numpy columns), row i in part ``part[i]``;
+        ``extra``: more columns."""
+        if isinstance(rows, dict):
+            table = pa.table({c: pa.array(v) for c, v in rows.items()})
+        else:
+            if name not in self._dtypes:
+                self._dtypes[name] = rows.dtypes
+            table = pa.Table.from_pandas(rows, preserve_index=False)
         for c, v in {**(extra or {}), "_part": part}.items():
             table = table.append_column(c, pa.array(v))
         if name not in self._schema:

@@ -69,15 +69,18 @@ def turn_pairs(calls: pd.DataFrame, opts: Options) -> pd.DataFrame:
     previous turn's (``prev_*``), the gap between them, the tokens the previous one left and
     the ones this one reused (``cached``), and whether it missed the cache (``miss``)."""
     is_turn = (measured_calls(calls) & is_chat_turn(calls["purpose"])).to_numpy()
-    chat = calls.loc[is_turn, [c for c in PAIR_COLUMNS if c in calls.columns]]
-    chat.insert(0, "pos", np.flatnonzero(is_turn))
-    chat["user"] = as_text(chat["user"])
-    chat["session"] = as_text(chat["app_session"]) if "app_session" in chat else pd.Series(pd.NA, index=chat.index, dtype="string")
+    # The pairs are found on a few columns of the turns; the rest are taken for the pairs alone.
+    pos = np.flatnonzero(is_turn)
+    turns = calls.iloc[pos]
+    chat = pd.DataFrame({"pos": pos, "user": as_text(turns["user"]).array, "start_at": turns["start_at"].array,
+                         "session": as_text(turns["app_session"]).array if "app_session" in turns
+                         else pd.array([pd.NA] * len(pos), dtype="string")})
+    chat["ended_at"] = turns["end_at"].fillna(turns["start_at"]).array if "end_at" in turns else chat["start_at"]
+    chat["left_tokens"] = (turns["prompt_tokens"].astype("Float64") + turns["completion_tokens"].astype("Float64")).array
+    del turns
     chat = chat.loc[chat["user"].notna().to_numpy()]
     chat = chat.iloc[by_user_and_start(chat["user"], chat["start_at"])]
-    chat["ended_at"] = chat["end_at"].fillna(chat["start_at"]) if "end_at" in chat else chat["start_at"]
-    chat["left_tokens"] = chat["prompt_tokens"].astype("Float64") + chat["completion_tokens"].astype("Float64")
-    of_previous = ["pos", "call_id", "start_at", "ended_at", "slot", "call_file", "call_line", "left_tokens", "session"]
+    of_previous = ["pos", "start_at", "ended_at", "left_tokens", "session"]
     chat[["prev_" + c for c in of_previous]] = chat.groupby("user", sort=False)[of_previous].shift(1)
     chat["gap_s"] = (chat["start_at"] - chat["prev_ended_at"]).dt.total_seconds().round(3)
     chat = chat.sort_values("start_at", kind="stable").reset_index(drop=True)
@@ -86,6 +89,15 @@ def turn_pairs(calls: pd.DataFrame, opts: Options) -> pd.DataFrame:
     same_session = (chat["session"] == chat["prev_session"]).fillna(True)  # (unknown: by time alone)
     pair = chat["prev_pos"].notna() & (chat["gap_s"] <= opts.cache_window_s) & same_session & ~folded
     pairs = chat.loc[pair.to_numpy()].reset_index(drop=True)
+    del chat
+    shown = calls.iloc[pairs["pos"].to_numpy()].reset_index(drop=True)
+    for c in PAIR_COLUMNS:
+        if c in shown and c not in pairs:
+            pairs[c] = shown[c]
+    before = calls.iloc[pairs["prev_pos"].to_numpy(dtype=np.int64)].reset_index(drop=True)
+    for c in ("call_id", "slot", "call_file", "call_line"):
+        if c in before:
+            pairs["prev_" + c] = before[c]
     pairs["cached"] = pairs["prompt_tokens_cached"].astype("Float64").fillna(pairs["cached_tokens"].astype("Float64"))
     pairs["miss"] = (pairs["cached"] < MISS_SHARE * pairs["prev_left_tokens"]).fillna(False).astype(bool)
     return pairs

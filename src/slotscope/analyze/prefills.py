@@ -25,7 +25,7 @@ import pandas as pd
 from ..dataset import Dataset, calls_of, task_view
 from . import Options, register
 from .cache import SUMMARY, TURN_COLUMNS, by_user_and_start, turn_pairs
-from .turns import as_text, needs_app_log
+from .turns import as_text, is_text, needs_app_log, text_codes
 
 CAUSES = ["first_of_day", "first_of_session", "summary", "after_summary", "cache_miss", "other"]
 UNLOGGED = "(unlogged)"
@@ -35,22 +35,24 @@ KEY = ["call_file", "call_line"]  # which app call a task's is (ids may repeat a
 
 def call_causes(calls: pd.DataFrame, opts: Options) -> pd.Series:
     """The cause of each app call's prompt (one of :data:`CAUSES`), in the calls' order."""
+    # Users and sessions as codes that sort as their texts do (the same groups and order).
     c = pd.DataFrame({
-        "user": as_text(calls["user"]).array,
+        "user": text_codes(calls["user"]),
         "start_at": calls["start_at"].array,
-        "purpose": as_text(calls["purpose"]).array,
-        "session": as_text(calls["app_session"]).array if "app_session" in calls else pd.NA,
+        "summary": is_text(calls["purpose"], SUMMARY),
+        "session": text_codes(calls["app_session"]) if "app_session" in calls else np.nan,
     })
     c = c.iloc[by_user_and_start(c["user"], c["start_at"])]
     missed = np.zeros(len(calls), dtype=bool)
     pairs = turn_pairs(calls, opts)
     missed[pairs.loc[pairs["miss"].to_numpy(), "pos"].to_numpy()] = True
+    del pairs
     # The calendar day (UTC) as a timestamp: the same groups as dates, without a date object per call.
     day = (c["start_at"].dt.tz_convert("UTC") if c["start_at"].dt.tz is not None else c["start_at"]).dt.floor("D")
     first_of_day = c.groupby([c["user"], day], sort=False, dropna=False).cumcount() == 0
     first_of_session = c["session"].notna() & (c.groupby(["user", "session"], sort=False, dropna=False).cumcount() == 0)
-    summary = (c["purpose"] == SUMMARY).fillna(False)
-    after_summary = (c.groupby("user", sort=False, dropna=False)["purpose"].shift(1) == SUMMARY).fillna(False)
+    summary = c["summary"]
+    after_summary = c.groupby("user", sort=False, dropna=False)["summary"].shift(1).fillna(False).astype(bool)
     holds = [first_of_day, first_of_session, summary, after_summary, pd.Series(missed[c.index], index=c.index)]
     cause = pd.Series(np.select([h.to_numpy(dtype=bool) for h in holds], CAUSES[:-1], default=CAUSES[-1]), index=c.index)
     return cause.sort_index().set_axis(calls.index).rename("cause")

@@ -47,6 +47,30 @@ def as_text(col: pd.Series) -> pd.Series:
     return pd.Series(texts.take(col.cat.codes.to_numpy(), allow_fill=True), index=col.index, name=col.name)
 
 
+def text_codes(col: pd.Series) -> np.ndarray:
+    """Each row's place among the column's texts (float, NaN for a gap): rows of equal text
+    share it, and it sorts as the texts do. Of a category column, from its categories' texts
+    (not a Python string per row)."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        texts = col.cat.categories.astype("string")
+        ranks = pd.factorize(texts, sort=True, use_na_sentinel=True)[0].astype("float64")
+        ranks[ranks < 0] = np.nan
+        codes = col.cat.codes.to_numpy()
+        return np.where(codes >= 0, ranks[np.maximum(codes, 0)] if len(ranks) else np.nan, np.nan)
+    codes = pd.factorize(col.astype("string"), sort=True)[0].astype("float64")
+    return np.where(codes >= 0, codes, np.nan)
+
+
+def is_text(col: pd.Series, text: str) -> np.ndarray:
+    """Whether each row's text is ``text`` (False for a gap); of a category column, from its
+    categories."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        hit = np.asarray(col.cat.categories.astype("string") == text, dtype=bool)
+        codes = col.cat.codes.to_numpy()
+        return np.where(codes >= 0, hit[np.maximum(codes, 0)] if len(hit) else False, False)
+    return (col.astype("string") == text).fillna(False).to_numpy(dtype=bool)
+
+
 def is_chat_turn(purpose: pd.Series) -> pd.Series:
     """Whether each purpose names a chat turn: ``chat`` itself or ``chat_<anything>``."""
     p = as_text(purpose)
