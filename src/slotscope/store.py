@@ -492,7 +492,7 @@ def _disk_error(e: OSError, what: str) -> SlotscopeError:
 
 class Chunks:
     """Chunks of rows of numeric columns (numpy arrays), each in an Arrow IPC file of its own
-    in a temporary directory, read back a column (or a slice of one) at a time. A copy in
+    in a temporary directory, read back a column at a time. A copy in
     another process (a parse worker) reads the same files; the directory stays this one's."""
 
     def __init__(self, what: str) -> None:
@@ -515,13 +515,12 @@ class Chunks:
         return path
 
     @staticmethod
-    def read(path: str, names: Sequence[str], start: int = 0, stop: int | None = None) -> list[np.ndarray]:
-        """Columns ``names`` of the chunk in ``path`` (rows ``start`` to ``stop``), as arrays of
-        their own: the file is mapped while read, and only those columns' pages are touched."""
+    def read(path: str, names: Sequence[str]) -> list[np.ndarray]:
+        """Columns ``names`` of the chunk in ``path``, as arrays of their own: the file is
+        mapped while read, and only those columns' pages are touched."""
         with pa.memory_map(path) as source:
             batch = pa.ipc.open_file(source).get_batch(0)
-            stop = batch.num_rows if stop is None else stop
-            return [batch.column(c).slice(start, stop - start).to_numpy(zero_copy_only=False).copy() for c in names]
+            return [batch.column(c).to_numpy(zero_copy_only=False).copy() for c in names]
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_tmp": None}
