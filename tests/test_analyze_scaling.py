@@ -110,14 +110,6 @@ def test_concurrency_steps_match_a_running_sum_of_events() -> None:
         assert row.running == running
 
 
-def test_count_points_is_exact_across_sessions() -> None:
-    # Two sessions far apart in time: an offset trick would round (start, end] bounds.
-    pts = pd.DataFrame({"source": "x", "port": -1, "session": [1, 2, 2], "t_s": [0.1, 1e7 + 0.3, 1e7 + 0.30000001]})
-    q = pd.DataFrame({"source": "x", "port": -1, "session": [2, 2, 1], "start_s": [1e7 + 0.3, 1e7, 0.0],
-                      "end_s": [1e7 + 0.30000001, 1e7 + 0.3, 0.1]})
-    assert tl.count_points(q, pts).tolist() == [1, 1, 1]
-
-
 @pytest.mark.parametrize("text", [
     '{"a": 1}', '  {"a": 1}\t', '{"a": 1} x', "\ufeff{}", '{"a":', "", "  ", "[1, 2]", "\x0c{}", "{}\x0c",
     '{"a": NaN}', '{"a": 1}{"b": 2}', "\u00a0{}",
@@ -187,18 +179,3 @@ def test_task_ids_past_2_32_give_the_same_tables(tmp_path, monkeypatch: pytest.M
         t["stalls-worst"] = t["stalls-worst"].drop(columns=["source", "file", "cause_file", "hb_file"])
     for name in names:
         pd.testing.assert_frame_equal(got[name], want[name])
-
-
-def test_distinct_per_group_counts_as_a_groupby_nunique() -> None:
-    """Both ways (a byte per possible item, for items a few per row; pairs made unique, for
-    sparse ones) give a groupby's nunique, groups without rows 0."""
-    rng = np.random.default_rng(11)
-    for _ in range(300):
-        n, groups = int(rng.integers(0, 60)), int(rng.integers(1, 7))
-        spread = int(rng.choice([3, 50, 10**9]))  # dense items, or sparse: past 4 per row
-        group = rng.integers(0, groups, n).astype(np.int8)
-        item = rng.integers(0, spread, n).astype(np.int64)
-        want = pd.Series(item).groupby(group).nunique().reindex(range(groups), fill_value=0).to_numpy()
-        assert tl.distinct_per_group(group, item, groups).tolist() == want.tolist()
-
-
