@@ -225,22 +225,6 @@ class StoredTable:
         return pd.DataFrame({c: self._column(c, first, last + 1).take(rows - at).set_axis(index) for c in names},
                             index=index, copy=False)
 
-    def take_scattered(self, rows: np.ndarray, columns: Sequence[str] | None = None) -> pd.DataFrame:
-        """:meth:`take` for rows spread over the table (a few dozen of its rows, or every tenth):
-        each stored batch that holds some of them read alone, not every batch from the first
-        to the last (at 1 GB of log a column of text read whole is ~40 MB, a batch ~5)."""
-        rows = np.asarray(rows, dtype=np.int64)
-        if self._built is not None or not len(rows):
-            return self.take(rows, columns)
-        batch = np.searchsorted(self._batch_ends(), rows, side="right")
-        by_batch = np.argsort(batch, kind="stable")
-        starts = np.flatnonzero(np.r_[True, batch[by_batch][1:] != batch[by_batch][:-1]])
-        parts = [self.take(rows[at], columns) for at in np.split(by_batch, starts[1:])]
-        joined = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
-        where = np.empty(len(rows), dtype=np.int64)
-        where[by_batch] = np.arange(len(rows))  # (each row's place among the batches' rows)
-        return joined.take(where).set_axis(pd.RangeIndex(len(rows)))
-
     def _batch_ends(self) -> np.ndarray:
         """Where each stored batch ends (row positions; every column's file has the same)."""
         if self._ends is None:
