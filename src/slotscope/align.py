@@ -24,7 +24,6 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import pandas as pd
 
-from .tasks import release_memory
 from .timeline import by_code, kept_in_place, key_codes, narrow, rows_by_group, within_ranges
 
 SESSION_KEY = ["source", "port", "session"]
@@ -149,7 +148,6 @@ def _pair_arrays(tasks: pd.DataFrame, calls: pd.DataFrame, tcode: np.ndarray | N
     lo = np.empty(total, dtype=np.float64)
     hi = np.empty(total, dtype=np.float64)
     exact = np.zeros(total, dtype=bool)
-    release_memory()  # the columns read and sorted so far, before the pairs are made
     timed = (calls["timings_prompt_ms"].notna() & calls["timings_predicted_ms"].notna()).to_numpy()
     timings = None
     if timed.any():
@@ -173,7 +171,6 @@ def _pair_arrays(tasks: pd.DataFrame, calls: pd.DataFrame, tcode: np.ndarray | N
     # Twice over the pairs: their starts, then their ends (each pass reads two columns, and
     # ``hi`` is untouched until the second).
     start, launch = calls["start_us"].to_numpy(dtype=float), tasks["launch_s"].to_numpy(dtype=float)
-    release_memory()  # the columns' temporaries as read
     k = 0
     for ci, tb, ex in kept_pairs():
         m = len(ci)
@@ -184,7 +181,6 @@ def _pair_arrays(tasks: pd.DataFrame, calls: pd.DataFrame, tcode: np.ndarray | N
         k += m
     del start, launch
     end, release = calls["end_us"].to_numpy(dtype="float64", na_value=np.nan), tasks["release_s"].to_numpy(dtype=float)
-    release_memory()
     k = 0
     for ci, tb, _ in kept_pairs():
         hi[k:k + len(ci)] = end[ci] - release[tb] * 1e6
