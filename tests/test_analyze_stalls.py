@@ -135,7 +135,7 @@ def test_split_pieces_count_the_tokens_the_client_received(scenario: str) -> Non
     pieces = segment_pieces(ds, Options(), tv)
     split = pieces[(pieces["class"] == "long_prefill") & pieces["split"]]
     assert len(split) >= 3
-    active, _ = tl.prefill_activity(tv, ds.server.prefill_samples)
+    active = tl.prefill_steps(tv, ds.server.prefill_samples)[0]
     active = active[active["prompt_tokens_new"] >= Options().long_prefill_tokens]
     truth = {c["id"]: c for c in load_truth(scenario)}
     wall = (tv["launch_at"] - pd.Timestamp(0, tz="UTC")).dt.total_seconds()

@@ -219,73 +219,7 @@ def test_samples_kept_on_disk_build_the_same_tables(scenario, tmp_path, monkeypa
     pd.testing.assert_frame_equal(lazy.tasks, logs.tasks)
     for kind in ("gen_samples", "prefill_samples"):
         pd.testing.assert_frame_equal(getattr(lazy, kind), getattr(logs, kind))
-        assert getattr(lazy, kind) is getattr(lazy, kind)  # built once ...
-    built = lazy.gen_samples
-    lazy.unload_samples()
-    assert lazy.gen_samples is not built  # ... until unloaded; then built again, the same
-    pd.testing.assert_frame_equal(lazy.gen_samples, logs.gen_samples)
+        assert getattr(lazy, kind) is getattr(lazy, kind)  # built once
     copy = pickle.loads(pickle.dumps(lazy))  # pickled as tables: the files stay this process'
     assert isinstance(copy.__dict__["_prefill_samples"], pd.DataFrame)
     pd.testing.assert_frame_equal(copy.prefill_samples, logs.prefill_samples)
-
-
-def test_samples_on_disk_by_task_and_in_parts(scenario) -> None:
-    """What the analyzers read of samples on disk without building the table: a few tasks'
-    rows, each task's first and last sample time, the table in parts."""
-    name, logs = scenario
-    lazy = read_server_logs([REAL / name / "logs"], samples_on_disk=True)
-    keys = ["source", "port", "session", "task_id"]
-    some = logs.tasks.iloc[::3]
-    for kind in ("gen_samples", "prefill_samples"):
-        samples, table = lazy.__dict__["_" + kind], getattr(logs, kind)
-        assert samples.indexed
-        chosen = table.merge(some[keys], on=keys, how="left", indicator=True)["_merge"].eq("both").to_numpy()
-        assert 0 < chosen.sum() < len(table)
-        pd.testing.assert_frame_equal(samples.of_tasks(some), table[chosen].reset_index(drop=True))
-        pd.testing.assert_frame_equal(pd.concat(list(samples.batches(rows=7)), ignore_index=True), table)
-        lo, hi = samples.spans(logs.tasks)
-        t = table.groupby(keys, observed=True)["t_s"].agg(["min", "max"])
-        want = logs.tasks[keys].merge(t, left_on=keys, right_index=True, how="left")
-        assert (pd.Series(lo).equals(want["min"].reset_index(drop=True)) and pd.Series(hi).equals(want["max"].reset_index(drop=True)))
-        assert not samples.built  # none of it built the table
-
-
-@pytest.mark.parametrize("case", ["as read", "a time going back", "a time going back across chunks", "a missing time"])
-def test_sample_index_by_task_and_time(case: str) -> None:
-    """The index of sample rows by task: the rows by (port, session, task) then time, each
-    task's first and last time. As read (time order within a task: a stable sort by key), a
-    heartbeat's time earlier than the one before it in its task, or one missing (-1): the same
-    as a sort by key and time and a min/max of the times that are there."""
-    import numpy as np
-
-    from slotscope.tasks import FinishedRows, _SampleIndex
-
-    lazy = read_server_logs([REAL / "before" / "logs"], samples_on_disk=True)
-    src = lazy.__dict__["_gen_samples"].parts[0].store
-    cols = src.gather(np.arange(len(src)))
-    ts = cols["ts_us"].copy()
-    task = cols["task"]
-    rows = np.flatnonzero(task == task[len(task) // 2])
-    assert len(rows) >= 3
-    if case == "a time going back":
-        ts[rows[2]] = ts[rows[0]] - 5
-    elif case == "a time going back across chunks":  # (the next row of its task in the next chunk of 13)
-        i = next(i for i in range(len(rows) - 1) if rows[i] // 13 != rows[i + 1] // 13)
-        ts[rows[i + 1]] = ts[rows[i]] - 5
-    elif case == "a missing time":
-        ts[rows[1]] = -1
-    cols["ts_us"] = ts
-    store = FinishedRows(spill_rows=13)  # (in chunks of 13 rows on disk: a task's rows in several)
-    for a in range(0, len(ts), 13):
-        store.append({c: v[a:a + 13] for c, v in cols.items()})
-    store.close()
-    assert len(store._sizes) > 5
-    ix = _SampleIndex.of(store)
-    key = cols["port"].astype(np.int64) * 10**12 + cols["session"].astype(np.int64) * 10**9 + cols["task"].astype(np.int64)
-    order = np.lexsort((ts, key))
-    assert ix.order.tolist() == order.tolist()
-    t = pd.Series(np.where(ts >= 0, ts, np.nan) / 1e6)
-    want = t.groupby(key).agg(["min", "max"])
-    assert np.array_equal(ix.t_min, want["min"].to_numpy(), equal_nan=True)
-    assert np.array_equal(ix.t_max, want["max"].to_numpy(), equal_nan=True)
-    assert (np.diff(ix.starts) == pd.Series(key).value_counts().sort_index().to_numpy()).all()

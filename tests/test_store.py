@@ -39,24 +39,6 @@ def test_real_tables_read_back_equal_whole_and_by_columns(scenario: str, monkeyp
             want = df.reset_index(drop=True).iloc[rows].reset_index(drop=True)
             pd.testing.assert_frame_equal(st.take(np.array(rows, dtype=np.int64), some), want[some])
             pd.testing.assert_frame_equal(st.take(np.array(rows, dtype=np.int64)), want)
-            pd.testing.assert_frame_equal(st.take_scattered(np.array(rows, dtype=np.int64), some), want[some])
-            pd.testing.assert_frame_equal(st.take_scattered(np.array(rows, dtype=np.int64)), want)
-
-
-def test_rows_taken_scattered_read_only_the_batches_that_hold_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    """take_scattered reads each stored batch holding one of the rows on its own (not every
-    batch from the first to the last), and gives take's rows, in the order asked, repeats too."""
-    monkeypatch.setattr(store, "ROWS_PER_BATCH", 5)
-    df = _ds("restart").matches.calls.reset_index(drop=True)
-    st = store.StoredTable(df)
-    read = []
-    column = st._column
-    monkeypatch.setattr(st, "_column", lambda name, first=0, stop=None: read.append((name, first, stop)) or column(name, first, stop))
-    rows = np.array([len(df) - 1, 2, 13, 0, len(df) - 1, 11], dtype=np.int64)
-    got = st.take_scattered(rows, ["call_id", "start_at"])
-    pd.testing.assert_frame_equal(got, df[["call_id", "start_at"]].iloc[rows].reset_index(drop=True))
-    last = (len(df) - 1) // 5
-    assert sorted(set(read)) == sorted({(c, b, b + 1) for c in ("call_id", "start_at") for b in (0, 2, last)})
 
 
 def test_a_text_column_empty_in_the_first_slice_reads_back(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -138,16 +138,31 @@ def test_own_rows_pick_each_querys_own_interval_in_blocks(monkeypatch: pytest.Mo
     np.testing.assert_array_equal(tl.count_point_arrays(qcode, args[1], args[2], icode, ivs), whole_points)
 
 
+def _count_points(q: pd.DataFrame, pts: pd.DataFrame) -> list[int]:
+    qcode, pcode = tl.key_codes([q, pts], tl.GROUP)
+    return tl.count_point_arrays(qcode, q["start_s"].to_numpy(), q["end_s"].to_numpy(), pcode, pts["t_s"].to_numpy()).tolist()
+
+
 def test_count_points_counts_half_open_windows_per_session() -> None:
     pts = pd.DataFrame({"source": "x", "port": -1, "session": [1, 1, 1, 2], "t_s": [1.0, 2.0, 3.0, 2.0]})
     q = pd.DataFrame({"source": "x", "port": -1, "session": [1, 1, 2, 3], "start_s": [1.0, 0.0, 0.0, 0.0], "end_s": [3.0, 0.5, 5.0, 9.0]})
-    assert tl.count_points(q, pts).tolist() == [2, 0, 1, 0]
+    assert _count_points(q, pts) == [2, 0, 1, 0]
+
+
+def test_count_points_is_exact_across_sessions() -> None:
+    # Two sessions far apart in time: an offset trick would round (start, end] bounds.
+    pts = pd.DataFrame({"source": "x", "port": -1, "session": [1, 2, 2], "t_s": [0.1, 1e7 + 0.3, 1e7 + 0.30000001]})
+    q = pd.DataFrame({"source": "x", "port": -1, "session": [2, 2, 1], "start_s": [1e7 + 0.3, 1e7, 0.0],
+                      "end_s": [1e7 + 0.30000001, 1e7 + 0.3, 0.1]})
+    assert _count_points(q, pts) == [1, 1, 1]
 
 
 def test_prefill_activity_drops_pauses_and_puts_one_pass_per_progress_line() -> None:
     ds = _ds("before")
     tv = task_view(ds)
-    active, passes = tl.prefill_activity(tv, ds.server.prefill_samples)
+    active, steps, info = tl.prefill_steps(tv, ds.server.prefill_samples)
+    pid, t = tl.pass_ends(steps)
+    passes = pd.DataFrame({"pid": pid, "t_s": t}).merge(info, on="pid", how="left")
     # Task 102 (17,306 tokens) printed nothing from 19.76 s to 31.41 s while a lower slot with
     # another LoRA setting held the batch: that stretch is not active prefill.
     a = active[active["task_id"] == 102].sort_values("start_s")
@@ -219,9 +234,9 @@ def test_by_code_looks_values_up_by_key() -> None:
 
 @pytest.mark.parametrize("keys", ["packed", "task ids past 2**32", "two sources"])
 def test_task_joins_on_packed_keys_give_what_merges_give(keys: str) -> None:
-    """``join_tasks`` is an inner merge on the task keys in left order, and ``first_of_each_task``
-    the rows ``drop_duplicates`` keeps, on real tasks with some listed twice: on packed keys where
-    they fit, on key codes where they do not (task ids past 2**32, two servers)."""
+    """``join_tasks`` is an inner merge on the task keys in left order, on real tasks with some
+    listed twice: on packed keys where they fit, on key codes where they do not (task ids past
+    2**32, two servers)."""
     tasks = _ds("restart").server.tasks[tl.GROUP + ["task_id", "prompt_tokens"]].reset_index(drop=True)
     if keys == "task ids past 2**32":
         tasks["task_id"] = tasks["task_id"] + 2**32
@@ -229,11 +244,6 @@ def test_task_joins_on_packed_keys_give_what_merges_give(keys: str) -> None:
         tasks["source"] = pd.Categorical(np.where(np.arange(len(tasks)) % 3 == 0, "a.log", "b.log"))
     twice = pd.concat([tasks, tasks.iloc[::7]], ignore_index=True)  # every 7th task listed twice, at the end
     k = tl.GROUP + ["task_id"]
-    first = tl.first_of_each_task(twice)
-    assert first is not None and (first == twice.drop_duplicates(k).index.to_numpy()).all()
-    assert tl.first_of_each_task(tasks) is None
-    assert tl.task_keys_repeat(twice) and not tl.task_keys_repeat(tasks)
-    assert tl.task_keys_repeat(pd.concat([tasks, tasks.iloc[-1:]], ignore_index=True))
     left = twice.sample(frac=1.0, random_state=5).reset_index(drop=True).iloc[::2].reset_index(drop=True)
     l_rows, r_rows = tl.join_tasks(left, tasks)
     want = left.reset_index().merge(tasks.reset_index(), on=k, how="inner", suffixes=("_l", "_r"))
@@ -311,51 +321,3 @@ def test_median_and_quantile_from_one_sort_equal_median_and_quantile() -> None:
                 got = tl.median_and_quantile(v.copy(), q)
                 want = (tl.median(v), tl.quantile(v, q))
                 assert np.array_equal(got, want, equal_nan=True), (n, gaps, q, got, want)
-
-
-def _typical_by_groupby(tv: pd.DataFrame, lines: pd.DataFrame) -> pd.DataFrame:
-    """The sessions' typical steps by a merge and a groupby: the lines inside their prefill."""
-    k = tl.GROUP + ["task_id"]
-    pre = tv[k + ["prefill_start_s", "first_token_s"]]
-    pre = pre[pre["first_token_s"] > pre["prefill_start_s"]]
-    j = lines[k + ["t_s", "step_tokens", "step_s"]].merge(pre, on=k, how="inner")
-    j = j[(j["t_s"] >= j["prefill_start_s"]) & (j["t_s"] <= j["first_token_s"] + tl.SAME_PASS_S)]
-    out = j.groupby(tl.GROUP, observed=True, sort=True).agg(s_chunk=("step_tokens", "median"), s_pass=("step_s", "median"))
-    return out.reset_index()
-
-
-@pytest.mark.parametrize("scenario", ["restart", "before"])
-@pytest.mark.parametrize("how", ["whole", "parts", "parts, one of another source", "frames of keys"])
-def test_typical_steps_are_a_groupbys_medians(scenario: str, how: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sessions' median progress steps, from the table or from parts of it in any order,
-    on packed keys (the usual case), on the keys' columns for a part of another source, and on
-    frames of the keys where they do not pack: each equal to a merge and a groupby's."""
-    ds = _ds(scenario)
-    tv = task_view(ds)
-    lines = ds.server.prefill_samples
-    # Each line again at its prefill's first token + 10 ms (inside: the same pass) with a
-    # bigger step, and + 50 ms (outside) with a smaller one: both would move the medians.
-    ft = lines.merge(tv[tl.GROUP + ["task_id", "first_token_s"]], on=tl.GROUP + ["task_id"], how="left")["first_token_s"].to_numpy()
-    late = [lines.assign(t_s=ft + dt, step_tokens=lines["step_tokens"] + dn) for dt, dn in ((0.01, 1000), (0.05, -1000))]
-    lines = pd.concat([lines, *late], ignore_index=True)
-    if scenario == "restart":  # a session whose lines have no steps: a row of NaN
-        last = tl.key_codes([lines], tl.GROUP)[0] == 1
-        lines.loc[last, ["step_tokens", "step_s"]] = np.nan
-    want = _typical_by_groupby(tv, lines)
-    assert len(want) >= (2 if scenario == "restart" else 1)
-    assert want["s_pass"].isna().sum() == (1 if scenario == "restart" else 0)
-    if how == "frames of keys":
-        monkeypatch.setattr(tl.PrefillKeys, "of", classmethod(lambda cls, tv: None))
-    samples: object = lines
-    if how.startswith("parts"):
-        shuffled = lines.sample(frac=1.0, random_state=3).reset_index(drop=True)
-        samples = [shuffled.iloc[a:a + 7] for a in range(0, len(shuffled), 7)]
-        if how == "parts, one of another source":
-            other = lines.iloc[:5].copy()
-            other["source"] = other["source"].cat.add_categories(["other.log"]).cat.set_categories(["other.log"] + list(other["source"].cat.categories))
-            other["source"] = "other.log"
-            samples = [samples[0], other] + samples[1:]
-    got = tl.typical_steps(tv, samples)
-    pd.testing.assert_frame_equal(got[tl.GROUP], want[tl.GROUP].astype(got[tl.GROUP].dtypes.to_dict()))
-    for c in ("s_chunk", "s_pass"):
-        np.testing.assert_array_equal(got[c].to_numpy(), want[c].to_numpy())

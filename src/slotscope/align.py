@@ -24,7 +24,6 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import pandas as pd
 
-from .tasks import release_memory
 from .timeline import by_code, kept_in_place, key_codes, narrow, rows_by_group, within_ranges
 
 SESSION_KEY = ["source", "port", "session"]
@@ -87,22 +86,14 @@ VOTE_BLOCK = 1 << 18  # starts whose coverage is counted at a time
 SMALL_KEY = 256  # calls x tasks sharing one token key, beyond which pairs are taken by rank
 
 
-def candidate_pairs(tasks: pd.DataFrame, calls: pd.DataFrame) -> pd.DataFrame:
-    """Call/task pairs whose counts agree: exact ``timings`` where the app kept them, else tokens.
-    Per pair: the task's session (``SESSION_KEY``), the interval its clock offset must lie in
-    (``lo_us`` = call start - launch, ``hi_us`` = call end - release; µs) and ``exact``.
-    (:func:`align` reads them as arrays: :func:`_pair_arrays`.)
-    """
-    ti, lo, hi, exact = _pair_arrays(tasks, calls)
-    return pd.DataFrame({**{k: tasks[k].array.take(ti) for k in SESSION_KEY}, "lo_us": lo, "hi_us": hi, "exact": exact})
-
-
 def _pair_arrays(tasks: pd.DataFrame, calls: pd.DataFrame, tcode: np.ndarray | None = None,
                  task_of: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`candidate_pairs` as arrays: each pair's task (row position; ``task_of`` given:
-    its value at that position, e.g. the task's session), ``lo_us``, ``hi_us`` and ``exact``
-    (no session columns repeated on every pair: ~5 pairs a call). ``tcode``: each task's
-    session as a number (equal sessions, equal numbers), if the caller has it.
+    """Call/task pairs whose counts agree: exact ``timings`` where the app kept them, else
+    tokens. Per pair: its task (row position; ``task_of`` given: its value at that position,
+    e.g. the task's session), the interval the task's clock offset must lie in (``lo_us`` =
+    call start - launch, ``hi_us`` = call end - release; µs) and ``exact`` (no session columns
+    repeated on every pair: ~5 pairs a call). ``tcode``: each task's session as a number
+    (equal sessions, equal numbers), if the caller has it.
 
     A token key shared by many calls and tasks (retries, replays, fixed-size batch jobs) would
     make a quadratic join; for such keys the i-th call (by start) is paired only with the
@@ -157,7 +148,6 @@ def _pair_arrays(tasks: pd.DataFrame, calls: pd.DataFrame, tcode: np.ndarray | N
     lo = np.empty(total, dtype=np.float64)
     hi = np.empty(total, dtype=np.float64)
     exact = np.zeros(total, dtype=bool)
-    release_memory()  # the columns read and sorted so far, before the pairs are made
     timed = (calls["timings_prompt_ms"].notna() & calls["timings_predicted_ms"].notna()).to_numpy()
     timings = None
     if timed.any():
@@ -181,7 +171,6 @@ def _pair_arrays(tasks: pd.DataFrame, calls: pd.DataFrame, tcode: np.ndarray | N
     # Twice over the pairs: their starts, then their ends (each pass reads two columns, and
     # ``hi`` is untouched until the second).
     start, launch = calls["start_us"].to_numpy(dtype=float), tasks["launch_s"].to_numpy(dtype=float)
-    release_memory()  # the columns' temporaries as read
     k = 0
     for ci, tb, ex in kept_pairs():
         m = len(ci)
@@ -192,7 +181,6 @@ def _pair_arrays(tasks: pd.DataFrame, calls: pd.DataFrame, tcode: np.ndarray | N
         k += m
     del start, launch
     end, release = calls["end_us"].to_numpy(dtype="float64", na_value=np.nan), tasks["release_s"].to_numpy(dtype=float)
-    release_memory()
     k = 0
     for ci, tb, _ in kept_pairs():
         hi[k:k + len(ci)] = end[ci] - release[tb] * 1e6
@@ -379,10 +367,3 @@ def app_clock_us(tasks: pd.DataFrame, aligned: pd.DataFrame) -> dict[str, np.nda
     return {c[:-2] + "_us": off + tasks[c].to_numpy(dtype=float) * 1e6
             for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s")}
 
-
-def to_app_clock(tasks: pd.DataFrame, aligned: pd.DataFrame) -> pd.DataFrame:
-    """Tasks with ``*_us`` columns in the app's clock (epoch µs) for every server-clock time."""
-    out = tasks.copy()
-    for c, v in app_clock_us(tasks, aligned).items():
-        out[c] = v
-    return out

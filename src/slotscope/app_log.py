@@ -9,7 +9,6 @@ loaded, empty, or a :class:`Problem` naming its file and line.
 from __future__ import annotations
 
 import csv
-import gc
 import io
 import json
 import math
@@ -36,7 +35,6 @@ from .errors import AppLogError
 from .sources import CHUNK_SIZE, Span, is_plain, iter_chunks, iter_spans, open_binary, read_span
 from . import store
 from .store import StoredField
-from .tasks import release_memory
 from .workers import Pool
 
 _TIMING_COLS = tuple(f"timings_{k}" for k in TIMINGS)
@@ -396,11 +394,6 @@ def _span_frames(job: tuple[Span, str, Mapping[str, str], str, bool]) -> tuple[l
     span, name, override, zone, first = job
     tally = _Tally(files={name: 0})
     frames = _json_block_frames(name, read_span(span), 1, override, zone, tally, bom=first)
-    # What the span's reading freed, handed back before the next span: else a worker grows
-    # span after span (pandas' cycles wait for the collector, pyarrow's pool and glibc keep
-    # freed pages).
-    gc.collect()
-    release_memory()
     return frames, tally
 
 
@@ -1079,9 +1072,7 @@ def _finish(frames: list[Any], tally: _Tally, on_disk: bool = False) -> AppLog:
         if c in ("start_us", "end_us"):  # (the wall times from the values as read, before the cast)
             calls.put(c[:-3] + "_at", pd.to_datetime(col, unit="us", utc=True).dt.as_unit("us"))
         calls.put(c, col.astype(_DTYPES[c]))
-        if on_disk or col.dtype.kind not in "biufcmM":  # a text column's temporaries wait in pyarrow's pool otherwise
-            del col
-            release_memory()
+        del col  # (freed before the next column is made)
     chunks.discard()
     table = calls.done([*CALL_COLUMNS, *extra])
     return AppLog(table, _accounting(tally, len(table), calls.dup, calls.early))

@@ -21,7 +21,7 @@ from .app_log import AppLog, read_app_log_stream
 from .periods import PART_TASKS, Part, PartStore
 from .match import TASK_COLUMNS as MATCH_TASK_COLUMNS, Matches, match
 from .server_log import ServerLogs, read_server_logs
-from .tasks import release_memory  # noqa: F401 - used here and by the analyzers
+from .tasks import release_memory
 from .sources import STDIN, Inputs, collect, reopen
 from . import store
 from .timeline import join_tasks, key_codes
@@ -169,7 +169,6 @@ def load(
                               samples_on_disk=bool(keep_samples), tasks_on_disk=bool(keep_samples))
     if inputs.app:
         store.keep_on_disk(server, "tasks", "tasks")  # (not held while the app log is read)
-        release_memory()  # what reading the server logs freed (~70 MB at 1 GB of log)
         say("reading app logs")
     app, app_accounts = read_app(inputs, columns=app_columns, tz=tz, on_disk=True)
     gc.collect()  # (the chunks' tables, in pandas' cycles)

@@ -23,7 +23,6 @@ import pandas as pd
 
 from .align import SESSION_KEY, app_clock_us
 from .store import ColumnWriter, Columns, StoredField, StoredTable
-from .tasks import release_memory
 from .timeline import within_ranges
 
 MATCH_COLUMNS = [
@@ -219,10 +218,8 @@ def match(calls: pd.DataFrame | Columns, tasks: pd.DataFrame, aligned: pd.DataFr
     found += _assign(p.frame(agree, taken_c, taken_t), "time", 0.5, taken_c, taken_t)
     del p, agree
 
-    release_memory()
     joined = _Joined(cl, tk, us, _pairs_table(found))
     joined.fill_method(_unmatched_reason(cl, np.flatnonzero(~taken_c), us["launch_us"], taken_t, aligned, sessions, tol))
-    release_memory()  # the methods' texts as made, before the table is
     out = _derive(joined, on_disk)
     rows = np.flatnonzero(~taken_t)
     unlogged = (tk.iloc[rows] if unlogged_rows is None else unlogged_rows(rows)).reset_index(drop=True)
@@ -343,7 +340,6 @@ def _derive(j: _Joined, on_disk: bool = False) -> pd.DataFrame | StoredTable:
             out[c] = col
         else:
             writer.add(c, col if isinstance(col, pd.Series) else pd.Series(col, index=j.index))
-            release_memory()  # the column and its temporaries (pyarrow's and glibc's free pages add up otherwise)
 
     def task(name: str) -> pd.Series:
         return j[f"{name}_task"] if f"{name}_task" in j else j[name]
@@ -379,11 +375,9 @@ def _derive(j: _Joined, on_disk: bool = False) -> pd.DataFrame | StoredTable:
     put("n_gen", j["n_gen"])
     put("port", j["port"].astype("Int64"))
     put("task_status", task("status").astype("category"))
-    release_memory()
     put("launch_at", pd.to_datetime(j["launch_us"].round().astype("Int64"), unit="us", utc=True))
     put("first_token_at", pd.to_datetime(j["first_token_us"].round().astype("Int64"), unit="us", utc=True))
     put("release_at", pd.to_datetime(j["release_us"].round().astype("Int64"), unit="us", utc=True))
-    release_memory()
     put("end_lag_ms", _ms(j["end_us"].astype("float64") - j["release_us"]))
     put("call_file", j["file"])
     put("call_line", j["line"])

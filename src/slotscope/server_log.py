@@ -535,9 +535,9 @@ def resolve_sessions(ports: list[PortSessions], state: StreamState) -> dict[int,
 
 
 class Samples:
-    """A samples table kept as read, on disk, and built when first asked (:meth:`table`)
-    until :meth:`unload`: the samples are ~5 rows per task, the larger part of a log's
-    tables, and only a few analyzers read them."""
+    """A samples table kept as read, on disk, and built when first asked (:meth:`table`):
+    the samples are ~5 rows per task, the larger part of a log's tables, and only a few
+    analyzers read them."""
 
     def __init__(self, parts: list[SampleSource], columns: list[str]) -> None:
         self.parts, self.columns = parts, columns
@@ -548,62 +548,9 @@ class Samples:
             self._table = _concat([p.table() for p in self.parts], self.columns)
         return self._table
 
-    def unload(self, index: bool = False) -> None:
-        """Drop the built table (the next :meth:`table` builds it again); ``index``: and the
-        index of each part's rows by task (~8 bytes a row)."""
-        self._table = None
-        if index:
-            for p in self.parts:
-                p.forget_index()
-
     @property
     def built(self) -> bool:
         return self._table is not None
-
-    @property
-    def indexed(self) -> bool:
-        """Whether a task's rows can be found without the table (:meth:`SampleSource.index`)."""
-        return all(p.index() is not None for p in self.parts if len(p.store))
-
-    def _by_part(self, tv: pd.DataFrame) -> Iterator[tuple[SampleSource, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] | None:
-        """Per part: the rows of ``tv`` of its stream and their (port, session, task_id); None
-        if some part cannot look tasks up."""
-        if not self.indexed:
-            return None
-        keys = [tv[c].to_numpy(dtype=np.int64) for c in ("port", "session", "task_id")]
-        # (one server: every row is its; else compared as the column is, categories by code)
-        return ((p, at, *(k[at] for k in keys)) for p in self.parts if len(p.store)
-                for at in [np.arange(len(tv)) if len(self.parts) == 1
-                           else np.flatnonzero((tv["source"] == p.source).to_numpy(dtype=bool, na_value=False))])
-
-    def of_tasks(self, tv: pd.DataFrame) -> pd.DataFrame | None:
-        """The table's rows of the tasks of ``tv`` (task keys), without building the table;
-        None if it cannot (then read the table)."""
-        parts = self._by_part(tv)
-        if parts is None:
-            return None
-        frames = [p.of_tasks(port, session, task) for p, _, port, session, task in parts]
-        if frames and not any(len(f) for f in frames):
-            return frames[0]  # no rows, but the table's columns and types
-        return _concat(frames, self.columns)
-
-    def spans(self, tv: pd.DataFrame) -> tuple[np.ndarray, np.ndarray] | None:
-        """Each task of ``tv``'s first and last sample time (NaN: none), without building the
-        table; None if it cannot."""
-        parts = self._by_part(tv)
-        if parts is None:
-            return None
-        lo, hi = np.full(len(tv), np.nan), np.full(len(tv), np.nan)
-        for p, at, port, session, task in parts:
-            ix = p.index()
-            assert ix is not None
-            lo[at], hi[at] = ix.spans(port, session, task)
-        return lo, hi
-
-    def batches(self, rows: int = 1 << 18) -> Iterator[pd.DataFrame]:
-        """The table in parts of about ``rows`` rows (joined: the table), built one at a time."""
-        for p in self.parts:
-            yield from p.batches(rows)
 
     def __reduce__(self) -> tuple:
         return table_itself, (self.table(),)  # pickled as its table: the files are this process'
@@ -614,8 +561,7 @@ class ServerLogs:
     """Everything read from llama-server logs: the tables and the line accounting.
 
     ``gen_samples`` and ``prefill_samples`` may be kept on disk (``samples_on_disk`` of
-    :func:`read_server_logs`): reading one builds it, and it stays built until
-    :meth:`unload_samples`.
+    :func:`read_server_logs`): reading one builds it, and it stays built.
     """
 
     tasks: pd.DataFrame = StoredField()  # type: ignore[assignment]
@@ -629,15 +575,6 @@ class ServerLogs:
         its table is not built; None when it is a table in memory."""
         v = self.__dict__.get("_" + kind)
         return v if isinstance(v, Samples) and not v.built else None
-
-    def unload_samples(self, indexes: bool | Sequence[str] = False) -> None:
-        """Free the sample tables that were built from disk (they are built again when read);
-        ``indexes``: their indexes by task too (built again when a task's rows are asked for),
-        all of them or those of these kinds (``gen_samples``, ``prefill_samples``)."""
-        for kind in ("gen_samples", "prefill_samples"):
-            v = self.__dict__.get("_" + kind)
-            if isinstance(v, Samples):
-                v.unload(index=indexes if isinstance(indexes, bool) else kind in indexes)
 
 
 @dataclass

@@ -241,22 +241,6 @@ class StoredTable:
         return pd.DataFrame({c: self._column(c, first, last + 1).take(rows - at).set_axis(index) for c in names},
                             index=index, copy=False)
 
-    def take_scattered(self, rows: np.ndarray, columns: Sequence[str] | None = None) -> pd.DataFrame:
-        """:meth:`take` for rows spread over the table (a few dozen of its rows, or every tenth):
-        each stored batch that holds some of them read alone, not every batch from the first
-        to the last (at 1 GB of log a column of text read whole is ~40 MB, a batch ~5)."""
-        rows = np.asarray(rows, dtype=np.int64)
-        if self._built is not None or not len(rows):
-            return self.take(rows, columns)
-        batch = np.searchsorted(self._batch_ends(), rows, side="right")
-        by_batch = np.argsort(batch, kind="stable")
-        starts = np.flatnonzero(np.r_[True, batch[by_batch][1:] != batch[by_batch][:-1]])
-        parts = [self.take(rows[at], columns) for at in np.split(by_batch, starts[1:])]
-        joined = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
-        where = np.empty(len(rows), dtype=np.int64)
-        where[by_batch] = np.arange(len(rows))  # (each row's place among the batches' rows)
-        return joined.take(where).set_axis(pd.RangeIndex(len(rows)))
-
     def _batch_ends(self) -> np.ndarray:
         """Where each stored batch ends (row positions; every column's file has the same)."""
         if self._ends is None:
@@ -513,7 +497,7 @@ def _disk_error(e: OSError, what: str) -> SlotscopeError:
 
 class Chunks:
     """Chunks of rows of numeric columns (numpy arrays), each in an Arrow IPC file of its own
-    in a temporary directory, read back a column (or a slice of one) at a time. A copy in
+    in a temporary directory, read back a column at a time. A copy in
     another process (a parse worker) reads the same files; the directory stays this one's."""
 
     def __init__(self, what: str) -> None:
@@ -536,13 +520,12 @@ class Chunks:
         return path
 
     @staticmethod
-    def read(path: str, names: Sequence[str], start: int = 0, stop: int | None = None) -> list[np.ndarray]:
-        """Columns ``names`` of the chunk in ``path`` (rows ``start`` to ``stop``), as arrays of
-        their own: the file is mapped while read, and only those columns' pages are touched."""
+    def read(path: str, names: Sequence[str]) -> list[np.ndarray]:
+        """Columns ``names`` of the chunk in ``path``, as arrays of their own: the file is
+        mapped while read, and only those columns' pages are touched."""
         with pa.memory_map(path) as source:
             batch = pa.ipc.open_file(source).get_batch(0)
-            stop = batch.num_rows if stop is None else stop
-            return [batch.column(c).slice(start, stop - start).to_numpy(zero_copy_only=False).copy() for c in names]
+            return [batch.column(c).to_numpy(zero_copy_only=False).copy() for c in names]
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_tmp": None}

@@ -10,18 +10,14 @@ grows only with the output table; the DataFrame is built once, at the end.
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, NoReturn, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import pandas as pd
 
 from . import store
-from .errors import SlotscopeError
-from .timeline import packed_task_keys, within_ranges
 from .events import (
     BUILD, CANCEL, CONFIG, ERROR, EVAL, HEARTBEAT, LAUNCH, MODEL, PROGRESS, PROMPT_EVAL, RELEASE, TOTAL,
 )
@@ -209,27 +205,16 @@ class FinishedRows:
         # A copy in another process reads the chunks; the files stay this one's to remove.
         return {**self.__dict__, "_pending": [], "_n_pending": 0}
 
-    def _columns_of(self, k: int, names: Sequence[str], start: int = 0, stop: int | None = None) -> list[np.ndarray]:
+    def _columns_of(self, k: int, names: Sequence[str]) -> list[np.ndarray]:
         chunk = self._chunks[k]
         if isinstance(chunk, dict):
-            return [chunk[c][start:stop] for c in names]
-        return store.Chunks.read(chunk, names, start, stop)
+            return [chunk[c] for c in names]
+        return store.Chunks.read(chunk, names)
 
     def chunks(self) -> Iterator[dict[str, np.ndarray]]:
         """Every column, a chunk at a time, in the order the rows finished."""
         for k in range(len(self._chunks)):
             yield dict(zip(self._names, self._columns_of(k, self._names)))
-
-    def by_chunk(self, *names: str) -> Iterator[list[np.ndarray]]:
-        """These columns, a chunk at a time."""
-        for k in range(len(self._chunks)):
-            yield self._columns_of(k, names)
-
-    def by_part(self, rows: int, *names: str) -> Iterator[list[np.ndarray]]:
-        """These columns, ``rows`` rows of a chunk at a time (a chunk's last part: the rest)."""
-        for k in range(len(self._chunks)):
-            for at in range(0, self._sizes[k], rows):
-                yield self._columns_of(k, names, at, min(at + rows, self._sizes[k]))
 
     def column(self, c: str) -> np.ndarray:
         """One column over all rows."""
@@ -833,8 +818,6 @@ class SampleSource:
     files: list[str]  # the ``file`` column's categories
     first_tokens: "FirstTokens | None"  # each task's first-token time (gen samples)
 
-    _index: "_SampleIndex | None" = field(default=None, init=False, repr=False)
-
     def table(self, consume: bool = False) -> pd.DataFrame:
         """The table; ``consume``: the rows are dropped as they are read (no second table)."""
         store = self.store
@@ -857,190 +840,6 @@ class SampleSource:
         """:func:`_sample_table` of rows gathered in table order."""
         first_token = self._first_tokens(*(cols[c].astype(np.int64) for c in ("port", "session", "task")))
         return _sample_table(self.kind, cols, self.source, self.files, first_token, skip)
-
-    def index(self) -> "_SampleIndex | None":
-        """Where each task's rows are (built once: 8 bytes a row and 32 a task); None when
-        the keys do not fit it (a port, session or task id out of range)."""
-        if self._index is None and len(self.store):
-            self._index = _SampleIndex.of(self.store)
-        return self._index
-
-    def forget_index(self) -> None:
-        """Drop the index (the next :meth:`index` builds it again)."""
-        self._index = None
-
-    def of_tasks(self, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> pd.DataFrame:
-        """The table's rows of these tasks, in the table's order and as the table has them."""
-        ix = self.index()
-        if ix is None:
-            return empty_samples(self.kind)
-        return self.table_of(self._gather(ix.order[ix.rows(port, session, task)]))
-
-    def batches(self, rows: int) -> Iterator[pd.DataFrame]:
-        """The table in parts of ``rows`` rows (joined: the table)."""
-        ix = self.index()
-        if ix is None:
-            yield self.table()
-            return
-        for a in range(0, ix.n_rows, rows):
-            lo = max(a - 1, 0)  # one row of context: the previous sample of the same task
-            yield self.table_of(self._gather(np.array(ix.order[lo : a + rows])), a - lo)
-
-    def _gather(self, idx: np.ndarray) -> dict[str, np.ndarray]:
-        if len(idx):
-            return self.store.gather(idx)
-        return {c: v[:0] for c, v in self.store.gather(np.zeros(1, np.int64)).items()}  # no rows, the columns' types
-
-
-class _MappedArrays:
-    """Arrays in files of a temporary directory, each mapped while read (``[name]``): a
-    lookup holds only the pages it reads, and only while it reads them. A copy in another
-    process (a worker) reads the same files; the directory stays this one's to remove."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what  # for the message when the disk is full
-        try:
-            self._tmp: "tempfile.TemporaryDirectory[str] | None" = tempfile.TemporaryDirectory(prefix="slotscope-")
-        except OSError as e:
-            self._failed(e)
-        self.path = self._tmp.name
-
-    def save(self, name: str, v: np.ndarray) -> None:
-        try:
-            np.save(os.path.join(self.path, name + ".npy"), v)
-        except OSError as e:  # a full or read-only temporary directory
-            self._failed(e)
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        return np.asarray(np.load(os.path.join(self.path, name + ".npy"), mmap_mode="r"))  # (unmapped with its last view)
-
-    def _failed(self, e: OSError) -> NoReturn:
-        raise SlotscopeError(getattr(e, "filename", None) or tempfile.gettempdir(), None,
-                             f"cannot write {self.what} to the temporary directory ({e.strerror or e}); "
-                             "set TMPDIR to a directory with room") from None
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_tmp": None}
-
-
-class _SampleIndex:
-    """A store's sample rows by task: ``order`` (the table's rows as store positions), the
-    distinct task keys (:func:`slotscope.timeline.packed_task_keys`) in table order, the table row where each task's
-    rows start (one more: the end), and each task's first and last sample time (s).
-
-    The arrays wait in files of a temporary directory, each mapped while read: a lookup holds
-    only the pages it reads, and only while it reads them (at 1 GB of log the gen samples'
-    index held 35-45 MB in memory from the stalls table to the context table).
-    """
-
-    def __init__(self) -> None:
-        self.n_rows = 0
-        self._files = _MappedArrays("the samples' index")
-        self._save = self._files.save
-
-    order = property(lambda self: self._files["order"])
-    keys = property(lambda self: self._files["keys"])
-    starts = property(lambda self: self._files["starts"])
-    t_min = property(lambda self: self._files["t_min"])
-    t_max = property(lambda self: self._files["t_max"])
-
-    @classmethod
-    def of(cls, store: FinishedRows) -> "_SampleIndex | None":
-        # A counting sort by task, a chunk of the store at a time (three reads of its key
-        # columns): the task keys; each task's rows, first and last time; then each row's
-        # place. Rows are read in log order, so a task's rows are in time order already, and
-        # the rows in key order, each task's in store order, are the sort by key and time
-        # (for the gen samples of 1 GB of log one sort of every row's key peaked at +106 MB).
-        # Else (a time going back within a task, or missing) the rows are sorted by both.
-        chunks = store.by_chunk("port", "session", "task")
-        keys = np.unique(np.concatenate([np.unique(packed_task_keys(*cols)) for cols in chunks] or [np.zeros(0, np.int64)]))
-        if len(keys) and keys[0] < 0:
-            return None
-        n = len(keys)
-        counts = np.zeros(n, dtype=np.int64)
-        first_ts, last_ts = np.full(n, -1, dtype=np.int64), np.full(n, -1, dtype=np.int64)
-        for port, session, task, ts in store.by_chunk("port", "session", "task", "ts_us"):
-            run, first, last, o = _task_runs(np.searchsorted(keys, packed_task_keys(port, session, task)))
-            ts = ts.astype(np.int64, copy=False)[o]
-            within = np.ones(len(ts), dtype=bool)
-            within[first] = False
-            seen = first_ts[run] >= 0
-            if (ts < 0).any() or (ts[1:] < ts[:-1])[within[1:]].any() or (ts[first][seen] < last_ts[run][seen]).any():
-                del counts, first_ts, last_ts, ts, o, within
-                return cls._sorted_by_time(store)
-            first_ts[run[~seen]] = ts[first][~seen]
-            last_ts[run] = ts[last]
-            counts[run] += last - first + 1  # (a task is one run of a chunk)
-        # (each array on disk once made: at 1 GB of log the per-task ones are 4.5 MB each)
-        ix = cls()
-        ix._save("keys", keys)
-        del keys
-        ix._save("t_min", _seconds(first_ts))
-        ix._save("t_max", _seconds(last_ts))
-        del first_ts, last_ts
-        starts = np.r_[0, np.cumsum(counts)]
-        del counts
-        ix._save("starts", starts)
-        order = np.empty(int(starts[-1]), dtype=np.int32 if starts[-1] < 2**31 else np.int64)
-        fill = starts[:-1].copy()  # each task's next place
-        del starts
-        keys, at = ix.keys, 0
-        for port, session, task in store.by_chunk("port", "session", "task"):
-            run, first, last, o = _task_runs(np.searchsorted(keys, packed_task_keys(port, session, task)))
-            size = last - first + 1
-            order[np.repeat(fill[run], size) + within_ranges(size)] = o + at
-            fill[run] += size
-            at += len(port)
-        del fill, keys
-        ix._save("order", order)
-        ix.n_rows = len(order)
-        return ix
-
-    @classmethod
-    def _sorted_by_time(cls, store: FinishedRows) -> "_SampleIndex":
-        key = np.concatenate([packed_task_keys(*cols) for cols in store.by_chunk("port", "session", "task")] or [np.zeros(0, np.int64)])
-        ts = store.column("ts_us")
-        order = np.lexsort((ts, key))
-        key = key[order]
-        t = _seconds(ts[order])
-        del ts
-        first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
-        ix = cls()
-        for name, v in (("keys", key[first]), ("starts", np.r_[first, len(key)]), ("t_min", np.fmin.reduceat(t, first)),
-                        ("t_max", np.fmax.reduceat(t, first)), ("order", order)):
-            ix._save(name, v)
-        ix.n_rows = len(order)
-        return ix
-
-    def _find(self, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Each task's place among the keys, and whether it has rows at all."""
-        key, keys = packed_task_keys(port, session, task), self.keys
-        at = np.minimum(np.searchsorted(keys, key), len(keys) - 1)
-        return at, (keys[at] == key) & (key >= 0)
-
-    def rows(self, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
-        """The table rows (ascending) of these tasks."""
-        at, hit = self._find(port, session, task)
-        at, starts = np.unique(at[hit]), self.starts
-        lo, cnt = starts[at], starts[at + 1] - starts[at]
-        return np.repeat(lo, cnt) + within_ranges(cnt)
-
-    def spans(self, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Each task's first and last sample time (NaN: none)."""
-        at, hit = self._find(port, session, task)
-        return np.where(hit, self.t_min[at], np.nan), np.where(hit, self.t_max[at], np.nan)
-
-
-def _task_runs(task: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """A chunk's rows grouped by ``task`` (a number per row), in row order within a task:
-    ``(run, first, last, o)``, ``o`` the rows in that order, and per group its task and the
-    places of its first and last row in ``o``."""
-    o = np.argsort(task, kind="stable")
-    t = task[o]
-    first = np.flatnonzero(np.r_[True, t[1:] != t[:-1]]) if len(t) else np.zeros(0, dtype=np.int64)
-    last = np.r_[first[1:] - 1, len(t) - 1] if len(t) else first
-    return t[first], first, last, o
-
 
 def _sample_order(store: FinishedRows, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
     """Output order of sample rows: by task, then time (ties: as read)."""

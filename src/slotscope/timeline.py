@@ -9,15 +9,13 @@ every interval, so a log with 100k tasks and 1M heartbeats stays cheap.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import pandas as pd
 
 GROUP = ["source", "port", "session"]
 PHASES = ("queue", "wait", "prefill", "generation")
-TIMES = ["launch_s", "prefill_start_s", "first_token_s", "release_s"]  # a task's times (task_ends reads all four)
 PHASE_COLUMNS = [
     "source", "port", "session", "slot", "task_id", "phase", "start_s", "end_s",
     "purpose", "user", "lora", "prompt_tokens_new", "line",
@@ -612,17 +610,9 @@ def _largest_per_step(b: np.ndarray, s: np.ndarray, e: np.ndarray, v: np.ndarray
     return ev_val, ev_row
 
 
-def count_points(queries: pd.DataFrame, points: pd.DataFrame, *, by: Sequence[str] = GROUP, t: str = "t_s") -> np.ndarray:
-    """Number of ``points`` (time column ``t``) of each query's group inside (start_s, end_s]."""
-    if len(queries) == 0 or len(points) == 0:
-        return np.zeros(len(queries), dtype=np.int64)
-    points = points[points[t].notna()]
-    qcode, pcode = _group_codes(queries, points, by)
-    return count_point_arrays(qcode, _f(queries["start_s"]), _f(queries["end_s"]), pcode, _f(points[t]))
-
-
 def count_point_arrays(qcode: np.ndarray, qs: np.ndarray, qe: np.ndarray, pcode: np.ndarray, pt: np.ndarray) -> np.ndarray:
-    """:func:`count_points` on arrays, groups given as integer codes: one sorted search per group,
+    """How many points (times ``pt``, groups ``pcode``) of each query's group lie inside its
+    (``qs``, ``qe``], groups given as integer codes: one sorted search per group,
     :data:`QUERY_BLOCK` queries at a time (the searches' temporaries are ~10 arrays as long as
     the queries: ~250 MB for the 3.5M generation segments of the 1 GB bench, at once)."""
     out = np.zeros(len(qs), dtype=np.int64)
@@ -651,31 +641,15 @@ def _prefills(tv: pd.DataFrame) -> pd.DataFrame:
     return pre
 
 
-def _prefill_times(tv: pd.DataFrame) -> pd.DataFrame:
-    """:func:`_prefills`' rows with only their task keys, ``ps``, ``ft`` and ``pid``, taken
-    from ``tv`` directly (at 1 GB of log the whole prefill table, and its filtered copy, were
-    the peak of :func:`typical_steps`)."""
-    ps, ft = _f(_col(tv, "prefill_start_s")), _f(_col(tv, "first_token_s"))
-    rows = np.flatnonzero(ft > ps)
-    pre = pd.DataFrame({c: _col(tv, c).iloc[rows].reset_index(drop=True) for c in GROUP + ["task_id"]})
-    pre["ps"], pre["ft"] = ps[rows], ft[rows]
-    pre["pid"] = np.arange(len(rows))
-    return pre
-
-
-def _progress_lines(tv: pd.DataFrame | None, prefill_samples: pd.DataFrame | None, pre: pd.DataFrame | None = None,
-                    join: Callable[[pd.DataFrame], tuple[np.ndarray, np.ndarray]] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The prefills of ``tv`` (:func:`_prefills`, unless given) and their progress lines inside
-    them (``pid``, ``t_s``, ``n_tokens``, ``step_tokens``, ``step_s``; by prefill, then time).
-    ``join``: :func:`join_tasks` of a frame with ``pre`` (see :func:`_joiner`)."""
+def _progress_lines(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The prefills of ``tv`` (:func:`_prefills`) and their progress lines inside them
+    (``pid``, ``t_s``, ``n_tokens``, ``step_tokens``, ``step_s``; by prefill, then time)."""
     keys = GROUP + ["task_id"]
-    if pre is None:
-        assert tv is not None
-        pre = _prefills(tv)
+    pre = _prefills(tv)
     cols = ["t_s", "n_tokens", "step_tokens", "step_s"]
     samples = prefill_samples if prefill_samples is not None and len(prefill_samples) else pd.DataFrame(columns=keys + cols)
     # Each progress line with its prefill (an inner join on the task keys, in line order).
-    at, pid = join_tasks(samples, pre) if join is None else join(samples)
+    at, pid = join_tasks(samples, pre)
     lines = pd.DataFrame({"pid": pid, **{c: _f(samples[c])[at] for c in cols}})
     del at, pid
     ps, ft = pre["ps"].to_numpy(), pre["ft"].to_numpy()
@@ -707,26 +681,6 @@ def _typical(pre: pd.DataFrame, lines: Sequence[pd.DataFrame]) -> pd.DataFrame:
     table = pre[GROUP].iloc[first[np.searchsorted(codes, sessions)]].reset_index(drop=True)
     table["s_chunk"], table["s_pass"] = out["s_chunk"], out["s_pass"]
     return table
-
-
-def distinct_per_group(group: np.ndarray, item: np.ndarray, n_groups: int) -> np.ndarray:
-    """How many distinct ``item`` values (non-negative integers, e.g. task rows) each group
-    ``0..n_groups-1`` has (a groupby ``nunique``). Where the items are at most a few per row
-    (task rows of heartbeats, pieces), a group at a time on a byte per possible item: no sort
-    of the pairs (at 1 GB of log the stalls table's 3.1M pieces: a sorted copy of their int64
-    pairs and its temporaries); else one integer per (group, item) pair, made unique."""
-    width = int(item.max(initial=0)) + 1
-    if width <= 4 * len(item) + 1024:
-        out = np.zeros(n_groups, dtype=np.int64)
-        seen = np.zeros(width, dtype=bool)
-        for g in np.unique(group):
-            if 0 <= g < n_groups:
-                seen[item[group == g]] = True
-                out[g] = np.count_nonzero(seen)
-                seen[:] = False
-        return out
-    pairs = np.unique(group.astype(np.int64) * width + item)
-    return np.bincount(pairs // width, minlength=n_groups)
 
 
 def median(v: np.ndarray) -> float:
@@ -766,152 +720,24 @@ def median_and_quantile(v: np.ndarray, q: float) -> tuple[float, float]:
     return med, float(v[i]) if frac == 0.0 else float(v[i] + (v[i + 1] - v[i]) * frac)
 
 
-def typical_steps(tv: pd.DataFrame | PrefillKeys, prefill_samples: pd.DataFrame | Iterable[pd.DataFrame] | None) -> pd.DataFrame:
-    """Per session (``GROUP``): the median step of its prefills' progress lines in tokens
-    (``s_chunk``) and seconds (``s_pass``), what :func:`prefill_steps` assumes for a prefill
-    without lines of its own. Given to it, a part of a log is read as in the whole log.
-    ``tv``: a task view, or its :class:`PrefillKeys`; ``prefill_samples``: the table, or its
-    parts (each row whole, in any grouping)."""
-    parts = [prefill_samples] if prefill_samples is None or isinstance(prefill_samples, pd.DataFrame) else prefill_samples
-    lean = tv if isinstance(tv, PrefillKeys) else PrefillKeys.of(tv)
-    if lean is not None:  # (the usual case: one source, keys that pack, each task once)
-        del tv  # (freed here if the caller keeps no other reference)
-        return lean.typical(parts)
-    assert isinstance(tv, pd.DataFrame)
-    pre = _prefill_times(tv)  # (what the lines are joined and cut by)
-    del tv
-    join = _joiner(pre)
-    # Only the lines' prefill and steps are kept from each part, as arrays of their own (a
-    # selection of the lines' columns kept all five alive: at 1 GB of log +64 MB, not +31).
-    kept = []
-    for p in parts:
-        lines = _progress_lines(None, p, pre, join)[1]
-        kept.append(pd.DataFrame({c: lines[c].to_numpy(copy=True) for c in ("pid", "step_tokens", "step_s")}))
-        del lines
-    return _typical(pre, kept)
-
-
-@dataclass
-class PrefillKeys:
-    """What :func:`typical_steps` reads of a task view's prefills (``first_token_s`` after
-    ``prefill_start_s``), as arrays by packed task key (:func:`packed_task_keys`), sorted:
-    ``keys``, start ``ps``, first token ``ft``, session code ``session`` (a row of ``groups``,
-    the sessions' ``GROUP`` values in sort order); ``head``: the view's first row's task keys
-    (the source every key is of). At 1 GB of log 25 bytes a prefill, not a frame of the keys'
-    columns (the view's, ~24 MB, and its copy)."""
-
-    keys: np.ndarray
-    ps: np.ndarray
-    ft: np.ndarray
-    session: np.ndarray
-    groups: pd.DataFrame
-    head: pd.DataFrame
-
-    @classmethod
-    def of(cls, tv: pd.DataFrame) -> "PrefillKeys | None":
-        """None where the view has several sources, a key that does not pack, or a task twice."""
-        if not len(tv) or not all(c in tv.columns for c in GROUP + ["task_id"]):
-            return None
-        packed = _packed([tv])
-        if packed is None:
-            return None
-        ps, ft = _f(_col(tv, "prefill_start_s")), _f(_col(tv, "first_token_s"))
-        rows = np.flatnonzero(ft > ps)
-        key = packed[0][rows]
-        del packed
-        order = np.argsort(key, kind="stable")
-        key = key[order]
-        if len(key) > 1 and not bool((key[1:] != key[:-1]).all()):
-            return None
-        rows = rows[order]
-        del order
-        code = narrow(key_codes([tv], GROUP)[0])
-        first = np.unique(code, return_index=True)[1]  # (codes are 0..n-1: a session's first row)
-        return cls(keys=key, ps=ps[rows], ft=ft[rows], session=code[rows],
-                   groups=tv[GROUP].iloc[first].reset_index(drop=True),
-                   head=tv[GROUP + ["task_id"]].iloc[:1].reset_index(drop=True).copy())  # (a slice: the columns kept alive)
-
-    def _join(self, frame: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-        """Row pairs ``(row of frame, prefill)`` with equal task keys, in frame order."""
-        both = _packed([frame, self.head]) if len(frame) and len(self.keys) else None
-        if both is None:  # (another source, or a key out of range: joined on the keys' columns)
-            keys = self.head[["source"]].iloc[np.zeros(len(self.keys), dtype=np.intp)].reset_index(drop=True)
-            keys["port"] = (self.keys >> 46) - 1
-            keys["session"] = (self.keys >> 32) & ((1 << 14) - 1)
-            keys["task_id"] = self.keys & ((1 << 32) - 1)
-            return join_tasks(frame, keys)
-        at = np.minimum(np.searchsorted(self.keys, both[0]), len(self.keys) - 1)
-        hit = np.flatnonzero(self.keys[at] == both[0])
-        return hit, at[hit]
-
-    def typical(self, parts: Iterable[pd.DataFrame | None]) -> pd.DataFrame:
-        """:func:`typical_steps` of these prefills and the progress lines in ``parts``: of each
-        line inside its prefill (as :func:`_progress_lines` keeps it), each step that is not
-        NaN with its session code (9 bytes; at 1 GB of log 1.3M lines), in the order read (a
-        median's does not depend on it)."""
-        kept: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {"step_tokens": ([], []), "step_s": ([], [])}
-        seen = [np.zeros(0, dtype=self.session.dtype)]  # (the sessions with lines: a row each, NaN if no step)
-        for p in parts:
-            if p is None or not len(p):
-                continue
-            at, pid = self._join(p)
-            t = _f(p["t_s"])[at]
-            inside = (t >= self.ps[pid]) & (t <= self.ft[pid] + SAME_PASS_S)
-            at, pid = at[inside], pid[inside]
-            seen.append(np.unique(self.session[pid]))
-            for c, (codes, values) in kept.items():
-                v = _f(p[c])[at]
-                there = ~np.isnan(v)
-                codes.append(self.session[pid[there]])
-                values.append(v[there])
-            del at, pid, t, inside
-        out, sessions = {}, np.unique(np.concatenate(seen))
-        for name, col in (("s_chunk", "step_tokens"), ("s_pass", "step_s")):
-            codes_, values_ = kept.pop(col)
-            code = np.concatenate(codes_) if codes_ else np.zeros(0, dtype=self.session.dtype)
-            v = np.concatenate(values_) if values_ else np.zeros(0)
-            del codes_, values_
-            have = np.unique(code)
-            # (in place: v is this function's own)
-            out[name] = {int(g): float(np.median(v if len(have) == 1 else v[code == g], overwrite_input=True)) for g in have}
-            del code, v
-        table = self.groups.iloc[sessions].reset_index(drop=True)
-        for name in ("s_chunk", "s_pass"):
-            table[name] = np.array([out[name].get(int(g), np.nan) for g in sessions], dtype=float)
-        return table
-
-
-def _joiner(pre: pd.DataFrame) -> Callable[[pd.DataFrame], tuple[np.ndarray, np.ndarray]] | None:
-    """:func:`join_tasks` of any frame with ``pre``, its side packed and sorted once (not once
-    a part of the samples: at 1 GB of log ~40 MB a part); None where :func:`join_tasks` would
-    not pack ``pre``'s keys, or they repeat."""
-    packed = _packed([pre])
-    if packed is None:
-        return None
-    order = np.argsort(packed[0], kind="stable")
-    keys = packed[0][order]
-    if len(keys) > 1 and not bool((keys[1:] != keys[:-1]).all()):
-        return None
-    head = pre.iloc[:1]
-
-    def join(frame: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-        both = _packed([frame, head]) if len(frame) and len(keys) else None
-        if both is None:  # (another source, a key out of range, or nothing to join)
-            return join_tasks(frame, pre)
-        at = np.minimum(np.searchsorted(keys, both[0]), len(keys) - 1)
-        hit = np.flatnonzero(keys[at] == both[0])
-        return hit, order[at[hit]]
-
-    return join
-
-
 def prefill_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None,
                   typical: pd.DataFrame | None = None) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """The work of :func:`prefill_activity` short of listing pass ends: ``(active, steps,
-    info)``, ``steps`` one row per stretch of ``p`` passes (``pid``, ``a``, ``z``, ``p``),
-    ``info`` the prefills (task keys, ``pid`` = row, slot, ``prompt_tokens_new``, line).
-    How passes, pauses and the unlogged head and tail are read: :func:`prefill_activity`.
-    ``typical``: the sessions' :func:`typical_steps` (default: those of ``tv``'s lines).
+    """When each prefill actually ran, as stretches of server passes.
+
+    The server prints a prefilling slot's progress line once per pass (after its first 3 s),
+    so the lines' spacing is the pass length, and a co-running slot that shares the batch gets
+    one token per pass. A step much longer than the slot's typical pass (``PAUSE_FACTOR``) means
+    the slot was left out of batches for a while (another LoRA setting, or a lower slot's prompt
+    filled them): only the last typical pass of such a step counts as active. The unlogged head
+    (before the first line) and tail (after the last) get ``round(tokens / chunk)`` passes spread
+    evenly, ``chunk`` being the slot's usual step (else the session's, else 2048).
+
+    Returns ``(active, steps, info)``: ``active`` one row per active stretch (task keys, slot,
+    ``start_s``, ``end_s``, ``prompt_tokens_new``, ``line``), ``steps`` one row per stretch of
+    ``p`` passes (``pid``, ``a``, ``z``, ``p``; their ends: :func:`pass_ends`), ``info`` the
+    prefills (task keys, ``pid`` = row, slot, ``prompt_tokens_new``, line). ``typical``: each
+    session's median step (``s_chunk`` tokens, ``s_pass`` seconds; default: those of ``tv``'s
+    lines).
     """
     keys = GROUP + ["task_id"]
     pre, lines = _progress_lines(tv, prefill_samples)
@@ -976,30 +802,6 @@ def packed_task_keys(port: np.ndarray, session: np.ndarray, task: np.ndarray) ->
     return np.where(ok, key, -1)
 
 
-def first_of_each_task(frame: pd.DataFrame) -> np.ndarray | None:
-    """The rows of ``frame`` that are the first of their task keys (``GROUP`` + ``task_id``),
-    ascending, as ``drop_duplicates`` keeps them; None when every row is (the usual case: the
-    frame is whole, no copy needed). By :func:`packed_task_keys` where they fit (a hash of
-    four columns took 58 MB at 1 GB of log)."""
-    packed = _packed([frame])
-    if packed is None:
-        first = np.flatnonzero(~frame.duplicated(GROUP + ["task_id"]).to_numpy())
-    else:
-        first = np.sort(np.unique(packed[0], return_index=True)[1])  # (each key's first place)
-    return None if len(first) == len(frame) else first
-
-
-def task_keys_repeat(frame: pd.DataFrame) -> bool:
-    """Whether some task keys (``GROUP`` + ``task_id``) are in ``frame`` twice, as
-    ``duplicated`` tells; by one sorted copy of :func:`packed_task_keys` where they fit (at 1 GB
-    of log 4.5 MB, not :func:`first_of_each_task`'s 23)."""
-    packed = _packed([frame])
-    if packed is None:
-        return bool(frame.duplicated(GROUP + ["task_id"]).any())
-    k = np.sort(packed[0])
-    return bool((k[1:] == k[:-1]).any())
-
-
 def _packed(frames: Sequence[pd.DataFrame]) -> list[np.ndarray] | None:
     """:func:`packed_task_keys` of each frame's rows, if the frames have one source and every
     key fits; else None."""
@@ -1045,29 +847,6 @@ def _join_unique(left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.nd
     return pairs["l"].to_numpy(), pairs["r"].to_numpy()
 
 
-def prefill_activity(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """When each prefill actually ran, and when its passes ended.
-
-    The server prints a prefilling slot's progress line once per pass (after its first 3 s),
-    so the lines' spacing is the pass length, and a co-running slot that shares the batch gets
-    one token per pass. A step much longer than the slot's typical pass (``PAUSE_FACTOR``) means
-    the slot was left out of batches for a while (another LoRA setting, or a lower slot's prompt
-    filled them): only the last typical pass of such a step counts as active. The unlogged head
-    (before the first line) and tail (after the last) get ``round(tokens / chunk)`` passes spread
-    evenly, ``chunk`` being the slot's usual step (else the session's, else 2048).
-
-    Returns ``(active, passes)``: ``active`` has one row per active stretch (task keys, slot,
-    ``start_s``, ``end_s``, ``prompt_tokens_new``, ``line``), ``passes`` one row per estimated
-    pass end (``t_s``, ``prompt_tokens_new`` of its prefill, task keys).
-    """
-    active, steps, info = prefill_steps(tv, prefill_samples)
-    pid, t = pass_ends(steps)
-    del steps
-    passes = pd.DataFrame({"pid": pid, "t_s": t}).merge(info, on="pid", how="left")
-    passes = passes[GROUP + ["task_id", "slot", "t_s", "prompt_tokens_new"]].sort_values(GROUP + ["t_s"], kind="stable", ignore_index=True)
-    return active, passes
-
-
 def pass_ends(steps: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     """Pass ends of :func:`prefill_steps`' steps, as ``(pid, t_s)`` arrays: ``p`` per step,
     evenly spaced over its active part, the last at its end."""
@@ -1082,8 +861,10 @@ def pass_ends(steps: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
 
 
 def server_pass_arrays(code: np.ndarray, t: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`server_passes` on arrays (``code``: each pass end's session, see :func:`key_codes`):
-    ``(code, t_s, prompt_tokens_new)`` of each server pass, in session and time order."""
+    """Pass ends of several prefills merged into server passes (ends of different slots within
+    ``SAME_PASS_S`` are one pass), each with the largest ``prompt_tokens_new`` among them
+    (``code``: each pass end's session, see :func:`key_codes`): ``(code, t_s,
+    prompt_tokens_new)`` of each server pass, in session and time order."""
     order = np.lexsort((t, code))
     c, tt, nn = code[order], t[order], new[order]
     del order
@@ -1094,17 +875,3 @@ def server_pass_arrays(code: np.ndarray, t: np.ndarray, new: np.ndarray) -> tupl
     big = np.fmax.reduceat(nn, start) if len(start) else np.zeros(0)
     return c[start], tt[last], big
 
-
-def server_passes(passes: pd.DataFrame) -> pd.DataFrame:
-    """Pass ends of several prefills merged into server passes (lines of different slots within
-    ``SAME_PASS_S`` are one pass), each with the largest ``prompt_tokens_new`` among them."""
-    if len(passes) == 0:
-        return pd.DataFrame({c: pd.Series(dtype="float64") for c in GROUP + ["t_s", "prompt_tokens_new"]})
-    p = passes.sort_values(GROUP + ["t_s"], kind="stable", ignore_index=True)
-    grp = p.groupby(GROUP, dropna=False, sort=False, observed=True).ngroup()
-    gap = p["t_s"].diff()
-    new = (grp != grp.shift(1)) | (gap > SAME_PASS_S)
-    cluster = new.cumsum()
-    out = p.assign(_new=_f(p["prompt_tokens_new"])).groupby(cluster, observed=True).agg(
-        **{c: (c, "first") for c in GROUP}, t_s=("t_s", "last"), prompt_tokens_new=("_new", "max"))
-    return out.reset_index(drop=True)

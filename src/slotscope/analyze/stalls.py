@@ -515,22 +515,3 @@ def worst_stalls(ds: Dataset, opts: Options) -> pd.DataFrame:
     """The ``stalls-worst`` table, of the whole log as one part (see :func:`_worst_table`)."""
     return merge([per_part(_whole(ds), opts)], opts, ds)["stalls-worst"]
 
-
-@dataclass
-class _Pieces:
-    """Each piece's class (of :data:`CLASSES`), seconds and tok/s."""
-
-    cls: np.ndarray
-    seconds: np.ndarray
-    tok_per_s: np.ndarray
-
-
-def _pieces(ds: Dataset, opts: Options, tv: pd.DataFrame | None = None) -> _Pieces:
-    """(breakdown.py's fallback of stretches alone reads these until it reads segment_pieces.)"""
-    p = segment_pieces(ds, opts, tv)
-    return _Pieces(p["class"].cat.codes.to_numpy(), p["seconds"].to_numpy(), p["tok_per_s"].to_numpy())
-
-
-def _shared_pieces(ds: Dataset, opts: Options) -> _Pieces:
-    """(See :func:`_pieces`.)"""
-    return _pieces(ds, opts)
