@@ -52,7 +52,7 @@ def call_causes(calls: pd.DataFrame, opts: Options) -> pd.Series:
     first_of_day = c.groupby([c["user"], day], sort=False, dropna=False).cumcount() == 0
     first_of_session = c["session"].notna() & (c.groupby(["user", "session"], sort=False, dropna=False).cumcount() == 0)
     summary = c["summary"]
-    after_summary = c.groupby("user", sort=False, dropna=False)["summary"].shift(1).fillna(False).astype(bool)
+    after_summary = c.groupby("user", sort=False, dropna=False)["summary"].shift(1, fill_value=False)
     holds = [first_of_day, first_of_session, summary, after_summary, pd.Series(missed[c.index], index=c.index)]
     cause = pd.Series(np.select([h.to_numpy(dtype=bool) for h in holds], CAUSES[:-1], default=CAUSES[-1]), index=c.index)
     return cause.sort_index().set_axis(calls.index).rename("cause")
