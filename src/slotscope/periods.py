@@ -26,7 +26,7 @@ from . import store
 from .server_log import Samples
 from .events import HEARTBEAT, PROGRESS
 from .tasks import SampleSource, empty_samples, source_column as _source_column
-from .timeline import GROUP, key_codes, task_ends, within_ranges
+from .timeline import GROUP, by_code, key_codes, task_ends, within_ranges
 
 TASK_KEYS = GROUP + ["task_id"]
 # Tasks a part holds: large enough that the analyzers' per-call overhead is small next to
@@ -173,7 +173,8 @@ def _cut(rows: np.ndarray, start: np.ndarray, end: np.ndarray, part_tasks: int
 class _TaskIndex:
     """Where each task of the view is: its key packed in one int64 (session code, then id),
     sorted, and its (task row, part) pairs of the partition by task row. Built once, so that
-    a chunk of samples finds its tasks' parts by binary search alone."""
+    a chunk of samples finds its tasks' parts by binary search alone
+    (:func:`slotscope.timeline.join_tasks` would sort the view's keys again for each chunk)."""
 
     def __init__(self, tasks: pd.DataFrame, pt: Partition) -> None:
         self.tasks = tasks
@@ -181,8 +182,8 @@ class _TaskIndex:
         first = np.unique(gcode, return_index=True)[1]
         self.groups = tasks[GROUP].iloc[first].reset_index(drop=True)  # (row i: code i)
         ids = tasks["task_id"].to_numpy(dtype=np.int64)
-        self.lo = int(ids.min(initial=0))
-        self.span = int(ids.max(initial=0)) - self.lo + 1
+        self.lo = int(ids.min()) if len(ids) else 0
+        self.span = int(ids.max()) - self.lo + 1 if len(ids) else 1
         packed = gcode * self.span + (ids - self.lo)
         self.order = np.argsort(packed, kind="stable")
         self.packed = packed[self.order]
@@ -195,9 +196,7 @@ class _TaskIndex:
     def task_rows(self, samples: pd.DataFrame) -> np.ndarray:
         """Each sample's task row in the view (-1: its task is not there)."""
         scode, gcode = key_codes([samples, self.groups], GROUP)
-        group = np.full(int(max(scode.max(initial=0), gcode.max(initial=0))) + 1, -1, dtype=np.int64)
-        group[gcode] = np.arange(len(gcode))
-        g = group[scode]
+        g = by_code(gcode, np.arange(len(gcode)), scode, -1)
         ids = samples["task_id"].to_numpy(dtype=np.int64) - self.lo
         q = g * self.span + ids
         at = np.minimum(np.searchsorted(self.packed, q), max(len(self.packed) - 1, 0))
@@ -255,15 +254,15 @@ class PartStore:
                                gen=_table(gen, "gen"), prefill=_table(prefill, "prefill"), sessions=sessions)
             return
         self._buckets = store.Buckets(pt.n_parts, ("tasks", "gen", "prefill"))
+        index = _TaskIndex(keys, pt)
+        by_task = index.by_task
         # The task view's rows, a stored batch at a time, each into the buckets of its parts.
-        by_task = np.argsort(pt.task_row, kind="stable")
         for lo, batch in _batches(view):
             sel = (pt.task_row[by_task] >= lo) & (pt.task_row[by_task] < lo + len(batch))
             pairs = by_task[sel]
             self._buckets.add("tasks", batch.iloc[pt.task_row[pairs] - lo],
                               pt.part[pairs], extra={"row": pt.task_row[pairs], "counted": pt.counted[pairs]})
         self._streams: dict[str, list[SampleSource]] = {}
-        index = _TaskIndex(keys, pt)
         for kind, samples in (("gen", gen), ("prefill", prefill)):
             if isinstance(samples, Samples):  # as the parse stored them: their table is made per part
                 self._streams[kind] = samples.parts
