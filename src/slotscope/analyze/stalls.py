@@ -433,7 +433,7 @@ def _stalls_table(pieces: Folded, opts: Options) -> pd.DataFrame:
     number. ``tok_per_s_pooled`` is all tokens over all seconds of the class. ``basis`` says
     whether the class rests on exact segment counts, pass-cadence splits, or both.
     """
-    stats = np.array([tl.median_and_quantile(v.astype(float), 0.1) if len(v) else (np.nan, np.nan) for v in pieces.speeds])
+    stats = np.array([tl.median_and_quantile(v, 0.1) if len(v) else (np.nan, np.nan) for v in pieces.speeds])
     out = pd.DataFrame({
         "class": CLASSES,
         "samples": np.array([len(v) for v in pieces.speeds], dtype=np.int64),

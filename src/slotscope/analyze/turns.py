@@ -52,9 +52,7 @@ def text_codes(col: pd.Series) -> np.ndarray:
     share it, and it sorts as the texts do. Of a category column, from its categories' texts
     (not a Python string per row)."""
     if isinstance(col.dtype, pd.CategoricalDtype):
-        texts = col.cat.categories.astype("string")
-        ranks = pd.factorize(texts, sort=True, use_na_sentinel=True)[0].astype("float64")
-        ranks[ranks < 0] = np.nan
+        ranks = pd.factorize(col.cat.categories.astype("string"), sort=True)[0].astype("float64")
         codes = col.cat.codes.to_numpy()
         return np.where(codes >= 0, ranks[np.maximum(codes, 0)] if len(ranks) else np.nan, np.nan)
     codes = pd.factorize(col.astype("string"), sort=True)[0].astype("float64")
