@@ -21,9 +21,9 @@ from .app_log import AppLog, read_app_log_stream
 from .periods import PART_TASKS, Part, PartStore
 from .match import TASK_COLUMNS as MATCH_TASK_COLUMNS, Matches, match
 from .server_log import ServerLogs, read_server_logs
-from .tasks import release_memory
 from .sources import STDIN, Inputs, collect, reopen
 from . import store
+from .store import release_memory
 from .timeline import join_tasks, key_codes
 from .workers import Pool
 
@@ -73,6 +73,7 @@ class Dataset:
             store.unload(self.app, "calls")
         if self._view is not None:
             self._view.unload()
+        release_memory()
 
     @contextmanager
     def periods(self, part_tasks: int | None = None) -> Iterator[PartStore]:
@@ -223,6 +224,12 @@ def calls_of(ds: Dataset, columns: Sequence[str]) -> pd.DataFrame:
     """Those of ``columns`` the matched calls have (only they are read from disk); needs an app log."""
     assert ds.matches is not None
     return store.columns_of(ds.matches, "calls", columns)
+
+
+def calls_at(ds: Dataset, rows: np.ndarray, columns: Sequence[str]) -> pd.DataFrame:
+    """Those of ``columns`` the matched calls have, at row positions ``rows`` (index 0..)."""
+    assert ds.matches is not None
+    return store.rows_of(ds.matches, "calls", rows, columns)
 
 
 # pandas >= 3 copies on write: a shallow copy is a private table. Before that it shares values.

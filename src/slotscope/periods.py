@@ -243,6 +243,7 @@ class PartStore:
     def __init__(self, view: pd.DataFrame | store.StoredTable, gen: object, prefill: object,
                  sessions: pd.DataFrame, part_tasks: int = PART_TASKS) -> None:
         self.sessions = sessions
+        self._spools: list[store.Spool] = []
         read = view.read if isinstance(view, store.StoredTable) else (lambda cols: view[[c for c in view.columns if c in cols]])
         keys = read(TASK_KEYS + ["launch_s", "prefill_start_s", "first_token_s", "release_s"])
         self.partition = pt = partition(keys, sessions, part_tasks)
@@ -256,12 +257,15 @@ class PartStore:
         self._buckets = store.Buckets(pt.n_parts, ("tasks", "gen", "prefill"))
         index = _TaskIndex(keys, pt)
         by_task = index.by_task
+        del keys
+        store.release_memory()  # (what sorted the tasks into periods)
         # The task view's rows, a stored batch at a time, each into the buckets of its parts.
         for lo, batch in _batches(view):
             sel = (pt.task_row[by_task] >= lo) & (pt.task_row[by_task] < lo + len(batch))
             pairs = by_task[sel]
             self._buckets.add("tasks", batch.iloc[pt.task_row[pairs] - lo],
                               pt.part[pairs], extra={"row": pt.task_row[pairs], "counted": pt.counted[pairs]})
+        store.release_memory()  # (the view's batches)
         self._streams: dict[str, list[SampleSource]] = {}
         for kind, samples in (("gen", gen), ("prefill", prefill)):
             if isinstance(samples, Samples):  # as the parse stored them: their table is made per part
@@ -271,6 +275,8 @@ class PartStore:
             for lo, batch in _batches(samples):
                 rows, parts = index.sample_parts(batch)
                 self._buckets.add(kind, batch.iloc[rows], parts, extra={"row": lo + rows})
+        self._buckets.done()
+        store.release_memory()  # (what sorted the rows into parts)
 
     def parts(self) -> Iterator[Part]:
         """Every part, in order."""
@@ -278,14 +284,24 @@ class PartStore:
             yield self._whole
             return
         for k, frames in self._buckets.read():
+            store.release_memory()  # (what the last part was made of, and what was asked of it)
             tasks = frames["tasks"]
             rows = tasks.pop("row").to_numpy()
             counted = tasks.pop("counted").to_numpy()
             gen, prefill = (self._samples(kind, frames[kind]) for kind in ("gen", "prefill"))
             yield Part(tasks=tasks, counted=counted, rows=rows, gen=gen, prefill=prefill,
                        sessions=self.sessions, span=self.partition.spans[k], index=k)
+            del tasks, gen, prefill
+        store.release_memory()
+
+    def spool(self, what: str) -> store.Spool:
+        """A place on disk for what a pass over the parts answers, until the store is discarded."""
+        self._spools.append(store.Spool(what))
+        return self._spools[-1]
 
     def discard(self) -> None:
+        for s in self._spools:
+            s.discard()
         if self._whole is None:
             self._buckets.discard()
 
@@ -294,14 +310,17 @@ class PartStore:
         each into the buckets of its task's parts, with its stream and place in that order."""
         seq = 0
         for stream, src in enumerate(samples.parts):
-            for chunk in src.store.chunks():
-                keys = pd.DataFrame({"source": _source_column(src.source, len(chunk["task"])), "port": chunk["port"],
-                                     "session": chunk["session"], "task_id": chunk["task"], "t_s": chunk["ts_us"] / 1e6})
-                rows, parts = index.sample_parts(keys)
-                del keys
-                self._buckets.add(kind, {c: v[rows] for c, v in chunk.items()}, parts,
-                                  extra={"row": seq + rows, "_stream": np.full(len(rows), stream, np.int16)})
-                seq += len(chunk["task"])
+            for whole in src.store.chunks():
+                # (a batch of rows at a time: what sorts them into parts is a few times their size)
+                for lo in range(0, len(whole["task"]), store.ROWS_PER_BATCH):
+                    chunk = {c: v[lo:lo + store.ROWS_PER_BATCH] for c, v in whole.items()}
+                    keys = pd.DataFrame({"source": _source_column(src.source, len(chunk["task"])), "port": chunk["port"],
+                                         "session": chunk["session"], "task_id": chunk["task"], "t_s": chunk["ts_us"] / 1e6})
+                    rows, parts = index.sample_parts(keys)
+                    del keys
+                    self._buckets.add(kind, {c: v[rows] for c, v in chunk.items()}, parts,
+                                      extra={"row": seq + rows, "_stream": np.full(len(rows), stream, np.int16)})
+                    seq += len(chunk["task"])
 
     def _samples(self, kind: str, rows: pd.DataFrame) -> pd.DataFrame:
         """A part's samples table from its bucketed rows: as stored (``row`` their place), or

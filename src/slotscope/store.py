@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import shutil
 import tempfile
 from typing import Any, Iterable, Iterator, Sequence
@@ -47,6 +48,24 @@ _returning_pool()
 from .errors import SlotscopeError
 
 ROWS_PER_BATCH = 1 << 16  # rows converted to Arrow at a time while writing
+
+
+def release_memory() -> None:
+    """Hand memory freed by the last stage back to the OS, so the next stage's peak does not
+    stack on it: glibc keeps freed heap pages in the middle of its heap (``malloc_trim``
+    returns them) and pyarrow's pool keeps freed buffers. Elsewhere (macOS, musl) nothing to
+    do. Called where a stage ends: a table built from disk unloaded, the parts stored, a pass
+    over them done."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    try:
+        pa.default_memory_pool().release_unused()
+    except Exception:  # noqa: BLE001 - best effort: an old pyarrow may lack it
+        pass
 
 
 def new_file(path: str) -> "pa.NativeFile":
@@ -377,6 +396,15 @@ def columns_of(obj: object, name: str, columns: Sequence[str]) -> pd.DataFrame:
     return v[[c for c in v.columns if c in set(columns)]]
 
 
+def rows_of(obj: object, name: str, rows: np.ndarray, columns: Sequence[str]) -> pd.DataFrame:
+    """Those of ``columns`` that field ``name`` of ``obj`` has, at row positions ``rows``
+    (index 0..), without reading the others from disk."""
+    v = raw(obj, name)
+    if isinstance(v, StoredTable):
+        return v.take(rows, columns)
+    return v[[c for c in v.columns if c in set(columns)]].take(rows).reset_index(drop=True)
+
+
 def unload(obj: object, name: str) -> None:
     """Free the table built from disk for field ``name`` (built again when read)."""
     v = raw(obj, name)
@@ -388,18 +416,21 @@ class Buckets:
     """Rows of several tables cut into numbered parts, kept on disk until read back a part at
     a time, in part order (:mod:`slotscope.periods`). Rows are added in any order, each with
     its part and a ``row`` (its place in the whole table); a part reads back with its rows of
-    each table sorted by it, with the dtypes the first rows added had. Parts are kept in
-    buckets of :data:`PARTS_PER_BUCKET`, an Arrow IPC file per added piece of a bucket."""
+    each table sorted by it, with the dtypes the first rows added had.
 
-    PARTS_PER_BUCKET = 4
+    Rows are held in memory until they pass :data:`HELD_BYTES`, then written: per table, one
+    Arrow IPC file with a record batch per part, so that a part reads back its own batches
+    and nothing else."""
+
     HELD_BYTES = 16 << 20  # rows held in memory before they go to disk
 
     def __init__(self, n_parts: int, names: Sequence[str]) -> None:
         self.n_parts, self.names = n_parts, list(names)
         self._tmp: "tempfile.TemporaryDirectory[str] | None" = None
-        self._files: dict[tuple[str, int], list[str]] = {}
-        self._held: dict[tuple[str, int], list[pa.Table]] = {}
+        self._held: dict[str, list[pa.Table]] = {}
         self._held_bytes = 0
+        self._batches: dict[tuple[str, int], list[tuple[str, int]]] = {}  # (table, part) -> (file, batch)
+        self._files = 0
         self._dtypes: dict[str, pd.Series] = {}
         self._schema: dict[str, pa.Schema] = {}
 
@@ -417,28 +448,32 @@ class Buckets:
             table = table.append_column(c, pa.array(v))
         if name not in self._schema:
             self._schema[name] = table.schema
-        bucket = np.asarray(part) // self.PARTS_PER_BUCKET
-        present = np.unique(bucket)
-        for b in present.tolist():
-            piece = table if len(present) == 1 else table.filter(pa.array(bucket == b))
-            self._held.setdefault((name, b), []).append(piece)
-            self._held_bytes += piece.nbytes
+        self._held.setdefault(name, []).append(table)
+        self._held_bytes += table.nbytes
         if self._held_bytes > self.HELD_BYTES:
+            self._spill()
+
+    def done(self) -> None:
+        """No more rows: once some went to disk, the rest go too (nothing held while read)."""
+        if self._files:
             self._spill()
 
     def _spill(self) -> None:
         """Write what is held to disk (a small log's parts are never written)."""
-        for key, pieces in self._held.items():
-            files = self._files.setdefault(key, [])
-            for piece in pieces:
-                path = os.path.join(self._dir(), f"{key[0]}.{key[1]}.{len(files)}")
-                try:
-                    with new_file(path) as sink, pa.ipc.new_file(sink, piece.schema) as writer:
-                        writer.write_table(piece)
-                except OSError as e:
-                    self.discard()
-                    raise _disk_error(e, "the analysis' parts") from None
-                files.append(path)
+        for name, pieces in self._held.items():
+            table = _by_part(pa.concat_tables(pieces))
+            parts = table.column("_part").to_numpy()
+            starts = np.flatnonzero(np.r_[True, parts[1:] != parts[:-1]]) if len(parts) else np.zeros(0, np.int64)
+            path = os.path.join(self._dir(), f"{name}.{self._files}")
+            self._files += 1
+            try:
+                with new_file(path) as sink, pa.ipc.new_file(sink, table.schema) as writer:
+                    for i, (lo, hi) in enumerate(zip(starts.tolist(), np.r_[starts[1:], len(parts)].tolist())):
+                        writer.write_batch(table.slice(lo, hi - lo).combine_chunks().to_batches()[0])
+                        self._batches.setdefault((name, int(parts[lo])), []).append((path, i))
+            except OSError as e:
+                self.discard()
+                raise _disk_error(e, "the analysis' parts") from None
         self._held, self._held_bytes = {}, 0
 
     def _dir(self) -> str:
@@ -448,27 +483,18 @@ class Buckets:
 
     def read(self) -> Iterator[tuple[int, dict[str, pd.DataFrame]]]:
         """(part, {table: its rows}) for every part, in order (again at each call)."""
-        per = self.PARTS_PER_BUCKET
-        for b in range(-(-self.n_parts // per)):
-            tables = {name: self._bucket(name, b) for name in self.names}
-            bounds = {name: np.searchsorted(t.column("_part").to_numpy(), np.arange(b * per, (b + 1) * per + 1))
-                      for name, t in tables.items()}
-            for k in range(b * per, min((b + 1) * per, self.n_parts)):
-                i = k - b * per
-                yield k, {name: self._frame(name, t.slice(bounds[name][i], bounds[name][i + 1] - bounds[name][i]))
-                          for name, t in tables.items()}
-            del tables
+        for k in range(self.n_parts):
+            yield k, {name: self._frame(name, self._part(name, k)) for name in self.names}
 
-    def _bucket(self, name: str, b: int) -> pa.Table:
-        """Bucket ``b`` of table ``name``, sorted by part and row."""
+    def _part(self, name: str, k: int) -> pa.Table:
+        """Part ``k``'s rows of table ``name``, sorted by row."""
         schema = self._schema.get(name, pa.schema([("row", pa.int64()), ("_part", pa.int64())]))
-        pieces = list(self._held.get((name, b), []))
-        for path in self._files.get((name, b), []):
+        pieces = [t.filter(pa.array(t.column("_part").to_numpy() == k)) for t in self._held.get(name, [])]
+        for path, i in self._batches.get((name, k), []):
             with pa.OSFile(path) as source:
-                pieces.append(pa.ipc.open_file(source).read_all())
+                pieces.append(pa.Table.from_batches([pa.ipc.open_file(source).get_batch(i)]))
         table = pa.concat_tables(pieces) if pieces else schema.empty_table()
-        order = np.lexsort((table.column("row").to_numpy(), table.column("_part").to_numpy()))
-        return table.take(pa.array(order))
+        return table.take(pa.array(np.argsort(table.column("row").to_numpy(), kind="stable")))
 
     def _frame(self, name: str, table: pa.Table) -> pd.DataFrame:
         df = table.drop_columns(["_part"]).to_pandas()
@@ -483,6 +509,11 @@ class Buckets:
             self._tmp.cleanup()
 
 
+def _by_part(table: pa.Table) -> pa.Table:
+    """The rows in part order (as added within a part)."""
+    return table.take(pa.array(np.argsort(table.column("_part").to_numpy(), kind="stable")))
+
+
 def _tempdir(what: str) -> "tempfile.TemporaryDirectory[str]":
     try:
         return tempfile.TemporaryDirectory(prefix="slotscope-")
@@ -493,6 +524,40 @@ def _tempdir(what: str) -> "tempfile.TemporaryDirectory[str]":
 def _disk_error(e: OSError, what: str) -> SlotscopeError:
     return SlotscopeError(getattr(e, "filename", None) or tempfile.gettempdir(), None,
                           f"cannot write {what} to the temporary directory ({e.strerror or e}); set TMPDIR to a directory with room")
+
+
+class Spool:
+    """Objects (a pass's answers, one per part) kept on disk in the order added until read back
+    together, so that what one question holds for its merge is not resident while the others
+    are answered."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what  # for the message when the disk is full
+        self._file: "tempfile._TemporaryFileWrapper[bytes] | None" = None
+        self.n = 0
+
+    def append(self, obj: Any) -> None:
+        try:
+            if self._file is None:
+                self._file = tempfile.NamedTemporaryFile(prefix="slotscope-")
+            pickle.dump(obj, self._file, protocol=pickle.HIGHEST_PROTOCOL)
+        except OSError as e:
+            self.discard()
+            raise _disk_error(e, self.what) from None
+        self.n += 1
+
+    def read(self) -> list[Any]:
+        """Every object added, in order."""
+        if self._file is None:
+            return []
+        self._file.flush()
+        with open(self._file.name, "rb") as f:
+            return [pickle.load(f) for _ in range(self.n)]
+
+    def discard(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        self._file, self.n = None, 0
 
 
 class Chunks:

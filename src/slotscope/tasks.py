@@ -10,7 +10,6 @@ grows only with the output table; the DataFrame is built once, at the end.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
@@ -18,6 +17,7 @@ import numpy as np
 import pandas as pd
 
 from . import store
+from .store import release_memory
 from .events import (
     BUILD, CANCEL, CONFIG, ERROR, EVAL, HEARTBEAT, LAUNCH, MODEL, PROGRESS, PROMPT_EVAL, RELEASE, TOTAL,
 )
@@ -58,24 +58,6 @@ SAMPLE_SPILL_ROWS = 1 << 18  # sample rows per chunk on disk, when finished rows
 
 
 _CORE = KEY + ["slot_any"] + list(_MAX) + list(_SUM) + ["first_line"]  # what every event row has
-
-
-def release_memory() -> None:
-    """Hand memory freed by the last stage back to the OS, so the next stage's peak does not
-    stack on it: glibc keeps freed heap pages (``malloc_trim`` returns them) and pyarrow's pool
-    keeps the buffers of dropped string columns. Elsewhere (macOS, musl) nothing to do."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    pa = sys.modules.get("pyarrow")
-    if pa is not None:
-        try:
-            pa.default_memory_pool().release_unused()
-        except Exception:  # noqa: BLE001 - best effort: an old pyarrow may lack it
-            pass
 
 
 def _fold(

@@ -96,7 +96,7 @@ def answer(questions: list[Question], ds: Dataset, opts: Options, part_tasks: in
             return None
 
     prepared: dict[int, Any] = {}
-    answers: list[list[Any]] = [[] for _ in questions]
+    out: dict[str, pd.DataFrame] = {}
     with ds.periods(part_tasks) as periods:
         early = [i for i, q in enumerate(questions) if q.prepare is not None]
         if early:
@@ -106,20 +106,24 @@ def answer(questions: list[Question], ds: Dataset, opts: Options, part_tasks: in
                     firsts[i].append(attempt(i, lambda: questions[i].prepare[0](part, opts)))  # type: ignore[index]
             prepared = {i: attempt(i, lambda: questions[i].prepare[1](firsts[i])) for i in early}  # type: ignore[index]
             del firsts  # (what the first pass gave is folded: the second holds only that)
+        # Each question's answers wait on disk: a merge holds its own question's alone.
+        answers = [periods.spool(f"the answers for {q.tables[0]}") for q in questions]
         for part in periods.parts():
             for i, q in enumerate(questions):
                 args = (part, opts, prepared[i]) if i in prepared else (part, opts)
                 answers[i].append(attempt(i, lambda: q.per_part(*args)))
-    out: dict[str, pd.DataFrame] = {}
-    for i, q in enumerate(questions):
-        for name in q.tables:
-            if on_table is not None:
-                on_table(name)
-        tables = attempt(i, lambda: q.merge(answers[i], opts, ds))
-        if i in failed:
-            e = failed[i]
-            tables = {n: pd.DataFrame({"note": [f"could not compute {n}: {type(e).__name__}: {e}"]}) for n in q.tables}
-        out.update(tables)
+        del part
+        for i, q in enumerate(questions):
+            for name in q.tables:
+                if on_table is not None:
+                    on_table(name)
+            tables = attempt(i, lambda: q.merge(answers[i].read(), opts, ds))
+            answers[i].discard()
+            ds.unload()  # what the merge read
+            if i in failed:
+                e = failed[i]
+                tables = {n: pd.DataFrame({"note": [f"could not compute {n}: {type(e).__name__}: {e}"]}) for n in q.tables}
+            out.update(tables)
     return out
 
 
