@@ -7,6 +7,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Callable
 
+import pandas as pd
 import pytest
 
 from slotscope.analyze import Options
@@ -101,10 +102,17 @@ def test_miss_rows_show_what_was_lost(datasets: dict) -> None:
     assert ((misses["slot"] != misses["prev_slot"]) == (misses["note"] != "")).all()
 
 
+def _with_ids(calls: pd.DataFrame) -> pd.DataFrame:
+    """The turn pairs, with each turn's call id and the previous turn's."""
+    pairs = turn_pairs(calls, Options())
+    ids = calls["call_id"].to_numpy()
+    return pairs.assign(call_id=ids[pairs["pos"].to_numpy()], prev_call_id=ids[pairs["prev_pos"].to_numpy()])
+
+
 def test_a_summary_folds_the_history_so_the_next_turn_is_no_miss(datasets: dict) -> None:
     """u00's and u03's turns after their summaries (c-00013, c-00015) reused nothing, as
     expected: they pair with no earlier turn; the turns after them pair again."""
-    pairs = turn_pairs(datasets["before"].matches.calls, Options())
+    pairs = _with_ids(datasets["before"].matches.calls)
     assert not {"c-00013", "c-00015"} & set(pairs["call_id"])
     assert pairs.set_index("call_id").loc[["c-00017", "c-00021"], "prev_call_id"].tolist() == ["c-00013", "c-00015"]
 
@@ -112,10 +120,10 @@ def test_a_summary_folds_the_history_so_the_next_turn_is_no_miss(datasets: dict)
 def test_a_new_app_session_is_a_new_conversation(datasets: dict, tmp_path: Path) -> None:
     """u02's first turn of session u02-s2 started 16 s after its last turn of u02-s1 ended:
     no pair. Without sessions in the app log the two are paired by time alone."""
-    pairs = turn_pairs(datasets["before"].matches.calls, Options())
+    pairs = _with_ids(datasets["before"].matches.calls)
     assert "c-00024" not in set(pairs["call_id"])
     no_sessions = app_variant(tmp_path, "before", lambda recs: [{k: v for k, v in r.items() if k != "session"} for r in recs])
-    pairs = turn_pairs(no_sessions.matches.calls, Options()).set_index("call_id")
+    pairs = _with_ids(no_sessions.matches.calls).set_index("call_id")
     assert pairs.loc["c-00024", ["prev_call_id", "gap_s"]].tolist() == ["c-00018", 16.086]
 
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..dataset import Dataset, calls_of
+from ..dataset import Dataset, calls_at, calls_of
 from . import Options, register
-from .turns import as_text, is_chat_turn, measured_calls, needs_app_log
+from .turns import as_text, is_chat_turn, is_text, measured_calls, needs_app_log, text_codes
 
 MISS_SHARE = 0.5
 SUMMARY = "summary"
@@ -33,14 +33,17 @@ MISS_COLUMNS = [
     # where to find each turn: its app-log line, the previous turn's, and its task's server-log line
     "call_file", "call_line", "prev_call_file", "prev_call_line", "source", "port", "task_file", "task_line",
 ]
-# The columns of the calls table that turn_pairs reads.
-PAIR_COLUMNS = [
-    "call_id", "start_at", "end_at", "purpose", "user", "slot", "task_id", "prompt_tokens", "completion_tokens",
-    "cached_tokens", "prompt_tokens_cached", "prompt_tokens_new", "app_session", "call_file", "call_line",
+# What turn_pairs reads of the calls table to find the pairs.
+TURN_COLUMNS = [
+    "ok", "task_id", "purpose", "user", "app_session", "start_at", "end_at", "prompt_tokens", "completion_tokens",
+    "prompt_tokens_cached", "cached_tokens",
+]
+# What cache-misses shows of each missed turn, and of the turn before it.
+SHOWN_COLUMNS = [
+    "call_id", "purpose", "slot", "task_id", "prompt_tokens", "prompt_tokens_new", "call_file", "call_line",
     "source", "port", "task_file", "task_line",
 ]
-# What turn_pairs reads of the calls table: the pairs' columns, and what picks the turns.
-TURN_COLUMNS = PAIR_COLUMNS + ["ok"]
+PREV_COLUMNS = ["call_id", "slot", "call_file", "call_line"]
 
 
 def by_user_and_start(user: pd.Series, start: pd.Series) -> np.ndarray:
@@ -52,11 +55,11 @@ def by_user_and_start(user: pd.Series, start: pd.Series) -> np.ndarray:
     return np.lexsort((at, code))
 
 
-def _latest_summary(calls: pd.DataFrame, turns: pd.DataFrame) -> pd.Series:
-    """For each turn (``user`` as text, ``start_at``, in start order), when its user's latest
-    summary call started before it (NaT: none)."""
-    summaries = pd.DataFrame({"user": as_text(calls["user"]), "summary_at": calls["start_at"]})
-    summaries = summaries.loc[(as_text(calls["purpose"]) == SUMMARY).fillna(False).to_numpy()]
+def _latest_summary(calls: pd.DataFrame, user: np.ndarray, turns: pd.DataFrame) -> pd.Series:
+    """For each turn (``user`` code, ``start_at``, in start order), when its user's latest
+    summary call started before it (NaT: none). ``user``: every call's code."""
+    summaries = pd.DataFrame({"user": user, "summary_at": calls["start_at"].array})
+    summaries = summaries.loc[is_text(calls["purpose"], SUMMARY)]
     summaries = summaries.dropna().sort_values("summary_at", kind="stable")
     found = pd.merge_asof(turns[["user", "start_at"]], summaries, left_on="start_at", right_on="summary_at",
                           by="user", direction="backward", allow_exact_matches=False)
@@ -65,40 +68,42 @@ def _latest_summary(calls: pd.DataFrame, turns: pd.DataFrame) -> pd.Series:
 
 def turn_pairs(calls: pd.DataFrame, opts: Options) -> pd.DataFrame:
     """Consecutive chat turns of one user, one row per later turn, in start order: the turn's
-    row in ``calls`` (``pos``) and its columns (:data:`PAIR_COLUMNS`, ``user`` as text), the
-    previous turn's (``prev_*``), the gap between them, the tokens the previous one left and
-    the ones this one reused (``cached``), and whether it missed the cache (``miss``)."""
+    row in ``calls`` (``pos``) and the previous turn's (``prev_pos``), the ``user`` (as text),
+    the turn's ``start_at``, the gap between them, the tokens the previous one left
+    (``prev_left_tokens``) and the ones this one reused (``cached``), and whether it missed the
+    cache (``miss``). ``calls``: at least :data:`TURN_COLUMNS`."""
     is_turn = (measured_calls(calls) & is_chat_turn(calls["purpose"])).to_numpy()
-    # The pairs are found on a few columns of the turns; the rest are taken for the pairs alone.
-    pos = np.flatnonzero(is_turn)
-    turns = calls.iloc[pos]
-    chat = pd.DataFrame({"pos": pos, "user": as_text(turns["user"]).array, "start_at": turns["start_at"].array,
-                         "session": as_text(turns["app_session"]).array if "app_session" in turns
-                         else pd.array([pd.NA] * len(pos), dtype="string")})
-    chat["ended_at"] = turns["end_at"].fillna(turns["start_at"]).array if "end_at" in turns else chat["start_at"]
-    chat["left_tokens"] = (turns["prompt_tokens"].astype("Float64") + turns["completion_tokens"].astype("Float64")).array
-    del turns
-    chat = chat.loc[chat["user"].notna().to_numpy()]
-    chat = chat.iloc[by_user_and_start(chat["user"], chat["start_at"])]
-    of_previous = ["pos", "start_at", "ended_at", "left_tokens", "session"]
-    chat[["prev_" + c for c in of_previous]] = chat.groupby("user", sort=False)[of_previous].shift(1)
-    chat["gap_s"] = (chat["start_at"] - chat["prev_ended_at"]).dt.total_seconds().round(3)
-    chat = chat.sort_values("start_at", kind="stable").reset_index(drop=True)
+    # Users and sessions as codes that sort as their texts do: the same pairs, no string per call.
+    user = text_codes(calls["user"])
+    start = calls["start_at"].array
+    turns = np.flatnonzero(is_turn & ~np.isnan(user))
+    turns = turns[by_user_and_start(pd.Series(user[turns]), pd.Series(start.take(turns)))]
+    # Every turn after its user's previous one is a candidate, taken in start order.
+    later = np.flatnonzero(user[turns][1:] == user[turns][:-1]) + 1
+    order = pd.Series(start.take(turns[later])).sort_values(kind="stable").index.to_numpy()
+    pos, prev = turns[later][order], turns[later - 1][order]
+    del turns, later, order
+    t = pd.DataFrame({"pos": pos, "user": user[pos], "start_at": start.take(pos)})
+    prev_ended = calls["end_at"].iloc[prev].fillna(calls["start_at"].iloc[prev]) if "end_at" in calls \
+        else calls["start_at"].iloc[prev]
+    t["gap_s"] = (t["start_at"] - prev_ended.set_axis(t.index)).dt.total_seconds().round(3)
     # A summary between the two turns folded the history: the next prompt is meant to differ.
-    folded = (_latest_summary(calls, chat) > chat["prev_start_at"]).fillna(False)
-    same_session = (chat["session"] == chat["prev_session"]).fillna(True)  # (unknown: by time alone)
-    pair = chat["prev_pos"].notna() & (chat["gap_s"] <= opts.cache_window_s) & same_session & ~folded
-    pairs = chat.loc[pair.to_numpy()].reset_index(drop=True)
-    del chat
-    shown = calls.iloc[pairs["pos"].to_numpy()].reset_index(drop=True)
-    for c in PAIR_COLUMNS:
-        if c in shown and c not in pairs:
-            pairs[c] = shown[c]
-    before = calls.iloc[pairs["prev_pos"].to_numpy(dtype=np.int64)].reset_index(drop=True)
-    for c in ("call_id", "slot", "call_file", "call_line"):
-        if c in before:
-            pairs["prev_" + c] = before[c]
-    pairs["cached"] = pairs["prompt_tokens_cached"].astype("Float64").fillna(pairs["cached_tokens"].astype("Float64"))
+    folded = np.asarray(_latest_summary(calls, user, t).array > start.take(prev), dtype=bool)
+    if "app_session" in calls:
+        session = text_codes(calls["app_session"])
+        s, s_prev = session[pos], session[prev]
+        same_session = np.isnan(s) | np.isnan(s_prev) | (s == s_prev)  # (unknown: by time alone)
+    else:
+        same_session = np.ones(len(pos), dtype=bool)
+    pair = (t["gap_s"] <= opts.cache_window_s).to_numpy() & same_session & ~folded
+    pairs = t.loc[pair].reset_index(drop=True)
+    pos, prev = pos[pair], prev[pair]
+    pairs["user"] = as_text(calls["user"].iloc[pos]).array
+    pairs["prev_pos"] = prev
+    pairs["prev_left_tokens"] = (calls["prompt_tokens"].iloc[prev].astype("Float64")
+                                 + calls["completion_tokens"].iloc[prev].astype("Float64")).array
+    pairs["cached"] = (calls["prompt_tokens_cached"].iloc[pos].astype("Float64")
+                       .fillna(calls["cached_tokens"].iloc[pos].astype("Float64")).array)
     pairs["miss"] = (pairs["cached"] < MISS_SHARE * pairs["prev_left_tokens"]).fillna(False).astype(bool)
     return pairs
 
@@ -109,7 +114,9 @@ def cache(ds: Dataset, opts: Options) -> pd.DataFrame:
     if ds.matches is None:
         return needs_app_log(COLUMNS)
     pairs = turn_pairs(calls_of(ds, TURN_COLUMNS), opts)
-    pairs["other_slot"] = pairs["miss"] & (pairs["slot"] != pairs["prev_slot"]).fillna(False)
+    slot = calls_of(ds, ["slot"])["slot"]
+    other_slot = pd.Series(slot.iloc[pairs["pos"].to_numpy()].array != slot.iloc[pairs["prev_pos"].to_numpy()].array)
+    pairs["other_slot"] = pairs["miss"] & other_slot.fillna(False)
     counts = ["consecutive_turns", "misses", "misses_on_other_slot"]
     by_user = pairs.groupby("user", sort=True).agg(
         consecutive_turns=("miss", "size"), misses=("miss", "sum"), misses_on_other_slot=("other_slot", "sum"))
@@ -133,6 +140,9 @@ def cache_misses(ds: Dataset, opts: Options) -> pd.DataFrame:
         return needs_app_log(MISS_COLUMNS)
     pairs = turn_pairs(calls_of(ds, TURN_COLUMNS), opts)
     m = pairs.loc[pairs["miss"].to_numpy()].reset_index(drop=True)
+    shown = calls_at(ds, m["pos"].to_numpy(), SHOWN_COLUMNS)
+    before = calls_at(ds, m["prev_pos"].to_numpy(), PREV_COLUMNS).add_prefix("prev_")
+    m = pd.concat([m, shown, before], axis=1)
     m["cached_tokens"] = m["cached"].astype("Int64")
     m["new_tokens"] = m["prompt_tokens_new"]
     for c in ("prev_left_tokens", "new_tokens", "prev_slot", "prev_call_line", "task_line", "port"):

@@ -54,8 +54,9 @@ def call_causes(calls: pd.DataFrame, opts: Options) -> pd.Series:
     summary = c["summary"]
     after_summary = c.groupby("user", sort=False, dropna=False)["summary"].shift(1, fill_value=False)
     holds = [first_of_day, first_of_session, summary, after_summary, pd.Series(missed[c.index], index=c.index)]
-    cause = pd.Series(np.select([h.to_numpy(dtype=bool) for h in holds], CAUSES[:-1], default=CAUSES[-1]), index=c.index)
-    return cause.sort_index().set_axis(calls.index).rename("cause")
+    cause = np.empty(len(calls), dtype=np.int8)  # (each call's place in CAUSES, in the calls' order)
+    cause[c.index.to_numpy()] = np.select([h.to_numpy(dtype=bool) for h in holds], range(len(holds)), default=len(holds))
+    return pd.Series(pd.Categorical.from_codes(cause, categories=CAUSES), index=calls.index, name="cause")
 
 
 @register("prefills")
@@ -63,12 +64,17 @@ def prefills(ds: Dataset, opts: Options) -> pd.DataFrame:
     """Count, new tokens and prefill seconds of the big prefills, by purpose and by cause."""
     if ds.matches is None:
         return needs_app_log(COLUMNS)
-    calls = calls_of(ds, list(dict.fromkeys(TURN_COLUMNS + KEY)))
-    tv = task_view(ds, ["task_id", "purpose", "prompt_tokens_new", "prompt_eval_ms"] + KEY)
-    big = tv.loc[(tv["prompt_tokens_new"] >= opts.big_prefill_tokens).fillna(False).to_numpy()]
+    calls = calls_of(ds, TURN_COLUMNS)
+    cause = call_causes(calls, opts)
+    no_sessions = "app_session" not in calls or calls["app_session"].isna().all()
+    del calls
     # Each big prefill's call by its key (a key with a missing part names no call; of calls
     # with one key, the last).
-    causes = calls[KEY].assign(cause=call_causes(calls, opts)).dropna(subset=KEY).drop_duplicates(KEY, keep="last")
+    causes = calls_of(ds, KEY).assign(cause=cause).dropna(subset=KEY).drop_duplicates(KEY, keep="last")
+    del cause
+    tv = task_view(ds, ["task_id", "purpose", "prompt_tokens_new", "prompt_eval_ms"] + KEY)
+    big = tv.loc[(tv["prompt_tokens_new"] >= opts.big_prefill_tokens).fillna(False).to_numpy()]
+    del tv
     big = big.merge(causes, on=KEY, how="left")
     big["cause"] = big["cause"].astype("string").fillna(UNLOGGED)
     big["purpose"] = as_text(big["purpose"]).fillna(UNLOGGED)
@@ -90,6 +96,6 @@ def prefills(ds: Dataset, opts: Options) -> pd.DataFrame:
     table["seconds_total"] = table["seconds_total"].astype("float64").fillna(0.0).round(3)
     table["few_samples"] = table["count"] < opts.min_samples
     table["note"] = ""
-    if "app_session" not in calls or calls["app_session"].isna().all():
+    if no_sessions:
         table.loc[table["value"] == "first_of_session", "note"] = "the app log names no sessions"
     return table[COLUMNS]
