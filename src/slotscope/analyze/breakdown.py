@@ -94,14 +94,15 @@ def alone_in_part(part: Part, opts: Options) -> pd.DataFrame:
     return ran_alone(part.tasks).assign(row=part.rows)[["row", *FLAGS]]
 
 
-def raw_times(tv: pd.DataFrame) -> pd.DataFrame:
+def raw_times(tv: pd.DataFrame) -> dict[str, np.ndarray]:
     """Per task of ``tv``: purpose, whether it has a launch..release (``has``), the raw
-    components the breakdown splits, and its speeds."""
+    components the breakdown splits, and its speeds; columns, not a frame (that would copy
+    them into one block)."""
     launch, ps, ft, rel = (_floats(tv, c) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))
     has = ~np.isnan(launch) & ~np.isnan(rel) & (rel >= launch)
     split = has & ~np.isnan(ps) & ~np.isnan(ft) & (ps >= launch) & (ft >= ps) & (rel >= ft)
     queue = np.where(has, np.maximum(np.nan_to_num(_floats(tv, "queue_ms") / 1000), 0), 0.0)
-    return pd.DataFrame({
+    return {
         "purpose": tv["purpose"].array if "purpose" in tv.columns else pd.array([pd.NA] * len(tv), dtype="object"),
         "has": has,
         "generated": np.maximum(_floats(tv, "n_gen") - 1, 0),  # (the first token came with the prefill)
@@ -113,7 +114,7 @@ def raw_times(tv: pd.DataFrame) -> pd.DataFrame:
         "unsplit": np.where(has & ~split, rel - launch, 0.0),
         "gen_tps": _floats(tv, "gen_tps"),
         "prefill_tps": _floats(tv, "prefill_tps"),
-    })
+    }
 
 
 # What raw_times reads of the task view.
@@ -147,17 +148,18 @@ def _stretches_alone(ds: Dataset, opts: Options) -> pd.Series:
     return p.loc[(p["class"] == "alone").to_numpy() & (p["seconds"] >= MIN_PIECE_S).to_numpy(), "tok_per_s"].reset_index(drop=True)
 
 
-def _tasks_of(answers: list[pd.DataFrame], ds: Dataset) -> tuple[pd.DataFrame, bool]:
+def _tasks_of(answers: list[pd.DataFrame], ds: Dataset) -> tuple[dict[str, np.ndarray], bool]:
     """Every task's :func:`raw_times`, in the task view's order, each phase alone only if it
     was in every part that holds the task (a task across a cut is in two); and whether any
     task has an app queue."""
     tv = task_view(ds, VIEW_COLUMNS)
     t = raw_times(tv)
     has_queue = "queue_ms" in tv.columns and bool(tv["queue_ms"].notna().any())
+    n = len(tv)
     del tv
     flags = pd.concat(answers, ignore_index=True).groupby("row", sort=True)[FLAGS].all()
     for f in FLAGS:
-        t[f] = flags[f].reindex(np.arange(len(t)), fill_value=False).to_numpy(dtype=bool)
+        t[f] = flags[f].reindex(np.arange(n), fill_value=False).to_numpy(dtype=bool)
     return t, has_queue
 
 
@@ -166,19 +168,21 @@ def merge_breakdown(answers: list[pd.DataFrame], opts: Options, ds: Dataset) -> 
     if not answers:
         return {"breakdown": pd.DataFrame({c: pd.Series(dtype="object") for c in BREAKDOWN_COLUMNS})}
     t, has_queue = _tasks_of(answers, ds)
-    gen_tps, gen_n, gen_basis = _solo(t["gen_tps"].to_numpy(), t["alone_generation"].to_numpy(), opts.solo_gen_tps,
+    gen_tps, gen_n, gen_basis = _solo(t["gen_tps"], t["alone_generation"], opts.solo_gen_tps,
                                       lambda: _stretches_alone(ds, opts))
-    pre_tps, pre_n, pre_basis = _solo(t["prefill_tps"].to_numpy(), t["alone_prefill"].to_numpy(), opts.solo_prefill_tps)
-    t = t[t["has"].to_numpy()]
-    own_gen = np.minimum(np.nan_to_num(t["generated"].to_numpy() / gen_tps), t["generation"].to_numpy())
-    own_pre = np.minimum(np.nan_to_num(t["new"].to_numpy() / pre_tps), t["prefill"].to_numpy())
+    pre_tps, pre_n, pre_basis = _solo(t["prefill_tps"], t["alone_prefill"], opts.solo_prefill_tps)
+    has = t.pop("has")
+    t = {name: v[has] for name, v in t.items()}  # (the tasks with a launch..release)
+    own_gen = np.minimum(np.nan_to_num(t["generated"] / gen_tps), t["generation"])
+    own_pre = np.minimum(np.nan_to_num(t["new"] / pre_tps), t["prefill"])
     components = {
         "own_generation": own_gen, "own_prefill": own_pre,
-        "contention": t["prefill"].to_numpy() + t["generation"].to_numpy() - own_pre - own_gen,
-        "wait": t["wait"].to_numpy(), "queue": t["queue"].to_numpy(), "unsplit": t["unsplit"].to_numpy(),
+        "contention": t["prefill"] + t["generation"] - own_pre - own_gen,
+        "wait": t["wait"], "queue": t["queue"], "unsplit": t["unsplit"],
     }
     fallback = "unlogged" if ds.app is not None else "unknown"
-    purpose = t["purpose"].astype("object")
+    purpose = pd.Series(t.pop("purpose")).astype("object")
+    del t
     codes, names = pd.factorize(purpose.where(purpose.notna(), fallback).to_numpy(), sort=True)
     by = pd.Categorical.from_codes(codes, categories=np.arange(len(names)))
     per = pd.DataFrame({name: pd.Series(v).groupby(by, observed=True).sum().to_numpy() for name, v in components.items()},
