@@ -256,14 +256,8 @@ def test_step_counts_and_distinct_times_agree_with_numpy() -> None:
     b = tl._distinct_times([(s, rows), (e, rows), (s, mask)])
     np.testing.assert_array_equal(b, want)
     ss, se = np.sort(s[rows]), np.sort(e[rows])
-    old = tl.SEARCH_BLOCK
-    try:
-        tl.SEARCH_BLOCK = 77  # (the distinct values compacted in place over many blocks)
-        np.testing.assert_array_equal(tl._distinct_times([(s, rows), (e, rows), (s, mask)]), want)
-        b = tl._distinct_times([(s, rows), (e, rows)])
-        got = tl._step_counts(ss, se, b[:-1])
-    finally:
-        tl.SEARCH_BLOCK = old
+    b = tl._distinct_times([(s, rows), (e, rows)])
+    got = tl._step_counts(ss, se, b[:-1])
     np.testing.assert_array_equal(got, np.searchsorted(ss, b[:-1], "right") - np.searchsorted(se, b[:-1], "right"))
 
 

@@ -26,7 +26,6 @@ SAME_PASS_S = 0.02
 # A step between progress lines longer than this many typical passes hides a pause of the slot.
 PAUSE_FACTOR = 1.5
 QUERY_BLOCK = 1 << 16  # overlap queries answered at a time (bounds their temporaries)
-SEARCH_BLOCK = 1 << 16  # times searched or compacted at a time (see :func:`_step_counts`)
 BLOCK_LEVELS = 4  # blocks of 16 elements in :class:`_BlockRange`
 
 
@@ -199,22 +198,8 @@ def concurrency(tv: pd.DataFrame, sessions: pd.DataFrame | None = None) -> pd.Da
 
 def _distinct_times(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
     """The distinct values of ``values[rows]`` over the ``(values, rows)`` parts (``rows``:
-    positions, or a mask), sorted: the ``np.unique`` of their concatenation, gathered straight
-    into one array and made unique in place."""
-    sizes = [int(np.count_nonzero(r)) if r.dtype == bool else len(r) for _, r in parts]
-    x = np.empty(sum(sizes))
-    at = 0
-    for (v, r), k in zip(parts, sizes):
-        if r.dtype == bool:
-            np.compress(r, v, out=x[at:at + k])
-        else:
-            np.take(v, r, out=x[at:at + k])
-        at += k
-    x.sort()
-    keep = np.empty(len(x), dtype=bool)
-    keep[:1] = True
-    np.not_equal(x[1:], x[:-1], out=keep[1:])
-    return kept_in_place(x, keep, SEARCH_BLOCK)
+    positions, or a mask), sorted."""
+    return np.unique(np.concatenate([v[r] for v, r in parts]))
 
 
 def kept_in_place(values: np.ndarray, keep: np.ndarray, block: int) -> np.ndarray:
@@ -308,13 +293,8 @@ def _range_max_count(count: np.ndarray) -> _BlockRange:
 
 
 def _step_counts(s_sorted: np.ndarray, e_sorted: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """Intervals begun by each ``t`` minus those ended by it (sorted starts and ends), as int32,
-    :data:`SEARCH_BLOCK` times at a time (not two int64 searches as long as ``t``)."""
-    out = np.empty(len(t), dtype=np.int32)
-    for at in range(0, len(t), SEARCH_BLOCK):
-        x = t[at:at + SEARCH_BLOCK]
-        out[at:at + SEARCH_BLOCK] = np.searchsorted(s_sorted, x, "right") - np.searchsorted(e_sorted, x, "right")
-    return out
+    """Intervals begun by each ``t`` minus those ended by it (sorted starts and ends)."""
+    return np.searchsorted(s_sorted, t, "right") - np.searchsorted(e_sorted, t, "right")
 
 
 def rows_by_group(codes: np.ndarray, usable: np.ndarray) -> dict[int, np.ndarray]:
@@ -498,16 +478,9 @@ def overlap_arrays(
 
 def _covered_by_step(b: np.ndarray, count: np.ndarray, has_own: bool) -> tuple[np.ndarray, np.ndarray]:
     """Seconds covered by at least one interval (``f1``) and, with an own interval to leave out,
-    by at least two (``f2``) from ``b[0]`` to each breakpoint: the cumulative sums of
-    ``(count >= least) * diff(b)``, written in place."""
-    sums = []
-    for least in (1, 2) if has_own else (1,):
-        f = np.empty(len(b))
-        f[:1] = 0.0
-        np.subtract(b[1:], b[:-1], out=f[1:])  # (np.diff(b))
-        np.multiply(count >= least, f[1:], out=f[1:])
-        np.cumsum(f[1:], out=f[1:])
-        sums.append(f)
+    by at least two (``f2``) from ``b[0]`` to each breakpoint."""
+    step = np.diff(b)
+    sums = [np.concatenate([[0.0], np.cumsum((count >= least) * step)]) for least in ((1, 2) if has_own else (1,))]
     return sums[0], sums[-1]
 
 
@@ -557,23 +530,16 @@ def count_point_arrays(qcode: np.ndarray, qs: np.ndarray, qe: np.ndarray, pcode:
     return out
 
 
-def _prefills(tv: pd.DataFrame) -> pd.DataFrame:
-    """The prefills of ``tv``: task keys, slot, ``prompt_tokens_new``, line, ``ps``/``ft``/``new``
-    as floats, ``pid`` = row."""
+def _progress_lines(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The prefills of ``tv`` (task keys, slot, ``prompt_tokens_new``, line, ``ps``/``ft``/``new``
+    as floats, ``pid`` = row) and their progress lines inside them (``pid``, ``t_s``,
+    ``n_tokens``, ``step_tokens``, ``step_s``; by prefill, then time)."""
     keys = GROUP + ["task_id"]
     pre = pd.DataFrame({c: _col(tv, c) for c in keys + ["slot", "prompt_tokens_new", "line", "prefill_start_s", "first_token_s"]})
     pre["ps"], pre["ft"] = _f(pre["prefill_start_s"]), _f(pre["first_token_s"])
     pre["new"] = _f(pre["prompt_tokens_new"])
     pre = pre[(pre["ft"] > pre["ps"])].drop(columns=["prefill_start_s", "first_token_s"]).reset_index(drop=True)
     pre["pid"] = np.arange(len(pre))
-    return pre
-
-
-def _progress_lines(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The prefills of ``tv`` (:func:`_prefills`) and their progress lines inside them
-    (``pid``, ``t_s``, ``n_tokens``, ``step_tokens``, ``step_s``; by prefill, then time)."""
-    keys = GROUP + ["task_id"]
-    pre = _prefills(tv)
     cols = ["t_s", "n_tokens", "step_tokens", "step_s"]
     samples = prefill_samples if prefill_samples is not None and len(prefill_samples) else pd.DataFrame(columns=keys + cols)
     # Each progress line with its prefill (an inner join on the task keys, in line order).
