@@ -121,11 +121,10 @@ def _wall_offsets(ds: Dataset) -> pd.DataFrame:
     else from a wrapper's stamps; NaN where neither exists."""
     s = ds.server.sessions
     out = s[tl.GROUP].copy()
-    off = pd.to_numeric(s["wall_offset_us"], errors="coerce").to_numpy(dtype="float64", na_value=np.nan) \
-        if "wall_offset_us" in s.columns else np.full(len(s), np.nan)
+    off = _f(s["wall_offset_us"]) if "wall_offset_us" in s.columns else np.full(len(s), np.nan)
     if ds.matches is not None and len(ds.matches.aligned):
         al = out.merge(ds.matches.aligned[tl.GROUP + ["offset_us"]].drop_duplicates(tl.GROUP), on=tl.GROUP, how="left")
-        app = pd.to_numeric(al["offset_us"], errors="coerce").to_numpy(dtype="float64", na_value=np.nan)
+        app = _f(al["offset_us"])
         off = np.where(np.isnan(app), off, app)
     out["offset_us"] = off
     return out

@@ -137,31 +137,25 @@ def by_code(src: np.ndarray, values: np.ndarray, dst: np.ndarray, missing: Any) 
 def _one_value(cols: Sequence[pd.Series]) -> bool:
     """Whether these columns hold one value in all their rows, told cheaply for numbers,
     categories and texts (NA counts as a value of its own); False when not sure."""
-    first = None
-    for col in cols:
-        if not len(col):
-            continue
+    values = []
+    for col in (c for c in cols if len(c)):
         if isinstance(col.dtype, pd.CategoricalDtype):
             codes = col.cat.codes.to_numpy()
             if codes[0] < 0 or not (codes == codes[0]).all():
                 return False
-            value = col.cat.categories[codes[0]]
+            values.append(col.cat.categories[codes[0]])
         elif isinstance(col.dtype, np.dtype) and col.dtype.kind in "iu":
             v = col.to_numpy()
             if not (v == v[0]).all():
                 return False
-            value = v[0].item()
+            values.append(v[0].item())
         elif col.dtype == object or isinstance(col.dtype, pd.StringDtype):  # (a text column, e.g. sessions' source)
-            value = col.iloc[0]
-            if not isinstance(value, str) or not bool((col == value).fillna(False).all()):
+            if not isinstance(col.iloc[0], str) or not bool((col == col.iloc[0]).fillna(False).all()):
                 return False
+            values.append(col.iloc[0])
         else:
             return False
-        if first is None:
-            first = value
-        elif not (type(value) is type(first) and value == first):
-            return False
-    return True
+    return all(type(v) is type(values[0]) and v == values[0] for v in values)
 
 
 def concurrency(tv: pd.DataFrame, sessions: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -187,11 +181,8 @@ def concurrency(tv: pd.DataFrame, sessions: pd.DataFrame | None = None) -> pd.Da
         return pd.DataFrame({c: pd.Series(dtype="float64") for c in CONCURRENCY_COLUMNS})
     rep, start, stop, running, prefilling, generating = (np.concatenate(p) for p in zip(*parts))
     step = tv[GROUP].iloc[rep].reset_index(drop=True)
-    step["start_s"] = start
-    step["running"] = running.astype(np.int64)
-    step["prefilling"] = prefilling.astype(np.int64)
-    step["generating"] = generating.astype(np.int64)
-    step["end_s"] = stop
+    step["start_s"], step["end_s"] = start, stop
+    step["running"], step["prefilling"], step["generating"] = (v.astype(np.int64) for v in (running, prefilling, generating))
     step["waiting"] = step["running"] - step["prefilling"] - step["generating"]
     return step[CONCURRENCY_COLUMNS]
 
@@ -668,9 +659,6 @@ def prefill_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None,
     active["prompt_tokens_new"] = info["prompt_tokens_new"].array.take(sp[run])
     active["line"] = info["line"].array.take(sp[run])
     return active, steps, info
-
-
-
 
 
 def _packed(frames: Sequence[pd.DataFrame]) -> list[np.ndarray] | None:
