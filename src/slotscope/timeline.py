@@ -346,18 +346,12 @@ _Places = tuple[np.ndarray, np.ndarray, np.ndarray]  # times, their "right" and 
 
 class _Steps:
     """One group's intervals as a step function: breakpoints ``b``, intervals active on
-    [b[i], b[i+1]), and what the queries ``need`` of it. Built one array at a time: the
-    group's sorted starts and ends and the sort of ``b`` are the only ones held together."""
+    [b[i], b[i+1]), and what the queries ``need`` of it."""
 
     def __init__(self, ivs: np.ndarray, ive: np.ndarray, grp: np.ndarray, vals: np.ndarray | None,
                  need: tuple[str, ...], has_own: bool) -> None:
         self.b = b = _distinct_times([(ivs, grp), (ive, grp)])
-        s_sorted = ivs[grp]
-        s_sorted.sort()
-        e_sorted = ive[grp]
-        e_sorted.sort()
-        count = _step_counts(s_sorted, e_sorted, b[:-1])
-        del s_sorted, e_sorted
+        count = _step_counts(np.sort(ivs[grp]), np.sort(ive[grp]), b[:-1])
         if "covered" in need:
             self.f1, self.f2 = _covered_by_step(b, count, has_own)
         if "max_count" in need:
