@@ -46,9 +46,6 @@ def test_concurrency_never_exceeds_slots_and_shares_sum_to_one(scenario: str) ->
     ds = _ds(scenario)
     steps = tl.concurrency(task_view(ds), ds.server.sessions)
     assert list(steps.columns) == tl.CONCURRENCY_COLUMNS
-    rep, start, stop, levels = tl.concurrency_arrays(task_view(ds), ds.server.sessions, running_only=True)
-    assert len(levels) == 1 and levels[0].tolist() == steps["running"].tolist()
-    assert start.tolist() == steps["start_s"].tolist() and stop.tolist() == steps["end_s"].tolist()
     slots = steps.merge(ds.server.sessions[tl.GROUP + ["n_slots"]], on=tl.GROUP)
     assert len(slots) == len(steps)
     assert (slots["running"] <= slots["n_slots"]).all()
@@ -182,44 +179,6 @@ def test_prefill_activity_drops_pauses_and_puts_one_pass_per_progress_line() -> 
     assert ((j["t_s"] > j["prefill_start_s"]) & (j["t_s"] <= j["first_token_s"] + tl.SAME_PASS_S)).all()
 
 
-def test_right_of_is_searchsorted_right() -> None:
-    """The interp-started search gives numpy's positions: at, just below and just above every
-    breakpoint, outside the range, at infinities, at log-sized times (µs at 10^7 s) and, with a
-    NaN, by falling back to numpy itself."""
-    import numpy as np
-
-    from slotscope.timeline import _right_of
-
-    rng = np.random.default_rng(11)
-    for _ in range(500):
-        b = np.unique(rng.integers(0, 60, int(rng.integers(1, 40))) + rng.choice([0.0, 0.5, 1e-9], 1))
-        x = np.concatenate([rng.uniform(-5, 65, 30), b, np.nextafter(b, -np.inf), np.nextafter(b, np.inf), [-np.inf, np.inf]])
-        for q in (x, np.sort(x)):
-            assert (_right_of(b, np.arange(len(b), dtype=float), q) == np.searchsorted(b, q, "right")).all()
-    b = np.unique(np.round(rng.uniform(0, 1e7, 200_000), 6))
-    x = np.sort(np.concatenate([rng.uniform(0, 1e7, 50_000), b[::3], np.nextafter(b[::4], -np.inf), np.nextafter(b[::4], np.inf)]))
-    assert (_right_of(b, np.arange(len(b), dtype=float), x) == np.searchsorted(b, x, "right")).all()
-    x[5] = np.nan
-    assert (_right_of(b, np.arange(len(b), dtype=float), x) == np.searchsorted(b, x, "right")).all()
-
-
-def test_sorted_right_is_searchsorted_right_with_repeats() -> None:
-    """Sorted arrays with repeated values (interval ends often coincide), NaN-free and with a NaN
-    at the end (numpy sorts NaN last), against numpy's own positions."""
-    import numpy as np
-
-    from slotscope.timeline import sorted_right
-
-    rng = np.random.default_rng(12)
-    for _ in range(500):
-        b = np.sort(rng.integers(0, 12, int(rng.integers(1, 30))).astype(float))
-        if rng.random() < 0.2:
-            b = np.sort(np.r_[b, np.nan])
-        x = np.r_[rng.uniform(-2, 14, 20), b[~np.isnan(b)], [-np.inf, np.inf]]
-        for q in (x, np.sort(x)):
-            assert (sorted_right(b, q) == np.searchsorted(b, q, "right")).all()
-
-
 def test_by_code_looks_values_up_by_key() -> None:
     """Keys of one frame found in another through key_codes: found rows give their value, keys
     the source lacks (NA keys included) give the missing value, whatever the codes' range."""
@@ -297,14 +256,8 @@ def test_step_counts_and_distinct_times_agree_with_numpy() -> None:
     b = tl._distinct_times([(s, rows), (e, rows), (s, mask)])
     np.testing.assert_array_equal(b, want)
     ss, se = np.sort(s[rows]), np.sort(e[rows])
-    old = tl.SEARCH_BLOCK
-    try:
-        tl.SEARCH_BLOCK = 77  # (the distinct values compacted in place over many blocks)
-        np.testing.assert_array_equal(tl._distinct_times([(s, rows), (e, rows), (s, mask)]), want)
-        b = tl._distinct_times([(s, rows), (e, rows)])
-        got = tl._step_counts(ss, se, b[:-1])
-    finally:
-        tl.SEARCH_BLOCK = old
+    b = tl._distinct_times([(s, rows), (e, rows)])
+    got = tl._step_counts(ss, se, b[:-1])
     np.testing.assert_array_equal(got, np.searchsorted(ss, b[:-1], "right") - np.searchsorted(se, b[:-1], "right"))
 
 

@@ -1,34 +1,22 @@
 """Before/after comparison that survives changing traffic.
 
-A change to the server (``-b 512``, one LoRA setting for every call) is judged by comparing two
-stretches of traffic, and traffic never repeats: the after window may be busier, hold no 15K
-prefill, or have only a handful of turns. So the comparison does not stop at "p95 went down":
+A change to the server (``-b 512``, one LoRA setting for every call) is judged on two stretches
+of traffic, and traffic never repeats: the after window may be busier, or hold no 15K prefill.
+So next to the time to first token (TTFT) of all turns and each side's load (``overall``), the
+comparison gives TTFT among short chat turns that met the same conditions
+(``same-conditions``), the mechanisms themselves, which depend much less on the traffic
+(``indicators``), the settings each side's logs show (``changes``) and what limits the reading
+(``cautions``).
 
-* ``overall``: the load of each side (turns, turns/hour, time with 2+ and 4+ tasks running,
-  15K+ prefills, concurrency) next to the time to first token (TTFT) of all turns, so a
-  difference in load is visible before any difference in speed is read;
-* ``same-conditions``: TTFT of short chat turns compared only among turns that met the same
-  conditions (nothing else running / other tasks running / another task's 5K+ prefill running
-  during the turn's queue, wait and prefill);
-* ``indicators``: the mechanisms themselves, which depend much less on the traffic: generation
-  speed during another slot's long prefill (the stalls analyzer's ``long_prefill`` pieces),
-  waits before prefill and the ones behind a different LoRA setting, prefill and generation
-  speed;
-* ``changes``: the settings each side's logs show (slots, context, effective prefill chunk,
-  LoRA settings), and a warning when more than one changed at once;
-* ``cautions``: what limits the reading, in plain sentences.
+Every difference is after minus before, with a 90% percentile-bootstrap interval seeded per row
+(the same numbers whichever table is asked for), drawn as 2-D arrays of resample counts in
+bounded blocks. Generation pieces are resampled by the long prefill that caused them (pieces
+stalled by one prefill are not independent); everything else by turn or task. Load rows
+describe what happened in each window: they are not estimates and get no interval.
 
-Every difference is after minus before. Its 90% interval is a percentile bootstrap, seeded per
-row (the same numbers whichever table is asked for), computed on 2-D arrays of resample counts
-(one block for these logs; bounded blocks for a day of tasks), never one resample at a time. Generation pieces are resampled by the long prefill that caused
-them (pieces stalled by one prefill are not independent); everything else by turn or task.
-Load rows (turns/hour, busy time, concurrency) describe what happened in each window; they are
-not estimates and get no interval.
-
-Two sides are either two datasets (two runs) or two wall-clock windows of one dataset
-(:func:`split`). A window selects tasks by their wall-clock launch time; what ran around them is
-kept as context, so a turn just after the window's start still sees the prefill that started
-before it.
+Two sides are two datasets (two runs) or two wall-clock windows of one dataset (:func:`split`).
+A window selects tasks by their wall-clock launch time; what ran around them is kept as context,
+so a turn just after the window's start still sees the prefill that started before it.
 """
 
 from __future__ import annotations
@@ -97,9 +85,6 @@ class Window(Dataset):
     unplaced: int = 0  # tasks of the whole dataset with no wall-clock time (left out)
 
 
-# --- windows -----------------------------------------------------------------------------------
-
-
 def parse_window(value: str, tz: str = "UTC") -> tuple[pd.Timestamp | None, pd.Timestamp | None]:
     """``START..END`` (ISO times or dates, either side may be empty) -> bounds of [start, end).
 
@@ -136,11 +121,10 @@ def _wall_offsets(ds: Dataset) -> pd.DataFrame:
     else from a wrapper's stamps; NaN where neither exists."""
     s = ds.server.sessions
     out = s[tl.GROUP].copy()
-    off = pd.to_numeric(s["wall_offset_us"], errors="coerce").to_numpy(dtype="float64", na_value=np.nan) \
-        if "wall_offset_us" in s.columns else np.full(len(s), np.nan)
+    off = _f(s["wall_offset_us"]) if "wall_offset_us" in s.columns else np.full(len(s), np.nan)
     if ds.matches is not None and len(ds.matches.aligned):
         al = out.merge(ds.matches.aligned[tl.GROUP + ["offset_us"]].drop_duplicates(tl.GROUP), on=tl.GROUP, how="left")
-        app = pd.to_numeric(al["offset_us"], errors="coerce").to_numpy(dtype="float64", na_value=np.nan)
+        app = _f(al["offset_us"])
         off = np.where(np.isnan(app), off, app)
     out["offset_us"] = off
     return out
@@ -227,9 +211,6 @@ def _span_text(start: pd.Timestamp | None, end: pd.Timestamp | None) -> str:
     return f"{a}..{b}"
 
 
-# --- one side ----------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Side:
     """What one side contributes: per-row samples and the load of its window."""
@@ -252,24 +233,22 @@ def side(ds: Dataset, opts: Options, short_tokens: int = SHORT_TOKENS) -> Side:
     tv = task_view(ds)
     offsets = _wall_offsets(ds)
     launch_us = _wall(tv, offsets, "launch_s")
-    lo = _us(ds.start, -np.inf) if isinstance(ds, Window) else -np.inf
-    hi = _us(ds.end, np.inf) if isinstance(ds, Window) else np.inf
+    lo, hi = (_us(ds.start, -np.inf), _us(ds.end, np.inf)) if isinstance(ds, Window) else (-np.inf, np.inf)
     subj = (launch_us >= lo) & (launch_us < hi) if isinstance(ds, Window) else np.ones(len(tv), dtype=bool)
     keys = tl.GROUP + ["task_id"]
-    f = _f
 
     # Tasks: waits, LoRA waits, speeds.
-    wait_s = f(tv["wait_before_prefill_ms"]) / 1000
+    wait_s = _f(tv["wait_before_prefill_ms"]) / 1000
     waits = classify_waits(ds, opts, tv)
     diff_lora = tv[keys].merge(waits.loc[waits["cause"] == "different_lora", keys].assign(_d=True), on=keys, how="left")["_d"]
     has_lora = ds.matches is not None and "lora" in tv.columns and tv["lora"].notna().any()
-    new = f(tv["prompt_tokens_new"])
+    new = _f(tv["prompt_tokens_new"])
     tasks = pd.DataFrame({
         "wait_s": wait_s,
         "different_lora": diff_lora.notna().to_numpy(),
         "prompt_tokens_new": new,
-        "prefill_tps": f(tv["prefill_tps"]),
-        "gen_tps": np.where(f(tv["n_gen"]) >= 2, f(tv["gen_tps"]), np.nan),
+        "prefill_tps": _f(tv["prefill_tps"]),
+        "gen_tps": np.where(_f(tv["n_gen"]) >= 2, _f(tv["gen_tps"]), np.nan),
     })[subj].reset_index(drop=True)
 
     # Chat turns: by their task's launch when matched, else by the call's start.
@@ -286,8 +265,8 @@ def side(ds: Dataset, opts: Options, short_tokens: int = SHORT_TOKENS) -> Side:
     # Load within the window (or over the whole observed span of a dataset).
     steps = tl.concurrency(tv, ds.server.sessions)
     if len(steps):
-        a = _wall(steps, offsets, "start_s") if isinstance(ds, Window) else f(steps["start_s"])
-        z = _wall(steps, offsets, "end_s") if isinstance(ds, Window) else f(steps["end_s"])
+        a = _wall(steps, offsets, "start_s") if isinstance(ds, Window) else _f(steps["start_s"])
+        z = _wall(steps, offsets, "end_s") if isinstance(ds, Window) else _f(steps["end_s"])
         scale = 1e6 if isinstance(ds, Window) else 1.0
         a, z = np.maximum(a, lo), np.minimum(z, hi)
         secs = np.clip(z - a, 0, None) / scale
@@ -305,50 +284,47 @@ def side(ds: Dataset, opts: Options, short_tokens: int = SHORT_TOKENS) -> Side:
 
 def _turns(ds: Dataset, tv: pd.DataFrame, subj: np.ndarray, opts: Options, short_tokens: int,
            lo: float, hi: float) -> pd.DataFrame:
-    empty = pd.DataFrame({"measured": pd.Series(dtype=bool), "ttft_s": pd.Series(dtype="float64"),
-                          "short": pd.Series(dtype=bool), "condition": pd.Series(dtype="object")})
     if ds.matches is None:
-        return empty
+        return pd.DataFrame({"measured": pd.Series(dtype=bool), "ttft_s": pd.Series(dtype="float64"),
+                             "short": pd.Series(dtype=bool), "condition": pd.Series(dtype="object")})
     keys = tl.GROUP + ["task_id"]
     calls = ds.matches.calls
     calls = calls[is_chat_turn(calls["purpose"]).to_numpy()]
     matched = calls["task_id"].notna().to_numpy()
-    at = calls["launch_at"].where(calls["launch_at"].notna(), calls["start_at"]) if "launch_at" in calls.columns else calls["start_at"]
-    at_us = at.astype("datetime64[us, UTC]").astype("int64").to_numpy(dtype="float64")
-    at_us = np.where(at.isna().to_numpy(), np.nan, at_us)
     if np.isfinite(lo) or np.isfinite(hi):
         # A matched call belongs where its task does (a task outside the window may be context).
         sub_keys = tv.loc[subj, keys].assign(_s=True)
         in_task = calls[keys].merge(sub_keys, on=keys, how="left")["_s"].notna().to_numpy()
-        keep = np.where(matched, in_task, (at_us >= lo) & (at_us < hi))
-        calls = calls[keep]
+        calls = calls[np.where(matched, in_task, _in_window(calls, lo, hi))]
     measured = (calls["ok"].fillna(False).astype(bool) & calls["task_id"].notna() & calls["ttft_ms"].notna()).to_numpy()
     t = calls.loc[measured, keys + ["ttft_ms"]].merge(
         tv[keys + ["launch_s", "first_token_s", "prompt_tokens_new", "queue_ms", "release_s", "prefill_start_s"]],
         on=keys, how="left")
-    f = _f
-    launch = f(t["launch_s"])
-    q = np.nan_to_num(f(t["queue_ms"]) / 1000)
-    span = t[tl.GROUP].assign(start_s=launch - q, end_s=f(t["first_token_s"]))
+    launch = _f(t["launch_s"])
+    q = np.nan_to_num(_f(t["queue_ms"]) / 1000)
+    span = t[tl.GROUP].assign(start_s=launch - q, end_s=_f(t["first_token_s"]))
     # What else ran: every task from launch to end, the turn's own left out.
-    run = tv[tl.GROUP].assign(start_s=f(tv["launch_s"]), end_s=tl.task_ends(tv, ds.server.sessions))
+    run = tv[tl.GROUP].assign(start_s=_f(tv["launch_s"]), end_s=tl.task_ends(tv, ds.server.sessions))
     own_end = t[keys].merge(tv[keys].assign(_e=run["end_s"].to_numpy()), on=keys, how="left")["_e"].to_numpy(dtype="float64")
     others = tl.overlaps(span, run, own_start=launch, own_end=own_end)["max_count"].to_numpy()
     ph = tl.phases(tv)
-    big = ph[(ph["phase"] == "prefill") & (f(ph["prompt_tokens_new"]) >= opts.big_prefill_tokens)]
-    own_big = f(t["prompt_tokens_new"]) >= opts.big_prefill_tokens
-    big_cov = np.zeros(len(t))
-    for own, mask in ((False, ~own_big), (True, own_big)):
-        if not mask.any():
-            continue
-        big_cov[mask] = tl.overlaps(span[mask], big, own_start=f(t.loc[mask, "prefill_start_s"]) if own else None,
-                                    own_end=f(t.loc[mask, "first_token_s"]) if own else None)["covered_s"].to_numpy()
+    big = ph[(ph["phase"] == "prefill") & (_f(ph["prompt_tokens_new"]) >= opts.big_prefill_tokens)]
+    own_big = _f(t["prompt_tokens_new"]) >= opts.big_prefill_tokens  # (its own prefill is one of them: left out)
+    big_cov = tl.overlaps(span, big, own_start=np.where(own_big, _f(t["prefill_start_s"]), np.nan),
+                          own_end=np.where(own_big, _f(t["first_token_s"]), np.nan))["covered_s"].to_numpy()
     condition = np.select([big_cov > 0, others >= 1], CONDITIONS[:0:-1], CONDITIONS[0])
-    out = pd.DataFrame({"measured": np.ones(len(t), dtype=bool), "ttft_s": f(t["ttft_ms"]) / 1000,
-                        "short": (f(t["prompt_tokens_new"]) < short_tokens), "condition": condition})
+    out = pd.DataFrame({"measured": np.ones(len(t), dtype=bool), "ttft_s": _f(t["ttft_ms"]) / 1000,
+                        "short": (_f(t["prompt_tokens_new"]) < short_tokens), "condition": condition})
     unmeasured = pd.DataFrame({"measured": np.zeros(int((~measured).sum()), dtype=bool), "ttft_s": np.nan,
                                "short": False, "condition": None})
     return pd.concat([out, unmeasured], ignore_index=True) if len(unmeasured) else out
+
+
+def _in_window(calls: pd.DataFrame, lo: float, hi: float) -> np.ndarray:
+    """Which calls were launched (else started: not matched) in [lo, hi) (wall µs)."""
+    at = calls["launch_at"].where(calls["launch_at"].notna(), calls["start_at"]) if "launch_at" in calls.columns else calls["start_at"]
+    at_us = at.astype("datetime64[us, UTC]").astype("int64").to_numpy(dtype="float64")
+    return (at_us >= lo) & (at_us < hi) & at.notna().to_numpy()
 
 
 def _settings(ds: Dataset, tv: pd.DataFrame, subj: np.ndarray, lo: float, hi: float) -> tuple[dict[str, str], str]:
@@ -371,9 +347,7 @@ def _settings(ds: Dataset, tv: pd.DataFrame, subj: np.ndarray, lo: float, hi: fl
     if ds.matches is not None and "lora" in ds.matches.calls.columns:
         calls = ds.matches.calls
         if np.isfinite(lo) or np.isfinite(hi):
-            at = calls["launch_at"].where(calls["launch_at"].notna(), calls["start_at"])
-            at_us = at.astype("datetime64[us, UTC]").astype("int64").to_numpy(dtype="float64")
-            calls = calls[(at_us >= lo) & (at_us < hi) & at.notna().to_numpy()]
+            calls = calls[_in_window(calls, lo, hi)]
         labels = calls["lora"].astype("string").dropna()
         if len(labels):
             counts = labels.value_counts().sort_index()
@@ -389,9 +363,6 @@ def _settings(ds: Dataset, tv: pd.DataFrame, subj: np.ndarray, lo: float, hi: fl
         "build": texts("build"),
         "lora": lora,
     }, mix
-
-
-# --- bootstrap ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -502,9 +473,6 @@ def few_caution(e: Estimate, unit: str, min_samples: int) -> str:
     return f"only {what}: too few to call an effect; {tail}"
 
 
-# --- tables ------------------------------------------------------------------------------------
-
-
 def _ratio(a: float, b: float) -> float:
     if not (math.isfinite(a) and math.isfinite(b)) or min(a, b) <= 0:
         return math.inf if max(a, b) > 0 else 1.0
@@ -528,13 +496,9 @@ def _load_row(label: str, b: float, a: float, caution: str = "", n: tuple[int, i
 def _overall(b: Side, a: Side, opts: Options, seed: int, n_boot: int) -> pd.DataFrame:
     ms = opts.min_samples
     tb, ta = len(b.turns), len(a.turns)
-    hours_b, hours_a = b.observed_s / 3600, a.observed_s / 3600
-    tph_b = tb / hours_b if hours_b > 0 else np.nan
-    tph_a = ta / hours_a if hours_a > 0 else np.nan
-    share_b = b.busy2_s / b.observed_s if b.observed_s > 0 else np.nan
-    share_a = a.busy2_s / a.observed_s if a.observed_s > 0 else np.nan
-    long_b = int((b.tasks["prompt_tokens_new"] >= opts.long_prefill_tokens).sum())
-    long_a = int((a.tasks["prompt_tokens_new"] >= opts.long_prefill_tokens).sum())
+    tph_b, tph_a = (len(s.turns) / (s.observed_s / 3600) if s.observed_s > 0 else np.nan for s in (b, a))
+    share_b, share_a = (s.busy2_s / s.observed_s if s.observed_s > 0 else np.nan for s in (b, a))
+    long_b, long_a = (int((s.tasks["prompt_tokens_new"] >= opts.long_prefill_tokens).sum()) for s in (b, a))
     load = f"load differs by more than {LOAD_RATIO - 1:.0%}: differences in time may come from the traffic"
     rows = [
         _load_row("turns", tb, ta, few_caution(Estimate(tb, ta, tb, ta, ta - tb, np.nan, np.nan, np.nan), "turns", ms)
@@ -629,9 +593,8 @@ def _indicators(b: Side, a: Side, opts: Options, seed: int, n_boot: int) -> pd.D
                      (wa["different_lora"] & (wa["wait_s"] >= thr)).to_numpy(float), "sum", seed=seed, n_boot=n_boot)
         rows.append(_row("waits_different_lora_count", e, few_caution(e, "tasks", ms), "indicator"))
     else:
-        rows.append({"indicator": "waits_different_lora_count", "before": np.nan, "after": np.nan, "before_n": 0,
-                     "after_n": 0, "diff": np.nan, "ci_low": np.nan, "ci_high": np.nan,
-                     "caution": "needs an app log with each call's LoRA setting on both sides"})
+        rows.append(_row("waits_different_lora_count", Estimate(np.nan, np.nan, 0, 0, np.nan, np.nan, np.nan, np.nan),
+                         "needs an app log with each call's LoRA setting on both sides", "indicator"))
 
     def big(s: Side) -> np.ndarray:
         t = s.tasks
@@ -757,8 +720,6 @@ def _cautions(before: Dataset, after: Dataset, b: Side, a: Side, tables: dict[st
     return pd.DataFrame(rows, columns=CAUTION_COLUMNS)
 
 
-# --- report ------------------------------------------------------------------------------------
-
 CAPTIONS = {
     "overall": "Traffic and load of each side, then time to first token (TTFT) of every chat turn, whatever "
                "ran meanwhile (read same-conditions before these). diff = after - before; ci = 90% bootstrap "
@@ -848,10 +809,7 @@ def read_sides(paths: list[str] | None, before: list[str] | None, after: list[st
         raise UsageError(None, None, "give both --before and --after: two windows START..END of the logs, "
                          "or two sets of logs (--before DIR --after DIR)")
 
-    def is_window(v: str) -> bool:
-        return ".." in v and not os.path.exists(v)
-
-    kinds = {is_window(v) for v in before + after}
+    kinds = {".." in v and not os.path.exists(v) for v in before + after}  # (a window, or logs)
     if kinds == {True}:
         if len(before) != 1 or len(after) != 1:
             raise UsageError(None, None, "give one window each: --before START..END --after START..END")

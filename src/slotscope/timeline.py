@@ -25,6 +25,8 @@ CONCURRENCY_COLUMNS = ["source", "port", "session", "start_s", "end_s", "running
 SAME_PASS_S = 0.02
 # A step between progress lines longer than this many typical passes hides a pause of the slot.
 PAUSE_FACTOR = 1.5
+QUERY_BLOCK = 1 << 16  # overlap queries answered at a time (bounds their temporaries)
+BLOCK_LEVELS = 4  # blocks of 16 elements in :class:`_BlockRange`
 
 
 def _col(tv: pd.DataFrame, name: str) -> pd.Series:
@@ -32,9 +34,8 @@ def _col(tv: pd.DataFrame, name: str) -> pd.Series:
 
 
 def _f(s: pd.Series) -> np.ndarray:
-    """A column as float64 (NaN for gaps and what is not a number). A float64 column gives
-    its own values, not a copy (read-only under copy-on-write; pandas 2 gave them already):
-    a copy of each time column read was ~4.5 MB at 1 GB of log."""
+    """A column as float64 (NaN for gaps and what is not a number); a float64 column's own
+    values, not a copy."""
     if isinstance(s.dtype, np.dtype) and s.dtype == np.float64:
         return s.to_numpy()
     return pd.to_numeric(s, errors="coerce").to_numpy(dtype="float64", na_value=np.nan)
@@ -57,11 +58,7 @@ def task_ends(tv: pd.DataFrame, sessions: pd.DataFrame | None = None) -> np.ndar
     t = np.fmax(_f(tv["launch_s"]), _f(tv["prefill_start_s"]))
     np.fmax(t, _f(tv["first_token_s"]), out=t)
     np.fmax(t, end, out=t)
-    if not len(code) or (code == code[0]).all():  # (one session, the usual case: its latest, no groupby)
-        latest = np.fmax.reduce(t) if len(t) else np.nan
-    else:
-        latest = pd.Series(t).groupby(code, observed=True).transform("max").to_numpy(dtype="float64", na_value=np.nan)
-    del t, code
+    latest = pd.Series(t).groupby(code, observed=True).transform("max").to_numpy(dtype="float64", na_value=np.nan)
     fallback = np.where(np.isnan(fallback), latest, fallback)
     return np.where(np.isnan(end), fallback, end)
 
@@ -123,8 +120,7 @@ def key_codes(frames: Sequence[pd.DataFrame], by: Sequence[str]) -> list[np.ndar
 
 
 def narrow(code: np.ndarray) -> np.ndarray:
-    """Codes (0..n-1, as :func:`key_codes` gives) in the narrowest integer type that holds them
-    (one session, the usual case: a byte a row, not eight)."""
+    """Non-negative integers (codes, counts) in the narrowest integer type that holds them."""
     top = int(code.max(initial=0))
     return code.astype(next(t for t in (np.int8, np.int16, np.int32, np.int64) if top <= np.iinfo(t).max))
 
@@ -141,31 +137,25 @@ def by_code(src: np.ndarray, values: np.ndarray, dst: np.ndarray, missing: Any) 
 def _one_value(cols: Sequence[pd.Series]) -> bool:
     """Whether these columns hold one value in all their rows, told cheaply for numbers,
     categories and texts (NA counts as a value of its own); False when not sure."""
-    first = None
-    for col in cols:
-        if not len(col):
-            continue
+    values = []
+    for col in (c for c in cols if len(c)):
         if isinstance(col.dtype, pd.CategoricalDtype):
             codes = col.cat.codes.to_numpy()
             if codes[0] < 0 or not (codes == codes[0]).all():
                 return False
-            value = col.cat.categories[codes[0]]
+            values.append(col.cat.categories[codes[0]])
         elif isinstance(col.dtype, np.dtype) and col.dtype.kind in "iu":
             v = col.to_numpy()
             if not (v == v[0]).all():
                 return False
-            value = v[0].item()
+            values.append(v[0].item())
         elif col.dtype == object or isinstance(col.dtype, pd.StringDtype):  # (a text column, e.g. sessions' source)
-            value = col.iloc[0]
-            if not isinstance(value, str) or not bool((col == value).fillna(False).all()):
+            if not isinstance(col.iloc[0], str) or not bool((col == col.iloc[0]).fillna(False).all()):
                 return False
+            values.append(col.iloc[0])
         else:
             return False
-        if first is None:
-            first = value
-        elif not (type(value) is type(first) and value == first):
-            return False
-    return True
+    return all(type(v) is type(values[0]) and v == values[0] for v in values)
 
 
 def concurrency(tv: pd.DataFrame, sessions: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -173,85 +163,34 @@ def concurrency(tv: pd.DataFrame, sessions: pd.DataFrame | None = None) -> pd.Da
     ``prefilling``, ``generating`` and ``waiting`` (launched, prefill not started), over
     [start_s, end_s). It spans each session's first launch to its last release, idle time
     included. A task with no release runs to the session's end (see :func:`task_ends`)."""
-    got = concurrency_arrays(tv, sessions)
-    if got is None:
+    launch, ps, ft, rel = (_f(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))
+    end = task_ends(tv, sessions)
+    ok0, ok1, ok2 = (~np.isnan(a) & ~np.isnan(b) & (b >= a) for a, b in ((launch, end), (ps, ft), (ft, rel)))
+    code = key_codes([tv], GROUP)[0]
+    used = ok0 | ok1 | ok2
+    parts = []
+    for g in np.unique(code[used]):  # (sessions in sorted key order, NA last)
+        in_g = code == g
+        m0, m1, m2 = ok0 & in_g, ok1 & in_g, ok2 & in_g
+        # A step per distinct event time; the count after each is the intervals begun by then
+        # minus those ended by then. (A release is the running span's end where that is there.)
+        t = _distinct_times([(launch, m0), (end, m0), (ps, m1), (ft, m1 | m2), (rel, m2 & ~m0)])
+        levels = [_step_counts(np.sort(a[m]), np.sort(z[m]), t[:-1]) for a, z, m in ((launch, end, m0), (ps, ft, m1), (ft, rel, m2))]
+        parts.append((np.full(len(t) - 1, np.argmax(used & in_g)), t[:-1], t[1:], *levels))
+    if not parts:
         return pd.DataFrame({c: pd.Series(dtype="float64") for c in CONCURRENCY_COLUMNS})
-    rep, start, stop, (running, prefilling, generating) = got
+    rep, start, stop, running, prefilling, generating = (np.concatenate(p) for p in zip(*parts))
     step = tv[GROUP].iloc[rep].reset_index(drop=True)
-    step["start_s"] = start
-    step["running"] = running.astype(np.int64)
-    step["prefilling"] = prefilling.astype(np.int64)
-    step["generating"] = generating.astype(np.int64)
-    step["end_s"] = stop
+    step["start_s"], step["end_s"] = start, stop
+    step["running"], step["prefilling"], step["generating"] = (v.astype(np.int64) for v in (running, prefilling, generating))
     step["waiting"] = step["running"] - step["prefilling"] - step["generating"]
     return step[CONCURRENCY_COLUMNS]
 
 
-def concurrency_arrays(tv: pd.DataFrame, sessions: pd.DataFrame | None = None, running_only: bool = False,
-                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]] | None:
-    """:func:`concurrency` as arrays: ``(rep, start, stop, levels)``, ``rep`` the position in
-    ``tv`` of a task of each step's session, ``levels`` the running, prefilling and generating
-    counts (``running_only``: the first alone); None when there is no step."""
-    parts = [(np.full(len(t) - 1, row), t[:-1], t[1:], *levels) for row, t, levels in concurrency_parts(tv, sessions, running_only)]
-    if not parts:
-        return None
-    # (one session, the usual case: its arrays as they are, not copied into new ones)
-    rep, start, stop, *levels = parts[0] if len(parts) == 1 else (np.concatenate([p[k] for p in parts]) for k in range(len(parts[0])))
-    return rep, start, stop, levels
-
-
-def concurrency_parts(tv: pd.DataFrame, sessions: pd.DataFrame | None = None, running_only: bool = False,
-                      ) -> Iterator[tuple[int, np.ndarray, list[np.ndarray]]]:
-    """:func:`concurrency_arrays` a session at a time, in its order: ``(row, t, levels)``,
-    ``row`` the position in ``tv`` of one of its tasks, its steps from ``t[:-1]`` to ``t[1:]``."""
-    launch, ps, ft, rel = (_f(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))
-    end = task_ends(tv, sessions)
-    ok0, ok1, ok2 = (~np.isnan(a) & ~np.isnan(b) & (b >= a) for a, b in ((launch, end), (ps, ft), (ft, rel)))
-    # Sessions in sorted key order (NA last), numbered as a groupby numbers them.
-    code = key_codes([tv], GROUP)[0]
-    used = ok0 | ok1 | ok2
-    one = not len(code) or bool((code == code[0]).all())  # (one session, the usual case: no masks per session)
-    for g in np.unique(code[used]):
-        in_g = None if one else code == g
-        m0, m1, m2 = (ok if in_g is None else ok & in_g for ok in (ok0, ok1, ok2))
-        # A step per distinct event time (of all three kinds of interval, whichever levels are
-        # asked for); a count after every event at time u is the intervals begun by u minus
-        # those ended by u (what a running sum of +1/-1 events gives). The distinct times are
-        # gathered into one array and sorted in place, each kind of time once (a first token
-        # ends one span and starts the next; a release is the running span's end where that
-        # span is there): at 1 GB of log, 2.2M steps from ~2.2M times, where the six sorted
-        # arrays, their concatenation, its sorted copy and the searches rose ~90 MB at once.
-        t = _distinct_times([(launch, m0), (end, m0), (ps, m1), (ft, m1 | m2), (rel, m2 & ~m0)])
-        levels = []
-        for a, z, m in ((launch, end, m0), (ps, ft, m1), (ft, rel, m2))[:1 if running_only else 3]:
-            s0, e0 = a[m], z[m]
-            s0.sort()
-            e0.sort()
-            levels.append(_step_counts(s0, e0, t[:-1]))
-            del s0, e0
-        yield int(np.argmax(used if in_g is None else used & in_g)), t, levels
-
-
 def _distinct_times(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
     """The distinct values of ``values[rows]`` over the ``(values, rows)`` parts (``rows``:
-    positions, or a mask), sorted: the ``np.unique`` of their concatenation, gathered straight
-    into one array, which holds the result."""
-    sizes = [int(np.count_nonzero(r)) if r.dtype == bool else len(r) for _, r in parts]
-    x = np.empty(sum(sizes))
-    at = 0
-    for (v, r), k in zip(parts, sizes):
-        if r.dtype == bool:
-            np.compress(r, v, out=x[at:at + k])
-        else:
-            np.take(v, r, out=x[at:at + k])
-        at += k
-    x.sort()
-    keep = np.empty(len(x), dtype=bool)
-    keep[:1] = True
-    np.not_equal(x[1:], x[:-1], out=keep[1:])
-    # The distinct values moved to the front in place, not copied out (at 1 GB of log a second
-    # array of 2.2M times was 18 MB).
-    return kept_in_place(x, keep, SEARCH_BLOCK)
+    positions, or a mask), sorted."""
+    return np.unique(np.concatenate([v[r] for v, r in parts]))
 
 
 def kept_in_place(values: np.ndarray, keep: np.ndarray, block: int) -> np.ndarray:
@@ -265,35 +204,20 @@ def kept_in_place(values: np.ndarray, keep: np.ndarray, block: int) -> np.ndarra
     return values[:w]
 
 
-QUERY_BLOCK = 1 << 16  # overlap queries answered at a time (bounds their temporaries: ~0.5 MB each)
-SEARCH_BLOCK = 1 << 16  # step starts searched at a time (see :func:`_step_counts`)
-
-
 class _SparseTable:
-    """Range queries by sparse table: level k picks (``pick``) between two entries of level k-1
-    2**(k-1) apart, and a range is answered from two overlapping power-of-two spans. Up to
-    ``log2(n)`` arrays of the base's type, each made when a range first needs it (ranges up to
-    2**(k+1) - 1 long need levels 0..k)."""
+    """Range picks (``pick``: max, or leftmost argmax) by sparse table: level k picks between two
+    entries of level k-1 2**(k-1) apart, each level made when a range first needs it, and a
+    range is answered from two overlapping power-of-two spans."""
 
     def __init__(self, base: np.ndarray, pick: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> None:
         self.pick = pick
         self.levels = [base]
 
     def level(self, k: int) -> np.ndarray:
-        """Level ``k``, made (with those below it) when first asked for: queries that are all
-        short (e.g. the instants before each release) never make the upper ones."""
         while len(self.levels) <= k:
             prev, half = self.levels[-1], 1 << (len(self.levels) - 1)
             self.levels.append(self.pick(prev[:-half], prev[half:]))
         return self.levels[k]
-
-    def query(self, lo: np.ndarray, hi: np.ndarray, empty: int) -> np.ndarray:
-        """The pick over [lo, hi] (inclusive); ``empty`` where the range is empty."""
-        out = np.full(len(lo), empty, dtype=np.int64)
-        ok = hi >= lo
-        if ok.any():
-            out[ok] = self.pick_of(lo[ok], hi[ok])
-        return out
 
     def pick_of(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """The pick over [lo, hi] for ranges that are not empty (in the levels' type)."""
@@ -307,11 +231,10 @@ class _SparseTable:
 
 
 class _BlockRange:
-    """Range queries (a pick: max, or leftmost argmax) in ~BLOCK_LEVELS + 2 entries per element,
-    not a sparse table's log2(n): a sparse table of levels 0..BLOCK_LEVELS answers ranges shorter
-    than two blocks (2 * 2**BLOCK_LEVELS) and the partial blocks at the ends of longer ones, a
-    sparse table over the blocks' picks the whole blocks between. (At 1 GB of log an overlap
-    query has ~1.1M steps: a full sparse table of their int8/int16 counts was 31-40 MB.)"""
+    """Range picks in ~BLOCK_LEVELS + 2 entries per element, not a sparse table's log2(n): a
+    sparse table of levels 0..BLOCK_LEVELS answers ranges shorter than two blocks and the
+    partial blocks at the ends of longer ones, a sparse table over the blocks' picks the whole
+    blocks between."""
 
     def __init__(self, base: np.ndarray, pick: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> None:
         self.small = _SparseTable(base, pick)  # (asked only for levels 0..BLOCK_LEVELS)
@@ -349,9 +272,6 @@ class _BlockRange:
         return out
 
 
-BLOCK_LEVELS = 4  # blocks of 16 elements in :class:`_BlockRange`
-
-
 def _range_argmax(v: np.ndarray) -> _BlockRange:
     """Position of the maximum of ``v`` over ranges (ties: the left one); int32 positions."""
     return _BlockRange(np.arange(len(v), dtype=np.int32 if len(v) < 2**31 else np.int64),
@@ -359,27 +279,13 @@ def _range_argmax(v: np.ndarray) -> _BlockRange:
 
 
 def _range_max_count(count: np.ndarray) -> _BlockRange:
-    """The maximum of small non-negative counts over ranges, kept in the counts' narrowest
-    type (for counts under 128, a quarter of the memory of int32 positions)."""
-    top = int(count.max(initial=0))
-    dtype = next(t for t in (np.int8, np.int16, np.int32, np.int64) if top <= np.iinfo(t).max)
-    return _BlockRange(count.astype(dtype), np.maximum)
+    """The maximum of non-negative counts over ranges, kept in the counts' narrowest type."""
+    return _BlockRange(narrow(count), np.maximum)
 
 
 def _step_counts(s_sorted: np.ndarray, e_sorted: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """Intervals begun by each ``t`` minus those ended by it (sorted starts and ends), as int32,
-    :data:`SEARCH_BLOCK` times at a time (not two int64 searches as long as ``t``: 16 bytes a
-    step)."""
-    out = np.empty(len(t), dtype=np.int32)
-    for at in range(0, len(t), SEARCH_BLOCK):
-        x = t[at:at + SEARCH_BLOCK]
-        out[at:at + SEARCH_BLOCK] = np.searchsorted(s_sorted, x, "right") - np.searchsorted(e_sorted, x, "right")
-    return out
-
-
-def _group_codes(queries: pd.DataFrame, intervals: pd.DataFrame, by: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    qcode, icode = key_codes([queries, intervals], by)
-    return qcode, icode
+    """Intervals begun by each ``t`` minus those ended by it (sorted starts and ends)."""
+    return np.searchsorted(s_sorted, t, "right") - np.searchsorted(e_sorted, t, "right")
 
 
 def rows_by_group(codes: np.ndarray, usable: np.ndarray) -> dict[int, np.ndarray]:
@@ -419,7 +325,7 @@ def overlaps(
     ive = _f(intervals["end_s"]) if len(intervals) else np.empty(0)
     vals = _f(intervals[value]) if (value is not None and len(intervals)) else None
     if len(queries) and len(intervals):
-        qcode, icode = _group_codes(queries, intervals, by)
+        qcode, icode = key_codes([queries, intervals], by)
     else:
         qcode, icode = np.zeros(len(queries), dtype=np.int64), np.zeros(len(intervals), dtype=np.int64)
     covered, max_count, max_value, max_pos = overlap_arrays(qcode, qs, qe, icode, ivs, ive, vals=vals,
@@ -433,6 +339,81 @@ def overlaps(
         out["max_value"] = max_value
         out["max_pos"] = max_pos
     return out
+
+
+_Places = tuple[np.ndarray, np.ndarray, np.ndarray]  # times, their "right" and "left" places among the breakpoints
+
+
+class _Steps:
+    """One group's intervals as a step function: breakpoints ``b``, intervals active on
+    [b[i], b[i+1]), and what the queries ``need`` of it."""
+
+    def __init__(self, ivs: np.ndarray, ive: np.ndarray, grp: np.ndarray, vals: np.ndarray | None,
+                 need: tuple[str, ...], has_own: bool) -> None:
+        self.b = b = _distinct_times([(ivs, grp), (ive, grp)])
+        count = _step_counts(np.sort(ivs[grp]), np.sort(ive[grp]), b[:-1])
+        if "covered" in need:
+            self.f1, self.f2 = _covered_by_step(b, count, has_own)
+        if "max_count" in need:
+            self.counts = _range_max_count(count)
+        del count
+        if vals is not None:
+            rows = np.flatnonzero(grp) if grp.dtype == bool else grp
+            self.ev_val, self.ev_row = _largest_per_step(b, ivs[grp], ive[grp], vals[grp], rows)
+            self.values = _range_argmax(self.ev_val)
+
+    def places(self, x: np.ndarray) -> _Places:
+        """``x`` with ``searchsorted(b, x)`` "right" and "left", from one search (b is unique)."""
+        right = np.searchsorted(self.b, x, "right")
+        return x, right, right - (self.b[np.maximum(right - 1, 0)] == x)
+
+    def steps_in(self, a: _Places, z: _Places) -> tuple[np.ndarray, np.ndarray]:
+        """The first and last step that (a, z) overlaps."""
+        return np.maximum(a[1] - 1, 0), np.minimum(z[2] - 1, len(self.b) - 2)
+
+    def cover(self, a: np.ndarray, z: np.ndarray, f: np.ndarray) -> np.ndarray:
+        return np.interp(z, self.b, f) - np.interp(a, self.b, f)
+
+    def covered(self, a: np.ndarray, z: np.ndarray, own: tuple[np.ndarray, np.ndarray] | None) -> np.ndarray:
+        """Seconds of (a, z) under the intervals, the own one (clipped to the query) left out."""
+        if own is None:
+            return self.cover(a, z, self.f1)
+        c0, c1 = own
+        return self.cover(a, z, self.f1) - self.cover(c0, c1, self.f1) + self.cover(c0, c1, self.f2)
+
+    def most(self, a: _Places, z: _Places) -> np.ndarray:
+        """Most intervals active at once in (a, z)."""
+        lo, hi = self.steps_in(a, z)
+        return self.counts.query(lo, np.where(z[0] > a[0], hi, -1), 0)
+
+    def max_count(self, a: _Places, z: _Places, own: tuple[np.ndarray, np.ndarray] | None) -> np.ndarray:
+        """:meth:`most` in (a, z), the own interval (clipped to the query) left out."""
+        if own is None:
+            return self.most(a, z)
+        p0, p1 = self.places(own[0]), self.places(own[1])
+        inside = np.maximum(self.most(p0, p1) - 1, 0)
+        return np.maximum.reduce([self.most(a, p0), inside, self.most(p1, z)])
+
+    def largest(self, qi: np.ndarray, a: _Places, z: _Places, max_pos: np.ndarray, max_value: np.ndarray | None) -> None:
+        """The row of the interval with the largest value in (a, z), and that value, written
+        into the queries' places ``qi`` of ``max_pos`` and ``max_value``."""
+        pos = self.values.query(*self.steps_in(a, z), -1)
+        got = (pos >= 0) & (self.ev_row[np.maximum(pos, 0)] >= 0)
+        max_pos[qi[got]] = self.ev_row[pos[got]]
+        if max_value is not None:
+            mv = self.ev_val[pos[got]]
+            max_value[qi[got]] = np.where(np.isinf(mv), np.nan, mv)
+
+
+def _both_by_group(qcode: np.ndarray, q_ok: np.ndarray, icode: np.ndarray, i_ok: np.ndarray,
+                   ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The usable queries and intervals of each group that has both: positions, or with one
+    group (the usual case) masks, whose positions are taken when needed."""
+    queries = {int(qcode[0]): q_ok} if bool((qcode == qcode[0]).all()) else rows_by_group(qcode, q_ok)
+    one = bool((icode == icode[0]).all())
+    for code, grp in ({int(icode[0]): i_ok} if one else rows_by_group(icode, i_ok)).items():
+        if code in queries:
+            yield queries[code], grp
 
 
 def overlap_arrays(
@@ -453,132 +434,39 @@ def overlap_arrays(
     max_value = np.full(n, np.nan) if vals is not None and "max_value" in need else None
     max_pos = np.full(n, -1, dtype=np.int64) if vals is not None else None
     has_own = own_start is not None and own_end is not None
-    if has_own:
-        os_ = np.asarray(own_start, dtype="float64")
-        oe_ = np.asarray(own_end, dtype="float64")
+    os_, oe_ = (np.asarray(own_start, dtype="float64"), np.asarray(own_end, dtype="float64")) if has_own else (qs, qe)
     valid_iv = ~np.isnan(ivs) & ~np.isnan(ive) & (ive > ivs)
     if not (n and valid_iv.any()):
         return covered, max_count, max_value, max_pos
     q_ok = ~np.isnan(qs) & ~np.isnan(qe) & (qe > qs)
-    # The queries of each group: positions, or with one group (the usual case) a mask, whose
-    # positions are taken a block at a time.
-    query_groups = {int(qcode[0]): q_ok} if bool((qcode == qcode[0]).all()) else rows_by_group(qcode, q_ok)
-    # The intervals of each group: positions, or with one group (the usual case) a mask (not
-    # an array of positions as long as the intervals).
-    one = bool((icode == icode[0]).all())
-    for code, grp in ({int(icode[0]): valid_iv} if one else rows_by_group(icode, valid_iv)).items():
-        q_all = query_groups.get(code)
-        if q_all is None:
-            continue
-        # The group's step function: breakpoints b, intervals active on [b[i], b[i+1]). Built
-        # one array at a time (at 1 GB of log each is 4.5-9 MB; the group's sorted starts and
-        # ends and ``b``'s sort are the only ones held together).
-        b = _distinct_times([(ivs, grp), (ive, grp)])
-        starts = b[:-1]
-        s_sorted = ivs[grp]
-        s_sorted.sort()
-        e_sorted = ive[grp]
-        e_sorted.sort()
-        count = _step_counts(s_sorted, e_sorted, starts)
-        del s_sorted, e_sorted
-        if "covered" in need:
-            f1, f2 = _covered_by_step(b, count, has_own)
-        rmc = _range_max_count(count) if "max_count" in need else None
-        del count
-        if vals is not None:
-            ev_val, ev_row = _largest_per_step(b, ivs[grp], ive[grp], vals[grp], np.flatnonzero(grp) if one else grp)
-            rmv = _range_argmax(ev_val)
+    for q_all, grp in _both_by_group(qcode, q_ok, icode, valid_iv):
+        g = _Steps(ivs, ive, grp, vals, need, has_own)
         del grp
-
-        def cover(a: np.ndarray, z: np.ndarray, f: np.ndarray) -> np.ndarray:
-            return np.interp(z, b, f) - np.interp(a, b, f)
-
-        def places(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            """``searchsorted(b, x)`` with side "right" and "left", from one search (b is unique)."""
-            right = np.searchsorted(b, x, "right")
-            return right, right - (b[np.maximum(right - 1, 0)] == x)
-
-        def rng_max(a: tuple[np.ndarray, np.ndarray, np.ndarray], z: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
-            """Most intervals active at once in (a, z), each given as (times, right, left places)."""
-            lo = np.maximum(a[1] - 1, 0)
-            hi = np.minimum(z[2] - 1, len(starts) - 1)
-            hi = np.where(z[0] > a[0], hi, -1)
-            assert rmc is not None  # (asked only with "max_count" in need)
-            return rmc.query(lo, hi, 0)
-
-        # Queries in blocks: their temporaries stay bounded however many there are.
         for at in range(0, len(q_all), QUERY_BLOCK):
             qi = np.flatnonzero(q_all[at:at + QUERY_BLOCK]) + at if q_all.dtype == bool else q_all[at:at + QUERY_BLOCK]
             a, z = qs[qi], qe[qi]
-            pa_ = pz = None
-            if "max_count" in need or vals is not None:
-                pa_, pz = (a, *places(a)), (z, *places(z))
+            own = None
             if has_own:
-                own = qi if own_rows is None else own_rows[qi]
-                c0, c1 = _clip_own(os_[own], oe_[own], a, z)
-                if covered is not None:
-                    covered[qi] = cover(a, z, f1) - cover(c0, c1, f1) + cover(c0, c1, f2)
-                if max_count is not None:
-                    assert pa_ is not None and pz is not None
-                    p0, p1 = (c0, *places(c0)), (c1, *places(c1))
-                    inside = np.maximum(rng_max(p0, p1) - 1, 0)
-                    max_count[qi] = np.maximum.reduce([rng_max(pa_, p0), inside, rng_max(p1, pz)])
-            else:
-                if covered is not None:
-                    covered[qi] = cover(a, z, f1)
-                if max_count is not None:
-                    assert pa_ is not None and pz is not None
-                    max_count[qi] = rng_max(pa_, pz)
-            if vals is not None:
-                assert pa_ is not None and pz is not None and max_pos is not None
-                lo = np.maximum(pa_[1] - 1, 0)
-                hi = np.minimum(pz[2] - 1, len(starts) - 1)
-                pos = rmv.query(lo, hi, -1)
-                got = (pos >= 0) & (ev_row[np.maximum(pos, 0)] >= 0)
-                sel = qi[got]
-                max_pos[sel] = ev_row[pos[got]]
-                if max_value is not None:
-                    mv = ev_val[pos[got]]
-                    max_value[sel] = np.where(np.isinf(mv), np.nan, mv)
+                rows = qi if own_rows is None else own_rows[qi]
+                own = _clip_own(os_[rows], oe_[rows], a, z)
+            if covered is not None:
+                covered[qi] = g.covered(a, z, own)
+            if max_count is None and vals is None:
+                continue
+            pa, pz = g.places(a), g.places(z)
+            if max_count is not None:
+                max_count[qi] = g.max_count(pa, pz, own)
+            if max_pos is not None:
+                g.largest(qi, pa, pz, max_pos, max_value)
     return covered, max_count, max_value, max_pos
 
 
 def _covered_by_step(b: np.ndarray, count: np.ndarray, has_own: bool) -> tuple[np.ndarray, np.ndarray]:
     """Seconds covered by at least one interval (``f1``) and, with an own interval to leave out,
-    by at least two (``f2``) from ``b[0]`` to each breakpoint: cumulative sums written in
-    place (the same sums as ``concatenate([[0], cumsum((count >= 1) * diff(b))])``, without
-    its four temporaries as long as ``b``)."""
-    sums = []
-    for least in (1, 2) if has_own else (1,):
-        f = np.empty(len(b))
-        f[:1] = 0.0
-        np.subtract(b[1:], b[:-1], out=f[1:])  # (np.diff(b))
-        np.multiply(count >= least, f[1:], out=f[1:])
-        np.cumsum(f[1:], out=f[1:])
-        sums.append(f)
+    by at least two (``f2``) from ``b[0]`` to each breakpoint."""
+    step = np.diff(b)
+    sums = [np.concatenate([[0.0], np.cumsum((count >= least) * step)]) for least in ((1, 2) if has_own else (1,))]
     return sums[0], sums[-1]
-
-
-def _right_of(b: np.ndarray, at_b: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """``np.searchsorted(b, x, "right")`` for strictly increasing ``b`` (``at_b`` its positions
-    as floats), twice as fast on sorted or nearly sorted ``x``: ``np.interp`` starts each search
-    from the last one. Its position, truncated, is the last b[k] <= x, or one past it where
-    rounding reached the next integer (then b[k] > x: one step back)."""
-    if not len(b) or np.isnan(x).any():
-        return np.searchsorted(b, x, "right")
-    k = np.interp(x, b, at_b).astype(np.int64)
-    k -= b[k] > x
-    return k + 1
-
-
-def sorted_right(b: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """``np.searchsorted(b, x, "right")`` for sorted ``b`` (repeated values allowed): the search
-    of :func:`_right_of` among its distinct values, then where each value's run ends."""
-    if not len(b) or np.isnan(b[-1]):
-        return np.searchsorted(b, x, "right")
-    last = np.flatnonzero(np.r_[b[1:] != b[:-1], True])  # the last place of each distinct value
-    k = _right_of(b[last], np.arange(len(last), dtype=np.float64), x)
-    return np.where(k > 0, last[np.maximum(k - 1, 0)] + 1, 0)
 
 
 def _clip_own(os_: np.ndarray, oe_: np.ndarray, qs: np.ndarray, qe: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -595,10 +483,9 @@ def _largest_per_step(b: np.ndarray, s: np.ndarray, e: np.ndarray, v: np.ndarray
     """Per step [b[i], b[i+1]) of a group: the largest value among the intervals [s, e) active
     in it (-inf where none or NaN) and the row (from ``rows``) of the one that has it (-1)."""
     j0 = np.searchsorted(b, s)
-    j1 = np.searchsorted(b, e)
-    lengths = j1 - j0
+    lengths = np.searchsorted(b, e) - j0
     rep = np.repeat(np.arange(len(s)), lengths)
-    jj = np.repeat(j0, lengths) + (np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths))
+    jj = np.repeat(j0, lengths) + within_ranges(lengths)
     val = v[rep]
     val = np.where(np.isnan(val), -np.inf, val)
     o = np.lexsort((val, jj))
@@ -614,10 +501,9 @@ def count_point_arrays(qcode: np.ndarray, qs: np.ndarray, qe: np.ndarray, pcode:
     """How many points (times ``pt``, groups ``pcode``) of each query's group lie inside its
     (``qs``, ``qe``], groups given as integer codes: one sorted search per group,
     :data:`QUERY_BLOCK` queries at a time (the searches' temporaries are ~10 arrays as long as
-    the queries: ~250 MB for the 3.5M generation segments of the 1 GB bench, at once)."""
+    the queries)."""
     out = np.zeros(len(qs), dtype=np.int64)
-    ok = ~np.isnan(pt)
-    points = rows_by_group(pcode, ok)
+    points = rows_by_group(pcode, ~np.isnan(pt))
     for code, q_all in rows_by_group(qcode, ~np.isnan(qs) & ~np.isnan(qe)).items():
         p = points.get(code)
         if p is None:
@@ -625,27 +511,20 @@ def count_point_arrays(qcode: np.ndarray, qs: np.ndarray, qe: np.ndarray, pcode:
         tp = np.sort(pt[p])
         for at in range(0, len(q_all), QUERY_BLOCK):
             qi = q_all[at:at + QUERY_BLOCK]
-            out[qi] = sorted_right(tp, qe[qi]) - sorted_right(tp, qs[qi])
+            out[qi] = np.searchsorted(tp, qe[qi], "right") - np.searchsorted(tp, qs[qi], "right")
     return out
 
 
-def _prefills(tv: pd.DataFrame) -> pd.DataFrame:
-    """The prefills of ``tv``: task keys, slot, ``prompt_tokens_new``, line, ``ps``/``ft``/``new``
-    as floats, ``pid`` = row."""
+def _progress_lines(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The prefills of ``tv`` (task keys, slot, ``prompt_tokens_new``, line, ``ps``/``ft``/``new``
+    as floats, ``pid`` = row) and their progress lines inside them (``pid``, ``t_s``,
+    ``n_tokens``, ``step_tokens``, ``step_s``; by prefill, then time)."""
     keys = GROUP + ["task_id"]
     pre = pd.DataFrame({c: _col(tv, c) for c in keys + ["slot", "prompt_tokens_new", "line", "prefill_start_s", "first_token_s"]})
     pre["ps"], pre["ft"] = _f(pre["prefill_start_s"]), _f(pre["first_token_s"])
     pre["new"] = _f(pre["prompt_tokens_new"])
     pre = pre[(pre["ft"] > pre["ps"])].drop(columns=["prefill_start_s", "first_token_s"]).reset_index(drop=True)
     pre["pid"] = np.arange(len(pre))
-    return pre
-
-
-def _progress_lines(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The prefills of ``tv`` (:func:`_prefills`) and their progress lines inside them
-    (``pid``, ``t_s``, ``n_tokens``, ``step_tokens``, ``step_s``; by prefill, then time)."""
-    keys = GROUP + ["task_id"]
-    pre = _prefills(tv)
     cols = ["t_s", "n_tokens", "step_tokens", "step_s"]
     samples = prefill_samples if prefill_samples is not None and len(prefill_samples) else pd.DataFrame(columns=keys + cols)
     # Each progress line with its prefill (an inner join on the task keys, in line order).
@@ -659,28 +538,13 @@ def _progress_lines(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None) -> t
     return pre, lines
 
 
-def _typical(pre: pd.DataFrame, lines: Sequence[pd.DataFrame]) -> pd.DataFrame:
-    """Per session of ``pre`` that has progress lines (``lines``: parts of them, ``pid`` a row of
-    ``pre``): the median ``step_tokens`` (``s_chunk``) and ``step_s`` (``s_pass``). Grouped by
-    one session code per line, not by the session's key columns repeated on every line."""
-    scode = key_codes([pre], GROUP)[0]
-    code = np.concatenate([scode[p["pid"].to_numpy()] for p in lines] or [np.zeros(0, np.int64)])
-    # Lines by session (one sort of their codes); each session's medians by numpy, which gives
-    # a groupby's medians (not its quantiles) to the bit, on two arrays, not a groupby's table.
-    order = np.argsort(code, kind="stable")
-    code = code[order]
-    cut = np.flatnonzero(np.r_[True, code[1:] != code[:-1]]) if len(code) else np.zeros(0, np.int64)
-    sessions = code[cut]
-    del code
-    out = {}
-    for name, col in (("s_chunk", "step_tokens"), ("s_pass", "step_s")):
-        v = np.concatenate([p[col].to_numpy(dtype=float) for p in lines] or [np.zeros(0)])[order]
-        out[name] = np.array([median(part) for part in np.split(v, cut[1:])] if len(v) else [], dtype=float)
-        del v
-    codes, first = np.unique(scode, return_index=True)
-    table = pre[GROUP].iloc[first[np.searchsorted(codes, sessions)]].reset_index(drop=True)
-    table["s_chunk"], table["s_pass"] = out["s_chunk"], out["s_pass"]
-    return table
+def _typical(pre: pd.DataFrame, lines: pd.DataFrame) -> pd.DataFrame:
+    """Per session of ``pre`` that has progress lines (``pid`` a row of ``pre``): the median
+    ``step_tokens`` (``s_chunk``) and ``step_s`` (``s_pass``)."""
+    steps = pre[GROUP].iloc[lines["pid"].to_numpy()].reset_index(drop=True)
+    steps["step_tokens"], steps["step_s"] = lines["step_tokens"].to_numpy(dtype=float), lines["step_s"].to_numpy(dtype=float)
+    g = steps.groupby(GROUP, dropna=False, observed=True, sort=False)
+    return g.agg(s_chunk=("step_tokens", "median"), s_pass=("step_s", "median")).reset_index()
 
 
 def median(v: np.ndarray) -> float:
@@ -690,23 +554,23 @@ def median(v: np.ndarray) -> float:
     return float(np.median(v)) if len(v) else np.nan
 
 
-def quantile(v: np.ndarray, q: float) -> float:
-    """The ``q`` quantile of the values that are not NaN (NaN: none), linear between the two
-    nearest ranks, in the arithmetic of pandas' groupby quantile: equal to it to the bit (0
-    differences in 71,616 random groups, pandas 2.2 and 3.1), on one sorted copy, not a
-    groupby's ~50 bytes a value."""
-    s = np.sort(v[~np.isnan(v)])
-    if not len(s):
-        return np.nan
+def _sorted_quantile(s: np.ndarray, q: float) -> float:
+    """The ``q`` quantile of sorted values (not empty), linear between the two nearest ranks."""
     at = q * (len(s) - 1)
     i, frac = int(at), at % 1
     return float(s[i]) if frac == 0.0 else float(s[i] + (s[i + 1] - s[i]) * frac)
 
 
+def quantile(v: np.ndarray, q: float) -> float:
+    """The ``q`` quantile of the values that are not NaN (NaN: none), in the arithmetic of
+    pandas' groupby quantile (equal to it to the bit), on one sorted copy."""
+    s = np.sort(v[~np.isnan(v)])
+    return _sorted_quantile(s, q) if len(s) else np.nan
+
+
 def median_and_quantile(v: np.ndarray, q: float) -> tuple[float, float]:
     """:func:`median` and :func:`quantile` of ``v`` (the same floats) from one sort of ``v``
-    itself, which is changed: the caller's own copy (at 1 GB of log, stalls' 3.1M pieces: one
-    copy of a class's values, not three)."""
+    itself, which is changed: the caller's own copy."""
     if np.isnan(v).any():
         v = v[~np.isnan(v)]
     v.sort()
@@ -715,9 +579,7 @@ def median_and_quantile(v: np.ndarray, q: float) -> tuple[float, float]:
         return np.nan, np.nan
     h = n // 2
     med = float(v[h]) if n % 2 else float(np.mean(v[h - 1:h + 1]))  # (as np.median takes the middle two)
-    at = q * (n - 1)
-    i, frac = int(at), at % 1
-    return med, float(v[i]) if frac == 0.0 else float(v[i] + (v[i + 1] - v[i]) * frac)
+    return med, _sorted_quantile(v, q)
 
 
 def prefill_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None,
@@ -746,7 +608,7 @@ def prefill_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None,
     own = lines.groupby("pid", observed=True).agg(chunk=("step_tokens", "median"), pass_s=("step_s", "median"),
                                    first_t=("t_s", "first"), first_n=("n_tokens", "first"),
                                    last_t=("t_s", "last"), last_n=("n_tokens", "last"))
-    sess = _typical(pre, [lines]) if typical is None else typical
+    sess = _typical(pre, lines) if typical is None else typical
     pre = pre.merge(own, left_on="pid", right_index=True, how="left").merge(sess, on=GROUP, how="left")
     del own, sess
     pre["chunk"] = pre["chunk"].fillna(pre["s_chunk"]).fillna(2048.0).clip(lower=1)
@@ -793,32 +655,28 @@ def prefill_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None,
     return active, steps, info
 
 
-def packed_task_keys(port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
-    """One int64 per (port, session, task) that sorts as the triple does (-1 where one is out
-    of range: ports -1..65535, sessions 0..16383, task ids 0..2**32-1)."""
-    port, session, task = (np.asarray(v, dtype=np.int64) for v in (port, session, task))
-    ok = (port >= -1) & (port <= 65535) & (session >= 0) & (session < 1 << 14) & (task >= 0) & (task < 1 << 32)
-    key = ((port + 1) << 46) | (session << 32) | task
-    return np.where(ok, key, -1)
-
-
 def _packed(frames: Sequence[pd.DataFrame]) -> list[np.ndarray] | None:
-    """:func:`packed_task_keys` of each frame's rows, if the frames have one source and every
-    key fits; else None."""
+    """One int64 per row of each frame for its (port, session, task_id) that sorts as the triple
+    does, if the frames have one source and every key fits (ports -1..65535, sessions
+    0..16383, task ids 0..2**32-1); else None."""
     if not _one_value([f["source"] for f in frames]):
         return None
     ints = [[_ints(f[c]) for c in ("port", "session", "task_id")] for f in frames]
-    if any(v is None for cols in ints for v in cols):
-        return None
-    packed = [packed_task_keys(*cols) for cols in ints]  # type: ignore[arg-type]  # (none is None: checked above)
-    return None if any((p < 0).any() for p in packed) else packed
+    packed = []
+    for port, session, task in ints:
+        if port is None or session is None or task is None:
+            return None
+        if not ((port >= -1) & (port <= 65535) & (session >= 0) & (session < 1 << 14) & (task >= 0) & (task < 1 << 32)).all():
+            return None
+        packed.append(((port + 1) << 46) | (session << 32) | task)
+    return packed
 
 
 def join_tasks(left: pd.DataFrame, right: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     """Row pairs ``(l, r)`` of ``left`` and ``right`` with equal task keys (``GROUP`` +
     ``task_id``), in left order: an inner merge. Where both frames have one source and every
-    port, session and task id fits :func:`packed_task_keys`, joined on those (the usual case;
-    :func:`key_codes` would factorize the task ids of both frames on every call)."""
+    port, session and task id packs into one int64 (the usual case), joined on those (not on
+    :func:`key_codes`, which would factorize the task ids of both frames on every call)."""
     packed = _packed([left, right])
     return _join_unique(*packed) if packed is not None else _join_unique(*key_codes([left, right], GROUP + ["task_id"]))
 
