@@ -159,6 +159,32 @@ def table_names() -> list[str]:
     return names + [n for n in TABLES if n not in REPORT_ORDER]
 
 
+def _plan(names: list[str] | None) -> tuple[list[str], list[Question], list[str], list[str]]:
+    """For the tables asked for (all: None): those wanted, the questions of the busy periods
+    that make them, the tables of the per-call table, and the order they are made in."""
+    wanted = table_names() if names is None else names
+    unknown = [n for n in wanted if n not in TABLES and n != "findings"]
+    if unknown:
+        raise KeyError(f"unknown table(s) {', '.join(unknown)}; tables: {', '.join(table_names())}")
+    needed = [n for n in (table_names() if "findings" in wanted else wanted) if n != "findings"]
+    asked = list({id(QUESTIONS[n]): QUESTIONS[n] for n in needed if n in QUESTIONS}.values())
+    plain = [n for n in needed if n not in QUESTIONS]
+    order = [n for q in asked for n in q.tables if n in needed] + plain + (["findings"] if "findings" in wanted else [])
+    return wanted, asked, plain, order
+
+
+def _plain_table(name: str, ds: Dataset, opts: Options, strict: bool) -> pd.DataFrame:
+    """A table of the per-call table; of one that fails, unless ``strict``, a one-row note."""
+    try:
+        return TABLES[name](ds, opts)
+    except Exception as e:  # noqa: BLE001 - one broken table must not hide the rest
+        if strict:
+            raise
+        return pd.DataFrame({"note": [f"could not compute {name}: {type(e).__name__}: {e}"]})
+    finally:
+        ds.unload()  # a table it read whole
+
+
 def run(ds: Dataset, opts: Options | None = None, names: list[str] | None = None, *, strict: bool = False,
         on_table: Callable[[str, int, int], None] | None = None) -> dict[str, pd.DataFrame]:
     """Compute the report's tables (all, or ``names``) in report order.
@@ -172,29 +198,19 @@ def run(ds: Dataset, opts: Options | None = None, names: list[str] | None = None
     """
     opts = opts or Options()
     _import_all()
-    wanted = table_names() if names is None else names
-    unknown = [n for n in wanted if n not in TABLES and n != "findings"]
-    if unknown:
-        raise KeyError(f"unknown table(s) {', '.join(unknown)}; tables: {', '.join(table_names())}")
-    needed = [n for n in (table_names() if "findings" in wanted else wanted) if n != "findings"]
-    asked = list({id(QUESTIONS[n]): QUESTIONS[n] for n in needed if n in QUESTIONS}.values())
-    plain = [n for n in needed if n not in QUESTIONS]
-    order = [n for q in asked for n in q.tables if n in needed] + plain + (["findings"] if "findings" in wanted else [])
-    step = on_table or (lambda name, i, n: None)
-    said = lambda name: step(name, order.index(name) + 1, len(order)) if name in order else None  # noqa: E731
+    wanted, asked, plain, order = _plan(names)
+
+    def said(name: str) -> None:
+        if on_table is not None and name in order:
+            on_table(name, order.index(name) + 1, len(order))
+
     ds.keep_on_disk()  # the tasks, calls and task view wait on disk; each table reads its columns
     out: dict[str, pd.DataFrame] = {}
     if asked:
-        out.update({n: t for n, t in answer(asked, ds, opts, strict=strict, on_table=said).items() if n in needed})
+        out.update({n: t for n, t in answer(asked, ds, opts, strict=strict, on_table=said).items() if n in order})
     for name in plain:
         said(name)
-        try:
-            out[name] = TABLES[name](ds, opts)
-        except Exception as e:  # noqa: BLE001 - one broken table must not hide the rest
-            if strict:
-                raise
-            out[name] = pd.DataFrame({"note": [f"could not compute {name}: {type(e).__name__}: {e}"]})
-        ds.unload()  # a table it read whole
+        out[name] = _plain_table(name, ds, opts, strict)
     if "findings" in wanted:
         from .findings import findings
 
