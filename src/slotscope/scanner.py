@@ -271,7 +271,6 @@ _KEYWORDISH = [_word(t)[0] for t in (b"promp", b"eval ", b"total", b"n_gen", b"n
 _KW_PROMPT, _KW_EVAL, _KW_TOTAL, _KW_GEN, _KW_DECODED, _KW_RELEASE, _KW_LAUNCH = _KEYWORDISH
 _KW_PROGRESS, _KW_PROMPT_EVAL = _word(b"prompt p")[0], _word(b"prompt e")[0]
 _SRV_EVENTS = r"initializing|cancel task, id_task = |cleaning up before exit|task id = |loading model '"
-_SRV_EVENTS_RE = re.compile(_SRV_EVENTS)
 # The same alternatives for Python's re (ASCII: \d is [0-9] as in RE2; no \s in them), for the
 # few server lines that may be events: cheaper than compiling FAST_PATTERN for each block.
 _SRV_EVENT_RE = re.compile(SRV_EVENT, re.ASCII)
@@ -383,11 +382,7 @@ def _heads(words: _Words, s: np.ndarray, e: np.ndarray, lines: pa.StringArray, o
             _comp_builds(out, idx[builds], c.pos[builds] + 19 - s[builds], lines.take(pa.array(idx[builds])).to_pylist())
     srv = np.flatnonzero(colon & (tag == _TAG_SRV))
     if len(srv):  # ignored, unless it may be one of the server events (those few: FAST_PATTERN)
-        if len(srv) < 2000:  # a few lines: Python's re beats compiling the pattern in Arrow again
-            texts = lines.take(pa.array(idx[srv])).to_pylist()
-            maybe = np.array([_SRV_EVENTS_RE.search(t) is not None for t in texts], dtype=bool)
-        else:
-            maybe = pc.match_substring_regex(lines.take(pa.array(idx[srv])), _SRV_EVENTS).to_numpy(zero_copy_only=False)
+        maybe = pc.match_substring_regex(lines.take(pa.array(idx[srv])), _SRV_EVENTS).to_numpy(zero_copy_only=False)
         out.known[idx[srv[~maybe]]] = True
         events = srv[maybe]
         if len(events):

@@ -738,7 +738,10 @@ def read_server_logs(
     prefills: list[pd.DataFrame | SampleSource] = []
     sessions = []
     for asm in assemblers:
-        t, g, p, s = asm.finish_later() if samples_on_disk else asm.finish()
+        t, g, p, s = asm.finish()
+        if not samples_on_disk:
+            g, p = g.table(consume=True), p.table(consume=True)
+            release_memory()  # the sample rows, now tables
         tasks.append(t)
         gens.append(g)
         prefills.append(p)
@@ -893,8 +896,8 @@ def read_sample_batches(
             for _, counts in found:
                 acc.count_tasks(counts)
             asm.discard()
-            firsts = FirstTokens.of(pd.concat([f for f, _ in found])) if found else None
-            todo += asm.finish_samples_in_batches(code, rows, firsts, on_disk=spread)
+            firsts = pd.concat([f for f, _ in found]) if found else None
+            todo += asm.samples_later(firsts)[0 if code == HEARTBEAT else 1].batches(rows)
             acc.sessions += len(asm.sessions)
         release_memory()  # the parse's freed blocks, before the batches
     except BaseException:
