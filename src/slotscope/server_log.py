@@ -828,7 +828,7 @@ def read_task_batches(
                                     chunk_size=chunk_size, pool=pool, spill_rows=rows)
         n_rows = sum(asm.n_open_or_done for asm in assemblers)
         spread = pool.jobs > 1 and n_rows > rows
-        ends = [asm.finish_in_batches(rows, on_disk=spread) for asm in assemblers]
+        ends = [asm.finish_in_batches(rows) for asm in assemblers]
         release_memory()  # the parse's freed blocks (and a .gz's inflate buffers), before the batches
     except BaseException:
         pool.close()
@@ -890,7 +890,7 @@ def read_sample_batches(
         spread = pool.jobs > 1
         todo = []
         for asm in assemblers:
-            tasks, _ = asm.finish_in_batches(task_rows, on_disk=spread and asm.n_open_or_done > task_rows)
+            tasks, _ = asm.finish_in_batches(task_rows)
             work = [(b, i, False, _first_tokens) for i, b in enumerate(tasks if asm.n_finished else [])]
             found = list(pool.map(_task_batch, work) if spread and len(work) > 1 else map(_task_batch, work))
             for _, counts in found:

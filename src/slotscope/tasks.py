@@ -197,9 +197,9 @@ class FinishedRows:
         self._names = list(rows)
         self._chunks.append(self._disk.write(rows) if spill else rows)
 
-    def close(self, on_disk: bool = False) -> None:
-        """No more rows: the last ones join the chunks (in memory, unless ``on_disk``)."""
-        self._seal(spill=on_disk)
+    def close(self) -> None:
+        """No more rows: the last ones join the chunks (on disk too, with ``spill_rows``)."""
+        self._seal(spill=self.spill_rows is not None)
 
     def __getstate__(self) -> dict:
         # A copy in another process reads the chunks; the files stay this one's to remove.
@@ -509,10 +509,9 @@ class TaskAssembler:
         and ``first_token_s``, or what makes their :class:`FirstTokens` (None: no tasks), for
         the gen samples' first windows."""
         files = list(self._sample_files)
-        on_disk = self.spill_samples or self.spill_rows is not None
-        self._gen.close(on_disk)
-        self._prefill.close(on_disk)
-        if on_disk:
+        self._gen.close()
+        self._prefill.close()
+        if self._gen.spill_rows is not None:
             release_memory()  # (the last rows, just written: not under the first tokens' making)
         first = None
         if tasks is not None and len(self._gen):
@@ -523,14 +522,14 @@ class TaskAssembler:
         self._gen.discard()
         self._prefill.discard()
 
-    def finish_in_batches(self, rows: int = 1 << 15, on_disk: bool = False) -> tuple[list["TaskBatch"], pd.DataFrame]:
+    def finish_in_batches(self, rows: int = 1 << 15) -> tuple[list["TaskBatch"], pd.DataFrame]:
         """Close every task still open; return the task table as batches of ``rows`` rows in
         output order (together: :meth:`finish`'s table, same values and columns), and the
         sessions. A batch is built when asked (:meth:`TaskBatch.table`); only the sort keys
-        are held meanwhile. ``on_disk``: every chunk of finished rows goes to disk, so that a
-        batch pickles small (for worker processes). :meth:`discard` removes them after use.
+        are held meanwhile. With ``spill_rows``, every finished row is on disk, so that a batch
+        pickles small (for worker processes); :meth:`discard` removes them after use.
         """
-        order, with_wall = self._end(on_disk)
+        order, with_wall = self._end()
         sessions = self._sessions_table()
         files = list(self._files)
         if not len(order):
@@ -546,7 +545,7 @@ class TaskAssembler:
     def n_open_or_done(self) -> int:
         return len(self._done) + (len(self._open["task"]) if self._open is not None else 0)
 
-    def _end(self, on_disk: bool = False) -> tuple[np.ndarray, bool]:
+    def _end(self) -> tuple[np.ndarray, bool]:
         """Close the open tasks; the output order of the finished rows, and whether any of them
         is in a session with wall-clock times (then every row has ``*_at`` columns)."""
         if self._open is not None and len(self._open["task"]):
@@ -554,7 +553,7 @@ class TaskAssembler:
             rest["cut_by_restart"] = np.zeros(len(rest["task"]), bool)
             self._done.append(rest)
         self._open = None
-        self._done.close(on_disk)
+        self._done.close()
         port, session = self._done.column("port"), self._done.column("session")
         # Output order: per process, by launch (tasks whose launch was never seen last), then line.
         order = np.lexsort((self._done.column("first_line"), self._done.column("launch_us"), session, port))
