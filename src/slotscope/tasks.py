@@ -229,9 +229,6 @@ class FinishedRows:
             at = np.flatnonzero(which == k)
             src = idx[at] - starts[k]
             for c, v in zip(self._names, self._columns_of(k, self._names)):
-                if len(at) == len(idx):  # every row from one chunk
-                    out[c] = v[src]
-                    continue
                 if c not in out:
                     out[c] = np.empty(len(idx), dtype=v.dtype)
                 out[c][at] = v[src]
@@ -279,14 +276,9 @@ _SESSION_INFO = ["port", "session", "first_line", "first_us", "last_us", "now_us
 _SESSION_TEXT = {"model": MODEL, "build": BUILD}  # text per session: its first such line's
 
 
-def keeps(keep_samples: bool | int, code: int) -> bool:
-    """Whether samples of kind ``code`` are kept: ``keep_samples`` True (all kinds), False
-    (none), or the one kind kept (HEARTBEAT or PROGRESS)."""
-    return keep_samples is True or (keep_samples is not False and keep_samples == code)
-
-
 def fold_block(ev: pd.DataFrame | dict[str, np.ndarray], keep_samples: bool | int = True) -> BlockTasks:
-    """Fold one block of events (``session`` assigned, or numbered within the block).
+    """Fold one block of events (``session`` assigned, or numbered within the block), with
+    the samples of every kind (``keep_samples`` True), none (False) or the one kind given.
 
     Pure: it needs nothing from earlier blocks, so worker processes can run it.
     """
@@ -295,7 +287,8 @@ def fold_block(ev: pd.DataFrame | dict[str, np.ndarray], keep_samples: bool | in
     kind = cols["kind"]
     samples = {}
     for code, names in ((HEARTBEAT, _SAMPLE_GEN), (PROGRESS, _SAMPLE)):
-        sel = np.flatnonzero(kind == code) if keeps(keep_samples, code) else ()
+        keep = keep_samples is True or (keep_samples is not False and keep_samples == code)
+        sel = np.flatnonzero(kind == code) if keep else ()
         if len(sel):
             samples[code] = {c: cols[c][sel] for c in names}
     task = cols["task"].astype(np.float64)
@@ -355,8 +348,6 @@ def shifted_sessions(port: np.ndarray, session: np.ndarray, shift: dict[int, int
     """Session numbers counted within a block, moved by each row's port's shift (every port
     of the block has one)."""
     out = session.astype(np.int64)
-    if len(shift) == 1:
-        return out + next(iter(shift.values()))
     for p, d in shift.items():
         out[port == p] += d
     return out
