@@ -1,12 +1,14 @@
-"""The line scanner: the common llama-server line shape read column-wise with numpy.
+"""The line scanner: the common llama-server line shape read column-wise.
 
 Most lines of a llama-server log follow one grammar (timestamp, level, ``slot <func>: id N |
 task N | <message>``). The scanner reads a whole block of them at once and proves, line by
 line, that :data:`slotscope.server_log.FAST_PATTERN` (the RE2 pattern that defines what each
 line means) would read it the same way; lines it cannot prove are left "not known" for that
 pattern. The lines with llama-server's own printf layout (nearly all) are read by the C
-extension ``_cscan`` where it was built, and by numpy (:func:`_laid_out_heads`,
-:func:`_messages`) where not. ``tests/test_perf_scanner.py`` holds the three readings equal.
+extension ``_cscan`` where it was built; the others, and every line where it was not, by
+numpy: 8-byte words are gathered at each line's current position and tested a word at a
+time (SWAR: digits and blanks found with bit tricks, numbers of up to 8 digits converted
+with two multiplications).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 _cscan: types.ModuleType | None
-try:  # the C fast path for llama-server's own line layout (optional: numpy reads the same)
+try:  # llama-server's own line layout read in C (optional: numpy reads the same)
     _cscan = importlib.import_module("._cscan", __package__)
 except ImportError:  # not built (no C compiler where slotscope was installed)
     _cscan = None
@@ -42,21 +44,6 @@ SRV_EVENT = (
 )
 # The build line of FAST_PATTERN's component branch (``cmn``, printed at verbosity 4).
 COMP_BUILD = r"common_params_print_info: build (?P<build>\d+ \([^)]*\))"
-
-#
-# Most lines of a llama-server log follow one grammar (timestamp, level, ``slot <func>: id N |
-# task N | <message>``). They are read here column-wise with numpy: 8-byte words are gathered
-# at each line's current position and tested a word at a time (SWAR: digits and blanks found
-# with bit tricks, numbers of up to 8 digits converted with two multiplications). A step that
-# fails leaves the line "not known", and such lines go through the full RE2 pattern below
-# (FAST_PATTERN), which stays the definition of what each line means: the scanner only takes
-# lines whose FAST_PATTERN reading it can prove, and reproduces that reading exactly.
-#
-# Most lines come straight from llama-server's printf formats, where every byte up to the
-# task id, and every byte of a heartbeat or timing message while its numbers fit their
-# widths, has a fixed place: those are read at fixed offsets first (_laid_out_heads,
-# _Layout), which needs a few gathers per line instead of one per step. Lines that do not
-# fit go the step-by-step way; both ways give the same reading.
 
 _U = np.uint64
 _HI = _U(0x8080808080808080)
@@ -171,62 +158,10 @@ class _Cursor:
 
     def field(self, blanks: int | None = None, sign: bool = False, frac: bool = False) -> np.ndarray:
         """`` *`` (``blanks``: at least that many; None: no blanks), ``-?`` (``sign``), ``\\d+``
-        and, with ``frac``, ``(?:\\.\\d*)?``, as float64 like :meth:`uint`/:meth:`decimal`.
-
-        Read from the one word at the position where the field ends inside it (a byte after
-        it is seen there); the other rows are read step by step.
-        """
-        w = self.w.at(self.pos)
-        k = _blanks(w) if blanks is not None else np.zeros(len(w), np.int64)
-        x = (w >> (k * 8).astype(_U)) ^ _ASCII0  # bytes shifted in read as non-digits
-        room = 8 - k
-        neg = np.zeros(len(w), bool)
-        if sign:
-            neg = (x & _U(0xFF)) == _U(0x1D)  # "-"
-            x = np.where(neg, (x >> _U(8)) | _U(0x30 << 56), x)  # the byte shifted in: no digit
-            room = room - neg
-        n1 = _lead((((x & _LO7) + _OVER9) | x) & _HI)
-        used = n1
-        whole = _value(x, n1)
-        if frac:
-            dot = ((x >> (n1 * 8).astype(_U)) & _U(0xFF)) == _U(0x1E)  # "."
-            x2 = x >> ((n1 + 1) * 8).astype(_U)
-            n2 = np.where(dot, _lead((((x2 & _LO7) + _OVER9) | x2) & _HI), 0)
-            used = n1 + dot + n2
-            value = (whole * _POW10[n2] + _value(x2, n2)) / _POW10F[n2]
-        else:
-            value = whole.astype(np.float64)
-        if sign:
-            value = np.where(neg, -1.0, 1.0) * value
-        ok = n1 >= 1
-        if blanks:
-            ok &= k >= blanks
-        pos = self.pos + k + neg + used
-        unsure = used >= room  # the field may go on past this word
-        if not frac:  # digits up to the word's end: the next word holds the rest (task ids)
-            long = unsure & (n1 >= 1) & (k < 8)
-            more = np.flatnonzero(long)
-            if len(more) > len(w) // 4:  # most rows (8+ digit task ids): whole arrays, no gathers by subset
-                x2, n2 = _digits(self.w.at(pos))
-                n2 = np.where(long, n2, 0)
-                value = np.where(long, value * _POW10[n2] + np.where(neg, -1.0, 1.0) * _value(x2, n2), value)
-                pos = pos + n2
-                unsure &= ~long | (n2 == 8)
-            elif len(more):
-                x2, n2 = _digits(self.w.at(pos[more]))
-                value[more] = value[more] * _POW10[n2] + np.where(neg[more], -1.0, 1.0) * _value(x2, n2)
-                pos[more] += n2
-                unsure[more] = n2 == 8
-        again = np.flatnonzero(unsure)
-        if len(again):
-            sub = _Cursor(self.w, self.pos[again])
-            if blanks is not None:
-                sub.blanks(blanks)
-            v = sub.signed() if sign else sub.decimal() if frac else sub.uint()
-            value[again], ok[again], pos[again] = v, sub.ok, sub.pos
-        self.ok &= ok
-        self.pos = pos
-        return value
+        and, with ``frac``, ``(?:\\.\\d*)?``, as float64 like :meth:`uint`/:meth:`decimal`."""
+        if blanks is not None:
+            self.blanks(blanks)
+        return self.signed() if sign else self.decimal() if frac else self.uint()
 
     def blanks(self, least: int = 0) -> None:
         n = _blank_run(self.w, self.pos)
@@ -304,7 +239,7 @@ class Scan(Reading):
 
 _TAG_SLOT, _TAG_SRV = _word(b"slot ")[0], _word(b"srv  ")[0]
 _TAG_COMP = [_word(t)[0] for t in (b"cmn  ", b"que  ", b"res  ", b"spec ")]
-_MASK2, _MASK4, _MASK5 = _word(b"..")[1], _word(b"....")[1], _word(b".....")[1]
+_MASK2, _MASK5 = _word(b"..")[1], _word(b".....")[1]
 _ID = _word(b": id")[0]
 # The 12 bytes after the minutes, ".SS.mmm.uuu ", as two words XOR "0" bytes: "." is 0x1E, " " 0x10.
 _TS_DOTS, _TS_DOTS_MASK = _U(0x1E00000000000000 | 0x1E000000 | 0x1E), _U(0xFF000000FF0000FF)
@@ -313,20 +248,17 @@ _TS_DIGITS1 = _U(0x0080808000808000)  # high bits of bytes 1, 2, 4, 5, 6
 _TS_DIGITS2 = _U(0x0000000000808080)  # bytes 0, 1, 2
 
 
-def _stamp(minutes: np.ndarray, x1: np.ndarray, x2: np.ndarray, short: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def _stamp(minutes: np.ndarray, x1: np.ndarray, x2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The µs of "M.SS.mmm.uuu ": ``x1`` the word ".SS.mmm." after the minutes, ``x2`` the next
     ("uuu " ...), both XOR "0" bytes. (whether their dots and digits are there, the time).
 
-    The 8 digits "SSmmmuuu" are gathered into one word and read with two multiplications.
-    ``short``: every minute is below 10**7, so FAST_PATTERN's float64 arithmetic is exact and
-    the time is the int64 sum; else that arithmetic, which rounds past 2**53 µs, is repeated."""
+    The 8 digits "SSmmmuuu" are gathered into one word and read with two multiplications; the
+    time is FAST_PATTERN's float64 arithmetic repeated (it rounds past 2**53 µs)."""
     ok = ((x1 & _TS_DOTS_MASK) == _TS_DOTS) & (((((x1 & _LO7) + _OVER9) | x1) & _TS_DIGITS1) == 0)
     ok &= ((((x2 & _LO7) + _OVER9) | x2) & _TS_DIGITS2) == 0
     # bytes 1-2 of x1 (seconds), 4-6 (ms) and 0-2 of x2 (µs), side by side, first digit lowest
     digits = ((x1 >> _U(8)) & _U(0xFFFF)) | ((x1 >> _U(16)) & _U(0xFFFFFF0000)) | ((x2 & _U(0xFFFFFF)) << _U(40))
     within = _eight_digits(digits)  # µs since the minute began
-    if short:
-        return ok, minutes * 60_000_000 + within
     sec, ms, us = within // 1_000_000, within // 1000 % 1000, within % 1000
     return ok, ((minutes.astype(np.float64) * 60 + sec) * 1000 + ms) * 1000 + us
 
@@ -339,7 +271,6 @@ _KEYWORDISH = [_word(t)[0] for t in (b"promp", b"eval ", b"total", b"n_gen", b"n
 _KW_PROMPT, _KW_EVAL, _KW_TOTAL, _KW_GEN, _KW_DECODED, _KW_RELEASE, _KW_LAUNCH = _KEYWORDISH
 _KW_PROGRESS, _KW_PROMPT_EVAL = _word(b"prompt p")[0], _word(b"prompt e")[0]
 _SRV_EVENTS = r"initializing|cancel task, id_task = |cleaning up before exit|task id = |loading model '"
-_SRV_EVENTS_RE = re.compile(_SRV_EVENTS)
 # The same alternatives for Python's re (ASCII: \d is [0-9] as in RE2; no \s in them), for the
 # few server lines that may be events: cheaper than compiling FAST_PATTERN for each block.
 _SRV_EVENT_RE = re.compile(SRV_EVENT, re.ASCII)
@@ -368,12 +299,10 @@ def scan(lines: pa.StringArray) -> Scan:
     out = Scan.empty(n)
     if n == 0:
         return out
-    # Lines with llama-server's own layout are read at fixed places; the rest step by step.
+    rows, m = np.zeros(0, np.int64), np.zeros(0, np.int64)
+    rest = np.arange(n)
     if _cscan is not None and USE_C:
-        laid, rows, m = _c_laid_out(raw, s, e, out)
-    else:
-        laid, rows, m = _laid_out_heads(words, s, e, out)
-    rest = np.flatnonzero(~laid)
+        rest, rows, m = _c_laid_out(raw, s, e, out)
     if len(rest):
         more, m_more = _heads(words, s[rest], e[rest], lines, out, rest)
         if len(more):
@@ -383,81 +312,20 @@ def scan(lines: pa.StringArray) -> Scan:
     return out
 
 
-USE_C = True  # tests turn it off to hold the C reading equal to numpy's
+USE_C = True  # tests turn it off to read every line with numpy, as where C was not built
 
 
 def _c_laid_out(raw: np.ndarray, s: np.ndarray, e: np.ndarray, out: Scan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`_laid_out_heads` in C, which also reads the messages it is sure of (as
-    :func:`_messages` would): (which lines have the layout, those whose message is left to
-    :func:`_messages`, where their messages start)."""
+    """The lines with llama-server's own layout, read in C as :func:`_heads` and
+    :func:`_messages` read them: (the lines left to :func:`_heads`, the slot lines whose
+    message is left to :func:`_messages`, where those messages start)."""
     state = np.empty(len(s), np.int8)
     m = np.empty(len(s), np.int64)
     assert _cscan is not None
     _cscan.laid_out(raw, np.ascontiguousarray(s, np.int64), np.ascontiguousarray(e, np.int64), out.ts, out.slot,
                     out.task, out.known, out.kind, *out.v, state, m)
     rows = np.flatnonzero(state == 2)
-    return state > 0, rows, m[rows]
-
-
-# A slot line as llama-server writes it ("M.SS.mmm.uuu L slot <func>: id %2d | task %d | ..."):
-# after the minutes, every byte up to the task id has a fixed place. Offsets from the byte
-# after the minutes: 0 ".SS.mmm." (word A), 8 "uuu L sl" (B), 16 "ot " and the function's
-# first 5 bytes (C), 24 its last 7 and ":" (D), 32 " id " + slot + " |" (E), 40 " task " (F),
-# 46 the task id, then " |".
-_LAID_B, _LAID_B_MASK = _word(b"\0\0\0 \0 sl")[0], _U(0xFFFFFF00FF000000)
-_LAID_C, _LAID_C_MASK = _word(b"ot ")
-_LAID_E, _LAID_E_MASK = _word(b" id \0\0 |")[0], _U(0xFFFF0000FFFFFFFF)
-_LAID_F, _LAID_F_MASK = _word(b" task ")
-_BAR = _word(b" |")[0]
-
-
-def _laid_out_heads(words: _Words, s: np.ndarray, e: np.ndarray, out: Scan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The slot lines (of lines starting at ``s``, ending at ``e``) whose heads have
-    llama-server's layout, read as :func:`_heads` reads them: (which lines, those rows,
-    where their messages start)."""
-    x0 = words.at(s) ^ _ASCII0
-    nd = _lead((((x0 & _LO7) + _OVER9) | x0) & _HI)  # the minutes' digits (8: may go on)
-    rows = np.flatnonzero((nd >= 1) & (nd <= 7))
-    nd = nd[rows]
-    q = s[rows] + nd
-    b = words.at(q + 8)
-    c = words.at(q + 16)
-    d = words.at(q + 24)
-    w_e = words.at(q + 32)
-    ok, ts = _stamp(_value(x0[rows], nd), words.at(q) ^ _ASCII0, b ^ _ASCII0, short=True)  # nd <= 7
-    ok &= (b & _LAID_B_MASK) == _LAID_B
-    lv = (b >> _U(32)) & _U(0xFF)
-    ok &= (lv == _LEVELS[0]) | (lv == _LEVELS[1]) | (lv == _LEVELS[2]) | (lv == _LEVELS[3])
-    ok &= ((c & _LAID_C_MASK) == _LAID_C) & ((c & _HI) == 0)  # the function's bytes: ASCII
-    ok &= ((d & _HI) == 0) & ((d >> _U(56)) == _U(0x3A))
-    ok &= (w_e & _LAID_E_MASK) == _LAID_E
-    good, slot = _right_aligned((w_e ^ _ASCII0) >> _U(32), 2)
-    ok &= good
-    ok &= (words.at(q + 40) & _LAID_F_MASK) == _LAID_F
-    # the task id: "-"? digits, then " |" (read across two words when it is 7 or 8 bytes long)
-    g = words.at(q + 46)
-    x = g ^ _ASCII0
-    neg = (x & _U(0xFF)) == _U(0x1D)
-    x = np.where(neg, (x >> _U(8)) | _U(0x30 << 56), x)  # the byte shifted in: no digit
-    nt = _lead((((x & _LO7) + _OVER9) | x) & _HI)
-    task = np.where(neg, -1.0, 1.0) * _value(x, nt).astype(np.float64)
-    size = neg + nt
-    ok &= nt >= 1
-    bar = (g >> (np.minimum(size, 6) * 8).astype(_U)) & _U(0xFFFF)
-    long = np.flatnonzero(size >= 7)
-    if len(long):
-        h = words.at(q[long] + 54)
-        bar[long] = np.where(size[long] == 7, (g[long] >> _U(56)) | ((h & _U(0xFF)) << _U(8)), h & _U(0xFFFF))
-    ok &= bar == _BAR
-    m = q + 48 + size
-    ok &= m <= e[rows]
-    taken = np.zeros(len(s), bool)
-    rows, m = rows[ok], m[ok]
-    taken[rows] = True
-    out.ts[rows] = ts[ok]
-    out.slot[rows] = slot[ok].astype(np.float64)
-    out.task[rows] = task[ok]
-    return taken, rows, m
+    return np.flatnonzero(state == 0), rows, m[rows]
 
 
 def _heads(words: _Words, s: np.ndarray, e: np.ndarray, lines: pa.StringArray, out: Scan,
@@ -514,11 +382,7 @@ def _heads(words: _Words, s: np.ndarray, e: np.ndarray, lines: pa.StringArray, o
             _comp_builds(out, idx[builds], c.pos[builds] + 19 - s[builds], lines.take(pa.array(idx[builds])).to_pylist())
     srv = np.flatnonzero(colon & (tag == _TAG_SRV))
     if len(srv):  # ignored, unless it may be one of the server events (those few: FAST_PATTERN)
-        if len(srv) < 2000:  # a few lines: Python's re beats compiling the pattern in Arrow again
-            texts = lines.take(pa.array(idx[srv])).to_pylist()
-            maybe = np.array([_SRV_EVENTS_RE.search(t) is not None for t in texts], dtype=bool)
-        else:
-            maybe = pc.match_substring_regex(lines.take(pa.array(idx[srv])), _SRV_EVENTS).to_numpy(zero_copy_only=False)
+        maybe = pc.match_substring_regex(lines.take(pa.array(idx[srv])), _SRV_EVENTS).to_numpy(zero_copy_only=False)
         out.known[idx[srv[~maybe]]] = True
         events = srv[maybe]
         if len(events):
@@ -551,36 +415,20 @@ def _messages(words: _Words, rows: np.ndarray, m: np.ndarray, end: np.ndarray, o
 
     one = (k == 1) & ~header
     some = (k >= 1) & (k < 16) & ~header
-    for code, sel, layout, parse in (
-        (LAUNCH, one & (kw5 == _KW_LAUNCH), None, _launch),
-        (PROGRESS, one & (kw == _KW_PROGRESS), _PROGRESS, _progress),
-        (HEARTBEAT, one & ((kw5 == _KW_GEN) | (kw5 == _KW_DECODED)), _HEARTBEAT, _heartbeat),
-        (PROMPT_EVAL, one & (kw == _KW_PROMPT_EVAL), _PROMPT_EVAL, _prompt_eval),
-        (EVAL, some & (kw5 == _KW_EVAL), _EVAL, _eval),
-        (TOTAL, some & (kw5 == _KW_TOTAL), _TOTAL, _total),
-        (RELEASE, one & (kw5 == _KW_RELEASE), None, _release),
+    for code, sel, parse in (
+        (LAUNCH, one & (kw5 == _KW_LAUNCH), _launch),
+        (PROGRESS, one & (kw == _KW_PROGRESS), _progress),
+        (HEARTBEAT, one & ((kw5 == _KW_GEN) | (kw5 == _KW_DECODED)), _heartbeat),
+        (PROMPT_EVAL, one & (kw == _KW_PROMPT_EVAL), _prompt_eval),
+        (EVAL, some & (kw5 == _KW_EVAL), _eval),
+        (TOTAL, some & (kw5 == _KW_TOTAL), _total),
+        (RELEASE, one & (kw5 == _KW_RELEASE), _release),
     ):
         i = np.flatnonzero(sel)
-        if not len(i):
-            continue
-        p = m[i] + k[i]
-        if layout is not None:  # most messages have the printf layout: read at fixed places
-            fits, vals = layout.read(words, p)
-            if code == PROGRESS:  # its last number has no width: read step by step
-                at = np.flatnonzero(fits)
-                tail = _Cursor(words, p[at] + layout.size)
-                tps = np.full(len(p), np.nan)
-                tps[at] = tail.field(blanks=0, frac=True)
-                tail.lit(b" tokens per second")
-                fits[at] = tail.ok
-                vals.append(tps)
-            _put(out, rows[i[fits]], code, [v[fits] for v in vals])
-            i, p = i[~fits], p[~fits]
-            if not len(i):
-                continue
-        cur = _Cursor(words, p)
-        vals = parse(cur)
-        _put(out, rows[i[cur.ok]], code, [v[cur.ok] for v in vals])
+        if len(i):
+            cur = _Cursor(words, m[i] + k[i])
+            vals = parse(cur)
+            _put(out, rows[i[cur.ok]], code, [v[cur.ok] for v in vals])
 
 
 def _put(out: Scan, rows: np.ndarray, code: int, values: list[np.ndarray]) -> None:
@@ -663,81 +511,6 @@ def _heartbeat(c: _Cursor) -> list[np.ndarray]:
     t.lit(b" t/s")
     c.ok &= ~tail | t.ok  # a tail FAST_PATTERN might read otherwise (inf, nan, signs): not ours
     return [n, tg, np.where(tail, tg3, np.nan)]
-
-
-def _right_aligned(x: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """A number printed ``%<width>d`` in the low ``width`` bytes of each word (XOR "0" bytes):
-    blanks, then at least one digit, to the field's end. (whether it is one, its value)."""
-    f = x & _U((1 << (8 * width)) - 1)
-    fill = _U((1 << 64) - (1 << (8 * width)))  # bytes past the field: read as "0" digits
-    digit = ~((((f & _LO7) + _OVER9) | f) | fill) & _HI  # high bit of each digit byte
-    y = f ^ _U(0x1010101010101010)  # blanks as 0 bytes
-    blank = ~(((y & _LO7) + _LO7) | y) & _HI & ~fill  # exact: no borrow from byte to byte
-    # Every byte a digit or a blank, and the blanks all before the first digit (so there is one).
-    ok = ((digit | blank) == (_HI & ~fill)) & (blank < (digit & (~digit + _U(1))))
-    # blanks as 0 digits, the field moved to the word's top (leading 0 digits below it)
-    return ok, _eight_digits((f & ~(blank >> _U(3))) << _U(8 * (8 - width)))
-
-
-class _Layout:
-    """A message as llama-server's printf writes it, while its numbers fit their widths: then
-    every byte has a fixed place, and the message is read with one word gather per 8 bytes and
-    masked compares. ``%Nd`` and ``%N.2f`` (N <= 8 and 11) are the fields; the rest is text.
-
-    It reads what the step-by-step reading (:func:`_heartbeat` and the others) reads from the
-    same bytes: ``%N.2f`` as whole * 100 + hundredths over 100, one IEEE division.
-    """
-
-    def __init__(self, template: bytes) -> None:
-        self.text: list[tuple[int, bytes]] = []
-        self.fields: list[tuple[int, int, bool]] = []  # (start, width of the whole part, hundredths)
-        at = 0
-        for piece in re.split(rb"(%\d+d|%\d+\.2f)", template):
-            if not piece.startswith(b"%"):
-                self.text += [(at + k, piece[k : k + 8]) for k in range(0, len(piece), 8)]
-                at += len(piece)
-            elif piece.endswith(b"d"):
-                self.fields.append((at, int(piece[1:-1]), False))
-                at += int(piece[1:-1])
-            else:
-                width = int(piece[1:-3])
-                self.fields.append((at, width - 3, True))
-                self.text.append((at + width - 3, b"."))
-                at += width
-        assert all(w <= 8 for _, w, _ in self.fields)
-        self.size = at
-        self._text = [(k, *_word(t)) for k, t in self.text]
-
-    def read(self, words: _Words, p: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
-        """(which messages at ``p`` have the layout, their numbers as float64)."""
-        w = [words.at(p + 8 * j) for j in range((self.size + 7) // 8 + 1)]
-
-        def bytes_at(k: int) -> np.ndarray:  # the 8 bytes from byte k of the message
-            j, r = divmod(k, 8)
-            return w[j] if r == 0 else (w[j] >> _U(8 * r)) | (w[j + 1] << _U(64 - 8 * r))
-
-        ok = np.ones(len(p), bool)
-        for k, val, mask in self._text:
-            ok &= (bytes_at(k) & mask) == val
-        values = []
-        for k, width, cents in self.fields:
-            good, v = _right_aligned(bytes_at(k) ^ _ASCII0, width)
-            ok &= good
-            if cents:
-                x = bytes_at(k + width + 1) ^ _ASCII0
-                d0, d1 = x & _U(0xFF), (x >> _U(8)) & _U(0xFF)
-                ok &= (d0 < 10) & (d1 < 10)
-                values.append((v * 100 + (d0 * _U(10) + d1).astype(np.int64)) / 100.0)
-            else:
-                values.append(v.astype(np.float64))
-        return ok, values
-
-
-_HEARTBEAT = _Layout(b"n_gen = %6d, tg = %6.2f t/s, tg_3s = %6.2f t/s")
-_PROGRESS = _Layout(b"prompt processing, n_tokens = %6d, progress = %4.2f, t = %6.2f s /")  # then "%.2f tokens per second"
-_PROMPT_EVAL = _Layout(b"prompt eval time = %10.2f ms / %5d tokens")
-_EVAL = _Layout(b"eval time = %10.2f ms / %5d tokens")
-_TOTAL = _Layout(b"total time = %10.2f ms / %5d tokens")
 
 
 def _prompt_eval(c: _Cursor) -> list[np.ndarray]:

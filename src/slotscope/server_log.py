@@ -738,7 +738,10 @@ def read_server_logs(
     prefills: list[pd.DataFrame | SampleSource] = []
     sessions = []
     for asm in assemblers:
-        t, g, p, s = asm.finish_later() if samples_on_disk else asm.finish()
+        t, g, p, s = asm.finish()
+        if not samples_on_disk:
+            g, p = g.table(consume=True), p.table(consume=True)
+            release_memory()  # the sample rows, now tables
         tasks.append(t)
         gens.append(g)
         prefills.append(p)
@@ -825,7 +828,7 @@ def read_task_batches(
                                     chunk_size=chunk_size, pool=pool, spill_rows=rows)
         n_rows = sum(asm.n_open_or_done for asm in assemblers)
         spread = pool.jobs > 1 and n_rows > rows
-        ends = [asm.finish_in_batches(rows, on_disk=spread) for asm in assemblers]
+        ends = [asm.finish_in_batches(rows) for asm in assemblers]
         release_memory()  # the parse's freed blocks (and a .gz's inflate buffers), before the batches
     except BaseException:
         pool.close()
@@ -887,14 +890,14 @@ def read_sample_batches(
         spread = pool.jobs > 1
         todo = []
         for asm in assemblers:
-            tasks, _ = asm.finish_in_batches(task_rows, on_disk=spread and asm.n_open_or_done > task_rows)
+            tasks, _ = asm.finish_in_batches(task_rows)
             work = [(b, i, False, _first_tokens) for i, b in enumerate(tasks if asm.n_finished else [])]
             found = list(pool.map(_task_batch, work) if spread and len(work) > 1 else map(_task_batch, work))
             for _, counts in found:
                 acc.count_tasks(counts)
             asm.discard()
-            firsts = FirstTokens.of(pd.concat([f for f, _ in found])) if found else None
-            todo += asm.finish_samples_in_batches(code, rows, firsts, on_disk=spread)
+            firsts = pd.concat([f for f, _ in found]) if found else None
+            todo += asm.samples_later(firsts)[0 if code == HEARTBEAT else 1].batches(rows)
             acc.sessions += len(asm.sessions)
         release_memory()  # the parse's freed blocks, before the batches
     except BaseException:

@@ -179,9 +179,9 @@ class FinishedRows:
         self._names = list(rows)
         self._chunks.append(self._disk.write(rows) if spill else rows)
 
-    def close(self, on_disk: bool = False) -> None:
-        """No more rows: the last ones join the chunks (in memory, unless ``on_disk``)."""
-        self._seal(spill=on_disk)
+    def close(self) -> None:
+        """No more rows: the last ones join the chunks (on disk too, with ``spill_rows``)."""
+        self._seal(spill=self.spill_rows is not None)
 
     def __getstate__(self) -> dict:
         # A copy in another process reads the chunks; the files stay this one's to remove.
@@ -211,9 +211,6 @@ class FinishedRows:
             at = np.flatnonzero(which == k)
             src = idx[at] - starts[k]
             for c, v in zip(self._names, self._columns_of(k, self._names)):
-                if len(at) == len(idx):  # every row from one chunk
-                    out[c] = v[src]
-                    continue
                 if c not in out:
                     out[c] = np.empty(len(idx), dtype=v.dtype)
                 out[c][at] = v[src]
@@ -261,14 +258,9 @@ _SESSION_INFO = ["port", "session", "first_line", "first_us", "last_us", "now_us
 _SESSION_TEXT = {"model": MODEL, "build": BUILD}  # text per session: its first such line's
 
 
-def keeps(keep_samples: bool | int, code: int) -> bool:
-    """Whether samples of kind ``code`` are kept: ``keep_samples`` True (all kinds), False
-    (none), or the one kind kept (HEARTBEAT or PROGRESS)."""
-    return keep_samples is True or (keep_samples is not False and keep_samples == code)
-
-
 def fold_block(ev: pd.DataFrame | dict[str, np.ndarray], keep_samples: bool | int = True) -> BlockTasks:
-    """Fold one block of events (``session`` assigned, or numbered within the block).
+    """Fold one block of events (``session`` assigned, or numbered within the block), with
+    the samples of every kind (``keep_samples`` True), none (False) or the one kind given.
 
     Pure: it needs nothing from earlier blocks, so worker processes can run it.
     """
@@ -277,7 +269,8 @@ def fold_block(ev: pd.DataFrame | dict[str, np.ndarray], keep_samples: bool | in
     kind = cols["kind"]
     samples = {}
     for code, names in ((HEARTBEAT, _SAMPLE_GEN), (PROGRESS, _SAMPLE)):
-        sel = np.flatnonzero(kind == code) if keeps(keep_samples, code) else ()
+        keep = keep_samples is True or (keep_samples is not False and keep_samples == code)
+        sel = np.flatnonzero(kind == code) if keep else ()
         if len(sel):
             samples[code] = {c: cols[c][sel] for c in names}
     task = cols["task"].astype(np.float64)
@@ -337,8 +330,6 @@ def shifted_sessions(port: np.ndarray, session: np.ndarray, shift: dict[int, int
     """Session numbers counted within a block, moved by each row's port's shift (every port
     of the block has one)."""
     out = session.astype(np.int64)
-    if len(shift) == 1:
-        return out + next(iter(shift.values()))
     for p, d in shift.items():
         out[port == p] += d
     return out
@@ -471,16 +462,10 @@ class TaskAssembler:
                     entry[c] = info[c][i]
 
 
-    def finish(self) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-        """Close every task still open; return (tasks, gen samples, prefill samples, sessions)."""
-        tasks, gen, prefill, sessions = self.finish_later()
-        out = tasks, gen.table(consume=True), prefill.table(consume=True), sessions
-        release_memory()
-        return out
-
-    def finish_later(self) -> tuple[pd.DataFrame, "SampleSource", "SampleSource", pd.DataFrame]:
-        """:meth:`finish`, but the sample tables are built when asked, from their rows as they
-        are (on disk with ``spill_samples``): (tasks, gen samples, prefill samples, sessions)."""
+    def finish(self) -> tuple[pd.DataFrame, "SampleSource", "SampleSource", pd.DataFrame]:
+        """Close every task still open: (tasks, gen samples, prefill samples, sessions), the
+        sample tables built when asked, from their rows as they are (on disk with
+        ``spill_samples``)."""
         order, _ = self._end()
         raw = _raw(self._done.take_all(order), list(self._files))
         release_memory()  # the per-block parts just joined: small holes the table cannot reuse
@@ -497,51 +482,27 @@ class TaskAssembler:
         and ``first_token_s``, or what makes their :class:`FirstTokens` (None: no tasks), for
         the gen samples' first windows."""
         files = list(self._sample_files)
-        on_disk = self.spill_samples or self.spill_rows is not None
-        self._gen.close(on_disk)
-        self._prefill.close(on_disk)
-        if on_disk:
+        self._gen.close()
+        self._prefill.close()
+        if self._gen.spill_rows is not None:
             release_memory()  # (the last rows, just written: not under the first tokens' making)
         first = None
         if tasks is not None and len(self._gen):
             first = FirstTokens.of(tasks) if isinstance(tasks, pd.DataFrame) else tasks()
         return SampleSource(HEARTBEAT, self._gen, self.source, files, first), SampleSource(PROGRESS, self._prefill, self.source, files, None)
 
-    def finish_samples_in_batches(self, kind: int, rows: int, first_tokens: "FirstTokens | None",
-                                  on_disk: bool = False) -> list["SampleBatch"]:
-        """The gen (``kind`` HEARTBEAT) or prefill samples table as batches of ``rows`` rows in
-        output order (together: :meth:`finish`'s table). ``first_tokens``: each task's
-        ``first_token_s``, for the gen windows. Only the sort keys are held meanwhile;
-        ``on_disk``: every chunk goes to disk (batches pickle small)."""
-        store = self._gen if kind == HEARTBEAT else self._prefill
-        store.close(on_disk)
-        if not len(store):
-            return []
-        port, session, task = (store.column(c).astype(np.int64) for c in ("port", "session", "task"))
-        order = _sample_order(store, port, session, task)
-        batches = []
-        for a in range(0, len(order), rows):
-            lo = max(a - 1, 0)  # one row of context: the previous sample of the same task
-            idx = order[lo : a + rows]
-            ft = None
-            if kind == HEARTBEAT:
-                p, s, t = port[idx], session[idx], task[idx]
-                ft = _first_token_per_row(first_tokens, p, s, t, _same_task_as_previous(p, s, t))
-            batches.append(SampleBatch(kind, store, idx, a - lo, ft, self.source, list(self._sample_files)))
-        return batches
-
     def discard_samples(self) -> None:
         self._gen.discard()
         self._prefill.discard()
 
-    def finish_in_batches(self, rows: int = 1 << 15, on_disk: bool = False) -> tuple[list["TaskBatch"], pd.DataFrame]:
+    def finish_in_batches(self, rows: int = 1 << 15) -> tuple[list["TaskBatch"], pd.DataFrame]:
         """Close every task still open; return the task table as batches of ``rows`` rows in
         output order (together: :meth:`finish`'s table, same values and columns), and the
         sessions. A batch is built when asked (:meth:`TaskBatch.table`); only the sort keys
-        are held meanwhile. ``on_disk``: every chunk of finished rows goes to disk, so that a
-        batch pickles small (for worker processes). :meth:`discard` removes them after use.
+        are held meanwhile. With ``spill_rows``, every finished row is on disk, so that a batch
+        pickles small (for worker processes); :meth:`discard` removes them after use.
         """
-        order, with_wall = self._end(on_disk)
+        order, with_wall = self._end()
         sessions = self._sessions_table()
         files = list(self._files)
         if not len(order):
@@ -557,7 +518,7 @@ class TaskAssembler:
     def n_open_or_done(self) -> int:
         return len(self._done) + (len(self._open["task"]) if self._open is not None else 0)
 
-    def _end(self, on_disk: bool = False) -> tuple[np.ndarray, bool]:
+    def _end(self) -> tuple[np.ndarray, bool]:
         """Close the open tasks; the output order of the finished rows, and whether any of them
         is in a session with wall-clock times (then every row has ``*_at`` columns)."""
         if self._open is not None and len(self._open["task"]):
@@ -565,7 +526,7 @@ class TaskAssembler:
             rest["cut_by_restart"] = np.zeros(len(rest["task"]), bool)
             self._done.append(rest)
         self._open = None
-        self._done.close(on_disk)
+        self._done.close()
         port, session = self._done.column("port"), self._done.column("session")
         # Output order: per process, by launch (tasks whose launch was never seen last), then line.
         order = np.lexsort((self._done.column("first_line"), self._done.column("launch_us"), session, port))
@@ -609,7 +570,7 @@ def _raw(cols: dict[str, np.ndarray] | None, files: list[str]) -> dict[str, np.n
         raw["file"] = np.zeros(0, dtype=object)
         return raw
     code = cols.pop("file")
-    # One category per file instead of its path repeated on every row (44 MB at 1 GB of log).
+    # One category per file instead of its path repeated on every row.
     file = pd.Categorical.from_codes(np.where(np.isnan(code), -1, code).astype(np.int64),
                                      categories=pd.Index(files, dtype="str"))
     slot_any = cols.pop("slot_any")
@@ -660,15 +621,6 @@ def _derive(raw: dict[str, np.ndarray | pd.Categorical], source: str, sessions: 
         with np.errstate(invalid="ignore"):
             return np.where(us >= 0, us, np.nan) / 1e6
 
-    def ints(v: np.ndarray) -> pd.arrays.IntegerArray:
-        # Counts and line numbers: whole numbers or NaN, made Int64 from their values and mask
-        # (pd.array checks and converts each float: 3x slower); anything else as pd.array has it.
-        missing = np.isnan(v)
-        known = np.where(missing, 0.0, v)
-        if (known == np.trunc(known)).all() and (np.abs(known) < 2.0**63).all():
-            return pd.arrays.IntegerArray(known.astype(np.int64), missing)
-        return pd.array(v, dtype="Int64")
-
     def flags(v: np.ndarray) -> pd.arrays.BooleanArray:  # 1 -> True, 0 -> False, else missing
         return pd.arrays.BooleanArray(v == 1, ~((v == 1) | (v == 0)))
 
@@ -678,7 +630,7 @@ def _derive(raw: dict[str, np.ndarray | pd.Categorical], source: str, sessions: 
     session = np.asarray(raw.pop("session")).astype(np.int64)
     port = np.asarray(raw.pop("port")).astype(np.int64)
     out["session"] = session
-    out["slot"] = ints(take("slot"))
+    out["slot"] = pd.array(take("slot"), dtype="Int64")
     out["task_id"] = np.asarray(raw.pop("task")).astype(np.int64)
     launch_us, release_us = col("launch_us"), col("release_us")
     launch_s = seconds(launch_us)
@@ -707,9 +659,9 @@ def _derive(raw: dict[str, np.ndarray | pd.Categorical], source: str, sessions: 
     out["first_token_s"] = np.round(first_token_s, 6)
     out["release_s"] = np.round(release_s, 6)
     out["wait_before_prefill_ms"] = np.round(wait_ms, 3)
-    out["prompt_tokens_new"] = ints(new)
-    out["prompt_tokens_cached"] = ints(cached)
-    out["n_gen"] = ints(n_gen)
+    out["prompt_tokens_new"] = pd.array(new, dtype="Int64")
+    out["prompt_tokens_cached"] = pd.array(cached, dtype="Int64")
+    out["n_gen"] = pd.array(n_gen, dtype="Int64")
     out["prompt_eval_ms"] = prompt_eval_ms
     out["eval_ms"] = eval_ms
     out["prefill_tps"] = np.round(prefill_tps, 3)
@@ -723,17 +675,17 @@ def _derive(raw: dict[str, np.ndarray | pd.Categorical], source: str, sessions: 
     # line (a log that starts mid-task) stays incomplete, even with its release and timings.
     line = take("line")
     launched = ~np.isnan(line)
-    # Taken from the three texts as pandas holds text (10x faster than a numpy array of str).
+    # Taken from the three texts as pandas holds text (no numpy array of str to convert).
     out["status"] = _STATUS_TEXT.take(np.where(launched & has_release & has_timings & ~flagged, 0,
                                                np.where(cancelled, 1, 2)))
-    out["line"] = ints(line)
+    out["line"] = pd.array(line, dtype="Int64")
     # Columns beyond the stable set.
     out["file"] = raw.pop("file")
     out["port"] = port
-    out["release_line"] = ints(take("release_line"))
+    out["release_line"] = pd.array(take("release_line"), dtype="Int64")
     out["total_ms"] = total_ms
-    out["n_tokens_released"] = ints(released)
-    out["prompt_tokens"] = ints(cached + new)
+    out["n_tokens_released"] = pd.array(released, dtype="Int64")
+    out["prompt_tokens"] = pd.array(cached + new, dtype="Int64")
     out["n_heartbeats"] = np.nan_to_num(take("n_heartbeats")).astype(np.int64)
     out["n_progress"] = np.nan_to_num(take("n_progress")).astype(np.int64)
     out["has_timings"] = has_timings
@@ -802,15 +754,30 @@ class SampleSource:
 
     def table(self, consume: bool = False) -> pd.DataFrame:
         """The table; ``consume``: the rows are dropped as they are read (no second table)."""
-        store = self.store
-        if not len(store):
+        if not len(self.store):
             return empty_samples(self.kind)
-        port, session, task = (store.column(c).astype(np.int64) for c in ("port", "session", "task"))
-        order = _sample_order(store, port, session, task)
-        first_token = self._first_tokens(port[order], session[order], task[order]) if self.kind == HEARTBEAT else None
-        del port, session, task
-        return _sample_table(self.kind, store.take_all(order) if consume else store.gather(order), self.source, self.files,
-                             first_token)
+        order = self._keys_and_order()[-1]
+        return self.table_of(self.store.take_all(order) if consume else self.store.gather(order))
+
+    def batches(self, rows: int) -> list["SampleBatch"]:
+        """The table as batches of ``rows`` rows, in order (together: :meth:`table`); only the
+        sort keys are held meanwhile."""
+        if not len(self.store):
+            return []
+        port, session, task, order = self._keys_and_order()
+        batches = []
+        for a in range(0, len(order), rows):
+            lo = max(a - 1, 0)  # one row of context: the previous sample of the same task
+            idx = order[lo : a + rows]
+            first_token = self._first_tokens(port[idx], session[idx], task[idx])
+            batches.append(SampleBatch(self.kind, self.store, idx, a - lo, first_token, self.source, self.files))
+        return batches
+
+    def _keys_and_order(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Each row's port, session and task, and the table's order: by task, then time (ties:
+        as read)."""
+        port, session, task = (self.store.column(c).astype(np.int64) for c in ("port", "session", "task"))
+        return port, session, task, np.lexsort((self.store.column("ts_us"), task, session, port))
 
     def _first_tokens(self, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray | None:
         """Gen samples: each row's task's first-token time (rows in table order); else None."""
@@ -823,14 +790,10 @@ class SampleSource:
         first_token = self._first_tokens(*(cols[c].astype(np.int64) for c in ("port", "session", "task")))
         return _sample_table(self.kind, cols, self.source, self.files, first_token, skip)
 
-def _sample_order(store: FinishedRows, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
-    """Output order of sample rows: by task, then time (ties: as read)."""
-    return np.lexsort((store.column("ts_us"), task, session, port))
-
 
 class FirstTokens:
     """Each task's ``first_token_s`` by (port, session, task_id), looked up with one sorted
-    int64 key per task (a pandas MultiIndex is four times larger): the session's place among
+    int64 key per task (smaller than a pandas MultiIndex): the session's place among
     the sessions, times the number of task ids, plus the task id's place among them."""
 
     def __init__(self, sessions: np.ndarray, ids: np.ndarray, keys: np.ndarray, values: np.ndarray) -> None:
