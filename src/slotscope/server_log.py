@@ -40,12 +40,12 @@ from .errors import InputError
 from .sources import (
     CHUNK_SIZE, STDIN, Inputs, LogFile, Span, collect, is_plain, iter_chunks, iter_spans, read_span, reopen, staged,
 )
-from .store import StoredField, StoredTable, table_itself
+from .store import StoredField, StoredTable, release_memory, table_itself
 from .workers import Pool
 from .scanner import COMP_BUILD, SRV_EVENT, Reading, Scan, scan
 from .tasks import (
     GEN_COLUMNS, PREFILL_COLUMNS, SESSION_COLUMNS, TASK_COLUMNS, BlockTasks, SampleBatch, SampleSource, TaskAssembler,
-    TaskBatch, FirstTokens, fold_block, release_memory, shifted_sessions,
+    TaskBatch, FirstTokens, fold_block, shifted_sessions,
 )
 
 T = TypeVar("T")
