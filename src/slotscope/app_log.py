@@ -235,7 +235,7 @@ def read_app_logs(
         name = fspath(p)
         stream = open_binary(name)
         try:
-            frames += _parse(name, _split_lines(stream, name), columns, tz, tally)
+            frames += _parse(name, iter_chunks(stream, name, SPAN_BYTES), columns, tz, tally)
         finally:
             stream.close()
     return _finish(frames, tally)
@@ -252,10 +252,12 @@ def read_app_log_stream(
     written to ``$TMPDIR`` a column at a time as it is made (:class:`slotscope.store.StoredTable`;
     ``calls`` reads it back), never whole in memory.
     """
-    if pool is not None and pool.jobs > 1 and is_plain(stream) and _size(stream) > SPAN_BYTES and _starts_with_json(stream):
-        tally = _Tally()
-        return _finish(_parse_spans(name, stream, columns, tz, tally, pool, _keep(on_disk)), tally, on_disk)
-    return read_app_log_lines(name, _split_lines(stream, name), columns=columns, tz=tz, on_disk=on_disk)
+    if pool is not None and pool.jobs > 1 and is_plain(stream) and os.fstat(stream.fileno()).st_size > SPAN_BYTES:
+        blocks: Iterable[bytes | Span] = iter_spans(stream, name, SPAN_BYTES)
+    else:
+        blocks, pool = iter_chunks(stream, name, SPAN_BYTES), None
+    tally = _Tally()
+    return _finish(_parse(name, blocks, columns, tz, tally, _keep(on_disk), pool), tally, on_disk)
 
 
 def read_app_log_lines(
@@ -264,19 +266,17 @@ def read_app_log_lines(
 ) -> AppLog:
     """Read one app call log given as lines of bytes (line endings optional); ``on_disk``: as
     in :func:`read_app_log_stream`."""
+    lines = iter(lines)
+    blocks = (b"".join(ln if ln.endswith(b"\n") else ln + b"\n" for ln in batch)
+              for batch in iter(lambda: list(islice(lines, CHUNK_ROWS)), []))
     tally = _Tally()
-    return _finish(_parse(name, lines, columns, tz, tally, _keep(on_disk)), tally, on_disk)
+    return _finish(_parse(name, blocks, columns, tz, tally, _keep(on_disk)), tally, on_disk)
 
 
 def _keep(on_disk: bool) -> Callable[[pd.DataFrame], "pd.DataFrame | store.StoredTable"]:
     """How a chunk's table waits for :func:`_finish`: as it is, or on disk (then
     :func:`_finish` reads them a column at a time)."""
     return (lambda f: store.StoredTable(f, "app log chunk")) if on_disk else (lambda f: f)
-
-
-def _split_lines(stream: BinaryIO, name: str) -> Iterator[bytes]:
-    for block in iter_chunks(stream, name):
-        yield from _block_lines(block)
 
 
 def _block_lines(block: bytes) -> list[bytes]:
@@ -293,93 +293,32 @@ def _zone(tz: str | None) -> str:
     return zone
 
 
-def _start_file(name: str, columns: Mapping[str, str] | None, tz: str | None, tally: _Tally) -> tuple[str, dict[str, str]]:
-    """Begin reading file ``name``: its zone and column mapping, checked."""
+def _parse(
+    name: str, blocks: Iterable[bytes | Span], columns: Mapping[str, str] | None, tz: str | None, tally: _Tally,
+    keep: Callable[[pd.DataFrame], Any] = lambda f: f, pool: Pool | None = None,
+) -> list[Any]:
+    """The chunks' tables of one log (each as ``keep`` makes it, e.g. on disk), from its blocks
+    of whole lines. JSONL: each block read on its own (by the pool's workers, if any), by
+    pyarrow where it can be (see :func:`_arrow_fields`); CSV: line by line."""
     zone, override = _zone(tz), _checked(columns or {})
     tally.files.setdefault(name, len(tally.files))
     tally.header_line = None
-    return zone, override
-
-
-def _parse(
-    name: str, lines: Iterable[bytes], columns: Mapping[str, str] | None, tz: str | None, tally: _Tally,
-    keep: Callable[[pd.DataFrame], Any] = lambda f: f,
-) -> list[Any]:
-    """The chunks' tables of one log (each as ``keep`` makes it, e.g. on disk)."""
-    zone, override = _start_file(name, columns, tz, tally)
-    lines = iter(lines)
-    batch = list(islice(lines, CHUNK_ROWS))
-    if not _json_first(batch):
-        frames = [keep(f) for f in _frames(name, _rows(name, chain(batch, lines), tally), override, zone, tally)]
-    else:  # JSONL: blocks of lines, each read by pyarrow where it can be (see _arrow_fields)
-        frames, first = [], 1
-        while batch:
-            block = b"".join(ln if ln.endswith(b"\n") else ln + b"\n" for ln in batch)
-            frames += [keep(f) for f in _json_block_frames(name, block, first, override, zone, tally, bom=first == 1, lines=len(batch))]
-            first += len(batch)
-            batch = list(islice(lines, CHUNK_ROWS))
-    tally.check_start_found(name, frames)
-    return frames
-
-
-def _json_first(lines: list[bytes]) -> bool:
-    """Whether the first non-blank of these (bytes) lines starts a JSON object, as :func:`_rows`
-    decides; False for text lines, which only that way reads."""
-    for i, raw in enumerate(lines):
-        if not isinstance(raw, bytes):
-            return False
-        text = raw.decode("utf-8", "replace")
-        text = text.lstrip("\ufeff") if i == 0 else text
-        if text.strip():
-            return text.lstrip().startswith("{")
-    return False
-
-
-def _json_block_frames(name: str, block: bytes, first: int, override: Mapping[str, str], zone: str, tally: _Tally,
-                       bom: bool, lines: int | None = None) -> list[pd.DataFrame]:
-    """The frames of a block of JSONL lines, the first numbered ``first`` (``bom``: the file's
-    first lines; ``lines``: how many there are, if known). Read by pyarrow where the block
-    allows it, else record by record."""
-    got = _arrow_fields(block, override)
-    if got is not None and (lines is None or got[0] == lines):
-        n, get = got
-        tally.lines_read += n
-        return [_table(name, np.arange(first, first + n, dtype=np.int64), get, override, zone, tally)]
-    numbered = enumerate(_decoded(_block_lines(block), tally, bom=bom), start=first)
-    return _frames(name, _json_rows(name, numbered, tally), override, zone, tally)
-
-
-def _frames(name: str, rows: _Rows, override: Mapping[str, str], zone: str, tally: _Tally) -> list[pd.DataFrame]:
-    frames = []
-    while chunk := list(islice(rows, CHUNK_ROWS)):
-        frames.append(_frame(name, chunk, override, zone, tally))
-    return frames
-
-
-def _size(stream: BinaryIO) -> int:
-    return os.fstat(stream.fileno()).st_size
-
-
-def _starts_with_json(stream: BinaryIO) -> bool:
-    """Whether a plain file's first non-blank line starts a JSON object (read from its first
-    64 KiB; the stream is left at its start)."""
-    head = stream.read(1 << 16)
-    stream.seek(0)
-    text = head.decode("utf-8", "replace").lstrip("\ufeff").lstrip()
-    return text.startswith("{")
-
-
-def _parse_spans(
-    name: str, stream: BinaryIO, columns: Mapping[str, str] | None, tz: str | None, tally: _Tally, pool: Pool,
-    keep: Callable[[pd.DataFrame], Any] = lambda f: f,
-) -> list[Any]:
-    """A plain JSONL file read in byte spans by the pool's workers, joined in order (each
-    chunk's table as ``keep`` makes it)."""
-    zone, override = _start_file(name, columns, tz, tally)
-    jobs = ((span, name, override, zone, i == 0) for i, span in enumerate(iter_spans(stream, name, SPAN_BYTES)))
-    frames: list[pd.DataFrame] = []
-    for part_frames, part in pool.map(_span_frames, jobs):
-        offset = tally.lines_read
+    blocks = iter(blocks)
+    first = next(blocks, None)
+    if first is None:
+        return []
+    blocks = chain([first], blocks)
+    head = read_span(Span(first.path, first.start, min(first.length, 1 << 16))) if isinstance(first, Span) else first
+    if not head[: 1 << 16].decode("utf-8", "replace").lstrip("\ufeff").lstrip().startswith("{"):
+        # (blank for 64 KiB: _rows finds the first line that is not)
+        lines = chain.from_iterable(_block_lines(read_span(b) if isinstance(b, Span) else b) for b in blocks)
+        frames = [keep(f) for f in _frames(name, _rows(name, lines, tally), override, zone, tally)]
+        tally.check_start_found(name, frames)
+        return frames
+    jobs = ((block, name, override, zone, i == 0) for i, block in enumerate(blocks))
+    frames, before = [], tally.lines_read  # (of the files read before)
+    for part_frames, part in (pool.map if pool is not None else map)(_block_frames, jobs):
+        offset = tally.lines_read - before
         for f in part_frames:
             f["line"] += offset
         frames += [keep(f) for f in part_frames]
@@ -389,13 +328,26 @@ def _parse_spans(
     return frames
 
 
-def _span_frames(job: tuple[Span, str, Mapping[str, str], str, bool]) -> tuple[list[pd.DataFrame], _Tally]:
-    """One span of a JSONL file (in a worker): its frames and tally, lines counted from 1."""
-    span, name, override, zone, first = job
+def _block_frames(job: tuple[bytes | Span, str, Mapping[str, str], str, bool]) -> tuple[list[pd.DataFrame], _Tally]:
+    """The frames and tally of one block of JSONL lines, counted from 1 (in a worker, if any;
+    ``bom``: the file's first lines, a byte-order mark may lead)."""
+    block, name, override, zone, bom = job
     tally = _Tally(files={name: 0})
-    frames = _json_block_frames(name, read_span(span), 1, override, zone, tally, bom=first)
-    return frames, tally
+    data = read_span(block) if isinstance(block, Span) else block
+    got = _arrow_fields(data, override)
+    if got is not None:
+        n, get = got
+        tally.lines_read += n
+        return [_table(name, np.arange(1, n + 1, dtype=np.int64), get, override, zone, tally)], tally
+    numbered = enumerate(_decoded(_block_lines(data), tally, bom=bom), start=1)
+    return _frames(name, _json_rows(name, numbered, tally), override, zone, tally), tally
 
+
+def _frames(name: str, rows: _Rows, override: Mapping[str, str], zone: str, tally: _Tally) -> list[pd.DataFrame]:
+    frames = []
+    while chunk := list(islice(rows, CHUNK_ROWS)):
+        frames.append(_frame(name, chunk, override, zone, tally))
+    return frames
 
 def _rows(name: str, lines: Iterable[bytes], tally: _Tally) -> _Rows:
     numbered = enumerate(_decoded(lines, tally), start=1)
@@ -413,7 +365,7 @@ def _decoded(lines: Iterable[bytes], tally: _Tally, bom: bool = True) -> Iterato
     """Lines as text (``bom``: these are a file's first lines, a byte-order mark may lead)."""
     for i, raw in enumerate(lines):
         tally.lines_read += 1
-        text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+        text = raw.decode("utf-8", "replace")
         yield (text.lstrip("\ufeff") if i == 0 and bom else text).rstrip("\r\n")
 
 
