@@ -913,23 +913,6 @@ def _repeats(col: pd.Series) -> int:
     return int(pc.sum(same).as_py() or 0) + max(nulls - 1, 0)
 
 
-class _StoredChunk:
-    """A chunk's table on disk as :func:`_finish` reads it: its columns, each read when popped."""
-
-    def __init__(self, table: store.StoredTable) -> None:
-        self.table, self.names = table, list(table.columns)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.names)
-
-    def __contains__(self, c: object) -> bool:
-        return c in self.names
-
-    def pop(self, c: str) -> pd.Series:
-        self.names.remove(c)
-        return self.table.read([c])[c]
-
-
 class _Chunks:
     """The chunks' tables, their columns apart (each is a block of its own as the chunks are
     made), joined a column at a time: a column popped once joined frees its memory. A column
@@ -937,19 +920,23 @@ class _Chunks:
 
     def __init__(self, frames: list[Any]) -> None:
         self.sizes = [len(f) for f in frames]
-        self.parts: list[Any] = [_StoredChunk(f) if isinstance(f, store.StoredTable) else {c: f[c] for c in f.columns}
-                                 for f in frames]
-        self.present = {c for d in self.parts for c in d}
+        self.present = {c for f in frames for c in f.columns}
+        self.parts: list[dict[str, pd.Series] | store.Columns] = [
+            store.Columns(f) if isinstance(f, store.StoredTable) else {c: f[c] for c in f.columns} for f in frames]
+
+    def pop(self, d: "dict[str, pd.Series] | store.Columns", c: str) -> pd.Series:
+        """Column ``c`` of a chunk, no longer held by it (one on disk is read)."""
+        return d.pop(c) if isinstance(d, dict) else d[c]
 
     def joined(self, c: str) -> pd.Series:
-        parts = [d.pop(c).to_frame(c).set_axis(pd.RangeIndex(n)) if c in d else pd.DataFrame(index=pd.RangeIndex(n))
+        parts = [self.pop(d, c).to_frame(c).set_axis(pd.RangeIndex(n)) if c in d else pd.DataFrame(index=pd.RangeIndex(n))
                  for d, n in zip(self.parts, self.sizes)]
         return pd.concat(parts, ignore_index=True)[c]
 
     def joined_codes(self, c: str) -> tuple[np.ndarray, pd.Index]:
         """``pd.factorize(self.joined(c))``, a chunk at a time: a chunk has one file name, and
         the joined names (as read, a text per call) need not be held whole."""
-        parts = [pd.factorize(d.pop(c)) if c in d else (np.full(n, -1, dtype=np.int64), None)
+        parts = [pd.factorize(self.pop(d, c)) if c in d else (np.full(n, -1, dtype=np.int64), None)
                  for d, n in zip(self.parts, self.sizes)]
         found = [u for _, u in parts if u is not None and len(u)]
         # (no names at all: the type of the joined column's, as its factorizing gives it)
@@ -965,7 +952,7 @@ class _Chunks:
     def discard(self) -> None:
         """Remove the chunks' files (now read) now, not when the collector finds them."""
         for d in self.parts:
-            if isinstance(d, _StoredChunk):
+            if isinstance(d, store.Columns):
                 d.table.discard()
         self.parts.clear()
 
