@@ -10,13 +10,13 @@ from __future__ import annotations
 import glob
 import io
 import os
-import queue
 import re
 import sys
 import tempfile
-import threading
 import types
 import zlib
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Iterator, Literal, Sequence, cast
@@ -372,49 +372,16 @@ def _is_compressed(stream: object) -> bool:
     return isinstance(stream, _GzipStream) or type(stream).__name__ == "ZstdDecompressionReader"
 
 
-class _Raised:
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
 def _read_ahead(blocks: Iterator[bytes], depth: int = 2) -> Iterator[bytes]:
-    """The same blocks, produced by a thread at most ``depth`` blocks ahead (errors in order)."""
-    q: queue.Queue[object] = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-    end = object()
-
-    def put(item: object) -> bool:
-        while not stop.is_set():
-            try:
-                q.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def work() -> None:
-        try:
-            for block in blocks:
-                if not put(block):
-                    return
-        except BaseException as e:  # handed to the reader, raised there after the good blocks
-            put(_Raised(e))
-            return
-        put(end)
-
-    worker = threading.Thread(target=work, name="slotscope-read-ahead", daemon=True)
-    worker.start()
+    """The same blocks, made by a thread at most ``depth`` blocks ahead (errors in order)."""
+    thread = ThreadPoolExecutor(1, thread_name_prefix="slotscope-read-ahead")  # (one: the blocks in order)
     try:
-        while True:
-            item = q.get()
-            if item is end:
-                return
-            if isinstance(item, _Raised):
-                raise item.error
-            yield item  # type: ignore[misc]
+        coming = deque([thread.submit(next, blocks, None) for _ in range(depth)])
+        while (block := coming.popleft().result()) is not None:
+            coming.append(thread.submit(next, blocks, None))
+            yield block
     finally:  # also when the reader stops early: let the thread end before the stream closes
-        stop.set()
-        worker.join()
+        thread.shutdown(cancel_futures=True)
 
 
 def _block_pieces(stream: BinaryIO, path: str, size: int) -> Iterator[list]:
