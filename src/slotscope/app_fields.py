@@ -57,21 +57,13 @@ def path_index(records: Iterable[Mapping[str, Any]], override: Mapping[str, str]
     """Lower-cased dotted path -> the path as written, for every key a field could name."""
     nested = nested_paths(override)
     index: dict[str, tuple[str, ...]] = {}
-    seen: dict[tuple[tuple[str, ...], tuple[str, ...]], list[tuple[str, tuple[str, ...]]]] = {}
 
     def walk(obj: Mapping[str, Any], prefix: tuple[str, ...]) -> None:
-        shape = (prefix, tuple(obj))  # most records share a handful of shapes: index each once
-        deeper = seen.get(shape)
-        if deeper is None:
-            deeper = seen[shape] = []
-            for k in obj:
-                path = (*prefix, k)
-                dotted = ".".join(path).lower()
-                index.setdefault(dotted, path)
-                if dotted in nested:
-                    deeper.append((k, path))
-        for k, path in deeper:
-            if isinstance(obj[k], dict):
+        paths = [(*prefix, k) for k in obj]
+        for path in paths:
+            index.setdefault(".".join(path).lower(), path)
+        for k, path in zip(obj, paths):
+            if isinstance(obj[k], dict) and ".".join(path).lower() in nested:
                 walk(obj[k], path)
 
     for rec in records:
