@@ -957,31 +957,6 @@ class _Chunks:
         self.parts.clear()
 
 
-class _Calls:
-    """Where :func:`_finish` puts the finished columns (in memory, or on disk through a
-    column writer), noting repeated call ids and starts before 2000 on the way."""
-
-    def __init__(self, on_disk: bool) -> None:
-        self.writer = store.ColumnWriter("app calls") if on_disk else None
-        self.out: dict[str, pd.Series] = {}
-        self.dup = self.early = 0
-
-    def put(self, c: str, col: pd.Series) -> None:
-        if c == "call_id":
-            self.dup = _repeats(col)
-        elif c == "start_us":
-            self.early = int((col < 946_684_800_000_000).sum())  # 2000-01-01
-        if self.writer is not None:
-            self.writer.add(c, col)
-        else:
-            self.out[c] = col
-
-    def done(self, columns: list[str]) -> pd.DataFrame | store.StoredTable:
-        if self.writer is not None:
-            return self.writer.done(columns)
-        return pd.DataFrame({c: self.out.pop(c) for c in columns}, copy=False)  # (not consolidated: no copy)
-
-
 def _finish(frames: list[Any], tally: _Tally, on_disk: bool = False) -> AppLog:
     """The calls table of the chunks' tables (``frames``, emptied), sorted by start, and its
     accounting. ``on_disk``: the chunks wait on disk (see :func:`_keep`) and each finished
@@ -997,24 +972,32 @@ def _finish(frames: list[Any], tally: _Tally, on_disk: bool = False) -> AppLog:
     order, file, keys = _call_order(chunks, tally)
     extra = [c for c in ("session", "turn") if c in chunks.present]
     index = pd.RangeIndex(len(order))
-    calls = _Calls(on_disk)
+    writer = store.ColumnWriter("app calls") if on_disk else None
+    out: dict[str, pd.Series] = {}
+    put: Callable[[str, pd.Series], None] = writer.add if writer is not None else out.__setitem__
+    put("file", file)
+    dup = early = 0
     # The call ids last: their check for repeats (a hash of every id) then runs beside the
     # last of the chunks, not all of them.
     for c in sorted([*CALL_COLUMNS, *extra], key=lambda c: c == "call_id"):
-        if c in ("start_at", "end_at"):
-            continue
-        if c == "file":
-            calls.put(c, file)
+        if c in ("start_at", "end_at", "file"):
             continue
         col = ((keys.pop(c) if c in keys else chunks.joined(c)).take(order).set_axis(index) if c in chunks.present
                else pd.Series(np.nan, index=index))
         if c in ("start_us", "end_us"):  # (the wall times from the values as read, before the cast)
-            calls.put(c[:-3] + "_at", pd.to_datetime(col, unit="us", utc=True).dt.as_unit("us"))
-        calls.put(c, col.astype(_DTYPES[c]))
+            put(c[:-3] + "_at", pd.to_datetime(col, unit="us", utc=True).dt.as_unit("us"))
+        col = col.astype(_DTYPES[c])
+        if c == "call_id":
+            dup = _repeats(col)
+        elif c == "start_us":
+            early = int((col < 946_684_800_000_000).sum())  # 2000-01-01
+        put(c, col)
         del col  # (freed before the next column is made)
     chunks.discard()
-    table = calls.done([*CALL_COLUMNS, *extra])
-    return AppLog(table, _accounting(tally, len(table), calls.dup, calls.early))
+    columns = [*CALL_COLUMNS, *extra]
+    table = writer.done(columns) if writer is not None else \
+        pd.DataFrame({c: out.pop(c) for c in columns}, copy=False)  # (not consolidated: no copy)
+    return AppLog(table, _accounting(tally, len(table), dup, early))
 
 
 def _call_order(chunks: _Chunks, tally: _Tally) -> tuple[np.ndarray, pd.Series, dict[str, pd.Series]]:
