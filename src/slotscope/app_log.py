@@ -349,6 +349,7 @@ def _frames(name: str, rows: _Rows, override: Mapping[str, str], zone: str, tall
         frames.append(_frame(name, chunk, override, zone, tally))
     return frames
 
+
 def _rows(name: str, lines: Iterable[bytes], tally: _Tally) -> _Rows:
     numbered = enumerate(_decoded(lines, tally), start=1)
     for lineno, text in numbered:
@@ -934,18 +935,15 @@ class _Chunks:
         return pd.concat(parts, ignore_index=True)[c]
 
     def joined_codes(self, c: str) -> tuple[np.ndarray, pd.Index]:
-        """``pd.factorize(self.joined(c))``, a chunk at a time: a chunk has one file name, and
-        the joined names (as read, a text per call) need not be held whole."""
-        parts = [pd.factorize(self.pop(d, c)) if c in d else (np.full(n, -1, dtype=np.int64), None)
-                 for d, n in zip(self.parts, self.sizes)]
-        found = [u for _, u in parts if u is not None and len(u)]
-        # (no names at all: the type of the joined column's, as its factorizing gives it)
-        names = pd.Index(pd.concat([u.to_series() for u in found or [u for _, u in parts if u is not None]]
-                                   or [pd.Series([], dtype=object)], ignore_index=True).unique())
+        """``pd.factorize(self.joined(c))`` of a column every chunk has, a chunk at a time: a
+        chunk has one file name, and the joined names (as read, a text per call) need not be
+        held whole."""
+        parts = [pd.factorize(self.pop(d, c)) for d in self.parts]
+        names = pd.Index(pd.concat([u.to_series() for _, u in parts], ignore_index=True).unique())
         out = np.empty(sum(self.sizes), dtype=np.int64)
         at = 0
         for (k, u), n in zip(parts, self.sizes):
-            out[at:at + n] = names.get_indexer(u)[k] if u is not None and len(u) else -1
+            out[at:at + n] = names.get_indexer(u)[k]
             at += n
         return out, names
 
