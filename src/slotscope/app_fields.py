@@ -71,21 +71,22 @@ def path_index(records: Iterable[Mapping[str, Any]], override: Mapping[str, str]
     return index
 
 
+def field_names(override: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
+    """Each field's names, the one to use first first: the column mapped to it, else its common
+    names; a timing's inside the timings object, then beside it (``timings_prompt_n``)."""
+    names = {key: (override[key],) if key in override else ns for key, ns in CANDIDATES.items() if key != "timings"}
+    prefix = override.get("timings", "timings")
+    names.update({f"timings_{sub}": (f"{prefix}.{sub}", f"{prefix}_{sub}") for sub in TIMINGS})
+    return names
+
+
 def resolve_fields(index: Mapping[str, tuple[str, ...]], override: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
     """Each field's path in records indexed by :func:`path_index`: the first of its names there."""
     fields: dict[str, tuple[str, ...]] = {}
-    for key, names in CANDIDATES.items():
-        if key == "timings":
-            continue
-        wanted = (override[key],) if key in override else names
-        hit = next((index[n.lower()] for n in wanted if n.lower() in index), None)
+    for key, names in field_names(override).items():
+        hit = next((index[n.lower()] for n in names if n.lower() in index), None)
         if hit is not None:
             fields[key] = hit
-    prefix = override.get("timings", "timings").lower()
-    for sub in TIMINGS:
-        hit = index.get(f"{prefix}.{sub}") or index.get(f"{prefix}_{sub}")
-        if hit is not None:
-            fields[f"timings_{sub}"] = hit
     return fields
 
 

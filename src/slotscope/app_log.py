@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 import pyarrow.json as pa_json
 
 from .app_fields import (
-    CANDIDATES, ALIASES, TIMINGS, nested_paths, path_index, resolve_fields,
+    CANDIDATES, ALIASES, TIMINGS, field_names, nested_paths, path_index, resolve_fields,
 )
 from .errors import AppLogError
 from .sources import CHUNK_SIZE, Span, is_plain, iter_chunks, iter_spans, open_binary, read_span
@@ -537,10 +537,7 @@ def _arrow_fields(block: bytes, override: Mapping[str, str]) -> tuple[int, dict[
     fields = resolve_fields(index, override)
     if "start" not in fields or _EXTRA.lower() in index:
         return None
-    prefix = override.get("timings", "timings").lower()
-    names: dict[str, list[str]] = {key: [override[key]] if key in override else list(ns)
-                                   for key, ns in CANDIDATES.items() if key != "timings"}
-    names.update({f"timings_{sub}": [f"{prefix}.{sub}", f"{prefix}_{sub}"] for sub in TIMINGS})
+    names = field_names(override)
     get: dict[str, Sequence[Any]] = {}
     for key, path in fields.items():
         if _hidden_by_later_name([arrays[index[name.lower()]] for name in names[key] if name.lower() in index]):
