@@ -116,7 +116,7 @@ def open_binary(path: str) -> BinaryIO:
             raise InputError(path, None, f"cannot read: {e.strerror or e}") from None
     head = raw.peek(4)[:4]  # type: ignore[attr-defined]
     if head.startswith(GZIP_MAGIC):
-        return _GzipStream(raw, path)  # type: ignore[return-value]
+        return _GzipStream(raw)  # type: ignore[return-value]
     if head.startswith(ZSTD_MAGIC):
         try:
             import zstandard
@@ -245,9 +245,8 @@ class _GzipStream(io.RawIOBase):
     buffer, one copy at most.
     """
 
-    def __init__(self, raw: BinaryIO, path: str) -> None:
+    def __init__(self, raw: BinaryIO) -> None:
         self._raw = raw
-        self._path = path
         self._d = _zlib.decompressobj(wbits=31)
         self._input = b""  # compressed bytes read but not yet inflated
         self._eof = False
@@ -285,16 +284,9 @@ class _GzipStream(io.RawIOBase):
     def read1(self, n: int = -1) -> bytes:  # type: ignore[override]
         """Up to ``n`` bytes (fewer: what one inflate step gave), not joined from several steps:
         for a reader that takes any size of block (:func:`_block_pieces`)."""
-        if self._pending is not None or n < 0:
-            return self.read(n)
-        try:
-            return self._inflate(n)
-        except (EOFError, zlib.error) as e:
-            self._eof = True
-            self._input = b""
-            raise EOFError(str(e)) from None
+        return self.read(n, steps=1)
 
-    def read(self, n: int = -1) -> bytes:  # type: ignore[override]
+    def read(self, n: int = -1, steps: int | None = None) -> bytes:  # type: ignore[override]
         if self._pending is not None:
             e, self._pending = self._pending, None
             raise EOFError(str(e))
@@ -302,7 +294,7 @@ class _GzipStream(io.RawIOBase):
         parts: list[bytes] = []
         got = 0
         try:
-            while got < limit:
+            while got < limit and len(parts) != steps:
                 out = self._inflate(limit - got)
                 if not out:
                     break
@@ -314,7 +306,7 @@ class _GzipStream(io.RawIOBase):
             if not parts:
                 raise EOFError(str(e)) from None
             self._pending = e  # hand out what was decoded; the next read raises
-        return b"".join(parts)
+        return b"".join(parts)  # (one part: itself, not a copy)
 
     def close(self) -> None:
         if self._raw is not sys.stdin.buffer:
@@ -359,13 +351,9 @@ def iter_chunks(stream: BinaryIO, path: str, size: int = CHUNK_SIZE, pieces: boo
     ``pieces``: each block as a list of buffers that make it up, not joined (for a writer:
     joining would copy every block once more).
     """
-    blocks = _blocks(stream, path, size, pieces)
+    blocks = cast(Iterator[bytes], (parts if pieces else parts[0] if len(parts) == 1 else b"".join(parts)
+                                    for parts in _block_pieces(stream, path, size)))
     return _read_ahead(blocks) if _is_compressed(stream) else blocks
-
-
-def _blocks(stream: BinaryIO, path: str, size: int, pieces: bool = False) -> Iterator[bytes]:
-    for parts in _block_pieces(stream, path, size):
-        yield parts if pieces else parts[0] if len(parts) == 1 else b"".join(parts)  # type: ignore[misc]
 
 
 def _is_compressed(stream: object) -> bool:
