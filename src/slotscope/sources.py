@@ -84,12 +84,8 @@ def _expand_one(p: str) -> list[str]:
     if p == STDIN:
         return [STDIN]
     if os.path.isdir(p):
-        out = []
-        for entry in sorted(os.listdir(p)):
-            full = os.path.join(p, entry)
-            if entry.startswith(".") or not os.path.isfile(full):
-                continue
-            out.append(full)
+        out = [os.path.join(p, e) for e in sorted(os.listdir(p))
+               if not e.startswith(".") and os.path.isfile(os.path.join(p, e))]
         if not out:
             raise InputError(p, None, "directory holds no files")
         return out
