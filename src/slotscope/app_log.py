@@ -313,17 +313,16 @@ def _parse(
         # (blank for 64 KiB: _rows finds the first line that is not)
         lines = chain.from_iterable(_block_lines(read_span(b) if isinstance(b, Span) else b) for b in blocks)
         frames = [keep(f) for f in _frames(name, _rows(name, lines, tally), override, zone, tally)]
-        tally.check_start_found(name, frames)
-        return frames
-    jobs = ((block, name, override, zone, i == 0) for i, block in enumerate(blocks))
-    frames, before = [], tally.lines_read  # (of the files read before)
-    for part_frames, part in (pool.map if pool is not None else map)(_block_frames, jobs):
-        offset = tally.lines_read - before
-        for f in part_frames:
-            f["line"] += offset
-        frames += [keep(f) for f in part_frames]
-        del part_frames
-        tally.absorb(part, offset)
+    else:
+        jobs = ((block, name, override, zone, i == 0) for i, block in enumerate(blocks))
+        frames, before = [], tally.lines_read  # (of the files read before)
+        for part_frames, part in (pool.map if pool is not None else map)(_block_frames, jobs):
+            offset = tally.lines_read - before
+            for f in part_frames:
+                f["line"] += offset
+            frames += [keep(f) for f in part_frames]
+            del part_frames
+            tally.absorb(part, offset)
     tally.check_start_found(name, frames)
     return frames
 
