@@ -7,6 +7,7 @@ A path may be a file, a directory (every file in it; rotated ``x.log.2.gz``, ``x
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import io
 import os
@@ -510,10 +511,8 @@ class staged:
                 for part in parts:
                     f.write(part)
         except OSError:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(path)
-            except OSError:
-                pass
             return b"".join(parts)
         return Span(path, 0, sum(len(p) for p in parts), staged=True)
 
