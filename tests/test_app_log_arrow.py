@@ -179,7 +179,7 @@ def test_pyarrow_and_record_by_record_read_alike(name: str, tmp_path: Path, monk
     path.write_bytes(make())
     slow, _ = _read(path, False, monkeypatch, **kw)
     got, taken = _read(path, True, monkeypatch, **kw)
-    assert taken == [fast]
+    assert set(taken) == {fast}  # (a last line without newline: a block of its own)
     _same(got, slow)
     assert len(got.calls) > 0
 
@@ -194,16 +194,16 @@ def test_real_logs_are_read_by_pyarrow(scenario: str, tmp_path: Path, monkeypatc
 
 
 def test_blocks_of_lines_each_go_their_own_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Blocks of 10 lines: the one with an invalid line is read record by record, the others
+    """Blocks of ~10 lines: the one with an invalid line is read record by record, the others
     by pyarrow, and the lines, problems and calls are those of reading it all one way."""
     lines = BEFORE.read_bytes().splitlines(keepends=True)
     lines[23] = lines[23][:40] + b"\n"
     path = tmp_path / "app.jsonl"
     path.write_bytes(b"".join(lines))
-    monkeypatch.setattr(app_log, "CHUNK_ROWS", 10)
+    monkeypatch.setattr(app_log, "SPAN_BYTES", 3000)
     slow, _ = _read(path, False, monkeypatch)
     got, taken = _read(path, True, monkeypatch)
-    assert taken == [True, True, False, True, True]
+    assert len(taken) >= 4 and taken.count(False) == 1
     _same(got, slow)
     assert [p.line for p in got.accounting.problems] == [24]
 
@@ -245,6 +245,7 @@ def test_calls_joined_a_column_at_a_time_equal_the_chunks_joined_whole(
     path = tmp_path / "app.jsonl"
     path.write_bytes(_lines(recs))
     monkeypatch.setattr(app_log, "CHUNK_ROWS", 5)
+    monkeypatch.setattr(app_log, "SPAN_BYTES", 1500)
     if not arrow:
         monkeypatch.setattr(app_log, "_arrow_fields", lambda block, override: None)
     seen = []

@@ -58,8 +58,8 @@ class Accounting:
         self.tasks_cancelled += counts[1]
         self.tasks_incomplete += counts[2]
 
-    def _sum(self, attr: str, kind: str | None = None) -> int:
-        return sum(getattr(f, attr) for f in self.files if kind is None or f.kind == kind)
+    def _sum(self, attr: str) -> int:
+        return sum(getattr(f, attr) for f in self.files)
 
     @property
     def lines(self) -> int:
@@ -79,11 +79,7 @@ class Accounting:
 
     def examples(self, limit: int = 5) -> list[str]:
         """Up to ``limit`` unrecognized lines as ``file:line: text``."""
-        out = []
-        for f in self.files:
-            for line, text in f.examples:
-                out.append(f"{f.path}:{line}: {text}")
-        return out[:limit]
+        return [f"{f.path}:{line}: {text}" for f in self.files for line, text in f.examples][:limit]
 
     def merge(self, other: "Accounting") -> "Accounting":
         """Both accounts in one (server and app logs of one run)."""

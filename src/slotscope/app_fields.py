@@ -57,21 +57,13 @@ def path_index(records: Iterable[Mapping[str, Any]], override: Mapping[str, str]
     """Lower-cased dotted path -> the path as written, for every key a field could name."""
     nested = nested_paths(override)
     index: dict[str, tuple[str, ...]] = {}
-    seen: dict[tuple[tuple[str, ...], tuple[str, ...]], list[tuple[str, tuple[str, ...]]]] = {}
 
     def walk(obj: Mapping[str, Any], prefix: tuple[str, ...]) -> None:
-        shape = (prefix, tuple(obj))  # most records share a handful of shapes: index each once
-        deeper = seen.get(shape)
-        if deeper is None:
-            deeper = seen[shape] = []
-            for k in obj:
-                path = (*prefix, k)
-                dotted = ".".join(path).lower()
-                index.setdefault(dotted, path)
-                if dotted in nested:
-                    deeper.append((k, path))
-        for k, path in deeper:
-            if isinstance(obj[k], dict):
+        paths = [(*prefix, k) for k in obj]
+        for path in paths:
+            index.setdefault(".".join(path).lower(), path)
+        for k, path in zip(obj, paths):
+            if isinstance(obj[k], dict) and ".".join(path).lower() in nested:
                 walk(obj[k], path)
 
     for rec in records:
@@ -79,21 +71,22 @@ def path_index(records: Iterable[Mapping[str, Any]], override: Mapping[str, str]
     return index
 
 
+def field_names(override: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
+    """Each field's names, the one to use first first: the column mapped to it, else its common
+    names; a timing's inside the timings object, then beside it (``timings_prompt_n``)."""
+    names = {key: (override[key],) if key in override else ns for key, ns in CANDIDATES.items() if key != "timings"}
+    prefix = override.get("timings", "timings")
+    names.update({f"timings_{sub}": (f"{prefix}.{sub}", f"{prefix}_{sub}") for sub in TIMINGS})
+    return names
+
+
 def resolve_fields(index: Mapping[str, tuple[str, ...]], override: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
     """Each field's path in records indexed by :func:`path_index`: the first of its names there."""
     fields: dict[str, tuple[str, ...]] = {}
-    for key, names in CANDIDATES.items():
-        if key == "timings":
-            continue
-        wanted = (override[key],) if key in override else names
-        hit = next((index[n.lower()] for n in wanted if n.lower() in index), None)
+    for key, names in field_names(override).items():
+        hit = next((index[n.lower()] for n in names if n.lower() in index), None)
         if hit is not None:
             fields[key] = hit
-    prefix = override.get("timings", "timings").lower()
-    for sub in TIMINGS:
-        hit = index.get(f"{prefix}.{sub}") or index.get(f"{prefix}_{sub}")
-        if hit is not None:
-            fields[f"timings_{sub}"] = hit
     return fields
 
 

@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 import pyarrow.json as pa_json
 
 from .app_fields import (
-    CANDIDATES, ALIASES, TIMINGS, nested_paths, path_index, resolve_fields,
+    CANDIDATES, ALIASES, TIMINGS, field_names, nested_paths, path_index, resolve_fields,
 )
 from .errors import AppLogError
 from .sources import CHUNK_SIZE, Span, is_plain, iter_chunks, iter_spans, open_binary, read_span
@@ -235,7 +235,7 @@ def read_app_logs(
         name = fspath(p)
         stream = open_binary(name)
         try:
-            frames += _parse(name, _split_lines(stream, name), columns, tz, tally)
+            frames += _parse(name, iter_chunks(stream, name, SPAN_BYTES), columns, tz, tally)
         finally:
             stream.close()
     return _finish(frames, tally)
@@ -252,10 +252,12 @@ def read_app_log_stream(
     written to ``$TMPDIR`` a column at a time as it is made (:class:`slotscope.store.StoredTable`;
     ``calls`` reads it back), never whole in memory.
     """
-    if pool is not None and pool.jobs > 1 and is_plain(stream) and _size(stream) > SPAN_BYTES and _starts_with_json(stream):
-        tally = _Tally()
-        return _finish(_parse_spans(name, stream, columns, tz, tally, pool, _keep(on_disk)), tally, on_disk)
-    return read_app_log_lines(name, _split_lines(stream, name), columns=columns, tz=tz, on_disk=on_disk)
+    if pool is not None and pool.jobs > 1 and is_plain(stream) and os.fstat(stream.fileno()).st_size > SPAN_BYTES:
+        blocks: Iterable[bytes | Span] = iter_spans(stream, name, SPAN_BYTES)
+    else:
+        blocks, pool = iter_chunks(stream, name, SPAN_BYTES), None
+    tally = _Tally()
+    return _finish(_parse(name, blocks, columns, tz, tally, _keep(on_disk), pool), tally, on_disk)
 
 
 def read_app_log_lines(
@@ -264,19 +266,17 @@ def read_app_log_lines(
 ) -> AppLog:
     """Read one app call log given as lines of bytes (line endings optional); ``on_disk``: as
     in :func:`read_app_log_stream`."""
+    lines = iter(lines)
+    blocks = (b"".join(ln if ln.endswith(b"\n") else ln + b"\n" for ln in batch)
+              for batch in iter(lambda: list(islice(lines, CHUNK_ROWS)), []))
     tally = _Tally()
-    return _finish(_parse(name, lines, columns, tz, tally, _keep(on_disk)), tally, on_disk)
+    return _finish(_parse(name, blocks, columns, tz, tally, _keep(on_disk)), tally, on_disk)
 
 
 def _keep(on_disk: bool) -> Callable[[pd.DataFrame], "pd.DataFrame | store.StoredTable"]:
     """How a chunk's table waits for :func:`_finish`: as it is, or on disk (then
     :func:`_finish` reads them a column at a time)."""
     return (lambda f: store.StoredTable(f, "app log chunk")) if on_disk else (lambda f: f)
-
-
-def _split_lines(stream: BinaryIO, name: str) -> Iterator[bytes]:
-    for block in iter_chunks(stream, name):
-        yield from _block_lines(block)
 
 
 def _block_lines(block: bytes) -> list[bytes]:
@@ -293,60 +293,53 @@ def _zone(tz: str | None) -> str:
     return zone
 
 
-def _start_file(name: str, columns: Mapping[str, str] | None, tz: str | None, tally: _Tally) -> tuple[str, dict[str, str]]:
-    """Begin reading file ``name``: its zone and column mapping, checked."""
+def _parse(
+    name: str, blocks: Iterable[bytes | Span], columns: Mapping[str, str] | None, tz: str | None, tally: _Tally,
+    keep: Callable[[pd.DataFrame], Any] = lambda f: f, pool: Pool | None = None,
+) -> list[Any]:
+    """The chunks' tables of one log (each as ``keep`` makes it, e.g. on disk), from its blocks
+    of whole lines. JSONL: each block read on its own (by the pool's workers, if any), by
+    pyarrow where it can be (see :func:`_arrow_fields`); CSV: line by line."""
     zone, override = _zone(tz), _checked(columns or {})
     tally.files.setdefault(name, len(tally.files))
     tally.header_line = None
-    return zone, override
-
-
-def _parse(
-    name: str, lines: Iterable[bytes], columns: Mapping[str, str] | None, tz: str | None, tally: _Tally,
-    keep: Callable[[pd.DataFrame], Any] = lambda f: f,
-) -> list[Any]:
-    """The chunks' tables of one log (each as ``keep`` makes it, e.g. on disk)."""
-    zone, override = _start_file(name, columns, tz, tally)
-    lines = iter(lines)
-    batch = list(islice(lines, CHUNK_ROWS))
-    if not _json_first(batch):
-        frames = [keep(f) for f in _frames(name, _rows(name, chain(batch, lines), tally), override, zone, tally)]
-    else:  # JSONL: blocks of lines, each read by pyarrow where it can be (see _arrow_fields)
-        frames, first = [], 1
-        while batch:
-            block = b"".join(ln if ln.endswith(b"\n") else ln + b"\n" for ln in batch)
-            frames += [keep(f) for f in _json_block_frames(name, block, first, override, zone, tally, bom=first == 1, lines=len(batch))]
-            first += len(batch)
-            batch = list(islice(lines, CHUNK_ROWS))
+    blocks = iter(blocks)
+    first = next(blocks, None)
+    if first is None:
+        return []
+    blocks = chain([first], blocks)
+    head = read_span(Span(first.path, first.start, min(first.length, 1 << 16))) if isinstance(first, Span) else first
+    if not head[: 1 << 16].decode("utf-8", "replace").lstrip("\ufeff").lstrip().startswith("{"):
+        # (blank for 64 KiB: _rows finds the first line that is not)
+        lines = chain.from_iterable(_block_lines(read_span(b) if isinstance(b, Span) else b) for b in blocks)
+        frames = [keep(f) for f in _frames(name, _rows(name, lines, tally), override, zone, tally)]
+    else:
+        jobs = ((block, name, override, zone, i == 0) for i, block in enumerate(blocks))
+        frames, before = [], tally.lines_read  # (of the files read before)
+        for part_frames, part in (pool.map if pool is not None else map)(_block_frames, jobs):
+            offset = tally.lines_read - before
+            for f in part_frames:
+                f["line"] += offset
+            frames += [keep(f) for f in part_frames]
+            del part_frames
+            tally.absorb(part, offset)
     tally.check_start_found(name, frames)
     return frames
 
 
-def _json_first(lines: list[bytes]) -> bool:
-    """Whether the first non-blank of these (bytes) lines starts a JSON object, as :func:`_rows`
-    decides; False for text lines, which only that way reads."""
-    for i, raw in enumerate(lines):
-        if not isinstance(raw, bytes):
-            return False
-        text = raw.decode("utf-8", "replace")
-        text = text.lstrip("\ufeff") if i == 0 else text
-        if text.strip():
-            return text.lstrip().startswith("{")
-    return False
-
-
-def _json_block_frames(name: str, block: bytes, first: int, override: Mapping[str, str], zone: str, tally: _Tally,
-                       bom: bool, lines: int | None = None) -> list[pd.DataFrame]:
-    """The frames of a block of JSONL lines, the first numbered ``first`` (``bom``: the file's
-    first lines; ``lines``: how many there are, if known). Read by pyarrow where the block
-    allows it, else record by record."""
-    got = _arrow_fields(block, override)
-    if got is not None and (lines is None or got[0] == lines):
+def _block_frames(job: tuple[bytes | Span, str, Mapping[str, str], str, bool]) -> tuple[list[pd.DataFrame], _Tally]:
+    """The frames and tally of one block of JSONL lines, counted from 1 (in a worker, if any;
+    ``bom``: the file's first lines, a byte-order mark may lead)."""
+    block, name, override, zone, bom = job
+    tally = _Tally(files={name: 0})
+    data = read_span(block) if isinstance(block, Span) else block
+    got = _arrow_fields(data, override)
+    if got is not None:
         n, get = got
         tally.lines_read += n
-        return [_table(name, np.arange(first, first + n, dtype=np.int64), get, override, zone, tally)]
-    numbered = enumerate(_decoded(_block_lines(block), tally, bom=bom), start=first)
-    return _frames(name, _json_rows(name, numbered, tally), override, zone, tally)
+        return [_table(name, np.arange(1, n + 1, dtype=np.int64), get, override, zone, tally)], tally
+    numbered = enumerate(_decoded(_block_lines(data), tally, bom=bom), start=1)
+    return _frames(name, _json_rows(name, numbered, tally), override, zone, tally), tally
 
 
 def _frames(name: str, rows: _Rows, override: Mapping[str, str], zone: str, tally: _Tally) -> list[pd.DataFrame]:
@@ -354,47 +347,6 @@ def _frames(name: str, rows: _Rows, override: Mapping[str, str], zone: str, tall
     while chunk := list(islice(rows, CHUNK_ROWS)):
         frames.append(_frame(name, chunk, override, zone, tally))
     return frames
-
-
-def _size(stream: BinaryIO) -> int:
-    return os.fstat(stream.fileno()).st_size
-
-
-def _starts_with_json(stream: BinaryIO) -> bool:
-    """Whether a plain file's first non-blank line starts a JSON object (read from its first
-    64 KiB; the stream is left at its start)."""
-    head = stream.read(1 << 16)
-    stream.seek(0)
-    text = head.decode("utf-8", "replace").lstrip("\ufeff").lstrip()
-    return text.startswith("{")
-
-
-def _parse_spans(
-    name: str, stream: BinaryIO, columns: Mapping[str, str] | None, tz: str | None, tally: _Tally, pool: Pool,
-    keep: Callable[[pd.DataFrame], Any] = lambda f: f,
-) -> list[Any]:
-    """A plain JSONL file read in byte spans by the pool's workers, joined in order (each
-    chunk's table as ``keep`` makes it)."""
-    zone, override = _start_file(name, columns, tz, tally)
-    jobs = ((span, name, override, zone, i == 0) for i, span in enumerate(iter_spans(stream, name, SPAN_BYTES)))
-    frames: list[pd.DataFrame] = []
-    for part_frames, part in pool.map(_span_frames, jobs):
-        offset = tally.lines_read
-        for f in part_frames:
-            f["line"] += offset
-        frames += [keep(f) for f in part_frames]
-        del part_frames
-        tally.absorb(part, offset)
-    tally.check_start_found(name, frames)
-    return frames
-
-
-def _span_frames(job: tuple[Span, str, Mapping[str, str], str, bool]) -> tuple[list[pd.DataFrame], _Tally]:
-    """One span of a JSONL file (in a worker): its frames and tally, lines counted from 1."""
-    span, name, override, zone, first = job
-    tally = _Tally(files={name: 0})
-    frames = _json_block_frames(name, read_span(span), 1, override, zone, tally, bom=first)
-    return frames, tally
 
 
 def _rows(name: str, lines: Iterable[bytes], tally: _Tally) -> _Rows:
@@ -413,7 +365,7 @@ def _decoded(lines: Iterable[bytes], tally: _Tally, bom: bool = True) -> Iterato
     """Lines as text (``bom``: these are a file's first lines, a byte-order mark may lead)."""
     for i, raw in enumerate(lines):
         tally.lines_read += 1
-        text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+        text = raw.decode("utf-8", "replace")
         yield (text.lstrip("\ufeff") if i == 0 and bom else text).rstrip("\r\n")
 
 
@@ -584,10 +536,7 @@ def _arrow_fields(block: bytes, override: Mapping[str, str]) -> tuple[int, dict[
     fields = resolve_fields(index, override)
     if "start" not in fields or _EXTRA.lower() in index:
         return None
-    prefix = override.get("timings", "timings").lower()
-    names: dict[str, list[str]] = {key: [override[key]] if key in override else list(ns)
-                                   for key, ns in CANDIDATES.items() if key != "timings"}
-    names.update({f"timings_{sub}": [f"{prefix}.{sub}", f"{prefix}_{sub}"] for sub in TIMINGS})
+    names = field_names(override)
     get: dict[str, Sequence[Any]] = {}
     for key, path in fields.items():
         if _hidden_by_later_name([arrays[index[name.lower()]] for name in names[key] if name.lower() in index]):
@@ -961,23 +910,6 @@ def _repeats(col: pd.Series) -> int:
     return int(pc.sum(same).as_py() or 0) + max(nulls - 1, 0)
 
 
-class _StoredChunk:
-    """A chunk's table on disk as :func:`_finish` reads it: its columns, each read when popped."""
-
-    def __init__(self, table: store.StoredTable) -> None:
-        self.table, self.names = table, list(table.columns)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.names)
-
-    def __contains__(self, c: object) -> bool:
-        return c in self.names
-
-    def pop(self, c: str) -> pd.Series:
-        self.names.remove(c)
-        return self.table.read([c])[c]
-
-
 class _Chunks:
     """The chunks' tables, their columns apart (each is a block of its own as the chunks are
     made), joined a column at a time: a column popped once joined frees its memory. A column
@@ -985,62 +917,38 @@ class _Chunks:
 
     def __init__(self, frames: list[Any]) -> None:
         self.sizes = [len(f) for f in frames]
-        self.parts: list[Any] = [_StoredChunk(f) if isinstance(f, store.StoredTable) else {c: f[c] for c in f.columns}
-                                 for f in frames]
-        self.present = {c for d in self.parts for c in d}
+        self.present = {c for f in frames for c in f.columns}
+        self.parts: list[dict[str, pd.Series] | store.Columns] = [
+            store.Columns(f) if isinstance(f, store.StoredTable) else {c: f[c] for c in f.columns} for f in frames]
+
+    def pop(self, d: "dict[str, pd.Series] | store.Columns", c: str) -> pd.Series:
+        """Column ``c`` of a chunk, no longer held by it (one on disk is read)."""
+        return d.pop(c) if isinstance(d, dict) else d[c]
 
     def joined(self, c: str) -> pd.Series:
-        parts = [d.pop(c).to_frame(c).set_axis(pd.RangeIndex(n)) if c in d else pd.DataFrame(index=pd.RangeIndex(n))
+        parts = [self.pop(d, c).to_frame(c).set_axis(pd.RangeIndex(n)) if c in d else pd.DataFrame(index=pd.RangeIndex(n))
                  for d, n in zip(self.parts, self.sizes)]
         return pd.concat(parts, ignore_index=True)[c]
 
     def joined_codes(self, c: str) -> tuple[np.ndarray, pd.Index]:
-        """``pd.factorize(self.joined(c))``, a chunk at a time: a chunk has one file name, and
-        the joined names (as read, a text per call) need not be held whole."""
-        parts = [pd.factorize(d.pop(c)) if c in d else (np.full(n, -1, dtype=np.int64), None)
-                 for d, n in zip(self.parts, self.sizes)]
-        found = [u for _, u in parts if u is not None and len(u)]
-        # (no names at all: the type of the joined column's, as its factorizing gives it)
-        names = pd.Index(pd.concat([u.to_series() for u in found or [u for _, u in parts if u is not None]]
-                                   or [pd.Series([], dtype=object)], ignore_index=True).unique())
+        """``pd.factorize(self.joined(c))`` of a column every chunk has, a chunk at a time: a
+        chunk has one file name, and the joined names (as read, a text per call) need not be
+        held whole."""
+        parts = [pd.factorize(self.pop(d, c)) for d in self.parts]
+        names = pd.Index(pd.concat([u.to_series() for _, u in parts], ignore_index=True).unique())
         out = np.empty(sum(self.sizes), dtype=np.int64)
         at = 0
         for (k, u), n in zip(parts, self.sizes):
-            out[at:at + n] = names.get_indexer(u)[k] if u is not None and len(u) else -1
+            out[at:at + n] = names.get_indexer(u)[k]
             at += n
         return out, names
 
     def discard(self) -> None:
         """Remove the chunks' files (now read) now, not when the collector finds them."""
         for d in self.parts:
-            if isinstance(d, _StoredChunk):
+            if isinstance(d, store.Columns):
                 d.table.discard()
         self.parts.clear()
-
-
-class _Calls:
-    """Where :func:`_finish` puts the finished columns (in memory, or on disk through a
-    column writer), noting repeated call ids and starts before 2000 on the way."""
-
-    def __init__(self, on_disk: bool) -> None:
-        self.writer = store.ColumnWriter("app calls") if on_disk else None
-        self.out: dict[str, pd.Series] = {}
-        self.dup = self.early = 0
-
-    def put(self, c: str, col: pd.Series) -> None:
-        if c == "call_id":
-            self.dup = _repeats(col)
-        elif c == "start_us":
-            self.early = int((col < 946_684_800_000_000).sum())  # 2000-01-01
-        if self.writer is not None:
-            self.writer.add(c, col)
-        else:
-            self.out[c] = col
-
-    def done(self, columns: list[str]) -> pd.DataFrame | store.StoredTable:
-        if self.writer is not None:
-            return self.writer.done(columns)
-        return pd.DataFrame({c: self.out.pop(c) for c in columns}, copy=False)  # (not consolidated: no copy)
 
 
 def _finish(frames: list[Any], tally: _Tally, on_disk: bool = False) -> AppLog:
@@ -1058,24 +966,32 @@ def _finish(frames: list[Any], tally: _Tally, on_disk: bool = False) -> AppLog:
     order, file, keys = _call_order(chunks, tally)
     extra = [c for c in ("session", "turn") if c in chunks.present]
     index = pd.RangeIndex(len(order))
-    calls = _Calls(on_disk)
+    writer = store.ColumnWriter("app calls") if on_disk else None
+    out: dict[str, pd.Series] = {}
+    put: Callable[[str, pd.Series], None] = writer.add if writer is not None else out.__setitem__
+    put("file", file)
+    dup = early = 0
     # The call ids last: their check for repeats (a hash of every id) then runs beside the
     # last of the chunks, not all of them.
     for c in sorted([*CALL_COLUMNS, *extra], key=lambda c: c == "call_id"):
-        if c in ("start_at", "end_at"):
-            continue
-        if c == "file":
-            calls.put(c, file)
+        if c in ("start_at", "end_at", "file"):
             continue
         col = ((keys.pop(c) if c in keys else chunks.joined(c)).take(order).set_axis(index) if c in chunks.present
                else pd.Series(np.nan, index=index))
         if c in ("start_us", "end_us"):  # (the wall times from the values as read, before the cast)
-            calls.put(c[:-3] + "_at", pd.to_datetime(col, unit="us", utc=True).dt.as_unit("us"))
-        calls.put(c, col.astype(_DTYPES[c]))
+            put(c[:-3] + "_at", pd.to_datetime(col, unit="us", utc=True).dt.as_unit("us"))
+        col = col.astype(_DTYPES[c])
+        if c == "call_id":
+            dup = _repeats(col)
+        elif c == "start_us":
+            early = int((col < 946_684_800_000_000).sum())  # 2000-01-01
+        put(c, col)
         del col  # (freed before the next column is made)
     chunks.discard()
-    table = calls.done([*CALL_COLUMNS, *extra])
-    return AppLog(table, _accounting(tally, len(table), calls.dup, calls.early))
+    columns = [*CALL_COLUMNS, *extra]
+    table = writer.done(columns) if writer is not None else \
+        pd.DataFrame({c: out.pop(c) for c in columns}, copy=False)  # (not consolidated: no copy)
+    return AppLog(table, _accounting(tally, len(table), dup, early))
 
 
 def _call_order(chunks: _Chunks, tally: _Tally) -> tuple[np.ndarray, pd.Series, dict[str, pd.Series]]:

@@ -36,7 +36,7 @@ def _number(x: Any) -> float | None:
     return v if abs(v) < 2.0**63 else None
 
 
-def _fields(obj: dict[str, Any]) -> dict[str, Any] | None:
+def _fields(obj: dict[str, Any]) -> dict[str, Any]:
     msg = str(obj.get("msg", obj.get("message", ""))).strip()
     slot = _number(obj.get("id_slot", obj.get("slot_id")))
     task = _number(obj.get("id_task", obj.get("task_id")))
@@ -69,16 +69,13 @@ def parse_line(s: str) -> dict[str, Any] | None:
             return None
         if not isinstance(obj, dict) or not ("msg" in obj or "message" in obj):
             return None
-        row = _fields(obj)
     else:
         m = _TEXT.match(s)
         if not m:
             return None
         obj = {k: _value(v) for k, v in _KV.findall(m.group("kv") or "")}
         obj["msg"] = m.group("msg")
-        row = _fields(obj)
-    if row is None:
-        return None
+    row = _fields(obj)
     wall = row.pop("wall_stamp", None)
     if wall is not None:
         row["wall_stamp_us"] = int(wall * 1e6)

@@ -93,32 +93,28 @@ def decode_json_lines(lines: list[bytes], wrapper: Wrapper) -> tuple[list[bytes]
         try:
             obj = json.loads(raw)
         except ValueError:
-            out.append(raw)
-            walls.append(None)
-            continue
-        if not isinstance(obj, dict):
-            out.append(raw)
-            walls.append(None)
-            continue
-        if wrapper == JOURNALD_JSON:  # equal, not identical: workers get a copy
+            obj = None
+        msg: object = None
+        wall: float | None = None
+        if isinstance(obj, dict) and wrapper == JOURNALD_JSON:  # equal, not identical: workers get a copy
             msg = obj.get("MESSAGE")
             if isinstance(msg, list):  # journald stores non-printable payloads as byte arrays
                 msg = bytes(b & 0xFF for b in msg if isinstance(b, int)).decode("utf-8", "replace")
             ts = obj.get("__REALTIME_TIMESTAMP")
             wall = int(ts) / 1e6 if isinstance(ts, str) and ts.isdigit() else None
-        else:
+        elif isinstance(obj, dict):
             msg = obj.get("log")
             t = obj.get("time")
             try:
                 wall = pd.Timestamp(t).timestamp() if isinstance(t, str) else None
             except (ValueError, OverflowError):  # a damaged stamp: the line stays, without a wall time
                 wall = None
-        if not isinstance(msg, str):
+        if isinstance(msg, str):
+            out.append(msg.rstrip("\n").encode("utf-8", "replace"))
+            walls.append(wall)
+        else:
             out.append(raw)
             walls.append(None)
-            continue
-        out.append(msg.rstrip("\n").encode("utf-8", "replace"))
-        walls.append(wall)
     return out, walls
 
 

@@ -7,16 +7,17 @@ A path may be a file, a directory (every file in it; rotated ``x.log.2.gz``, ``x
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import io
 import os
-import queue
 import re
 import sys
 import tempfile
-import threading
 import types
 import zlib
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Iterator, Literal, Sequence, cast
@@ -84,12 +85,8 @@ def _expand_one(p: str) -> list[str]:
     if p == STDIN:
         return [STDIN]
     if os.path.isdir(p):
-        out = []
-        for entry in sorted(os.listdir(p)):
-            full = os.path.join(p, entry)
-            if entry.startswith(".") or not os.path.isfile(full):
-                continue
-            out.append(full)
+        out = [os.path.join(p, e) for e in sorted(os.listdir(p))
+               if not e.startswith(".") and os.path.isfile(os.path.join(p, e))]
         if not out:
             raise InputError(p, None, "directory holds no files")
         return out
@@ -116,7 +113,7 @@ def open_binary(path: str) -> BinaryIO:
             raise InputError(path, None, f"cannot read: {e.strerror or e}") from None
     head = raw.peek(4)[:4]  # type: ignore[attr-defined]
     if head.startswith(GZIP_MAGIC):
-        return _GzipStream(raw, path)  # type: ignore[return-value]
+        return _GzipStream(raw)  # type: ignore[return-value]
     if head.startswith(ZSTD_MAGIC):
         try:
             import zstandard
@@ -245,9 +242,8 @@ class _GzipStream(io.RawIOBase):
     buffer, one copy at most.
     """
 
-    def __init__(self, raw: BinaryIO, path: str) -> None:
+    def __init__(self, raw: BinaryIO) -> None:
         self._raw = raw
-        self._path = path
         self._d = _zlib.decompressobj(wbits=31)
         self._input = b""  # compressed bytes read but not yet inflated
         self._eof = False
@@ -285,16 +281,9 @@ class _GzipStream(io.RawIOBase):
     def read1(self, n: int = -1) -> bytes:  # type: ignore[override]
         """Up to ``n`` bytes (fewer: what one inflate step gave), not joined from several steps:
         for a reader that takes any size of block (:func:`_block_pieces`)."""
-        if self._pending is not None or n < 0:
-            return self.read(n)
-        try:
-            return self._inflate(n)
-        except (EOFError, zlib.error) as e:
-            self._eof = True
-            self._input = b""
-            raise EOFError(str(e)) from None
+        return self.read(n, steps=1)
 
-    def read(self, n: int = -1) -> bytes:  # type: ignore[override]
+    def read(self, n: int = -1, steps: int | None = None) -> bytes:  # type: ignore[override]
         if self._pending is not None:
             e, self._pending = self._pending, None
             raise EOFError(str(e))
@@ -302,7 +291,7 @@ class _GzipStream(io.RawIOBase):
         parts: list[bytes] = []
         got = 0
         try:
-            while got < limit:
+            while got < limit and len(parts) != steps:
                 out = self._inflate(limit - got)
                 if not out:
                     break
@@ -314,7 +303,7 @@ class _GzipStream(io.RawIOBase):
             if not parts:
                 raise EOFError(str(e)) from None
             self._pending = e  # hand out what was decoded; the next read raises
-        return b"".join(parts)
+        return b"".join(parts)  # (one part: itself, not a copy)
 
     def close(self) -> None:
         if self._raw is not sys.stdin.buffer:
@@ -359,62 +348,25 @@ def iter_chunks(stream: BinaryIO, path: str, size: int = CHUNK_SIZE, pieces: boo
     ``pieces``: each block as a list of buffers that make it up, not joined (for a writer:
     joining would copy every block once more).
     """
-    blocks = _blocks(stream, path, size, pieces)
+    blocks = cast(Iterator[bytes], (parts if pieces else parts[0] if len(parts) == 1 else b"".join(parts)
+                                    for parts in _block_pieces(stream, path, size)))
     return _read_ahead(blocks) if _is_compressed(stream) else blocks
-
-
-def _blocks(stream: BinaryIO, path: str, size: int, pieces: bool = False) -> Iterator[bytes]:
-    for parts in _block_pieces(stream, path, size):
-        yield parts if pieces else parts[0] if len(parts) == 1 else b"".join(parts)  # type: ignore[misc]
 
 
 def _is_compressed(stream: object) -> bool:
     return isinstance(stream, _GzipStream) or type(stream).__name__ == "ZstdDecompressionReader"
 
 
-class _Raised:
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
 def _read_ahead(blocks: Iterator[bytes], depth: int = 2) -> Iterator[bytes]:
-    """The same blocks, produced by a thread at most ``depth`` blocks ahead (errors in order)."""
-    q: queue.Queue[object] = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-    end = object()
-
-    def put(item: object) -> bool:
-        while not stop.is_set():
-            try:
-                q.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def work() -> None:
-        try:
-            for block in blocks:
-                if not put(block):
-                    return
-        except BaseException as e:  # handed to the reader, raised there after the good blocks
-            put(_Raised(e))
-            return
-        put(end)
-
-    worker = threading.Thread(target=work, name="slotscope-read-ahead", daemon=True)
-    worker.start()
+    """The same blocks, made by a thread at most ``depth`` blocks ahead (errors in order)."""
+    thread = ThreadPoolExecutor(1, thread_name_prefix="slotscope-read-ahead")  # (one: the blocks in order)
     try:
-        while True:
-            item = q.get()
-            if item is end:
-                return
-            if isinstance(item, _Raised):
-                raise item.error
-            yield item  # type: ignore[misc]
+        coming = deque([thread.submit(next, blocks, None) for _ in range(depth)])
+        while (block := coming.popleft().result()) is not None:
+            coming.append(thread.submit(next, blocks, None))
+            yield block
     finally:  # also when the reader stops early: let the thread end before the stream closes
-        stop.set()
-        worker.join()
+        thread.shutdown(cancel_futures=True)
 
 
 def _block_pieces(stream: BinaryIO, path: str, size: int) -> Iterator[list]:
@@ -559,10 +511,8 @@ class staged:
                 for part in parts:
                     f.write(part)
         except OSError:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(path)
-            except OSError:
-                pass
             return b"".join(parts)
         return Span(path, 0, sum(len(p) for p in parts), staged=True)
 
