@@ -44,8 +44,7 @@ class Dataset:
 
         They read as before (a field read builds its table, kept until :meth:`unload`), but
         :func:`task_view` with ``columns``, :func:`tasks_of` and :func:`calls_of` read only
-        the columns asked for: a report table then holds those, not every table whole (at
-        1 GB of log ~300 MB).
+        the columns asked for: a report table then holds those, not every table whole.
         """
         # The calls first (the view reads a few of their columns), the view then (the tasks whole
         # and the calls' columns it adds), the tasks last: no two of them whole at once.
@@ -165,7 +164,7 @@ def load(
     inputs = collect(paths)
     say("reading server logs")
     # The samples wait on disk until an analyzer reads them (they are most of the rows).
-    # The tasks go to disk as they are finished too (at 1 GB of log the table is ~120 MB).
+    # The tasks go to disk as they are finished too.
     server = read_server_logs(paths, keep_samples=keep_samples, tz=tz, progress=progress, inputs=inputs,
                               samples_on_disk=bool(keep_samples), tasks_on_disk=bool(keep_samples))
     if inputs.app:
@@ -254,7 +253,7 @@ def _task_view_parts(ds: Dataset) -> Iterator[pd.DataFrame] | None:
         return None
     keys = ["source", "port", "session", "task_id"]
     # Each task's row among the calls (-1: none), found by the keys alone; then the other
-    # columns, read a batch of tasks at a time (at 1 GB of log the calls' columns are ~50 MB).
+    # columns, read a batch of tasks at a time.
     call_keys = calls.read(keys)
     matched = np.flatnonzero(call_keys["task_id"].notna().to_numpy())
     t, c = join_tasks(tasks.read(keys), call_keys.iloc[matched])  # (packed keys: no hash of every task id)
@@ -264,7 +263,7 @@ def _task_view_parts(ds: Dataset) -> Iterator[pd.DataFrame] | None:
     row = np.full(len(tasks), -1, dtype=np.int64)
     row[t] = matched[c]
     del t, c, matched
-    release_memory()  # the keys' join, before the first batch (~35 MB at 1 GB of log)
+    release_memory()  # the keys' join, before the first batch
     named = {"call_start_at": "start_at", "call_total_ms": "total_ms"}  # (the calls' names of two of them)
     extra = [c for c in TASK_VIEW_EXTRA if named.get(c, c) in calls.columns]
     names = [named.get(c, c) for c in extra]
@@ -312,7 +311,7 @@ def _add_app_clock(t: pd.DataFrame, aligned: pd.DataFrame) -> None:
 
 def _task_view(ds: Dataset) -> pd.DataFrame:
     # Columns are added to a (copy-on-write) copy of the task table, not to a merge's new
-    # table: no copy of the ~30 task columns, at 1 GB of log ~100 MB, per step.
+    # table: no copy of the task columns per step.
     t = own_copy(ds.server.tasks)
     if ds.matches is None:
         for c in TASK_VIEW_EXTRA:

@@ -1,12 +1,14 @@
-"""Tables kept on disk while the report is computed, read back a few columns at a time.
+"""Everything slotscope keeps on disk while it works, in ``$TMPDIR``, as Arrow IPC files.
 
-At 1 GB of log the task table, the calls and the task view hold ~300 MB between them, and
-each report table reads a handful of their ~40 columns. :class:`StoredTable` keeps a table
-in ``$TMPDIR``, an Arrow IPC file per column, and reads back just the columns asked for, with
-the dtypes the table had (categories with their categories, nullable integers, wall times
-with their zone). A table is written whole, a part of its rows at a time
-(:meth:`StoredTable.of_parts`: the tasks as they are finished) or a column at a time
-(:class:`ColumnWriter`: the calls as they are read): the last two never hold it whole.
+The task table, the calls and the task view are far bigger than what any report table reads
+of them (a handful of their ~40 columns). :class:`StoredTable` keeps a table an IPC file per
+column and reads back just the columns (or rows) asked for, with the dtypes the table had
+(categories with their categories, nullable integers, wall times with their zone). A table
+is written whole, a part of its rows at a time (:meth:`StoredTable.of_parts`: the tasks as
+they are finished) or a column at a time (:class:`ColumnWriter`: the calls as they are
+read): the last two never hold it whole. :class:`Chunks` holds the parse's finished sample
+rows; :class:`Buckets`, the busy periods' rows (:mod:`slotscope.periods`); :class:`Spool`,
+what a pass over them answered. :func:`release_memory` hands back what a stage freed.
 
 (A gap in a column of Python objects comes back as Arrow gives it, None. The tables slotscope
 stores have one such column, a task's status, under pandas < 3, and it has no gaps.)
@@ -15,7 +17,6 @@ A dataclass field declared as :class:`StoredField` holds a DataFrame or a Stored
 reading the field gives a DataFrame (built from disk on first read and kept until
 :func:`unload`), and :func:`columns_of` gives some of its columns without building it.
 """
-
 from __future__ import annotations
 
 import contextlib
