@@ -3,6 +3,7 @@ dataclass fields that build them only when read whole."""
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
 import numpy as np
@@ -216,3 +217,41 @@ def test_a_stored_column_taken_as_it_is_reads_back_as_written(monkeypatch) -> No
     got.discard()
     parts.discard()
     w.discard()
+
+
+def test_a_spool_gives_back_what_a_pass_answered_in_order_and_removes_its_file() -> None:
+    """A question's per-part answers (frames, numpy arrays, None for a failed part) wait on
+    disk and come back as they were, in the order added."""
+    tasks = load([str(REAL / "before" / "logs")]).server.tasks
+    answers = [tasks.iloc[:5], tasks["task_id"].to_numpy()[:3], None, tasks.iloc[5:9]]
+    spool = store.Spool("answers")
+    for a in answers:
+        spool.append(a)
+    path = spool._file.name
+    got = spool.read()
+    pd.testing.assert_frame_equal(got[0], answers[0])
+    np.testing.assert_array_equal(got[1], answers[1])
+    assert got[2] is None
+    pd.testing.assert_frame_equal(got[3], answers[3])
+    spool.discard()
+    assert not os.path.exists(path) and spool.read() == []
+
+
+def test_buckets_read_back_each_part_sorted_by_row_whatever_went_to_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows added in any order, some spilled and some held, read back per part sorted by row
+    with their dtypes; a part with no rows reads back empty."""
+    tasks = load([str(REAL / "before" / "logs")]).server.tasks[["task_id", "slot", "n_gen"]]
+    rng = np.random.default_rng(0)
+    part = rng.integers(0, 3, len(tasks))  # (part 3 gets nothing)
+    row = rng.permutation(len(tasks))
+    monkeypatch.setattr(store.Buckets, "HELD_BYTES", 1)  # every add goes to disk
+    b = store.Buckets(4, ["tasks"])
+    for lo in range(0, len(tasks), 7):
+        b.add("tasks", tasks.iloc[row[lo:lo + 7]], part[row[lo:lo + 7]], extra={"row": row[lo:lo + 7]})
+    b.done()
+    for k, frames in b.read():
+        got = frames["tasks"]
+        want = tasks.iloc[np.flatnonzero(part == k)]
+        assert got["row"].tolist() == list(np.flatnonzero(part == k))
+        pd.testing.assert_frame_equal(got.drop(columns="row"), want.reset_index(drop=True))
+    b.discard()
