@@ -35,6 +35,10 @@ KEY = ["call_file", "call_line"]  # which app call a task's is (ids may repeat a
 
 def call_causes(calls: pd.DataFrame, opts: Options) -> pd.Series:
     """The cause of each app call's prompt (one of :data:`CAUSES`), in the calls' order."""
+    missed = np.zeros(len(calls), dtype=bool)
+    pairs = turn_pairs(calls, opts)
+    missed[pairs.loc[pairs["miss"].to_numpy(), "pos"].to_numpy()] = True
+    del pairs
     # Users and sessions as codes that sort as their texts do (the same groups and order).
     c = pd.DataFrame({
         "user": text_codes(calls["user"]),
@@ -43,10 +47,6 @@ def call_causes(calls: pd.DataFrame, opts: Options) -> pd.Series:
         "session": text_codes(calls["app_session"]) if "app_session" in calls else np.nan,
     })
     c = c.iloc[by_user_and_start(c["user"], c["start_at"])]
-    missed = np.zeros(len(calls), dtype=bool)
-    pairs = turn_pairs(calls, opts)
-    missed[pairs.loc[pairs["miss"].to_numpy(), "pos"].to_numpy()] = True
-    del pairs
     # The calendar day (UTC) as a timestamp: the same groups as dates, without a date object per call.
     day = (c["start_at"].dt.tz_convert("UTC") if c["start_at"].dt.tz is not None else c["start_at"]).dt.floor("D")
     first_of_day = c.groupby([c["user"], day], sort=False, dropna=False).cumcount() == 0
