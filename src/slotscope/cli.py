@@ -6,11 +6,8 @@ import functools
 import os
 import sys
 import time
-from contextlib import contextmanager
-from importlib import resources
-from typing import Annotated, Callable, Iterator, Optional
-
-from typing import TYPE_CHECKING, NoReturn
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Iterator, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -49,6 +46,9 @@ WaitThresholdOpt = Annotated[float, typer.Option("--wait-threshold", help="Secon
 WhereOpt = Annotated[Optional[str], typer.Option("--where", "-w", help="Keep rows matching a condition on the columns, e.g. \"wait_before_prefill_ms >= 1000 and slot == 2\".")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No summary on stderr.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks.", hidden=True)]
+AppColumnsOpt = Annotated[Optional[str], typer.Option("--app-columns", help="Map app-log fields explicitly: start=ts,purpose=kind,... or a TOML file with a [columns] table.")]
+ServerStartOpt = Annotated[Optional[str], typer.Option("--server-start", help="Wall time of the server's clock zero (overrides alignment), ISO-8601.")]
+SideOpt = Annotated[Optional[list[str]], typer.Option(help="START..END: a wall-clock window of PATHS (ISO times or dates; tasks by launch time), or this side's own logs (files or directories; repeat for several).", show_default=False)]
 
 _debug = False
 
@@ -62,44 +62,28 @@ MATCH_TABLE = ["call_id", "purpose", "user", "lora", "prompt_tokens", "task_id",
 CALLS_TABLE = ["call_id", "start_at", "purpose", "user", "lora", "prompt_tokens", "completion_tokens", "duration_ms", "status", "line"]
 
 
-def _handled(fn: Callable[..., None]) -> Callable[..., None]:
-    """Map the core's typed errors to one stderr line and an exit code, once, for every command."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: object, **kwargs: object) -> None:
-        try:
-            fn(*args, **kwargs)
-        except BrokenPipeError:
-            # `slotscope tasks big.log | head`: the reader left; stop without a traceback.
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            raise typer.Exit(0) from None
-        except UsageError as e:
-            if _debug:
-                raise
-            err.print(f"error: {e}", markup=False)
-            raise typer.Exit(2) from None
-        except SlotscopeError as e:
-            if _debug:
-                raise
-            err.print(f"error: {e}", markup=False)
-            raise typer.Exit(1) from None
-
-    return wrapper
-
-
 def command(name: str | None = None) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """``@app.command`` with the error mapping applied."""
+    """``@app.command`` that maps the core's typed errors to one stderr line and an exit code."""
 
     def deco(fn: Callable[..., None]) -> Callable[..., None]:
-        return app.command(name)(_handled(fn))
+        @functools.wraps(fn)
+        def wrapper(*args: object, **kwargs: object) -> None:
+            try:
+                fn(*args, **kwargs)
+            except BrokenPipeError:
+                # `slotscope tasks big.log | head`: the reader left; stop without a traceback.
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+                raise typer.Exit(0) from None
+            except SlotscopeError as e:
+                if _debug:
+                    raise
+                err.print(f"error: {e}", markup=False)
+                raise typer.Exit(2 if isinstance(e, UsageError) else 1) from None
+
+        return app.command(name)(wrapper)
 
     return deco
-
-
-def example_dir() -> str:
-    """The real example logs bundled with the package (llama-server + app log)."""
-    return str(resources.files("slotscope") / "examples" / "before")
 
 
 def _long_run(paths: list[str]) -> int | None:
@@ -129,23 +113,23 @@ class _Bar:
 
     EVERY = 0.1
 
-    def __init__(self, bar: object, task: object) -> None:
+    def __init__(self, bar: Any, task: Any) -> None:
         self._bar, self._task = bar, task
         self._drawn = 0.0
 
     def __call__(self, n: int) -> None:
-        self._bar.advance(self._task, n)  # type: ignore[attr-defined]
+        self._bar.advance(self._task, n)
         self._draw()
 
     def stage(self, text: str) -> None:
-        self._bar.update(self._task, description=text)  # type: ignore[attr-defined]
+        self._bar.update(self._task, description=text)
         self._draw(now=True)
 
     def _draw(self, now: bool = False) -> None:
         t = time.monotonic()
         if now or t - self._drawn >= self.EVERY:
             self._drawn = t
-            self._bar.refresh()  # type: ignore[attr-defined]
+            self._bar.refresh()
 
 
 @contextmanager
@@ -173,9 +157,7 @@ def _status(paths: list[str]) -> Iterator[Callable[[str], None]]:
 
 
 def _finish(acc: Accounting, strict: bool, quiet: bool) -> None:
-    if not quiet:
-        for line in acc.summary_lines():
-            err.print(line, markup=False)
+    _say(acc.summary_lines(), quiet)
     for path, reason in acc.unusable:
         err.print(f"error: {path}: {reason}", markup=False)
     if acc.unusable:
@@ -193,37 +175,46 @@ def _no_input(unusable: list[tuple[str, str]], message: str) -> NoReturn:
     raise InputError(None, None, message)
 
 
+def _need_server(acc: Accounting) -> None:
+    if not any(f.kind == "server" for f in acc.files):
+        _no_input(acc.unusable, "no llama-server log among the inputs")
+
+
 def _paths(paths: Optional[list[str]]) -> list[str]:
     if not paths:
         raise UsageError(None, None, "no input: give log files or directories (or - for stdin)")
     return paths
 
 
-@command()
-def tasks(
-    paths: PathsArg = None, fmt: FormatOpt = None, out: OutOpt = None, since: SinceOpt = None,
-    until: UntilOpt = None, where: WhereOpt = None, strict: StrictOpt = False, tz: TzOpt = "UTC", quiet: QuietOpt = False,
-) -> None:
-    """One row per server task: launch, wait before prefill, prefill, generation, release."""
+def _exporting(table: str | None, fmt: str | None, out: str | None, names: list[str]) -> bool:
+    """Whether one table is written as data (else the report is rendered as text)."""
+    if table is None and fmt not in ("csv", "json", "parquet") and not (out and not out.endswith(".txt")):
+        return False
+    if table is None:
+        raise UsageError(None, None, f"exporting needs one table: --table NAME ({', '.join(names)})")
+    return True
+
+
+def _rows(read: Callable[..., tuple[Any, Accounting]], paths: Optional[list[str]], fmt: str | None, out: str | None,
+          since: str | None, until: str | None, where: str | None, time_col: str, title: str, columns: list[str],
+          strict: bool, quiet: bool, **kw: Any) -> None:
+    """``tasks`` and ``samples``: the table read in batches (never held whole, whatever the log's
+    size), filtered, and for CSV/JSON made text by the worker processes, each batch where it is built."""
     from . import output
     from .filters import parse_when
-    from .server_log import read_task_batches
 
     ps = _paths(paths)
     lo, hi = parse_when(since), parse_when(until)
     chosen = output.choose_format(fmt, out, (out is None or out == "-") and output.is_terminal(sys.stdout))
     text = chosen in ("csv", "json")
-    # In batches: the table of a log of any size is never held whole. CSV/JSON text is made
-    # by the worker processes too, each batch where it is built.
-    then = functools.partial(_rows_in, since=lo, until=hi, where=where, fmt=chosen if text else None, time_col="launch_s")
+    then = functools.partial(_rows_in, since=lo, until=hi, where=where, fmt=chosen if text else None, time_col=time_col)
     with _progress(ps) as progress:
-        batches, acc = read_task_batches(ps, tz=tz, progress=progress, then=then)  # type: ignore[arg-type]
-    if not any(f.kind == "server" for f in acc.files):
-        _no_input(acc.unusable, "no llama-server log among the inputs")
+        batches, acc = read(ps, progress=progress, then=then, **kw)
+    _need_server(acc)
     if text:
-        output.write_pieces(batches, chosen, out)  # type: ignore[arg-type]
+        output.write_pieces(batches, chosen, out)
     else:
-        output.write_batches(batches, chosen, out, title="tasks", table_columns=TASK_TABLE)  # type: ignore[arg-type]
+        output.write_batches(batches, chosen, out, title=title, table_columns=columns)
     _finish(acc, strict, quiet)
 
 
@@ -239,6 +230,17 @@ def _rows_in(batch: pd.DataFrame, i: int, *, since: object, until: object, where
 
 
 @command()
+def tasks(
+    paths: PathsArg = None, fmt: FormatOpt = None, out: OutOpt = None, since: SinceOpt = None,
+    until: UntilOpt = None, where: WhereOpt = None, strict: StrictOpt = False, tz: TzOpt = "UTC", quiet: QuietOpt = False,
+) -> None:
+    """One row per server task: launch, wait before prefill, prefill, generation, release."""
+    from .server_log import read_task_batches
+
+    _rows(read_task_batches, paths, fmt, out, since, until, where, "launch_s", "tasks", TASK_TABLE, strict, quiet, tz=tz)
+
+
+@command()
 def samples(
     paths: PathsArg = None,
     kind: Annotated[str, typer.Option("--kind", "-k", help="gen (tg_3s heartbeats) or prefill (progress lines).")] = "gen",
@@ -246,32 +248,12 @@ def samples(
     where: WhereOpt = None, strict: StrictOpt = False, tz: TzOpt = "UTC", quiet: QuietOpt = False,
 ) -> None:
     """Generation heartbeats (n_gen, tg, tg_3s and the window each covers) or prefill progress."""
-    from . import output
-    from .filters import parse_when
     from .server_log import read_sample_batches
 
     if kind not in ("gen", "prefill"):
         raise UsageError(None, None, f"--kind must be gen or prefill, not {kind!r}")
-    ps = _paths(paths)
-    lo, hi = parse_when(since), parse_when(until)
-    chosen = output.choose_format(fmt, out, (out is None or out == "-") and output.is_terminal(sys.stdout))
-    text = chosen in ("csv", "json")
-    # In batches, as tasks: the samples of a log of any size are never held whole.
-    then = functools.partial(_rows_in, since=lo, until=hi, where=where, fmt=chosen if text else None, time_col="t_s")
-    with _progress(ps) as progress:
-        batches, acc = read_sample_batches(ps, kind=kind, tz=tz, progress=progress, then=then)  # type: ignore[arg-type]
-    if not any(f.kind == "server" for f in acc.files):
-        _no_input(acc.unusable, "no llama-server log among the inputs")
-    if text:
-        output.write_pieces(batches, chosen, out)  # type: ignore[arg-type]
-    else:
-        output.write_batches(batches, chosen, out, title=f"samples ({kind})",  # type: ignore[arg-type]
-                             table_columns=GEN_TABLE if kind == "gen" else PREFILL_TABLE)
-    _finish(acc, strict, quiet)
-
-
-AppColumnsOpt = Annotated[Optional[str], typer.Option("--app-columns", help="Map app-log fields explicitly: start=ts,purpose=kind,... or a TOML file with a [columns] table.")]
-ServerStartOpt = Annotated[Optional[str], typer.Option("--server-start", help="Wall time of the server's clock zero (overrides alignment), ISO-8601.")]
+    _rows(read_sample_batches, paths, fmt, out, since, until, where, "t_s", f"samples ({kind})",
+          GEN_TABLE if kind == "gen" else PREFILL_TABLE, strict, quiet, kind=kind, tz=tz)
 
 
 def _app_columns(spec: Optional[str]) -> Optional[dict[str, str]]:
@@ -298,18 +280,10 @@ def _load(paths: list[str], tz: str, app_columns: Optional[str], server_start: O
                     keep_samples=keep_samples, progress=progress, stage=progress.stage if progress else None)
 
 
-def _print_alignment(ds: Dataset, quiet: bool) -> None:
-    import pandas as pd
-
-    if quiet or ds.matches is None:
-        return
-    for r in ds.matches.aligned.itertuples(index=False):
-        at = r.server_start_at.isoformat(timespec="milliseconds") if not pd.isna(r.server_start_at) else "unknown"
-        spread = f", spread {r.spread_ms:.0f} ms" if r.spread_ms == r.spread_ms else ""
-        skew = f", app clock {r.app_clock_skew_s:+.3f} s vs wrapper stamps" if r.app_clock_skew_s == r.app_clock_skew_s else ""
-        err.print(f"clock: {r.source} session {r.session}: server started {at} ({r.method}, {r.support} supporting pairs{spread}{skew})", markup=False)
-        if r.warning:
-            err.print(f"warning: {r.source} session {r.session}: {r.warning}", markup=False)
+def _say(lines: list[str], quiet: bool) -> None:
+    if not quiet:
+        for line in lines:
+            err.print(line, markup=False)
 
 
 @command()
@@ -342,6 +316,7 @@ def match_cmd(
     """Every app call joined to its server task: queue, wait, prefill, generation, TTFT."""
     from . import output
     from .filters import where as where_rows
+    from .report import clock_lines, match_lines
 
     ds = _load(_paths(paths), tz, app_columns, server_start, keep_samples=False)
     if ds.matches is None:
@@ -350,18 +325,7 @@ def match_cmd(
         output.write(where_rows(ds.matches.unlogged, where), fmt, out, title="tasks no call explains", table_columns=TASK_TABLE + ["busy_s"])
     else:
         output.write(where_rows(ds.matches.calls, where), fmt, out, title="calls matched to tasks", table_columns=MATCH_TABLE)
-    _print_alignment(ds, quiet)
-    if not quiet:
-        m = ds.matches.calls
-        n_ok = int(m["ok"].fillna(False).sum()) if "ok" in m else len(m)
-        matched = int(m["task_id"].notna().sum())
-        un = ds.matches.unlogged
-        busy = float(un["busy_s"].sum()) if len(un) else 0.0
-        err.print(f"matched {matched:,} of {len(m):,} calls ({n_ok:,} successful); "
-                  f"{len(un):,} server tasks no call explains ({busy:,.1f} s busy)", markup=False)
-        reasons = m.loc[m["task_id"].isna(), "match_method"].astype(str).value_counts()
-        for reason, n in reasons.items():
-            err.print(f"  {reason}: {n}", markup=False)
+    _say(clock_lines(ds) + match_lines(ds.matches), quiet)
     _finish(ds.accounting, strict, quiet)
 
 
@@ -384,12 +348,14 @@ def analyze(
 
     With no path, analyzes the real example bundled with slotscope.
     """
+    from importlib import resources
+
     from . import output
     from . import analyze as analysis
-    from .report import render
+    from .report import clock_lines, render
 
     if not paths:
-        paths = [example_dir()]
+        paths = [str(resources.files("slotscope") / "examples" / "before")]
         err.print(f"no path given: analyzing the bundled example ({paths[0]})", markup=False)
     names = analysis.table_names()
     if table is not None and table not in names:
@@ -398,13 +364,11 @@ def analyze(
                             wait_threshold_s=wait_threshold, solo_gen_tps=solo_gen_tps, solo_prefill_tps=solo_prefill_tps,
                             cache_rate=cache_rate, uncached_tokens=uncached_tokens, cache_window_s=cache_window, tz=tz)
     ds = _load(paths, tz, app_columns, server_start)
-    if not len(ds.server.accounting.files) or not any(f.kind == "server" for f in ds.accounting.files):
+    if not len(ds.server.accounting.files):
         _no_input(ds.accounting.unusable, "no llama-server log among the inputs")
-    if table is not None or fmt in ("csv", "json", "parquet") or (out and not out.endswith(".txt")):
-        if table is None:
-            raise UsageError(None, None, f"exporting needs one table: --table NAME ({', '.join(names)})")
-        tables = analysis.run(ds, opts, [table], strict=debug)
-        output.write(tables[table], fmt, out, title=table)
+    _need_server(ds.accounting)
+    if _exporting(table, fmt, out, names):
+        output.write(analysis.run(ds, opts, [table], strict=debug)[table], fmt, out, title=table)  # type: ignore[list-item,index]
     else:
         with _status(paths) as say:
             tables = analysis.run(ds, opts, strict=debug, on_table=lambda name, i, n: say(f"computing {name} ({i}/{n})"))
@@ -414,13 +378,9 @@ def analyze(
             report_html(ds, tables, html_out)
             if not quiet:
                 err.print(f"wrote {html_out}", markup=False)
-        target = open(out, "w") if out else None
-        try:
+        with open(out, "w") if out else nullcontext() as target:
             render(ds, tables, file=target, width=None if output.is_terminal(sys.stdout) and not out else 100)
-        finally:
-            if target is not None:
-                target.close()
-    _print_alignment(ds, quiet)
+    _say(clock_lines(ds), quiet)
     _finish(ds.accounting, strict, quiet)
 
 
@@ -428,9 +388,6 @@ def analyze(
 def demo() -> None:
     """The report on the real example bundled with slotscope (same as `slotscope analyze`)."""
     analyze(paths=None)
-
-
-SideOpt = Annotated[Optional[list[str]], typer.Option(help="START..END: a wall-clock window of PATHS (ISO times or dates; tasks by launch time), or this side's own logs (files or directories; repeat for several).", show_default=False)]
 
 
 @command("compare")
@@ -458,9 +415,7 @@ def compare_cmd(
     sides = cmp.read_sides(paths, before, after, tz)
     if table is not None and table not in cmp.TABLE_NAMES + ["cautions"]:
         raise UsageError(None, None, f"unknown table {table!r}; tables: {', '.join(cmp.TABLE_NAMES)}, cautions")
-    exporting = table is not None or fmt in ("csv", "json", "parquet") or bool(out and not out.endswith(".txt"))
-    if exporting and table is None:
-        raise UsageError(None, None, f"exporting needs one table: --table NAME ({', '.join(cmp.TABLE_NAMES)})")
+    exporting = _exporting(table, fmt, out, cmp.TABLE_NAMES)
     opts = Options(long_prefill_tokens=long_prefill, big_prefill_tokens=big_prefill, wait_threshold_s=wait_threshold, tz=tz)
     b_ds: Dataset
     a_ds: Dataset
@@ -473,19 +428,14 @@ def compare_cmd(
         a_ds = _load(list(sides.after_paths), tz, app_columns, server_start)
         accounting = b_ds.accounting.merge(a_ds.accounting)
     for side_ds in (b_ds, a_ds):
-        if not any(f.kind == "server" for f in side_ds.accounting.files):
-            _no_input(side_ds.accounting.unusable, "no llama-server log among the inputs")
+        _need_server(side_ds.accounting)
     tables = cmp.compare(b_ds, a_ds, opts, seed=seed, n_boot=resamples, short_tokens=short_tokens)
     if exporting:
         output.write(tables[table], fmt, out, title=table)  # type: ignore[index]
     else:
-        target = open(out, "w") if out else None
-        try:
+        with open(out, "w") if out else nullcontext() as target:
             cmp.render(tables, file=target, width=None if output.is_terminal(sys.stdout) and not out else 100,
                        header=[f"before: {cmp.describe(b_ds)}", f"after: {cmp.describe(a_ds)}"])
-        finally:
-            if target is not None:
-                target.close()
     _finish(accounting, strict, quiet)
 
 
@@ -503,21 +453,21 @@ def timeline(
     """
     from .filters import parse_when
     from .picture import write_timeline
+    from .report import clock_lines
 
     if not out:
         raise UsageError(None, None, "timeline needs -o FILE: incident.html, incident.png or incident.svg")
     ds = _load(_paths(paths), tz, app_columns, server_start)
-    if not any(f.kind == "server" for f in ds.accounting.files):
-        _no_input(ds.accounting.unusable, "no llama-server log among the inputs")
+    _need_server(ds.accounting)
     write_timeline(ds, out, since=parse_when(since), until=parse_when(until))
-    _print_alignment(ds, quiet)
+    _say(clock_lines(ds), quiet)
     if not quiet:
         err.print(f"wrote {out}", markup=False)
     _finish(ds.accounting, strict, quiet)
 
 
 def main() -> None:
-    """Entry point. Library errors and a closed pipe are mapped in each command (``_handled``)."""
+    """Entry point. Library errors and a closed pipe are mapped in each command (``command``)."""
     global _debug
     _debug = "--debug" in sys.argv
     try:

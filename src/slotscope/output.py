@@ -13,8 +13,9 @@ import itertools
 import math
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Iterable, Literal
+from typing import IO, Iterable, Iterator, Literal
 
 import numpy as np
 import pandas as pd
@@ -30,8 +31,6 @@ from .errors import UsageError  # noqa: F401 - raised here and by the CLI
 Format = Literal["table", "csv", "json", "parquet"]
 FORMATS = ("table", "csv", "json", "parquet")
 _EXT = {".csv": "csv", ".json": "json", ".parquet": "parquet", ".pq": "parquet", ".txt": "table"}
-
-
 
 
 def is_terminal(stream: IO[str]) -> bool:
@@ -60,10 +59,9 @@ def choose_format(fmt: str | None, out: str | None, stdout_is_tty: bool) -> Form
 def _iso_utc(col: pd.Series) -> pd.Series | None:
     """``iso`` of a UTC column without strftime (a Python call per value), the same text.
 
-    pyarrow casts the naive times to "YYYY-MM-DD HH:MM:SS.ffffff" (26 bytes each); as rows of
-    a byte matrix those become "YYYY-MM-DDTHH:MM:SS[.ffffff]+00:00" (".000000" dropped, as
-    strftime's "%f" then the regex did). None (the caller formats) for times with nanoseconds
-    or years outside 1000..9999.
+    pyarrow casts the naive times to "YYYY-MM-DD HH:MM:SS.ffffff"; that becomes
+    "YYYY-MM-DDTHH:MM:SS[.ffffff]+00:00" (".000000" dropped, as strftime's "%f" then the regex
+    did). None (the caller formats) for times with nanoseconds or years outside 1000..9999.
     """
     if col.dtype.unit == "ns":  # type: ignore[union-attr]
         ns = col.array.asi8[col.notna().to_numpy()]  # type: ignore[attr-defined]
@@ -77,31 +75,10 @@ def _iso_utc(col: pd.Series) -> pd.Series | None:
         return None
     if lo is not None and not (lo.year >= 1000 and hi.year <= 9999):
         return None
-    text = pc.cast(naive, pa.string())
-    n = len(text)
-    _, offsets, data = text.buffers()
-    off = np.frombuffer(offsets, dtype=np.int32, count=n + 1)
-    size = np.diff(off)
-    valid = size == 26
-    m = int(np.count_nonzero(valid))
-    if m + text.null_count != n or off[-1] - off[0] != 26 * m:
-        return None
-    src = np.frombuffer(data, dtype=np.uint8, count=26 * m, offset=int(off[0])).reshape(m, 26)
-    out = np.empty((m, 32), dtype=np.uint8)
-    out[:, :26] = src
-    out[:, 10] = ord("T")
-    zone = np.frombuffer(b"+00:00", dtype=np.uint8)
-    out[:, 26:] = zone
-    whole = (src[:, 20:] == ord("0")).all(axis=1)
-    out[whole, 19:25] = zone
-    width = np.where(whole, 25, 32)
-    body = out[np.arange(32) < width[:, None]]  # row by row, each cut to its width
-    size = np.zeros(n, dtype=np.int32)
-    size[valid] = width  # missing times -> ""
-    bounds = np.zeros(n + 1, dtype=np.int32)
-    np.cumsum(size, out=bounds[1:])
-    iso_text = pa.StringArray.from_buffers(n, pa.py_buffer(bounds), pa.py_buffer(body))
-    return pd.Series(pd.array(iso_text, dtype="str"), index=col.index, name=col.name)
+    text = pc.utf8_replace_slice(pc.cast(naive, pa.string()), 10, 11, "T")
+    text = pc.if_else(pc.ends_with(text, ".000000"), pc.utf8_slice_codeunits(text, 0, 19), text)
+    text = pc.fill_null(pc.binary_join_element_wise(text, "+00:00", ""), "")
+    return pd.Series(pd.array(text, dtype="str"), index=col.index, name=col.name)
 
 
 def iso(col: pd.Series) -> pd.Series:
@@ -460,11 +437,6 @@ class CsvWriter:
             self.stream.write(text)
 
 
-def to_csv(df: pd.DataFrame, stream: IO[str]) -> None:
-    """``df.to_csv(stream, index=False)``, byte for byte, several times faster."""
-    CsvWriter(stream).write(df)
-
-
 def _cell(v: object) -> str:
     if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)):
         return ""
@@ -546,6 +518,16 @@ def _fits(width: int, table: Table) -> bool:
     return max((cell_len(line) for line in buf.getvalue().splitlines()), default=0) <= width
 
 
+@contextmanager
+def _opened(out: str | None, stdout: IO[str] | None, newline: str | None = "") -> Iterator[IO[str]]:
+    """Where text goes: the file ``out`` (closed after), or stdout for None and ``-``."""
+    if out is None or out == "-":
+        yield stdout if stdout is not None else sys.stdout
+    else:
+        with open(out, "w", newline=newline) as f:
+            yield f
+
+
 def write(
     df: pd.DataFrame,
     fmt: str | None = None,
@@ -567,7 +549,6 @@ def write(
         df.to_parquet(target, index=False)  # type: ignore[arg-type]
         return chosen
     if chosen == "table":
-        console = Console(file=stream if to_stdout else open(out, "w"), soft_wrap=False)  # type: ignore[arg-type]
         shown = df
         if table_columns is not None:
             shown = df[[c for c in table_columns if c in df.columns]]
@@ -577,19 +558,17 @@ def write(
                 title = f"{title} ({key} {shown[key].iloc[0]})" if title else f"{key} {shown[key].iloc[0]}"
                 shown = shown.drop(columns=[key])
         hidden = len(df.columns) - len(shown.columns)
-        print_table(console, shown, title=title, caption=f"{hidden} more columns: --format csv shows all" if hidden else None)
+        with _opened(out, stream, newline=None) as f:
+            print_table(Console(file=f, soft_wrap=False), shown, title=title,
+                        caption=f"{hidden} more columns: --format csv shows all" if hidden else None)
         return chosen
     text = for_text(df)
-    buf: IO[str] = stream if to_stdout else open(out, "w", newline="")  # type: ignore[arg-type]
-    try:
+    with _opened(out, stream) as buf:
         if chosen == "csv":
             CsvWriter(buf).write(text)
         else:
             text.to_json(buf, orient="records", force_ascii=False)
             buf.write("\n")
-    finally:
-        if not to_stdout:
-            buf.close()
     return chosen
 
 
@@ -646,9 +625,7 @@ def text_piece(df: pd.DataFrame, i: int, fmt: Format) -> str:
 
 def write_pieces(pieces: Iterable[str], fmt: Format, out: str | None = None, *, stdout: IO[str] | None = None) -> None:
     """Join :func:`text_piece` texts into what :func:`write` writes for the whole table."""
-    to_stdout = out is None or out == "-"
-    buf: IO[str] = (stdout or sys.stdout) if to_stdout else open(out, "w", newline="")  # type: ignore[arg-type]
-    try:
+    with _opened(out, stdout) as buf:
         if fmt == "json":
             buf.write("[")
             sep = ""
@@ -660,13 +637,10 @@ def write_pieces(pieces: Iterable[str], fmt: Format, out: str | None = None, *, 
         else:
             for p in pieces:
                 buf.write(p)
-    finally:
-        if not to_stdout:
-            buf.close()
 
 
 def render_text(df: pd.DataFrame, fmt: Format) -> str:
-    """The table as a string in a text format (used by tests and the report)."""
+    """The table as a string in a text format (for tests and fixtures/golden)."""
     buf = io.StringIO()
     if fmt == "csv":
         CsvWriter(buf).write(for_text(df))

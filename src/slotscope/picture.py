@@ -1,24 +1,13 @@
 """The incident as a picture: one lane per slot, every task's phases, each slot's generation speed.
 
-Each lane is one slot of one server session. Its upper half holds the tasks as bars split into
-``queue`` (from the app log), ``wait`` (launched, prefill not started), ``prefill`` and
-``generation``, with a thin strip above in the colour of the task's LoRA setting and its purpose
-written on it where it fits. Its lower half is the slot's generation speed: every heartbeat
-window (``window_start_s``..``t_s`` of :attr:`ServerLogs.gen_samples`) and the tail after the last
-heartbeat, drawn as the interval it covers at the height of its exact tokens/seconds (the logged
-``tg_3s`` covers only the last 3 s of a window and would hide a stall inside it; it is in the
-tooltip). Stalls therefore show as dips; the worst ones (:func:`slotscope.analyze.stalls.worst_stalls`)
-are outlined with the prefill that caused them, and the longest waits before prefill
-(:func:`slotscope.analyze.waits.worst_waits`) with the task that held the batch.
-
-The chart is a Vega-Lite spec built with altair. :func:`timeline_html` writes a self-contained
-page (Vega, Vega-Lite and vega-embed inlined from vl-convert: it opens offline) that zooms and
-pans in time; :func:`timeline_image` exports PNG or SVG through vl-convert, without a browser.
-Times are on the wall clock (UTC) where every session in view is aligned, else on the server
-clock. A long log stays light: past ``DETAIL_MAX_TASKS`` tasks the zoomed-out view is drawn as
-time bins per lane and single tasks appear, filtered to the visible span, once zoomed in; past
-``MAX_SPEED_ROWS`` heartbeat windows are merged into bins (each at its slowest window); the page
-draws on a canvas instead of SVG past ``SVG_MAX_MARKS`` marks.
+A lane's upper half holds the tasks as bars split into queue, wait, prefill and generation,
+under a strip in the colour of the task's LoRA setting; its lower half is the slot's generation
+speed, each heartbeat window (and the tail after the last) drawn at its exact tokens/seconds:
+the logged ``tg_3s`` covers only a window's last 3 s and would hide a stall inside it. The
+worst stalls are outlined with the prefill that caused them, the longest waits with the task
+that held the batch. The chart is a Vega-Lite spec (altair); vl-convert inlines the JavaScript
+into a page that opens offline, and draws PNG and SVG without a browser. A long log stays
+light: past ``DETAIL_MAX_TASKS`` tasks the zoomed-out view is time bins per lane.
 """
 
 from __future__ import annotations
@@ -395,6 +384,17 @@ def _wait_table(ds: Dataset, tv: pd.DataFrame, keep: pd.DataFrame, lanes: pd.Dat
     return out
 
 
+def _launched_in(tv: pd.DataFrame, since: str | float | pd.Timestamp | None,
+                 until: str | float | pd.Timestamp | None) -> pd.DataFrame:
+    """The tasks launched in [since, until); :class:`NothingToDraw` if a window is given and none was."""
+    kept = window(tv, _bound(since), _bound(until), time_col="launch_s").reset_index(drop=True)
+    if not len(kept) and (since is not None or until is not None):
+        asked = " ".join(f"--{k} {v}" for k, v in (("since", since), ("until", until)) if v is not None)
+        raise NothingToDraw(None, None, f"no task was launched in the window ({asked}); "
+                            "give server-clock seconds or ISO times within the logs")
+    return kept
+
+
 def timeline_data(
     ds: Dataset,
     since: str | float | pd.Timestamp | None = None,
@@ -410,7 +410,8 @@ def timeline_data(
 
     opts = opts or Options()
     tv_all = task_view(ds)
-    tv = window(tv_all, _bound(since), _bound(until), time_col="launch_s").reset_index(drop=True)
+    tv = _launched_in(tv_all, since, until)
+    windowed = since is not None or until is not None
     offsets = _offsets(tv)
     wall = bool(len(tv)) and "launch_at" in tv.columns and bool(tv["launch_at"].notna().all())
     clock = _Clock(offsets, wall)
@@ -431,7 +432,6 @@ def timeline_data(
     top = max(float(np.nanpercentile(v, 95)) if len(v) and np.isfinite(v).any() else 1.0, 1e-3)
     marked = max(MARKED, min(100, len(tasks) // 50))
     keep = tv[["source", "port", "session", "task_id"]]
-    windowed = since is not None or until is not None
     stalls = _stall_table(ds, tv_all, keep, lanes, clock, opts, STALL_FRAC * top, marked) if len(tv) else pd.DataFrame()
     waits = _wait_table(ds, tv_all, keep, lanes, clock, opts, marked, windowed) if len(tv) else pd.DataFrame()
     overview = overview_speed = detail_span = None
@@ -804,12 +804,6 @@ def write_timeline(
     until: str | float | pd.Timestamp | None = None,
 ) -> Path:
     """HTML, PNG or SVG by the extension of ``path`` (anything else is HTML)."""
-    if since is not None or until is not None:
-        tv = window(task_view(ds), _bound(since), _bound(until), time_col="launch_s")
-        if not len(tv):
-            asked = " ".join(f"--{k} {v}" for k, v in (("since", since), ("until", until)) if v is not None)
-            raise NothingToDraw(None, None, f"no task was launched in the window ({asked}); "
-                                "give server-clock seconds or ISO times within the logs")
     if Path(path).suffix.lower() in IMAGE_SUFFIXES:
         return timeline_image(ds, path, since, until)
     return timeline_html(ds, path, since, until)

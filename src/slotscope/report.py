@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.rule import Rule
 
 from .dataset import Dataset, calls_of, tasks_of
+from .match import Matches
 from .output import print_table
 
 # One-line explanations printed above each table.
@@ -76,12 +77,36 @@ def setup_line(sessions: pd.DataFrame) -> str:
     return "server: " + "; ".join(parts) if parts else ""
 
 
+def clock_lines(ds: Dataset) -> list[str]:
+    """What the alignment found: when each session's server started on the app's clock, how."""
+    lines = []
+    for r in ds.matches.aligned.itertuples(index=False) if ds.matches is not None else ():
+        at = r.server_start_at.isoformat(timespec="milliseconds") if not pd.isna(r.server_start_at) else "unknown"
+        spread = f", spread {r.spread_ms:.0f} ms" if r.spread_ms == r.spread_ms else ""
+        skew = f", app clock {r.app_clock_skew_s:+.3f} s vs wrapper stamps" if r.app_clock_skew_s == r.app_clock_skew_s else ""
+        lines.append(f"clock: {r.source} session {r.session}: server started {at} ({r.method}, {r.support} supporting pairs{spread}{skew})")
+        if r.warning:
+            lines.append(f"warning: {r.source} session {r.session}: {r.warning}")
+    return lines
+
+
+def match_lines(matches: Matches) -> list[str]:
+    """How many calls found their task, the server's busy time no call explains, and why the
+    others found none."""
+    m, un = matches.calls, matches.unlogged
+    n_ok = int(m["ok"].fillna(False).sum()) if "ok" in m else len(m)
+    busy = float(un["busy_s"].sum()) if len(un) else 0.0
+    lines = [f"matched {int(m['task_id'].notna().sum()):,} of {len(m):,} calls ({n_ok:,} successful); "
+             f"{len(un):,} server tasks no call explains ({busy:,.1f} s busy)"]
+    reasons = m.loc[m["task_id"].isna(), "match_method"].astype(str).value_counts()
+    return lines + [f"  {reason}: {n}" for reason, n in reasons.items()]
+
+
 def render(ds: Dataset, tables: dict[str, pd.DataFrame], file: IO[str] | None = None, width: int | None = None,
            max_rows: int = 12) -> None:
     """Print the whole report: alignment, findings first, then every table with its caption."""
     console = Console(file=file, width=width, soft_wrap=False, highlight=False)
-    # (the distinct sources made text, not each task's: one text per task otherwise)
-    # (only the columns read here: the tables may wait on disk, see Dataset.keep_on_disk)
+    # Only the column read here (the tables may wait on disk); the distinct sources made text.
     src = ", ".join(sorted(set(map(str, pd.unique(tasks_of(ds, ["source"])["source"]))))) if ds.n_tasks else "(no server log)"
     console.print(Rule(f"slotscope report: {src}", align="left"))
     matched = calls_of(ds, ["task_id"])["task_id"] if ds.matches is not None else None
@@ -98,10 +123,7 @@ def render(ds: Dataset, tables: dict[str, pd.DataFrame], file: IO[str] | None = 
                           + (f"; {r.warning}" if r.warning else ""), markup=False)
     else:
         console.print(APP_LOG_ADDS, markup=False)
-    order = ["findings"] + [n for n in tables if n != "findings"]
-    for name in order:
-        if name not in tables:
-            continue
+    for name in sorted(tables, key=lambda n: n != "findings"):  # findings first, the rest in order
         df = tables[name]
         console.print()
         console.print(Rule(name, align="left"))
@@ -118,8 +140,7 @@ def render(ds: Dataset, tables: dict[str, pd.DataFrame], file: IO[str] | None = 
         if df.empty:
             console.print("(no rows)", markup=False)
             continue
-        shown = _readable(name, df)
-        print_table(console, shown, max_rows=max_rows)
+        print_table(console, _readable(name, df), max_rows=max_rows)
         for text in _footnotes(df):
             console.print(f"  {text}", markup=False)
 
