@@ -42,6 +42,7 @@ from .analyze.waits import classify_waits
 from .dataset import Dataset, task_view
 from .errors import SlotscopeError
 from .output import UsageError, print_table
+from .timeline import floats as _f
 
 TABLE_NAMES = ["overall", "same-conditions", "indicators", "changes"]
 OVERALL_COLUMNS = ["metric", "before", "after", "before_n", "after_n", "diff", "ci_low", "ci_high", "caution"]
@@ -128,10 +129,6 @@ def _wall_offsets(ds: Dataset) -> pd.DataFrame:
         off = np.where(np.isnan(app), off, app)
     out["offset_us"] = off
     return out
-
-
-def _f(s: pd.Series) -> np.ndarray:
-    return pd.to_numeric(s, errors="coerce").to_numpy(dtype="float64", na_value=np.nan)
 
 
 def _wall(frame: pd.DataFrame, offsets: pd.DataFrame, col: str) -> np.ndarray:

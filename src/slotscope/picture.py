@@ -27,6 +27,7 @@ from . import timeline as tl
 from .dataset import Dataset, task_view
 from .errors import SlotscopeError
 from .filters import parse_when, window
+from .timeline import floats as _f
 
 KEYS = tl.GROUP + ["task_id"]
 PHASE_COLORS = {"queue": "#bab0ac", "wait": "#e45756", "prefill": "#4c78a8", "generation": "#54a24b"}
@@ -113,10 +114,6 @@ def _vl_version() -> str:
     """The Vega-Lite version altair writes specs for (e.g. ``6.4``): the JS inlined must match."""
     alt, _ = _require()
     return ".".join(alt.SCHEMA_VERSION.lstrip("v").split(".")[:2])
-
-
-def _f(s: pd.Series) -> np.ndarray:
-    return pd.to_numeric(s, errors="coerce").to_numpy(dtype="float64", na_value=np.nan)
 
 
 def _bound(value: str | float | pd.Timestamp | None) -> float | pd.Timestamp | None:

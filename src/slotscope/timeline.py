@@ -29,11 +29,12 @@ QUERY_BLOCK = 1 << 16  # overlap queries answered at a time (bounds their tempor
 BLOCK_LEVELS = 4  # blocks of 16 elements in :class:`_BlockRange`
 
 
-def _col(tv: pd.DataFrame, name: str) -> pd.Series:
+def column(tv: pd.DataFrame, name: str) -> pd.Series:
+    """The column ``name`` of ``tv``, all NA where ``tv`` has none."""
     return tv[name] if name in tv.columns else pd.Series(pd.NA, index=tv.index, dtype="object")
 
 
-def _f(s: pd.Series) -> np.ndarray:
+def floats(s: pd.Series) -> np.ndarray:
     """A column as float64 (NaN for gaps and what is not a number); a float64 column's own
     values, not a copy."""
     if isinstance(s.dtype, np.dtype) and s.dtype == np.float64:
@@ -44,19 +45,19 @@ def _f(s: pd.Series) -> np.ndarray:
 def task_ends(tv: pd.DataFrame, sessions: pd.DataFrame | None = None) -> np.ndarray:
     """End of each task on its session clock: release, else the session's last line, else the
     latest time known in its session (a task cut by a restart or by the end of the log)."""
-    end = _f(tv["release_s"])
+    end = floats(tv["release_s"])
     if not np.isnan(end).any():
         return end
     fallback = np.full(len(tv), np.nan)
     if sessions is not None and len(sessions):
         first = sessions.drop_duplicates(GROUP)
         code, scode = key_codes([tv, first], GROUP)
-        fallback = by_code(scode, _f(first["last_s"]), code, np.nan)
+        fallback = by_code(scode, floats(first["last_s"]), code, np.nan)
     else:
         code = key_codes([tv], GROUP)[0]
     # The latest of a task's four times (NaN: none), a column at a time (not a stack of four).
-    t = np.fmax(_f(tv["launch_s"]), _f(tv["prefill_start_s"]))
-    np.fmax(t, _f(tv["first_token_s"]), out=t)
+    t = np.fmax(floats(tv["launch_s"]), floats(tv["prefill_start_s"]))
+    np.fmax(t, floats(tv["first_token_s"]), out=t)
     np.fmax(t, end, out=t)
     latest = pd.Series(t).groupby(code, observed=True).transform("max").to_numpy(dtype="float64", na_value=np.nan)
     fallback = np.where(np.isnan(fallback), latest, fallback)
@@ -68,8 +69,8 @@ def phases(tv: pd.DataFrame) -> pd.DataFrame:
     launch]), ``wait`` ([launch, prefill start]), ``prefill`` ([prefill start, first token]) and
     ``generation`` ([first token, release]). Phases whose ends the log does not give (a task cut
     by a restart) are left out."""
-    launch, ps, ft, rel = (_f(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))
-    queue = _f(_col(tv, "queue_ms")) / 1000
+    launch, ps, ft, rel = (floats(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))
+    queue = floats(column(tv, "queue_ms")) / 1000
     bounds = {
         "queue": (launch - queue, launch),
         "wait": (launch, ps),
@@ -77,7 +78,7 @@ def phases(tv: pd.DataFrame) -> pd.DataFrame:
         "generation": (ft, rel),
     }
     keep = ["source", "port", "session", "slot", "task_id", "purpose", "user", "lora", "prompt_tokens_new", "line"]
-    base = pd.DataFrame({c: _col(tv, c) for c in keep})
+    base = pd.DataFrame({c: column(tv, c) for c in keep})
     parts = []
     for name, (a, b) in bounds.items():
         ok = ~np.isnan(a) & ~np.isnan(b) & (b >= a)
@@ -163,7 +164,7 @@ def concurrency(tv: pd.DataFrame, sessions: pd.DataFrame | None = None) -> pd.Da
     ``prefilling``, ``generating`` and ``waiting`` (launched, prefill not started), over
     [start_s, end_s). It spans each session's first launch to its last release, idle time
     included. A task with no release runs to the session's end (see :func:`task_ends`)."""
-    launch, ps, ft, rel = (_f(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))
+    launch, ps, ft, rel = (floats(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))
     end = task_ends(tv, sessions)
     ok0, ok1, ok2 = (~np.isnan(a) & ~np.isnan(b) & (b >= a) for a, b in ((launch, end), (ps, ft), (ft, rel)))
     code = key_codes([tv], GROUP)[0]
@@ -319,11 +320,11 @@ def overlaps(
     value columns never exclude anything, so pass only other slots' intervals when asking them.
     Zero-length overlaps (touching ends) do not count.
     """
-    qs = _f(queries["start_s"])
-    qe = _f(queries["end_s"])
-    ivs = _f(intervals["start_s"]) if len(intervals) else np.empty(0)
-    ive = _f(intervals["end_s"]) if len(intervals) else np.empty(0)
-    vals = _f(intervals[value]) if (value is not None and len(intervals)) else None
+    qs = floats(queries["start_s"])
+    qe = floats(queries["end_s"])
+    ivs = floats(intervals["start_s"]) if len(intervals) else np.empty(0)
+    ive = floats(intervals["end_s"]) if len(intervals) else np.empty(0)
+    vals = floats(intervals[value]) if (value is not None and len(intervals)) else None
     if len(queries) and len(intervals):
         qcode, icode = key_codes([queries, intervals], by)
     else:
@@ -448,7 +449,7 @@ def overlap_arrays(
             own = None
             if has_own:
                 rows = qi if own_rows is None else own_rows[qi]
-                own = _clip_own(os_[rows], oe_[rows], a, z)
+                own = clip_span(os_[rows], oe_[rows], a, z)
             if covered is not None:
                 covered[qi] = g.covered(a, z, own)
             if max_count is None and vals is None:
@@ -469,14 +470,13 @@ def _covered_by_step(b: np.ndarray, count: np.ndarray, has_own: bool) -> tuple[n
     return sums[0], sums[-1]
 
 
-def _clip_own(os_: np.ndarray, oe_: np.ndarray, qs: np.ndarray, qe: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The own interval clipped to the query; empty (at the query's end) where it misses it."""
-    own_ok = ~np.isnan(os_) & ~np.isnan(oe_)
-    cs = np.where(own_ok, np.clip(os_, qs, qe), qe)
-    ce = np.where(own_ok, np.clip(oe_, qs, qe), qe)
-    cs = np.where(ce > cs, cs, qe)
-    ce = np.where(ce > cs, ce, qe)
-    return cs, ce
+def clip_span(s: np.ndarray, e: np.ndarray, a: np.ndarray, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The spans [s, e] clipped to [a, z]; empty (at ``z``) where one misses it or has a NaN end."""
+    ok = ~np.isnan(s) & ~np.isnan(e)
+    cs = np.where(ok, np.clip(s, a, z), z)
+    ce = np.where(ok, np.clip(e, a, z), z)
+    empty = ~(ce > cs)
+    return np.where(empty, z, cs), np.where(empty, z, ce)
 
 
 def _largest_per_step(b: np.ndarray, s: np.ndarray, e: np.ndarray, v: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -515,21 +515,21 @@ def count_point_arrays(qcode: np.ndarray, qs: np.ndarray, qe: np.ndarray, pcode:
     return out
 
 
-def _progress_lines(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None) -> tuple[pd.DataFrame, pd.DataFrame]:
+def progress_lines(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The prefills of ``tv`` (task keys, slot, ``prompt_tokens_new``, line, ``ps``/``ft``/``new``
     as floats, ``pid`` = row) and their progress lines inside them (``pid``, ``t_s``,
     ``n_tokens``, ``step_tokens``, ``step_s``; by prefill, then time)."""
     keys = GROUP + ["task_id"]
-    pre = pd.DataFrame({c: _col(tv, c) for c in keys + ["slot", "prompt_tokens_new", "line", "prefill_start_s", "first_token_s"]})
-    pre["ps"], pre["ft"] = _f(pre["prefill_start_s"]), _f(pre["first_token_s"])
-    pre["new"] = _f(pre["prompt_tokens_new"])
+    pre = pd.DataFrame({c: column(tv, c) for c in keys + ["slot", "prompt_tokens_new", "line", "prefill_start_s", "first_token_s"]})
+    pre["ps"], pre["ft"] = floats(pre["prefill_start_s"]), floats(pre["first_token_s"])
+    pre["new"] = floats(pre["prompt_tokens_new"])
     pre = pre[(pre["ft"] > pre["ps"])].drop(columns=["prefill_start_s", "first_token_s"]).reset_index(drop=True)
     pre["pid"] = np.arange(len(pre))
     cols = ["t_s", "n_tokens", "step_tokens", "step_s"]
     samples = prefill_samples if prefill_samples is not None and len(prefill_samples) else pd.DataFrame(columns=keys + cols)
     # Each progress line with its prefill (an inner join on the task keys, in line order).
     at, pid = join_tasks(samples, pre)
-    lines = pd.DataFrame({"pid": pid, **{c: _f(samples[c])[at] for c in cols}})
+    lines = pd.DataFrame({"pid": pid, **{c: floats(samples[c])[at] for c in cols}})
     del at, pid
     ps, ft = pre["ps"].to_numpy(), pre["ft"].to_numpy()
     inside = (lines["t_s"].to_numpy() >= ps[lines["pid"]]) & (lines["t_s"].to_numpy() <= ft[lines["pid"]] + SAME_PASS_S)
@@ -538,11 +538,17 @@ def _progress_lines(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None) -> t
     return pre, lines
 
 
-def _typical(pre: pd.DataFrame, lines: pd.DataFrame) -> pd.DataFrame:
-    """Per session of ``pre`` that has progress lines (``pid`` a row of ``pre``): the median
-    ``step_tokens`` (``s_chunk``) and ``step_s`` (``s_pass``)."""
+def line_steps(pre: pd.DataFrame, lines: pd.DataFrame) -> pd.DataFrame:
+    """The steps (``step_tokens``, ``step_s``) of :func:`progress_lines`' ``lines``, with the
+    session keys of their prefills in ``pre``."""
     steps = pre[GROUP].iloc[lines["pid"].to_numpy()].reset_index(drop=True)
     steps["step_tokens"], steps["step_s"] = lines["step_tokens"].to_numpy(dtype=float), lines["step_s"].to_numpy(dtype=float)
+    return steps
+
+
+def typical_steps(steps: pd.DataFrame) -> pd.DataFrame:
+    """Per session of :func:`line_steps`' ``steps``: the median ``step_tokens`` (``s_chunk``)
+    and ``step_s`` (``s_pass``)."""
     g = steps.groupby(GROUP, dropna=False, observed=True, sort=False)
     return g.agg(s_chunk=("step_tokens", "median"), s_pass=("step_s", "median")).reset_index()
 
@@ -602,13 +608,13 @@ def prefill_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None,
     lines).
     """
     keys = GROUP + ["task_id"]
-    pre, lines = _progress_lines(tv, prefill_samples)
+    pre, lines = progress_lines(tv, prefill_samples)
     ps, ft = pre["ps"].to_numpy(), pre["ft"].to_numpy()
     # Typical chunk and pass length: the task's own, else its session's, else defaults.
     own = lines.groupby("pid", observed=True).agg(chunk=("step_tokens", "median"), pass_s=("step_s", "median"),
                                    first_t=("t_s", "first"), first_n=("n_tokens", "first"),
                                    last_t=("t_s", "last"), last_n=("n_tokens", "last"))
-    sess = _typical(pre, lines) if typical is None else typical
+    sess = typical_steps(line_steps(pre, lines)) if typical is None else typical
     pre = pre.merge(own, left_on="pid", right_index=True, how="left").merge(sess, on=GROUP, how="left")
     del own, sess
     pre["chunk"] = pre["chunk"].fillna(pre["s_chunk"]).fillna(2048.0).clip(lower=1)

@@ -19,16 +19,11 @@ import pandas as pd
 
 from ..dataset import Dataset
 from ..periods import Part
-from ..timeline import GROUP, key_codes, task_ends
+from ..timeline import GROUP, floats, key_codes, task_ends
 from . import Options, Question, ask
 
 LOAD_COLUMNS = ["scope", "running", "seconds", "share", "scope_seconds", "max_running", "n_slots"]
 OVERALL = "overall"
-
-
-def _floats(tv: pd.DataFrame, name: str) -> np.ndarray:
-    """A column as float64, NaN for gaps."""
-    return pd.to_numeric(tv[name], errors="coerce").to_numpy(dtype="float64", na_value=np.nan)
 
 
 @dataclass
@@ -49,7 +44,7 @@ def running_steps(tv: pd.DataFrame, sessions: pd.DataFrame | None) -> tuple[Step
     A step begins at each distinct time of a launch, end, prefill start, first token or release
     in the session (as :func:`slotscope.timeline.concurrency` steps), and counts the tasks
     launched by then and not yet ended."""
-    launch, ps, ft, rel = (_floats(tv, c) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))
+    launch, ps, ft, rel = (floats(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))
     end = task_ends(tv, sessions)
     runs, pre, gen = (~np.isnan(a) & ~np.isnan(b) & (b >= a) for a, b in ((launch, end), (ps, ft), (ft, rel)))
     code = key_codes([tv], GROUP)[0]
@@ -85,7 +80,7 @@ def _offsets_us(tv: pd.DataFrame, code: np.ndarray, n_codes: int) -> np.ndarray:
     out = np.full(n_codes, np.nan)
     if "launch_at" not in tv.columns:
         return out
-    launch_s = _floats(tv, "launch_s")
+    launch_s = floats(tv["launch_s"])
     ok = tv["launch_at"].notna().to_numpy() & ~np.isnan(launch_s)
     if not ok.any():
         return out

@@ -20,7 +20,7 @@ import pandas as pd
 
 from ..dataset import Dataset, task_view
 from ..periods import Part
-from ..timeline import key_codes
+from ..timeline import floats, key_codes
 from . import Options, Question, answer, ask
 from .turns import needs_app_log
 
@@ -36,21 +36,17 @@ COLUMNS = [
 ]
 
 
-def _times(col: pd.Series) -> np.ndarray:
-    return col.to_numpy(dtype="float64", na_value=np.nan)
-
-
 def _holding(tasks: pd.DataFrame, among: np.ndarray, windows: np.ndarray) -> np.ndarray:
     """For each of the ``windows`` (rows of ``tasks``: their prefill, from its start to the
     first token), how many of the tasks ``among`` (a mask) of its session held a slot during
     it: launched before the window ends, minus released before it starts (never released:
     held to the end)."""
     known = tasks[SESSION].notna().all(axis=1).to_numpy()
-    since, until = _times(tasks["launch_s"]), _times(tasks["release_s"])
+    since, until = floats(tasks["launch_s"]), floats(tasks["release_s"])
     held = among & known & ~np.isnan(since)
     # Times as their ranks among every time here (exact, ties kept; a missing release above
     # them all, a missing window end above that, as a sorted search puts NaN), keyed by session.
-    values = np.unique(np.r_[since, until, _times(tasks["prefill_start_s"]), _times(tasks["first_token_s"])])
+    values = np.unique(np.r_[since, until, floats(tasks["prefill_start_s"]), floats(tasks["first_token_s"])])
     values = values[~np.isnan(values)]
     top = len(values) + 2
 
@@ -62,7 +58,7 @@ def _holding(tasks: pd.DataFrame, among: np.ndarray, windows: np.ndarray) -> np.
     begun = np.sort(key(code[held], since[held], top - 1))
     ended = np.sort(key(code[held], until[held], top - 2))
     code, known = code[windows], known[windows]
-    start, end = (key(code, _times(tasks[c])[windows], top - 1) for c in ("prefill_start_s", "first_token_s"))
+    start, end = (key(code, floats(tasks[c])[windows], top - 1) for c in ("prefill_start_s", "first_token_s"))
     count = np.searchsorted(begun, end, "left") - np.searchsorted(ended, start, "right")
     # (from the session's first key on: no task of another session counts)
     count += np.searchsorted(ended, code * top, "left") - np.searchsorted(begun, code * top, "left")
@@ -95,7 +91,7 @@ def merge(answers: list[pd.DataFrame], opts: Options, ds: Dataset) -> dict[str, 
     # (which task was launched before which is a question of each session's sequence of tasks)
     tv = task_view(ds, VIEW_COLUMNS)
     short = _short(tv)
-    tv = tv[OWN[:-2]].assign(row=np.arange(len(tv)), prefill_ms=np.where(short, _times(tv["prompt_eval_ms"]), np.nan))
+    tv = tv[OWN[:-2]].assign(row=np.arange(len(tv)), prefill_ms=np.where(short, floats(tv["prompt_eval_ms"]), np.nan))
     held = pd.concat(answers or [pd.DataFrame(columns=["row", "held"])]).groupby("row")["held"].sum()
     tv = tv.sort_values(SESSION + ["launch_s", "task_id", "row"], kind="stable")
     tv["lora"] = tv["lora"].astype("string")

@@ -1,40 +1,28 @@
 """Generation speed by what the other slots did meanwhile (the field report's tg_3s table).
 
-A heartbeat's ``tg_3s`` covers its whole window (3 s, or tens of seconds in a stall), which
-usually mixes stalled and normal time, and slots under 100 generated tokens print none, so a
-median of ``tg_3s`` values can be ten times off (research/stalls.md). Instead each task's
+A heartbeat's ``tg_3s`` covers its whole window, which often mixes stalled and normal time,
+and slots under 100 generated tokens print none (research/stalls.md). Instead each task's
 generation is cut into *segments* with exact token counts: between consecutive heartbeats
 (Δn_gen over the window), and the tail from the last heartbeat (or the first token) to the
 release. Each segment is then split at what the other slots did:
 
 * ``long_prefill``: time when another slot's prefill of >= ``opts.long_prefill_tokens`` new
   tokens was actually running (pauses in its progress lines removed, see
-  :func:`slotscope.timeline.prefill_activity`);
+  :func:`slotscope.timeline.prefill_steps`);
 * ``other_prefill``: time when only shorter prefills of other slots ran;
-* the rest: ``generation_only`` if another slot was generating during the segment, else
-  ``alone``.
+* the rest: ``generation_only`` if another slot generated at any time during the segment,
+  else ``alone``.
 
-Tokens are not apportioned by time (a stall yields one token per server pass, not a share of
-the window): a prefill piece gets one token per pass end of the prefilling slot inside it
-(its progress lines, one per pass), at most the segment's exact count; the last piece gets
-the remainder. A segment that is not split keeps its exact count. Checked against the clients'
-chunk times (truth.jsonl), the split pieces' counts are right to within one token. Pieces
-shorter than ``MIN_PIECE_S`` are left out of the medians (one stalled pass is ~3.7 s at
-n_batch 2048, so a shorter piece reads 0 or 1 token) but kept in the pooled sums; pieces
+A stall yields one token per server pass, not a share of the window: a prefill piece gets one
+token per pass end of the prefilling slot inside it, at most the segment's exact count; the
+last piece gets the remainder. Pieces shorter than ``MIN_PIECE_S`` (a piece of one stalled
+pass reads 0 or 1 token) are left out of the medians but kept in the pooled sums; pieces
 under ``EPS_S`` are dropped.
 
-The rest of a split segment is ``generation_only`` when another slot generated at any time
-during the whole segment, a slight bias away from ``alone``.
-
-Per busy period (:class:`slotscope.periods.Part`) the segments inside the part's stretch of
-its session are split there. A part of a cut period holds every task that runs in its
-stretch, so a segment that runs across a cut is measured in each part over the part's share
-of it (seconds covered and pass ends add up; the largest prefill is the larger one, the
-earlier on a tie) and split in the merge. A prefill without progress lines of its own is read
-with its session's typical step (:func:`slotscope.timeline.typical_steps`), which needs the
-whole session's lines: :func:`line_steps` of every part, folded by :func:`typical_of`, is
-what :func:`per_part` takes as ``typical``; without it a part uses its own lines' steps,
-which differ where a session spans several parts.
+A segment that runs across a cut of a busy period is measured in each part over the part's
+share of it and split in the merge. A prefill without progress lines of its own is read with
+its session's typical step, which needs the whole session's lines: :func:`line_steps` of
+every part, folded by :func:`typical_of`, is what :func:`per_part` takes as ``typical``.
 """
 
 from __future__ import annotations
@@ -66,22 +54,17 @@ _WHO = ["slot", "purpose", "user", "lora", "line", "file"]
 _MEASURES = ["cov_long", "cov_any", "p_all", "p_long", "others_gen"]
 
 
-def _floats(s: pd.Series) -> np.ndarray:
-    """A column as float64, NaN for gaps and what is not a number."""
-    return pd.to_numeric(s, errors="coerce").to_numpy(dtype="float64", na_value=np.nan)
-
-
 def _segments(tasks: pd.DataFrame, gen: pd.DataFrame | None) -> pd.DataFrame:
     """One row per segment (see :func:`generation_segments`): ``row`` (of ``tasks``), ``hb``
     (of ``gen``, -1 for a tail), ``start_s``, ``end_s``, ``tokens``, ``session`` (a code in
     the keys' sort order); by session, start and slot (NA last), heartbeats before tails."""
-    first_token, n_gen = _floats(tasks["first_token_s"]), _floats(tasks["n_gen"])
+    first_token, n_gen = tl.floats(tasks["first_token_s"]), tl.floats(tasks["n_gen"])
     gen = gen if gen is not None and len(gen) else None
     last_t, last_n = np.full(len(tasks), np.nan), np.full(len(tasks), np.nan)
     parts = []
     if gen is not None:
         h, r = tl.join_tasks(gen, tasks)  # each heartbeat with its task's row
-        t, n = _floats(gen["t_s"])[h], _floats(gen["n_gen"])[h]
+        t, n = tl.floats(gen["t_s"])[h], tl.floats(gen["n_gen"])[h]
         order = np.lexsort((t, r))  # by task, then time
         h, r, t, n = h[order], r[order], t[order], n[order]
         same = np.r_[False, r[1:] == r[:-1]]
@@ -91,7 +74,7 @@ def _segments(tasks: pd.DataFrame, gen: pd.DataFrame | None) -> pd.DataFrame:
         last_t[last.index], last_n[last.index] = last["t"].to_numpy(), last["n"].to_numpy()
     d = n_gen - last_n
     parts.append(pd.DataFrame({"row": np.arange(len(tasks)), "hb": -1, "start_s": np.where(np.isnan(last_t), first_token, last_t),
-                               "end_s": _floats(tasks["release_s"]), "tokens": np.where(np.isnan(d), n_gen - 1, d)}))
+                               "end_s": tl.floats(tasks["release_s"]), "tokens": np.where(np.isnan(d), n_gen - 1, d)}))
     seg = pd.concat(parts, ignore_index=True)
     seg = seg[(seg["end_s"] > seg["start_s"]) & (seg["tokens"] >= 0)]
     row, hb = seg["row"].to_numpy(), seg["hb"].to_numpy()
@@ -138,7 +121,7 @@ def generation_segments(ds: Dataset, tv: pd.DataFrame | None = None) -> pd.DataF
     out["kind"] = np.where(hb >= 0, "heartbeat", "tail").astype(object)
     tg = np.full(len(seg), np.nan)
     if gen is not None and len(gen):
-        tg[hb >= 0] = _floats(gen["tg_3s_tps"])[hb[hb >= 0]]
+        tg[hb >= 0] = tl.floats(gen["tg_3s_tps"])[hb[hb >= 0]]
     out["tg_3s_tps"] = tg
     return out[KEYS + ["slot", "start_s", "end_s", "tokens", "kind", "hb_line", "tg_3s_tps", "hb_file"]]
 
@@ -158,7 +141,7 @@ def _measure(tasks: pd.DataFrame, prefill: pd.DataFrame | None, seg: pd.DataFram
     scode = tcode[row]
     start, end = seg["start_s"].to_numpy(), seg["end_s"].to_numpy()
     qs, qe = np.maximum(start, t0), np.minimum(end, t1)
-    new, a_start, a_end = _floats(active["prompt_tokens_new"]), _floats(active["start_s"]), _floats(active["end_s"])
+    new, a_start, a_end = tl.floats(active["prompt_tokens_new"]), tl.floats(active["start_s"]), tl.floats(active["end_s"])
     a_row = np.full(len(active), -1)
     if len(active):
         hit, task = tl.join_tasks(active, tasks)
@@ -173,12 +156,12 @@ def _measure(tasks: pd.DataFrame, prefill: pd.DataFrame | None, seg: pd.DataFram
         out[f"{name}_new"] = np.where(found, new[sel][np.maximum(pos, 0)] if sel.any() else np.nan, np.nan)
         out[f"{name}_cause"] = np.where(found, a_row[sel][np.maximum(pos, 0)] if sel.any() else -1, -1)
     out["cov_any"] = tl.overlap_arrays(scode, qs, qe, acode, a_start, a_end, need=("covered",))[0]
-    ft, rel = _floats(tasks["first_token_s"]), _floats(tasks["release_s"])
+    ft, rel = tl.floats(tasks["first_token_s"]), tl.floats(tasks["release_s"])
     gen = np.flatnonzero(~np.isnan(ft) & ~np.isnan(rel) & (rel >= ft))
     out["others_gen"] = tl.overlap_arrays(scode, qs, qe, tcode[gen], ft[gen], rel[gen], own_start=ft, own_end=rel,
                                           own_rows=row, need=("max_count",))[1] >= 1
     pid, t = tl.pass_ends(steps)
-    sp_code, sp_t, sp_new = tl.server_pass_arrays(icode[pid], t, _floats(info["prompt_tokens_new"])[pid])
+    sp_code, sp_t, sp_new = tl.server_pass_arrays(icode[pid], t, tl.floats(info["prompt_tokens_new"])[pid])
     a = np.maximum(start + tl.SAME_PASS_S, t0)
     z = np.maximum(np.where(end <= t1, end + tl.SAME_PASS_S, t1), a)
     big = sp_new >= opts.long_prefill_tokens
@@ -280,32 +263,17 @@ def segment_pieces(ds: Dataset, opts: Options, tv: pd.DataFrame | None = None) -
 
 
 def line_steps(part: Part, opts: Options) -> pd.DataFrame:
-    """The steps (``step_tokens``, ``step_s``) of the progress lines inside the prefills of the
-    tasks the part counts, with their session's keys: what :func:`typical_of` folds into the
-    sessions' typical steps."""
+    """The steps of the progress lines inside the prefills of the tasks the part counts
+    (:func:`slotscope.timeline.line_steps`)."""
     tasks = part.tasks.iloc[np.flatnonzero(part.counted)]
-    ps, ft = _floats(tasks["prefill_start_s"]), _floats(tasks["first_token_s"])
-    pre = tasks.iloc[np.flatnonzero(ft > ps)]
-    ps, ft = ps[ft > ps], ft[ft > ps]
-    none = np.zeros(0, np.int64)
-    lines = part.prefill if part.prefill is not None and len(part.prefill) else None
-    at, pid = tl.join_tasks(lines, pre) if lines is not None and len(pre) else (none, none)
-    t = _floats(lines["t_s"])[at] if lines is not None else np.zeros(0)
-    inside = (t >= ps[pid]) & (t <= ft[pid] + tl.SAME_PASS_S)
-    at, pid = at[inside], pid[inside]
-    out = pre[tl.GROUP].iloc[pid].reset_index(drop=True)
-    for c in ("step_tokens", "step_s"):
-        out[c] = _floats(lines[c])[at] if lines is not None else np.zeros(0)
-    return out
+    return tl.line_steps(*tl.progress_lines(tasks, part.prefill))
 
 
 def typical_of(steps: list[pd.DataFrame]) -> pd.DataFrame:
-    """Per session, the median step of its progress lines (``s_chunk`` tokens, ``s_pass``
-    seconds) from every part's :func:`line_steps`: :func:`slotscope.timeline.typical_steps`
-    of the whole log."""
+    """The sessions' typical steps (:func:`slotscope.timeline.typical_steps`) of every part's
+    :func:`line_steps`."""
     both = pd.concat(steps, ignore_index=True) if steps else pd.DataFrame(columns=tl.GROUP + ["step_tokens", "step_s"])
-    g = both.groupby(tl.GROUP, dropna=False, observed=True, sort=False)
-    return g.agg(s_chunk=("step_tokens", "median"), s_pass=("step_s", "median")).reset_index()
+    return tl.typical_steps(both)
 
 
 @dataclass
