@@ -27,7 +27,7 @@ import pandas as pd
 
 from ..dataset import Dataset, task_view
 from ..periods import Part
-from ..timeline import GROUP, key_codes
+from ..timeline import GROUP, clip_span, column, floats, key_codes
 from . import Options, Question, ask
 
 COMPONENTS = ["own_generation", "own_prefill", "contention", "wait", "queue", "unsplit"]
@@ -38,13 +38,6 @@ BREAKDOWN_COLUMNS = [
 FLAGS = ["alone_prefill", "alone_generation"]
 
 
-def _floats(tv: pd.DataFrame, name: str) -> np.ndarray:
-    """A column as float64, NaN for gaps (all NaN where ``tv`` has no such column)."""
-    if name not in tv.columns:
-        return np.full(len(tv), np.nan)
-    return pd.to_numeric(tv[name], errors="coerce").to_numpy(dtype="float64", na_value=np.nan)
-
-
 def ran_alone(tv: pd.DataFrame) -> pd.DataFrame:
     """Per task: whether no other task of its session was prefilling or generating during its
     whole prefill (``alone_prefill``) and its whole generation (``alone_generation``).
@@ -52,7 +45,7 @@ def ran_alone(tv: pd.DataFrame) -> pd.DataFrame:
     A task is active from its prefill's start to its generation's end (each where the log gives
     it and it lasts); a phase ran alone when no active stretch but its task's own overlaps it,
     and the own one only inside the task's [prefill start, release]."""
-    ps, ft, rel = (_floats(tv, c) for c in ("prefill_start_s", "first_token_s", "release_s"))
+    ps, ft, rel = (floats(tv[c]) for c in ("prefill_start_s", "first_token_s", "release_s"))
     pre = ~np.isnan(ps) & ~np.isnan(ft) & (ft > ps)
     gen = ~np.isnan(ft) & ~np.isnan(rel) & (rel > ft)
     s = np.where(pre, ps, np.where(gen, ft, np.nan))
@@ -72,20 +65,10 @@ def ran_alone(tv: pd.DataFrame) -> pd.DataFrame:
     for name, a, z in (("alone_prefill", ps, ft), ("alone_generation", ft, rel)):
         overlapping = np.searchsorted(starts, key(z), "left") - np.searchsorted(ends, key(a), "right")
         own = active & (s < z) & (e > a)
-        c0, c1 = _own_span_in(ps, rel, a, z)
+        c0, c1 = clip_span(ps, rel, a, z)
         outside = own & ((np.maximum(s, a) < c0) | (np.minimum(e, z) > c1))
         out[name] = ~np.isnan(a) & ~np.isnan(z) & (z > a) & (overlapping - own == 0) & ~outside
     return pd.DataFrame(out, index=tv.index)
-
-
-def _own_span_in(ps: np.ndarray, rel: np.ndarray, a: np.ndarray, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The task's span [ps, rel] clipped to the phase [a, z]; empty (at ``z``) where it misses
-    the phase or the log lacks an end."""
-    ok = ~np.isnan(ps) & ~np.isnan(rel)
-    c0 = np.where(ok, np.clip(ps, a, z), z)
-    c1 = np.where(ok, np.clip(rel, a, z), z)
-    empty = ~(c1 > c0)
-    return np.where(empty, z, c0), np.where(empty, z, c1)
 
 
 def alone_in_part(part: Part, opts: Options) -> pd.DataFrame:
@@ -98,22 +81,22 @@ def raw_times(tv: pd.DataFrame) -> dict[str, np.ndarray]:
     """Per task of ``tv``: purpose, whether it has a launch..release (``has``), the raw
     components the breakdown splits, and its speeds; columns, not a frame (that would copy
     them into one block)."""
-    launch, ps, ft, rel = (_floats(tv, c) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))
+    launch, ps, ft, rel = (floats(column(tv, c)) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))
     has = ~np.isnan(launch) & ~np.isnan(rel) & (rel >= launch)
     split = has & ~np.isnan(ps) & ~np.isnan(ft) & (ps >= launch) & (ft >= ps) & (rel >= ft)
-    queue = np.where(has, np.maximum(np.nan_to_num(_floats(tv, "queue_ms") / 1000), 0), 0.0)
+    queue = np.where(has, np.maximum(np.nan_to_num(floats(column(tv, "queue_ms")) / 1000), 0), 0.0)
     return {
         "purpose": tv["purpose"].array if "purpose" in tv.columns else pd.array([pd.NA] * len(tv), dtype="object"),
         "has": has,
-        "generated": np.maximum(_floats(tv, "n_gen") - 1, 0),  # (the first token came with the prefill)
-        "new": _floats(tv, "prompt_tokens_new"),
+        "generated": np.maximum(floats(column(tv, "n_gen")) - 1, 0),  # (the first token came with the prefill)
+        "new": floats(column(tv, "prompt_tokens_new")),
         "prefill": np.where(split, ft - ps, 0.0),
         "generation": np.where(split, rel - ft, 0.0),
         "wait": np.where(split, ps - launch, 0.0),
         "queue": queue,
         "unsplit": np.where(has & ~split, rel - launch, 0.0),
-        "gen_tps": _floats(tv, "gen_tps"),
-        "prefill_tps": _floats(tv, "prefill_tps"),
+        "gen_tps": floats(column(tv, "gen_tps")),
+        "prefill_tps": floats(column(tv, "prefill_tps")),
     }
 
 
