@@ -38,15 +38,8 @@ WORST_COLUMNS = [
 ]
 DEFERRED_S = 0.005
 COVERED = ["different_lora_s", "same_lora_s", "unknown_lora_s"]  # seconds of a wait covered by each
-# The task times the deferred launches are found by (``session``: the row of the task's
-# session among the sessions table's first rows).
-TIMES = ["row", "session", "task_id", "launch_s", "release_s", "end_s", "queue_ms"]
 # What _times reads of the task view.
 TIME_COLUMNS = tl.GROUP + ["task_id", "launch_s", "prefill_start_s", "first_token_s", "release_s", "queue_ms"]
-
-
-def _f(s: pd.Series) -> np.ndarray:
-    return pd.to_numeric(s, errors="coerce").to_numpy(dtype="float64", na_value=np.nan)
 
 
 class _Held(NamedTuple):
@@ -59,13 +52,13 @@ class _Held(NamedTuple):
 
 
 def _held(tv: pd.DataFrame, sessions: pd.DataFrame | None) -> _Held:
-    ps = _f(tv["prefill_start_s"])
-    return _Held(tl.key_codes([tv], tl.GROUP)[0], np.where(np.isnan(ps), _f(tv["launch_s"]), ps),
+    ps = tl.floats(tv["prefill_start_s"])
+    return _Held(tl.key_codes([tv], tl.GROUP)[0], np.where(np.isnan(ps), tl.floats(tv["launch_s"]), ps),
                  tl.task_ends(tv, sessions))
 
 
 def _wait_rows(tv: pd.DataFrame, opts: Options) -> np.ndarray:
-    return _f(tv["wait_before_prefill_ms"]) >= opts.wait_threshold_s * 1000
+    return tl.floats(tv["wait_before_prefill_ms"]) >= opts.wait_threshold_s * 1000
 
 
 def _waits(tv: pd.DataFrame, at: np.ndarray) -> pd.DataFrame:
@@ -77,37 +70,18 @@ def _waits(tv: pd.DataFrame, at: np.ndarray) -> pd.DataFrame:
     return waits
 
 
-def _covered(wcode: np.ndarray, ws: np.ndarray, we: np.ndarray, code: np.ndarray, start: np.ndarray,
-             end: np.ndarray) -> np.ndarray:
-    """Seconds of each wait [ws, we] inside the union of the intervals [start, end) of its
-    session (a NaN start: no interval)."""
-    out = np.zeros(len(ws))
-    ok = end > start
-    asked = we > ws
-    for c in np.unique(wcode[asked]):
-        q, r = asked & (wcode == c), ok & (code == c)
-        if not r.any():
-            continue
-        # Seconds covered from the first breakpoint b[0] to each breakpoint.
-        b = np.unique(np.concatenate([start[r], end[r]]))
-        running = np.searchsorted(np.sort(start[r]), b[:-1], "right") - np.searchsorted(np.sort(end[r]), b[:-1], "right")
-        f = np.concatenate([[0.0], np.cumsum((running > 0) * np.diff(b))])
-        out[q] = np.interp(we[q], b, f) - np.interp(ws[q], b, f)
-    return out
-
-
 def _covered_by(tv: pd.DataFrame, held: _Held, waits: pd.DataFrame, at: np.ndarray,
                 span: tuple[float, float] | None = None) -> pd.DataFrame:
     """:data:`COVERED`: the seconds of each of the ``waits`` (at rows ``at`` of ``tv``) covered
     by different-, same- and unknown-LoRA work, within ``span`` (NaN: an open end) if given."""
-    ws, we = _f(waits["start_s"]), _f(waits["end_s"])
+    ws, we = tl.floats(waits["start_s"]), tl.floats(waits["end_s"])
     if span is not None:
         ws, we = np.fmax(ws, span[0]), np.fmin(we, span[1])
     wl, rl = waits["lora"].astype("object"), tv["lora"]
 
     def covered(q: np.ndarray, ran: pd.Series | None) -> np.ndarray:
         start = held.start if ran is None else np.where(ran.to_numpy(), held.start, np.nan)
-        return _covered(held.code[at][q], ws[q], we[q], held.code, start, held.end)
+        return tl.overlap_arrays(held.code[at][q], ws[q], we[q], held.code, start, held.end, need=("covered",))[0]
 
     diff_s, same_s = np.zeros(len(waits)), np.zeros(len(waits))
     for label in pd.unique(wl.dropna()):
@@ -144,7 +118,7 @@ def _holders(tv: pd.DataFrame, held: _Held, top: pd.DataFrame, at: np.ndarray) -
     batch (``h``: its row in ``tv``) and what it is ranked by: the different-LoRA task that
     overlapped the wait most, else the largest prefill that ran during it, else whatever ran
     longest during it (``w``: the wait's row in ``top``; none where nothing ran)."""
-    a, z = _f(top["start_s"]), _f(top["end_s"])
+    a, z = tl.floats(top["start_s"]), tl.floats(top["end_s"])
     tid = tv["task_id"].to_numpy()
     ran = [np.flatnonzero((held.code == held.code[i]) & (held.start < zz) & (held.end > aa) & (tid != tid[i]))
            for i, aa, zz in zip(at, a, z)]
@@ -152,12 +126,12 @@ def _holders(tv: pd.DataFrame, held: _Held, top: pd.DataFrame, at: np.ndarray) -
     h = np.concatenate(ran) if ran else np.zeros(0, dtype=np.int64)
     hs, he = held.start[h], held.end[h]
     overlap = np.minimum(z[w], he) - np.maximum(a[w], hs)
-    ft = _f(tv["first_token_s"])[h]
+    ft = tl.floats(tv["first_token_s"])[h]
     prefill_ov = np.minimum(z[w], np.where(np.isnan(ft), he, ft)) - np.maximum(a[w], hs)
     wl = top["lora"].astype("object").iloc[w].reset_index(drop=True)
     hl = tv["lora"].astype("object").iloc[h].reset_index(drop=True)
     diff = (wl.notna() & hl.notna() & (wl != hl)).astype(int).to_numpy()
-    prefill = np.where(prefill_ov > 0, _f(tv["prompt_tokens_new"])[h], -1.0)
+    prefill = np.where(prefill_ov > 0, tl.floats(tv["prompt_tokens_new"])[h], -1.0)
     # Among different-LoRA holders the longest overlap wins; among the others the largest prefill.
     pair = pd.DataFrame({"w": w, "h": h, "diff": diff, "key": np.where(diff == 1, overlap, prefill), "overlap_s": overlap})
     return _best(pair[overlap > 0], "w", "h")
@@ -193,37 +167,16 @@ def _worst(part: Part, held: _Held, waits: pd.DataFrame, at: np.ndarray, k: int)
 
 
 def _times(tv: pd.DataFrame, sessions: pd.DataFrame) -> pd.DataFrame:
-    """:data:`TIMES` of every task of ``tv`` (``row``: its position) whose session is in the
-    sessions table (a task of another one, of no known slot count, is never deferred)."""
+    """``row`` (position), ``session`` (its row among the sessions table's first rows),
+    ``task_id``, ``launch_s``, ``release_s``, ``end_s`` and ``queue_ms`` of every task of
+    ``tv`` whose session is in the sessions table (a task of another one, of no known slot count, is never deferred)."""
     first = sessions.drop_duplicates(tl.GROUP)
     scode, code = tl.key_codes([first, tv], tl.GROUP)
     session = tl.by_code(scode, np.arange(len(first)), code, -1)
     t = pd.DataFrame({"row": np.arange(len(tv)), "session": session, "task_id": tv["task_id"].to_numpy(),
-                      "launch_s": _f(tv["launch_s"]), "release_s": _f(tv["release_s"]),
-                      "end_s": tl.task_ends(tv, sessions), "queue_ms": _f(tv["queue_ms"])})
+                      "launch_s": tl.floats(tv["launch_s"]), "release_s": tl.floats(tv["release_s"]),
+                      "end_s": tl.task_ends(tv, sessions), "queue_ms": tl.floats(tv["queue_ms"])})
     return t[session >= 0].reset_index(drop=True)
-
-
-def _running(qcode: np.ndarray, a: np.ndarray, z: np.ndarray, code: np.ndarray, start: np.ndarray,
-             end: np.ndarray) -> np.ndarray:
-    """Most intervals [start, end) of its session running at once in each (a, z)."""
-    out = np.zeros(len(a), dtype=np.int64)
-    ok = end > start
-    for c in np.unique(qcode):
-        q = np.flatnonzero((qcode == c) & (z > a))
-        s, e = np.sort(start[ok & (code == c)]), np.sort(end[ok & (code == c)])
-
-        def at_once(t: np.ndarray) -> np.ndarray:
-            return np.searchsorted(s, t, "right") - np.searchsorted(e, t, "right")
-
-        most = at_once(a[q])
-        # The count rises only where an interval starts: at the starts inside (a, z).
-        lo, hi = np.searchsorted(s, a[q], "right"), np.searchsorted(s, z[q], "left")
-        n = np.maximum(hi - lo, 0)
-        inside = np.repeat(lo, n) + tl.within_ranges(n)
-        np.maximum.at(most, np.repeat(np.arange(len(q)), n), at_once(s[inside]))
-        out[q] = most
-    return out
 
 
 def _deferred(t: pd.DataFrame, n_slots: np.ndarray) -> pd.DataFrame:
@@ -238,8 +191,9 @@ def _deferred(t: pd.DataFrame, n_slots: np.ndarray) -> pd.DataFrame:
                       direction="backward", tolerance=DEFERRED_S, allow_exact_matches=True)
     j = j[j["release_s_before"].notna() & (j["released_task_id"] != j["task_id"])]
     # Tasks running just before that release: launched before it, ending after it began.
-    r = _f(j["release_s_before"])
-    busy = _running(j["session"].to_numpy(), r - 1e-6, r, t["session"].to_numpy(), _f(t["launch_s"]), _f(t["end_s"]))
+    r = tl.floats(j["release_s_before"])
+    busy = tl.overlap_arrays(j["session"].to_numpy(), r - 1e-6, r, t["session"].to_numpy(), tl.floats(t["launch_s"]),
+                             tl.floats(t["end_s"]), need=("max_count",))[1]
     j = j[n_slots[j["session"].to_numpy()] <= busy]
     return j.astype({"released_task_id": "int64"})[["row", "released_task_id", "release_s_before", "queue_ms"]]
 
@@ -249,7 +203,7 @@ def deferred_launches(ds: Dataset, tv: pd.DataFrame | None = None) -> pd.DataFra
     their session was busy just before that release, with the release that let them in."""
     tv = task_view(ds) if tv is None else tv
     sessions = ds.server.sessions
-    d = _deferred(_times(tv, sessions), _f(sessions.drop_duplicates(tl.GROUP)["n_slots"]))
+    d = _deferred(_times(tv, sessions), tl.floats(sessions.drop_duplicates(tl.GROUP)["n_slots"]))
     out = tv.iloc[d["row"].to_numpy()].reset_index(drop=True)
     out["released_task_id"] = d["released_task_id"].to_numpy()
     out["release_s_before"] = d["release_s_before"].to_numpy()
@@ -307,7 +261,7 @@ def merge(answers: list[PartWaits], opts: Options, ds: Dataset) -> dict[str, pd.
     w = _with_cause(w)
     # (the deferred launches are a question of each session's sequence of tasks: no periods)
     t = _times(task_view(ds, TIME_COLUMNS), ds.server.sessions)
-    d = _deferred(t, _f(ds.server.sessions.drop_duplicates(tl.GROUP)["n_slots"]))
+    d = _deferred(t, tl.floats(ds.server.sessions.drop_duplicates(tl.GROUP)["n_slots"]))
     labels = pd.unique(np.concatenate([a.labels for a in answers]))
     return {"waits": _table(w, d["queue_ms"].to_numpy() / 1000, opts),
             "waits-worst": _worst_table(answers, w, pd.Series(labels).dtype, opts.worst)}
