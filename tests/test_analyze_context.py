@@ -10,7 +10,8 @@ import pytest
 
 from slotscope import analyze
 from slotscope.analyze import Options
-from slotscope.analyze.context import LABELS, QUESTION, context, tasks_during
+from slotscope import timeline as tl
+from slotscope.analyze.context import LABELS, QUESTION, context, count_during
 from slotscope.dataset import load
 
 from .conftest import REAL
@@ -75,7 +76,7 @@ def test_needs_no_app_log(datasets: dict) -> None:
     pd.testing.assert_frame_equal(alone, context(datasets["before"], Options()))
 
 
-def test_tasks_during_counts_overlaps_per_session() -> None:
+def test_count_during_counts_overlaps_per_session() -> None:
     tasks = pd.DataFrame({
         "source": "x", "port": -1, "session": [1, 1, 1, 2],
         "launch_s": [0.0, 5.0, 10.0, 0.0], "release_s": [6.0, 8.0, np.nan, 100.0],
@@ -83,7 +84,9 @@ def test_tasks_during_counts_overlaps_per_session() -> None:
     at = pd.DataFrame({"source": "x", "port": -1, "session": [1, 1, 1, 1, 2, 3],
                        "a": [0.0, 6.0, 8.0, 20.0, 50.0, 0.0], "b": [1.0, 7.0, 9.0, 30.0, 60.0, 1.0]})
     # [0,1]: task 0. [6,7]: task 1 (task 0 released at 6). [8,9]: none. [20,30]: task 2, never released.
-    assert tasks_during(tasks, at, "a", "b").tolist() == [1, 1, 0, 1, 1, 0]
+    tcode, acode = tl.key_codes([tasks, at], tl.GROUP)
+    got = count_during(tcode, tasks["launch_s"].to_numpy(), tasks["release_s"].to_numpy(), acode, at["a"].to_numpy(), at["b"].to_numpy())
+    assert got.tolist() == [1, 1, 0, 1, 1, 0]
 
 
 @pytest.mark.parametrize("scenario", ["before", "restart", "wallclock"])

@@ -46,31 +46,6 @@ HOLDING = ("launch_s", "release_s")  # (since, until) of a task holding a slot
 PREFILLING = ("prefill_start_s", "first_token_s")
 
 
-def tasks_during(tasks: pd.DataFrame, at: pd.DataFrame, start: str, end: str,
-                 since: str = "launch_s", until: str = "release_s") -> np.ndarray:
-    """For each row of ``at``, how many tasks of its server session were between ``since`` and ``until`` during [start, end].
-
-    By default that is holding a slot: from launch to release (to the end of time if never
-    released); ``prefill_start_s``/``first_token_s`` count prefills instead. Counts the row's own
-    task too when it is one of them. Rows with a gap in their session key are in no session.
-    """
-    return TasksDuring(tasks, since, until).count(at, start, end)
-
-
-class TasksDuring:
-    """:func:`tasks_during` of one set of tasks, for several sets of rows."""
-
-    def __init__(self, tasks: pd.DataFrame, since: str = "launch_s", until: str = "release_s") -> None:
-        self.tasks = tasks[tasks[SESSION].notna().all(axis=1).to_numpy()]
-        self.since, self.until = since, until
-
-    def count(self, at: pd.DataFrame, start: str, end: str) -> np.ndarray:
-        """For each row of ``at``, the tasks of its session between since and until during [start, end]."""
-        tcode, acode = tl.key_codes([self.tasks, at], SESSION)
-        out = count_during(tcode, _f(self.tasks[self.since]), _f(self.tasks[self.until]), acode, _f(at[start]), _f(at[end]))
-        return np.where(at[SESSION].notna().all(axis=1).to_numpy(), out, 0)
-
-
 def count_during(task_code: np.ndarray, since: np.ndarray, until: np.ndarray,
                  code: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
     """For each window [start, end] of the session ``code``, how many tasks of that session
@@ -90,10 +65,6 @@ def count_during(task_code: np.ndarray, since: np.ndarray, until: np.ndarray,
     first = code * n
     return ((np.searchsorted(began, first + b_at, "left") - np.searchsorted(began, first, "left"))
             - (np.searchsorted(ended, first + a_at, "right") - np.searchsorted(ended, first, "left")))
-
-
-def _f(col: pd.Series) -> np.ndarray:
-    return col.to_numpy(dtype="float64", na_value=np.nan)
 
 
 def counted_at(part: Part, t_s: pd.Series) -> np.ndarray:
@@ -131,20 +102,20 @@ def part_windows(part: Part, opts: Options) -> Windows:
     first[np.unique(task, return_index=True)[1]] = True  # (a task with two calls: its first row)
     tasks = part.tasks.loc[first, TASK_KEYS + list(HOLDING + PREFILLING) + ["prompt_tokens"]]
     row = tl.by_code(task[first], np.arange(len(tasks)), hb_task, -1)  # (each heartbeat's task; -1: not in the view)
-    ctx = np.where(row >= 0, _f(tasks["prompt_tokens"])[row], np.nan) + _f(hb["n_gen"])
-    window, tg = _f(hb["window_s"]), _f(hb["tg_3s_tps"])
+    ctx = np.where(row >= 0, tl.floats(tasks["prompt_tokens"])[row], np.nan) + tl.floats(hb["n_gen"])
+    window, tg = tl.floats(hb["window_s"]), tl.floats(hb["tg_3s_tps"])
     keep = ((window >= WINDOW_MIN_S) & (window <= WINDOW_MAX_S) & ~np.isnan(tg) & ~np.isnan(ctx)
             & counted_at(part, hb["window_start_s"]))
     w = hb.loc[keep, SESSION + ["window_start_s", "t_s", "tg_3s_tps"]].assign(
         bin=np.searchsorted(EDGES, ctx[keep], side="right") - 1, task=part.rows[first][row[keep]])  # (bins [lo, hi))
     hb_session, session = tl.key_codes([w, tasks], SESSION)
-    start, end = _f(w["window_start_s"]), _f(w["t_s"])
+    start, end = tl.floats(w["window_start_s"]), tl.floats(w["t_s"])
     for what, (since, until) in (("holding", HOLDING), ("prefilling", PREFILLING)):
-        w[what] = count_during(session, _f(tasks[since]), _f(tasks[until]), hb_session, start, end)
+        w[what] = count_during(session, tl.floats(tasks[since]), tl.floats(tasks[until]), hb_session, start, end)
     lo, hi = part.span if part.span is not None else (np.nan, np.nan)
     beyond = end > hi  # (False for an open end)
     soon = lo + WINDOW_MAX_S
-    starts = part.counted[first] & ((_f(tasks[HOLDING[0]]) < soon) | (_f(tasks[PREFILLING[0]]) < soon))
+    starts = part.counted[first] & ((tl.floats(tasks[HOLDING[0]]) < soon) | (tl.floats(tasks[PREFILLING[0]]) < soon))
     return Windows(*_tally(w[~beyond]), w[beyond].assign(part=part.index),
                    tasks.loc[starts, SESSION + list(HOLDING + PREFILLING)].assign(part=part.index))
 
@@ -174,7 +145,7 @@ def _settled(edge: pd.DataFrame, early: pd.DataFrame) -> pd.DataFrame:
     for what, (since, until) in (("holding", HOLDING), ("prefilling", PREFILLING)):
         # (as count_during counts: begun before the window ends, minus ended by its start)
         began = (pairs[since] < pairs["t_s"]).to_numpy()
-        ended = pairs[since].notna().to_numpy() & (_f(pairs[until]) <= pairs["window_start_s"].to_numpy())
+        ended = pairs[since].notna().to_numpy() & (tl.floats(pairs[until]) <= pairs["window_start_s"].to_numpy())
         added = np.bincount(window, weights=began.astype(np.int64) - ended, minlength=len(edge)).astype(np.int64)
         edge = edge.assign(**{what: edge[what].to_numpy() + added})
     return edge
