@@ -22,6 +22,7 @@ from ..dataset import Dataset, task_view
 from ..periods import Part
 from ..timeline import floats, key_codes
 from . import Options, Question, answer, ask
+from .context import count_during
 from .turns import needs_app_log
 
 SHORT_PROMPT_TOKENS = 1_000
@@ -42,27 +43,11 @@ def _holding(tasks: pd.DataFrame, among: np.ndarray, windows: np.ndarray) -> np.
     it: launched before the window ends, minus released before it starts (never released:
     held to the end)."""
     known = tasks[SESSION].notna().all(axis=1).to_numpy()
-    since, until = floats(tasks["launch_s"]), floats(tasks["release_s"])
-    held = among & known & ~np.isnan(since)
-    # Times as their ranks among every time here (exact, ties kept; a missing release above
-    # them all, a missing window end above that, as a sorted search puts NaN), keyed by session.
-    values = np.unique(np.r_[since, until, floats(tasks["prefill_start_s"]), floats(tasks["first_token_s"])])
-    values = values[~np.isnan(values)]
-    top = len(values) + 2
-
-    def key(code: np.ndarray, t: np.ndarray, missing: int) -> np.ndarray:
-        rank = np.where(np.isnan(t), missing, np.searchsorted(values, t))
-        return code * top + rank
-
     code = key_codes([tasks], SESSION)[0]
-    begun = np.sort(key(code[held], since[held], top - 1))
-    ended = np.sort(key(code[held], until[held], top - 2))
-    code, known = code[windows], known[windows]
-    start, end = (key(code, floats(tasks[c])[windows], top - 1) for c in ("prefill_start_s", "first_token_s"))
-    count = np.searchsorted(begun, end, "left") - np.searchsorted(ended, start, "right")
-    # (from the session's first key on: no task of another session counts)
-    count += np.searchsorted(ended, code * top, "left") - np.searchsorted(begun, code * top, "left")
-    return np.where(known, count, 0)
+    held = among & known
+    count = count_during(code[held], floats(tasks["launch_s"])[held], floats(tasks["release_s"])[held], code[windows],
+                         floats(tasks["prefill_start_s"])[windows], floats(tasks["first_token_s"])[windows])
+    return np.where(known[windows], count, 0)
 
 
 def per_part(part: Part, opts: Options) -> pd.DataFrame:

@@ -169,7 +169,8 @@ def _worst(part: Part, held: _Held, waits: pd.DataFrame, at: np.ndarray, k: int)
 def _times(tv: pd.DataFrame, sessions: pd.DataFrame) -> pd.DataFrame:
     """``row`` (position), ``session`` (its row among the sessions table's first rows),
     ``task_id``, ``launch_s``, ``release_s``, ``end_s`` and ``queue_ms`` of every task of
-    ``tv`` whose session is in the sessions table (a task of another one, of no known slot count, is never deferred)."""
+    ``tv`` whose session is in the sessions table (a task of another one, of no known slot
+    count, is never deferred)."""
     first = sessions.drop_duplicates(tl.GROUP)
     scode, code = tl.key_codes([first, tv], tl.GROUP)
     session = tl.by_code(scode, np.arange(len(first)), code, -1)
