@@ -8,13 +8,14 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from slotscope import analyze
-from slotscope.analyze import Options
-from slotscope import timeline as tl
-from slotscope.analyze.context import LABELS, QUESTION, context, count_during
+from slotscope import analyze, timeline as tl
+from slotscope.analyze import TABLES, Options
+from slotscope.analyze.context import LABELS, QUESTION, count_during
 from slotscope.dataset import load
 
 from .conftest import REAL
+
+context = TABLES["context"]
 
 EDGES = [0, 2000, 5000, 10000, 15000, float("inf")]
 

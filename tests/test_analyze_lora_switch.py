@@ -7,12 +7,14 @@ import statistics
 import pandas as pd
 import pytest
 
-from slotscope.analyze import Options, answer
-from slotscope.analyze.lora_switch import QUESTION, lora_switch
+from slotscope.analyze import TABLES, Options, answer
+from slotscope.analyze.lora_switch import QUESTION
 from slotscope.analyze.turns import NEEDS_APP_LOG
 from slotscope.dataset import load, task_view
 
 from .conftest import REAL, load_truth
+
+lora_switch = TABLES["lora-switch"]
 
 
 def _label(rec: dict) -> str:

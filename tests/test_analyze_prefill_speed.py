@@ -9,11 +9,13 @@ import statistics
 import pandas as pd
 import pytest
 
-from slotscope.analyze import Options
-from slotscope.analyze.prefill_speed import LABELS, effective_chunk_tokens, prefill_speed
+from slotscope.analyze import TABLES, Options
+from slotscope.analyze.prefill_speed import LABELS, effective_chunk_tokens
 from slotscope.dataset import load
 
 from .conftest import REAL
+
+prefill_speed = TABLES["prefill-speed"]
 
 PROGRESS = re.compile(r"(\d+)\.(\d\d)\.(\d{3})\.(\d{3}) I slot print_timing: id +\d+ \| task (\d+) \| prompt processing, n_tokens = +(\d+)")
 BOUNDS = [(1, 64), (64, 256), (256, 600), (600, 1500), (1500, 2100), (2100, float("inf"))]

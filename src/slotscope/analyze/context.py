@@ -189,10 +189,3 @@ def median_of_counts(values: np.ndarray, counts: np.ndarray) -> float:
 
 
 QUESTION = ask(Question(("context",), part_windows, merge_windows))
-
-
-def context(ds: Dataset, opts: Options) -> pd.DataFrame:
-    """Median tg_3s of unstalled heartbeat windows per context-length bin, alone and in any company."""
-    from . import answer
-
-    return answer([QUESTION], ds, opts)["context"]

@@ -21,7 +21,7 @@ import pandas as pd
 from ..dataset import Dataset, task_view
 from ..periods import Part
 from ..timeline import floats, key_codes
-from . import Options, Question, answer, ask
+from . import Options, Question, ask
 from .context import count_during
 from .turns import needs_app_log
 
@@ -101,8 +101,3 @@ def merge(answers: list[pd.DataFrame], opts: Options, ds: Dataset) -> dict[str, 
 
 
 QUESTION = ask(Question(("lora-switch",), per_part, merge))
-
-
-def lora_switch(ds: Dataset, opts: Options) -> pd.DataFrame:
-    """Median prefill time of short prompts right after a LoRA change and after the same setting, by target setting."""
-    return answer([QUESTION], ds, opts)["lora-switch"]

@@ -89,13 +89,6 @@ def effective_chunk_tokens(ds: Dataset) -> int | None:
 QUESTION = ask(Question(("prefill-speed",), part_steps, merge_steps))
 
 
-def prefill_speed(ds: Dataset, opts: Options) -> pd.DataFrame:
-    """Median prefill tok/s per bin of tokens advanced in one pass, with the effective chunk size."""
-    from . import answer
-
-    return answer([QUESTION], ds, opts)["prefill-speed"]
-
-
 def _table(steps: pd.DataFrame, opts: Options) -> pd.DataFrame:
     """The table of the steps as :func:`steps_of` counts them."""
     chunk, chunk_steps = _chunk(steps)

@@ -474,12 +474,6 @@ def _whole(ds: Dataset, tv: pd.DataFrame | None = None) -> Part:
                 prefill=ds.server.prefill_samples, sessions=ds.server.sessions)
 
 
-def stalls(ds: Dataset, opts: Options) -> pd.DataFrame:
-    """The ``stalls`` table, of the whole log as one part (see :func:`_stalls_table`)."""
-    return merge([per_part(_whole(ds), opts)], opts, ds)["stalls"]
-
-
 def worst_stalls(ds: Dataset, opts: Options) -> pd.DataFrame:
     """The ``stalls-worst`` table, of the whole log as one part (see :func:`_worst_table`)."""
     return merge([per_part(_whole(ds), opts)], opts, ds)["stalls-worst"]
-
