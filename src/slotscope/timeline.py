@@ -159,31 +159,46 @@ def _one_value(cols: Sequence[pd.Series]) -> bool:
     return all(type(v) is type(values[0]) and v == values[0] for v in values)
 
 
+def step_levels(tv: pd.DataFrame, sessions: pd.DataFrame | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
+    """The step function of :func:`concurrency` as arrays: each task's session code, whether
+    it has an interval, and per step its session's code, ``start``, ``end`` and the ``running``, ``prefilling`` and
+    ``generating`` counts; a step begins at each distinct time of a launch, end, prefill start,
+    first token or release in the session; sessions in code order, each in time order."""
+    launch, ps, ft, rel = (floats(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))
+    end = task_ends(tv, sessions)
+    runs, pre, gen = (~np.isnan(a) & ~np.isnan(b) & (b >= a) for a, b in ((launch, end), (ps, ft), (ft, rel)))
+    code = key_codes([tv], GROUP)[0]
+    # Events: +1 where an interval begins, -1 where it ends, in its count (the other counts: 0).
+    picks = [(launch, runs, 0, 1), (end, runs, 0, -1), (ps, pre, 1, 1), (ft, pre, 1, -1), (ft, gen, 2, 1),
+             (rel, gen, 2, -1)]
+    t = np.concatenate([v[m] for v, m, _, _ in picks])
+    g = np.concatenate([code[m] for _, m, _, _ in picks])
+    which = np.concatenate([np.full(int(m.sum()), k, dtype=np.int8) for _, m, k, _ in picks])
+    delta = np.concatenate([np.full(int(m.sum()), d, dtype=np.int64) for _, m, _, d in picks])
+    order = np.lexsort((t, g))
+    t, g, which, delta = t[order], g[order], which[order], delta[order]
+    # Every session's begins and ends balance, so the running sums need no restart per session;
+    # a time's count is the sum after its last event.
+    last = np.r_[(t[1:] != t[:-1]) | (g[1:] != g[:-1]), True] if len(t) else np.zeros(0, bool)
+    levels = [np.cumsum(np.where(which == k, delta, 0))[last] for k in range(3)]
+    t, g = t[last], g[last]
+    step = np.flatnonzero(g[1:] == g[:-1]) if len(t) else np.zeros(0, np.int64)
+    return code, runs | pre | gen, g[step], t[step], t[step + 1], [v[step] for v in levels]
+
+
 def concurrency(tv: pd.DataFrame, sessions: pd.DataFrame | None = None) -> pd.DataFrame:
     """Step function per session: how many tasks were ``running`` (launch..release), and of them
     ``prefilling``, ``generating`` and ``waiting`` (launched, prefill not started), over
     [start_s, end_s). It spans each session's first launch to its last release, idle time
     included. A task with no release runs to the session's end (see :func:`task_ends`)."""
-    launch, ps, ft, rel = (floats(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))
-    end = task_ends(tv, sessions)
-    ok0, ok1, ok2 = (~np.isnan(a) & ~np.isnan(b) & (b >= a) for a, b in ((launch, end), (ps, ft), (ft, rel)))
-    code = key_codes([tv], GROUP)[0]
-    used = ok0 | ok1 | ok2
-    parts = []
-    for g in np.unique(code[used]):  # (sessions in sorted key order, NA last)
-        in_g = code == g
-        m0, m1, m2 = ok0 & in_g, ok1 & in_g, ok2 & in_g
-        # A step per distinct event time; the count after each is the intervals begun by then
-        # minus those ended by then. (A release is the running span's end where that is there.)
-        t = _distinct_times([(launch, m0), (end, m0), (ps, m1), (ft, m1 | m2), (rel, m2 & ~m0)])
-        levels = [_step_counts(np.sort(a[m]), np.sort(z[m]), t[:-1]) for a, z, m in ((launch, end, m0), (ps, ft, m1), (ft, rel, m2))]
-        parts.append((np.full(len(t) - 1, np.argmax(used & in_g)), t[:-1], t[1:], *levels))
-    if not parts:
+    code, used, session, start, stop, levels = step_levels(tv, sessions)
+    if not used.any():
         return pd.DataFrame({c: pd.Series(dtype="float64") for c in CONCURRENCY_COLUMNS})
-    rep, start, stop, running, prefilling, generating = (np.concatenate(p) for p in zip(*parts))
-    step = tv[GROUP].iloc[rep].reset_index(drop=True)
+    codes, first = np.unique(code, return_index=True)
+    step = tv[GROUP].iloc[first[np.searchsorted(codes, session)]].reset_index(drop=True)
     step["start_s"], step["end_s"] = start, stop
-    step["running"], step["prefilling"], step["generating"] = (v.astype(np.int64) for v in (running, prefilling, generating))
+    step["running"], step["prefilling"], step["generating"] = levels
     step["waiting"] = step["running"] - step["prefilling"] - step["generating"]
     return step[CONCURRENCY_COLUMNS]
 

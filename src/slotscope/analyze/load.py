@@ -19,7 +19,7 @@ import pandas as pd
 
 from ..dataset import Dataset
 from ..periods import Part
-from ..timeline import GROUP, floats, key_codes, task_ends
+from ..timeline import GROUP, floats, key_codes, step_levels
 from . import Options, Question, ask
 
 LOAD_COLUMNS = ["scope", "running", "seconds", "share", "scope_seconds", "max_running", "n_slots"]
@@ -39,29 +39,10 @@ class Steps:
 
 
 def running_steps(tv: pd.DataFrame, sessions: pd.DataFrame | None) -> tuple[Steps, np.ndarray]:
-    """The steps of ``tv``'s sessions, and each task's session code (the steps' ``session``).
-
-    A step begins at each distinct time of a launch, end, prefill start, first token or release
-    in the session (as :func:`slotscope.timeline.concurrency` steps), and counts the tasks
-    launched by then and not yet ended."""
-    launch, ps, ft, rel = (floats(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))
-    end = task_ends(tv, sessions)
-    runs, pre, gen = (~np.isnan(a) & ~np.isnan(b) & (b >= a) for a, b in ((launch, end), (ps, ft), (ft, rel)))
-    code = key_codes([tv], GROUP)[0]
-    # Events: +1 at a launch, -1 at its end, 0 at the other times (they only cut steps).
-    picks = [(launch, runs, 1), (end, runs, -1), (ps, pre, 0), (ft, pre | gen, 0), (rel, gen & ~runs, 0)]
-    t = np.concatenate([v[m] for v, m, _ in picks])
-    g = np.concatenate([code[m] for _, m, _ in picks])
-    delta = np.concatenate([np.full(int(m.sum()), d, dtype=np.int64) for _, m, d in picks])
-    order = np.lexsort((t, g))
-    t, g = t[order], g[order]
-    # Every session's launches and ends balance, so the running sum needs no restart per session;
-    # a time's count is the sum after its last event.
-    count = np.cumsum(delta[order])
-    last = np.r_[(t[1:] != t[:-1]) | (g[1:] != g[:-1]), True] if len(t) else np.zeros(0, bool)
-    t, g, count = t[last], g[last], count[last]
-    step = np.flatnonzero(g[1:] == g[:-1]) if len(t) else np.zeros(0, np.int64)
-    return Steps(g[step], t[step], t[step + 1], count[step]), code
+    """The steps of ``tv``'s sessions (:func:`slotscope.timeline.step_levels`), and each
+    task's session code (the steps' ``session``)."""
+    code, _, session, start, end, levels = step_levels(tv, sessions)
+    return Steps(session, start, end, levels[0]), code
 
 
 def _clipped(steps: Steps, span: tuple[float, float] | None) -> Steps:
