@@ -36,7 +36,6 @@ EDGES = [0, 2_000, 5_000, 10_000, 15_000, np.inf]
 LABELS = ["0-2K", "2-5K", "5-10K", "10-15K", "15K+"]
 WINDOW_MIN_S = 2.5
 WINDOW_MAX_S = 4.0
-SESSION = ["source", "port", "session"]
 BASES = {
     "alone": "tg_3s, 2.5-4 s windows, no other task on the server",
     "no_prefill": "tg_3s, 2.5-4 s windows, no other task prefilling",
@@ -72,7 +71,7 @@ def counted_at(part: Part, t_s: pd.Series) -> np.ndarray:
     whole periods, else those in its stretch ``[from_s, to_s)`` (an open end: NaN), and no
     time (NaN) in the first piece only. A task running at such a time is in the part, so each
     of its samples is counted in exactly one part."""
-    t = t_s.to_numpy(dtype="float64", na_value=np.nan)
+    t = tl.floats(t_s)
     if part.span is None:
         return np.ones(len(t), dtype=bool)
     lo, hi = part.span
@@ -106,9 +105,9 @@ def part_windows(part: Part, opts: Options) -> Windows:
     window, tg = tl.floats(hb["window_s"]), tl.floats(hb["tg_3s_tps"])
     keep = ((window >= WINDOW_MIN_S) & (window <= WINDOW_MAX_S) & ~np.isnan(tg) & ~np.isnan(ctx)
             & counted_at(part, hb["window_start_s"]))
-    w = hb.loc[keep, SESSION + ["window_start_s", "t_s", "tg_3s_tps"]].assign(
+    w = hb.loc[keep, tl.GROUP + ["window_start_s", "t_s", "tg_3s_tps"]].assign(
         bin=np.searchsorted(EDGES, ctx[keep], side="right") - 1, task=part.rows[first][row[keep]])  # (bins [lo, hi))
-    hb_session, session = tl.key_codes([w, tasks], SESSION)
+    hb_session, session = tl.key_codes([w, tasks], tl.GROUP)
     start, end = tl.floats(w["window_start_s"]), tl.floats(w["t_s"])
     for what, (since, until) in (("holding", HOLDING), ("prefilling", PREFILLING)):
         w[what] = count_during(session, tl.floats(tasks[since]), tl.floats(tasks[until]), hb_session, start, end)
@@ -117,7 +116,7 @@ def part_windows(part: Part, opts: Options) -> Windows:
     soon = lo + WINDOW_MAX_S
     starts = part.counted[first] & ((tl.floats(tasks[HOLDING[0]]) < soon) | (tl.floats(tasks[PREFILLING[0]]) < soon))
     return Windows(*_tally(w[~beyond]), w[beyond].assign(part=part.index),
-                   tasks.loc[starts, SESSION + list(HOLDING + PREFILLING)].assign(part=part.index))
+                   tasks.loc[starts, tl.GROUP + list(HOLDING + PREFILLING)].assign(part=part.index))
 
 
 def _tally(w: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -139,7 +138,7 @@ def _tally(w: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
 def _settled(edge: pd.DataFrame, early: pd.DataFrame) -> pd.DataFrame:
     """The windows that end after their piece of a cut period, with the tasks of later pieces
     of their session that held a slot or prefilled during them added to their counts."""
-    pairs = edge.assign(window=np.arange(len(edge))).merge(early, on=SESSION, suffixes=("", "_task"))
+    pairs = edge.assign(window=np.arange(len(edge))).merge(early, on=tl.GROUP, suffixes=("", "_task"))
     pairs = pairs[(pairs["part_task"] > pairs["part"]).to_numpy()]
     window = pairs["window"].to_numpy()
     for what, (since, until) in (("holding", HOLDING), ("prefilling", PREFILLING)):

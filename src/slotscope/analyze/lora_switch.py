@@ -20,16 +20,15 @@ import pandas as pd
 
 from ..dataset import Dataset, task_view
 from ..periods import Part
-from ..timeline import floats, key_codes
+from ..timeline import GROUP, floats, key_codes
 from . import Options, Question, ask
 from .context import count_during
 from .turns import needs_app_log
 
 SHORT_PROMPT_TOKENS = 1_000
-SESSION = ["source", "port", "session"]
 # What the merge reads of each task: its session and launch (to find the task launched before
 # it), its label, its row in the task view, and a short prefill's time (NaN: none).
-OWN = SESSION + ["launch_s", "task_id", "lora", "row", "prefill_ms"]
+OWN = GROUP + ["launch_s", "task_id", "lora", "row", "prefill_ms"]
 VIEW_COLUMNS = OWN[:-2] + ["prompt_tokens_new", "prompt_eval_ms"]
 COLUMNS = [
     "setting", "change", "lora", "count", "prefill_median_ms", "alone_count", "alone_prefill_median_ms",
@@ -42,8 +41,8 @@ def _holding(tasks: pd.DataFrame, among: np.ndarray, windows: np.ndarray) -> np.
     first token), how many of the tasks ``among`` (a mask) of its session held a slot during
     it: launched before the window ends, minus released before it starts (never released:
     held to the end)."""
-    known = tasks[SESSION].notna().all(axis=1).to_numpy()
-    code = key_codes([tasks], SESSION)[0]
+    known = tasks[GROUP].notna().all(axis=1).to_numpy()
+    code = key_codes([tasks], GROUP)[0]
     held = among & known
     count = count_during(code[held], floats(tasks["launch_s"])[held], floats(tasks["release_s"])[held], code[windows],
                          floats(tasks["prefill_start_s"])[windows], floats(tasks["first_token_s"])[windows])
@@ -78,9 +77,9 @@ def merge(answers: list[pd.DataFrame], opts: Options, ds: Dataset) -> dict[str, 
     short = _short(tv)
     tv = tv[OWN[:-2]].assign(row=np.arange(len(tv)), prefill_ms=np.where(short, floats(tv["prompt_eval_ms"]), np.nan))
     held = pd.concat(answers or [pd.DataFrame(columns=["row", "held"])]).groupby("row")["held"].sum()
-    tv = tv.sort_values(SESSION + ["launch_s", "task_id", "row"], kind="stable")
+    tv = tv.sort_values(GROUP + ["launch_s", "task_id", "row"], kind="stable")
     tv["lora"] = tv["lora"].astype("string")
-    tv["prev_lora"] = tv.groupby(SESSION, sort=False, observed=True)["lora"].shift(1)
+    tv["prev_lora"] = tv.groupby(GROUP, sort=False, observed=True)["lora"].shift(1)
     t = tv.loc[(tv["prefill_ms"].notna() & tv["lora"].notna() & tv["prev_lora"].notna()).to_numpy()]
     t = t.assign(change=(t["lora"] != t["prev_lora"]).map({True: "to", False: "same"}),
                  alone_ms=t["prefill_ms"].where((held.reindex(t["row"]).to_numpy() - 1 <= 0)))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from .. import timeline as tl
 from ..dataset import Dataset
 from ..periods import Part
 from . import Options, Question, ask
@@ -39,8 +40,7 @@ def steps_of(samples: pd.DataFrame) -> pd.DataFrame:
     repeat (tokens are the chunk sizes, seconds have six decimals)."""
     if "step_s" not in samples:  # (a log without progress lines: its table lacks the step's seconds)
         return _pairs(np.zeros(0), np.zeros(0), np.zeros(0, dtype=np.int64))
-    tokens = samples["step_tokens"].astype("float64").to_numpy(na_value=np.nan)
-    seconds = samples["step_s"].astype("float64").to_numpy(na_value=np.nan)
+    tokens, seconds = tl.floats(samples["step_tokens"]), tl.floats(samples["step_s"])
     keep = (tokens >= 1) & (seconds > 0)
     return _pairs(tokens[keep], seconds[keep], np.ones(int(keep.sum()), dtype=np.int64))
 

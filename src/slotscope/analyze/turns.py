@@ -116,12 +116,12 @@ def turns(ds: Dataset, opts: Options) -> pd.DataFrame:
     calls = calls_of(ds, CALL_COLUMNS)
     ok = measured_calls(calls).to_numpy()
     used = calls.loc[ok]
-    total = used["total_ms"].to_numpy(dtype="float64", na_value=np.nan) / 1000
-    ttft = used["ttft_ms"].to_numpy(dtype="float64", na_value=np.nan) / 1000
+    total = tl.floats(used["total_ms"]) / 1000
+    ttft = tl.floats(used["ttft_ms"]) / 1000
     purpose = as_text(used["purpose"]).fillna(NO_PURPOSE)
     chat = is_chat_turn(used["purpose"]).to_numpy()
-    cached = used["prompt_tokens_cached"].to_numpy(dtype="float64", na_value=np.nan)
-    new = used["prompt_tokens_new"].to_numpy(dtype="float64", na_value=np.nan)
+    cached = tl.floats(used["prompt_tokens_cached"])
+    new = tl.floats(used["prompt_tokens_new"])
     with np.errstate(divide="ignore", invalid="ignore"):
         rate = cached / np.where(cached + new > 0, cached + new, np.nan)
     # Every subset gets its row, empty or not, so "none" is visible.
