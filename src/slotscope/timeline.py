@@ -4,7 +4,7 @@ Everything here works on :func:`slotscope.dataset.task_view` rows and stays on e
 server clock (seconds, ``*_s``); a session is one ``(source, port, session)`` group. The overlap
 questions the analyzers ask ("what did the other slots do while this ran?") are answered by
 :func:`overlaps` with step functions and sorted searches, never by pairing every query with
-every interval, so a log with 100k tasks and 1M heartbeats stays cheap.
+every interval.
 """
 
 from __future__ import annotations
@@ -248,9 +248,8 @@ class _SparseTable:
 
 class _BlockRange:
     """Range picks in ~BLOCK_LEVELS + 2 entries per element, not a sparse table's log2(n): a
-    sparse table of levels 0..BLOCK_LEVELS answers ranges shorter than two blocks and the
-    partial blocks at the ends of longer ones, a sparse table over the blocks' picks the whole
-    blocks between."""
+    sparse table of levels 0..BLOCK_LEVELS answers short ranges and the partial blocks at the
+    ends of long ones, a sparse table over the blocks' picks the whole blocks between."""
 
     def __init__(self, base: np.ndarray, pick: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> None:
         self.small = _SparseTable(base, pick)  # (asked only for levels 0..BLOCK_LEVELS)
@@ -361,8 +360,7 @@ _Places = tuple[np.ndarray, np.ndarray, np.ndarray]  # times, their "right" and 
 
 
 class _Steps:
-    """One group's intervals as a step function: breakpoints ``b``, intervals active on
-    [b[i], b[i+1]), and what the queries ``need`` of it."""
+    """One group's intervals as a step function on breakpoints ``b``, with what queries ``need``."""
 
     def __init__(self, ivs: np.ndarray, ive: np.ndarray, grp: np.ndarray, vals: np.ndarray | None,
                  need: tuple[str, ...], has_own: bool) -> None:
@@ -439,11 +437,9 @@ def overlap_arrays(
     need: tuple[str, ...] = ("covered", "max_count"),
 ) -> tuple[Any, Any, Any, Any]:
     """:func:`overlaps` on arrays, groups given as integer codes (see :func:`key_codes`):
-    ``(covered_s unrounded, max_count, max_value, max_pos)``, each computed only when ``need``
-    names it (``max_pos`` whenever ``vals`` is given), else None: a query set as large as the
-    log's heartbeats makes every unused array one of that size. ``own_rows``: the own intervals
-    are ``own_start[own_rows]``/``own_end[own_rows]`` (taken a block of queries at a time, not
-    two more arrays as long as the queries)."""
+    ``(covered_s unrounded, max_count, max_value, max_pos)``, each only when ``need`` names it
+    (``max_pos`` whenever ``vals`` is given), else None. ``own_rows``: the own intervals are
+    ``own_start[own_rows]``/``own_end[own_rows]``, taken a block of queries at a time."""
     n = len(qs)
     covered = np.zeros(n) if "covered" in need else None
     max_count = np.zeros(n, dtype=np.int64) if "max_count" in need else None
@@ -515,8 +511,7 @@ def _largest_per_step(b: np.ndarray, s: np.ndarray, e: np.ndarray, v: np.ndarray
 def count_point_arrays(qcode: np.ndarray, qs: np.ndarray, qe: np.ndarray, pcode: np.ndarray, pt: np.ndarray) -> np.ndarray:
     """How many points (times ``pt``, groups ``pcode``) of each query's group lie inside its
     (``qs``, ``qe``], groups given as integer codes: one sorted search per group,
-    :data:`QUERY_BLOCK` queries at a time (the searches' temporaries are ~10 arrays as long as
-    the queries)."""
+    :data:`QUERY_BLOCK` queries at a time."""
     out = np.zeros(len(qs), dtype=np.int64)
     points = rows_by_group(pcode, ~np.isnan(pt))
     for code, q_all in rows_by_group(qcode, ~np.isnan(qs) & ~np.isnan(qe)).items():
@@ -531,9 +526,9 @@ def count_point_arrays(qcode: np.ndarray, qs: np.ndarray, qe: np.ndarray, pcode:
 
 
 def progress_lines(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The prefills of ``tv`` (task keys, slot, ``prompt_tokens_new``, line, ``ps``/``ft``/``new``
-    as floats, ``pid`` = row) and their progress lines inside them (``pid``, ``t_s``,
-    ``n_tokens``, ``step_tokens``, ``step_s``; by prefill, then time)."""
+    """The prefills of ``tv`` (task keys, slot, ``prompt_tokens_new``, line, floats ``ps``,
+    ``ft``, ``new``, ``pid`` = row) and their progress lines (``pid``, ``t_s``, ``n_tokens``,
+    ``step_tokens``, ``step_s``; by prefill, then time)."""
     keys = GROUP + ["task_id"]
     pre = pd.DataFrame({c: column(tv, c) for c in keys + ["slot", "prompt_tokens_new", "line", "prefill_start_s", "first_token_s"]})
     pre["ps"], pre["ft"] = floats(pre["prefill_start_s"]), floats(pre["first_token_s"])
@@ -583,8 +578,8 @@ def _sorted_quantile(s: np.ndarray, q: float) -> float:
 
 
 def quantile(v: np.ndarray, q: float) -> float:
-    """The ``q`` quantile of the values that are not NaN (NaN: none), in the arithmetic of
-    pandas' groupby quantile (equal to it to the bit), on one sorted copy."""
+    """The ``q`` quantile of the values that are not NaN (NaN: none), equal to the bit to
+    pandas' groupby quantile."""
     s = np.sort(v[~np.isnan(v)])
     return _sorted_quantile(s, q) if len(s) else np.nan
 
@@ -615,12 +610,10 @@ def prefill_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None,
     (before the first line) and tail (after the last) get ``round(tokens / chunk)`` passes spread
     evenly, ``chunk`` being the slot's usual step (else the session's, else 2048).
 
-    Returns ``(active, steps, info)``: ``active`` one row per active stretch (task keys, slot,
-    ``start_s``, ``end_s``, ``prompt_tokens_new``, ``line``), ``steps`` one row per stretch of
-    ``p`` passes (``pid``, ``a``, ``z``, ``p``; their ends: :func:`pass_ends`), ``info`` the
-    prefills (task keys, ``pid`` = row, slot, ``prompt_tokens_new``, line). ``typical``: each
-    session's median step (``s_chunk`` tokens, ``s_pass`` seconds; default: those of ``tv``'s
-    lines).
+    Returns ``(active, steps, info)``: one row per active stretch (task keys, slot, ``start_s``,
+    ``end_s``, ``prompt_tokens_new``, ``line``), per stretch of ``p`` passes (``pid``, ``a``,
+    ``z``, ``p``, ``pass_s``), and per prefill (task keys, ``pid`` = row, slot,
+    ``prompt_tokens_new``, line). ``typical``: :func:`typical_steps` (default: of ``tv``'s lines).
     """
     keys = GROUP + ["task_id"]
     pre, lines = progress_lines(tv, prefill_samples)
@@ -677,9 +670,8 @@ def prefill_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None,
 
 
 def _packed(frames: Sequence[pd.DataFrame]) -> list[np.ndarray] | None:
-    """One int64 per row of each frame for its (port, session, task_id) that sorts as the triple
-    does, if the frames have one source and every key fits (ports -1..65535, sessions
-    0..16383, task ids 0..2**32-1); else None."""
+    """One int64 per row of each frame for its (port, session, task_id), sorting as the triple
+    does, if the frames have one source and every key fits; else None."""
     if not _one_value([f["source"] for f in frames]):
         return None
     ints = [[_ints(f[c]) for c in ("port", "session", "task_id")] for f in frames]
@@ -695,9 +687,8 @@ def _packed(frames: Sequence[pd.DataFrame]) -> list[np.ndarray] | None:
 
 def join_tasks(left: pd.DataFrame, right: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     """Row pairs ``(l, r)`` of ``left`` and ``right`` with equal task keys (``GROUP`` +
-    ``task_id``), in left order: an inner merge. Where both frames have one source and every
-    port, session and task id packs into one int64 (the usual case), joined on those (not on
-    :func:`key_codes`, which would factorize the task ids of both frames on every call)."""
+    ``task_id``), in left order: an inner merge, on packed int64 keys where they fit (the
+    usual case), else on :func:`key_codes`."""
     packed = _packed([left, right])
     return _join_unique(*packed) if packed is not None else _join_unique(*key_codes([left, right], GROUP + ["task_id"]))
 
@@ -740,10 +731,9 @@ def pass_ends(steps: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
 
 
 def server_pass_arrays(code: np.ndarray, t: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Pass ends of several prefills merged into server passes (ends of different slots within
-    ``SAME_PASS_S`` are one pass), each with the largest ``prompt_tokens_new`` among them
-    (``code``: each pass end's session, see :func:`key_codes`): ``(code, t_s,
-    prompt_tokens_new)`` of each server pass, in session and time order."""
+    """Pass ends (``code``: each one's session) merged into server passes (ends within
+    ``SAME_PASS_S`` are one pass): ``(code, t_s, largest prompt_tokens_new)`` of each pass, in
+    session and time order."""
     order = np.lexsort((t, code))
     c, tt, nn = code[order], t[order], new[order]
     del order

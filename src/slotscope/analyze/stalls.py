@@ -55,9 +55,8 @@ _MEASURES = ["cov_long", "cov_any", "p_all", "p_long", "others_gen"]
 
 
 def _segments(tasks: pd.DataFrame, gen: pd.DataFrame | None) -> pd.DataFrame:
-    """One row per segment (see :func:`generation_segments`): ``row`` (of ``tasks``), ``hb``
-    (of ``gen``, -1 for a tail), ``start_s``, ``end_s``, ``tokens``, ``session`` (a code in
-    the keys' sort order); by session, start and slot (NA last), heartbeats before tails."""
+    """One row per segment: ``row`` (of ``tasks``), ``hb`` (of ``gen``, -1 for a tail),
+    ``start_s``, ``end_s``, ``tokens``, ``session`` (a code); by session, start and slot."""
     first_token, n_gen = tl.floats(tasks["first_token_s"]), tl.floats(tasks["n_gen"])
     gen = gen if gen is not None and len(gen) else None
     last_t, last_n = np.full(len(tasks), np.nan), np.full(len(tasks), np.nan)
@@ -105,14 +104,10 @@ def _hb_column(gen: pd.DataFrame | None, hb: np.ndarray, name: str, dtype: str) 
 
 
 def generation_segments(ds: Dataset, tv: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Each task's generation cut at its heartbeats: one row per window with its exact tokens.
-
-    Columns: task keys, slot, ``start_s``, ``end_s``, ``tokens``, ``kind`` (``heartbeat`` or
-    ``tail``), ``hb_line`` (the heartbeat's line; NA for tails), ``tg_3s_tps`` (the logged
-    value, for comparison), ``hb_file`` (the file of ``hb_line``: rotated logs number lines per
-    file). The first window starts at the first token, which the prefill's last
-    pass produced, so it counts ``n_gen - 1`` tokens.
-    """
+    """Each task's generation cut at its heartbeats: one row per window with its exact tokens
+    (task keys, slot, ``start_s``, ``end_s``, ``tokens``, ``kind``: ``heartbeat`` or ``tail``,
+    ``hb_line``, ``tg_3s_tps`` as logged, ``hb_file``). The first window starts at the first
+    token, which the prefill's last pass produced, so it counts ``n_gen - 1`` tokens."""
     tv = task_view(ds) if tv is None else tv
     gen = ds.server.gen_samples
     seg = _segments(tv, gen)
@@ -171,11 +166,10 @@ def _measure(tasks: pd.DataFrame, prefill: pd.DataFrame | None, seg: pd.DataFram
 
 
 def _split(seg: pd.DataFrame) -> pd.DataFrame:
-    """The pieces of measured segments (rows of :func:`_measure` beside ``start_s``, ``end_s``,
-    ``tokens``): every ``long_prefill`` piece, then every ``other_prefill`` one, then the rest,
-    each in segment order. Columns ``seg`` (row of ``seg``), ``cls`` (of :data:`CLASSES`),
-    ``seconds``, ``tokens``, ``tok_per_s``, ``split`` (the segment had several pieces) and
-    ``cause`` (the task row of the largest other-slot prefill; -1: none or not a prefill piece)."""
+    """The pieces of measured segments, by class (long prefill, other prefill, the rest), each
+    in segment order: ``seg`` (row of ``seg``), ``cls`` (of :data:`CLASSES`), ``seconds``,
+    ``tokens``, ``tok_per_s``, ``split`` and ``cause`` (task row of the largest other-slot
+    prefill; -1: none)."""
     dur = seg["end_s"].to_numpy() - seg["start_s"].to_numpy()
     k = seg["tokens"].to_numpy()
     p_all, p_long = seg["p_all"].to_numpy(), seg["p_long"].to_numpy()
@@ -244,13 +238,9 @@ def _with_shown(pieces: pd.DataFrame, shown: pd.DataFrame) -> pd.DataFrame:
 
 
 def segment_pieces(ds: Dataset, opts: Options, tv: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Generation segments split by what the other slots did: one row per (segment, class).
-
-    Columns: task keys, slot, ``class``, ``seconds``, ``tokens``, ``tok_per_s``, ``split``
-    (the segment had more than one piece), ``seg_start_s``, ``seg_end_s``, ``seg_tokens``,
-    ``hb_line``, ``hb_file``, and ``cause_task_id`` (the largest other-slot prefill running during a
-    prefill piece; NA for the rest). ``tv``: the tasks (default: the whole task view).
-    """
+    """Generation segments split by what the other slots did: one row per (segment, class),
+    with the segment's columns and ``cause_task_id`` (the largest other-slot prefill running
+    during a prefill piece; NA for the rest). ``tv``: the tasks (default: the whole view)."""
     tv = task_view(ds) if tv is None else tv.reset_index(drop=True)
     rows, gen = np.arange(len(tv)), ds.server.gen_samples
     seg = _measured(tv, gen, ds.server.prefill_samples, rows, opts, None, (-np.inf, np.inf))
@@ -278,10 +268,9 @@ def typical_of(steps: list[pd.DataFrame]) -> pd.DataFrame:
 
 @dataclass
 class Folded:
-    """Pieces of generation as the tables read them: per class, the tok/s of the pieces of at
-    least ``MIN_PIECE_S`` (``speeds``), how many of those were split, and which tasks (rows of
-    the task view) they are of; the tokens and seconds of all pieces per class; the slowest
-    pieces of at least ``WORST_MIN_S`` (``worst``, :func:`_split`'s rows)."""
+    """Per class, what the tables read of the pieces: the tok/s of those of at least
+    ``MIN_PIECE_S``, how many were split and their tasks; all pieces' tokens and seconds; and
+    the slowest pieces of at least ``WORST_MIN_S`` (``worst``)."""
 
     speeds: list[np.ndarray]
     split: np.ndarray
@@ -293,10 +282,9 @@ class Folded:
 
 @dataclass
 class PartAnswer:
-    """A part's share of the stalls tables: its own pieces :class:`Folded` (``worst`` as
-    :func:`_with_shown` gives them); the segments that run across its ends, measured over its
-    share of them (``across``: :func:`_shown` and :func:`_measure` columns); and the task-view
-    rows the worst pieces and those segments name (``info``)."""
+    """A part's share of the stalls tables: its own pieces, :class:`Folded`; the segments
+    across its ends, measured over its share of them (``across``); and the task-view rows
+    those name (``info``)."""
 
     folded: Folded
     across: pd.DataFrame
@@ -396,11 +384,9 @@ def merge(answers: list[PartAnswer], opts: Options, ds: Dataset) -> dict[str, pd
 def _stalls_table(pieces: Folded, opts: Options) -> pd.DataFrame:
     """Median generation speed per class of what the other slots did (see the module doc).
 
-    ``median_tg_3s_tps``/``p10_tg_3s_tps`` keep their historical names; they are the median and
-    10th percentile of the pieces' tokens/seconds (pieces >= ``MIN_PIECE_S``), ``samples`` their
-    number. ``tok_per_s_pooled`` is all tokens over all seconds of the class. ``basis`` says
-    whether the class rests on exact segment counts, pass-cadence splits, or both.
-    """
+    ``median_tg_3s_tps``/``p10_tg_3s_tps`` keep their historical names; they are of the pieces'
+    tokens/seconds (pieces >= ``MIN_PIECE_S``). ``basis``: exact segment counts, pass-cadence
+    splits, or both."""
     stats = np.array([tl.median_and_quantile(v, 0.1) if len(v) else (np.nan, np.nan) for v in pieces.speeds])
     out = pd.DataFrame({
         "class": CLASSES,

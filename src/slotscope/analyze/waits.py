@@ -145,8 +145,8 @@ def _best(pair: pd.DataFrame, wait: str, holder: str) -> pd.DataFrame:
 
 def _worst(part: Part, held: _Held, waits: pd.DataFrame, at: np.ndarray, k: int) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The ``k`` longest of ``waits`` (at rows ``at`` of the part's tasks) with their columns of
-    waits-worst, ``_wait`` the wait, ``_at`` its row in the view and whether the part counts
-    it; and for each the task of the part that held the batch (``_h``: its row in the view)."""
+    waits-worst (``_at``: the row in the view), and for each the task of the part that held the
+    batch (``_h``)."""
     tv, rows = part.tasks, part.rows
     top = waits.assign(_at=rows[at], _counted=part.counted[at])
     top = top.sort_values(["wait_s", "_at"], ascending=[False, True], kind="stable").head(k)
@@ -213,10 +213,9 @@ def deferred_launches(ds: Dataset, tv: pd.DataFrame | None = None) -> pd.DataFra
 
 @dataclass(frozen=True)
 class PartWaits:
-    """One part's answer: ``waits``, each wait of its tasks (``row`` in the view, ``counted``,
-    ``wait_s``) with its :data:`COVERED` seconds within the part; ``listed``, its longest
-    waits with their columns of waits-worst, and ``holders``, the best holder of each in the
-    part; and its tasks' LoRA labels."""
+    """One part's answer: its waits (``row`` in the view, ``counted``, ``wait_s``, their
+    :data:`COVERED` seconds within the part), its longest waits (``listed``) with their best
+    holders in the part, and its tasks' LoRA labels."""
 
     waits: pd.DataFrame
     listed: pd.DataFrame
@@ -226,11 +225,8 @@ class PartWaits:
 
 def per_part(part: Part, opts: Options) -> PartWaits:
     """The waits of the part's tasks, the seconds of each that the part's tasks covered, and
-    the longest with the task that held the batch.
-
-    A wait that runs across a cut of a long busy period is in the parts on both sides (its
-    task as context in the later): each covers the seconds of its own stretch
-    (``part.span``), and each offers the holders that run in it.
+    the longest with the task that held the batch. A wait across a cut of a busy period is in
+    the parts on both sides: each covers its own stretch (``part.span``) and offers its holders.
     """
     tv = part.tasks
     held = _held(tv, part.sessions)
