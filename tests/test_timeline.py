@@ -241,24 +241,9 @@ def test_block_range_max_and_argmax_agree_with_brute_force(n: int) -> None:
         lo, hi = np.clip(lo, 0, n - 1), np.minimum(hi, n - 1)
         want_max = np.array([values[a:b + 1].max() if b >= a else 0 for a, b in zip(lo, hi)])
         want_pos = np.array([a + int(np.argmax(values[a:b + 1])) if b >= a else -1 for a, b in zip(lo, hi)])
-        np.testing.assert_array_equal(tl._range_max_count(values).query(lo, hi, 0), want_max)
+        np.testing.assert_array_equal(tl._BlockRange(tl.narrow(values), np.maximum).query(lo, hi, 0), want_max)
         fv = values.astype(float)
         np.testing.assert_array_equal(tl._range_argmax(fv).query(lo, hi, -1), want_pos)
-
-
-def test_step_counts_and_distinct_times_agree_with_numpy() -> None:
-    rng = np.random.default_rng(5)
-    s = np.round(rng.uniform(0, 50, 20000), 1)
-    e = s + np.round(rng.uniform(0, 5, len(s)), 1)
-    rows = np.flatnonzero(rng.random(len(s)) < 0.7)
-    mask = rng.random(len(s)) < 0.5
-    want = np.unique(np.concatenate([s[rows], e[rows], s[mask]]))
-    b = tl._distinct_times([(s, rows), (e, rows), (s, mask)])
-    np.testing.assert_array_equal(b, want)
-    ss, se = np.sort(s[rows]), np.sort(e[rows])
-    b = tl._distinct_times([(s, rows), (e, rows)])
-    got = tl._step_counts(ss, se, b[:-1])
-    np.testing.assert_array_equal(got, np.searchsorted(ss, b[:-1], "right") - np.searchsorted(se, b[:-1], "right"))
 
 
 def test_median_and_quantile_from_one_sort_equal_median_and_quantile() -> None:

@@ -203,12 +203,6 @@ def concurrency(tv: pd.DataFrame, sessions: pd.DataFrame | None = None) -> pd.Da
     return step[CONCURRENCY_COLUMNS]
 
 
-def _distinct_times(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
-    """The distinct values of ``values[rows]`` over the ``(values, rows)`` parts (``rows``:
-    positions, or a mask), sorted."""
-    return np.unique(np.concatenate([v[r] for v, r in parts]))
-
-
 def kept_in_place(values: np.ndarray, keep: np.ndarray, block: int) -> np.ndarray:
     """``values[keep]``, written over the front of ``values`` a block at a time (a block's are
     written at or before where they were read, after it was read): no copy of ``values``."""
@@ -293,16 +287,6 @@ def _range_argmax(v: np.ndarray) -> _BlockRange:
                        lambda a, b: np.where(v[b] > v[a], b, a))
 
 
-def _range_max_count(count: np.ndarray) -> _BlockRange:
-    """The maximum of non-negative counts over ranges, kept in the counts' narrowest type."""
-    return _BlockRange(narrow(count), np.maximum)
-
-
-def _step_counts(s_sorted: np.ndarray, e_sorted: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """Intervals begun by each ``t`` minus those ended by it (sorted starts and ends)."""
-    return np.searchsorted(s_sorted, t, "right") - np.searchsorted(e_sorted, t, "right")
-
-
 def rows_by_group(codes: np.ndarray, usable: np.ndarray) -> dict[int, np.ndarray]:
     """Row positions of the usable rows per code, each in row order (one sort, not one scan per group)."""
     idx = np.flatnonzero(usable)
@@ -364,12 +348,13 @@ class _Steps:
 
     def __init__(self, ivs: np.ndarray, ive: np.ndarray, grp: np.ndarray, vals: np.ndarray | None,
                  need: tuple[str, ...], has_own: bool) -> None:
-        self.b = b = _distinct_times([(ivs, grp), (ive, grp)])
-        count = _step_counts(np.sort(ivs[grp]), np.sort(ive[grp]), b[:-1])
+        self.b = b = np.unique(np.concatenate([ivs[grp], ive[grp]]))
+        # intervals begun by each breakpoint minus those ended by it
+        count = np.searchsorted(np.sort(ivs[grp]), b[:-1], "right") - np.searchsorted(np.sort(ive[grp]), b[:-1], "right")
         if "covered" in need:
             self.f1, self.f2 = _covered_by_step(b, count, has_own)
         if "max_count" in need:
-            self.counts = _range_max_count(count)
+            self.counts = _BlockRange(narrow(count), np.maximum)  # (counts in their narrowest type)
         del count
         if vals is not None:
             rows = np.flatnonzero(grp) if grp.dtype == bool else grp
