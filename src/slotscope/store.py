@@ -460,18 +460,17 @@ class Buckets:
             self._spill()
 
     def _spill(self) -> None:
-        """Write what is held to disk (a small log's parts are never written)."""
+        """Write what is held to disk (a small log's parts are never written): per table, one
+        file, each added piece's rows of a part one record batch."""
         for name, pieces in self._held.items():
-            table = _by_part(pa.concat_tables(pieces))
-            parts = table.column("_part").to_numpy()
-            starts = np.flatnonzero(np.r_[True, parts[1:] != parts[:-1]]) if len(parts) else np.zeros(0, np.int64)
             path = os.path.join(self._dir(), f"{name}.{self._files}")
             self._files += 1
             try:
-                with new_file(path) as sink, pa.ipc.new_file(sink, table.schema) as writer:
-                    for i, (lo, hi) in enumerate(zip(starts.tolist(), np.r_[starts[1:], len(parts)].tolist())):
-                        writer.write_batch(table.slice(lo, hi - lo).combine_chunks().to_batches()[0])
-                        self._batches.setdefault((name, int(parts[lo])), []).append((path, i))
+                with new_file(path) as sink, pa.ipc.new_file(sink, self._schema[name]) as writer:
+                    for piece in pieces:
+                        for k, rows in _part_slices(piece):
+                            self._batches.setdefault((name, k), []).append((path, writer.stats.num_record_batches))
+                            writer.write_batch(rows)
             except OSError as e:
                 self.discard()
                 raise _disk_error(e, "the analysis' parts") from None
@@ -510,9 +509,14 @@ class Buckets:
             self._tmp.cleanup()
 
 
-def _by_part(table: pa.Table) -> pa.Table:
-    """The rows in part order (as added within a part)."""
-    return table.take(pa.array(np.argsort(table.column("_part").to_numpy(), kind="stable")))
+def _part_slices(table: pa.Table) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """(part, its rows as one record batch) for every part the table's rows are in, in part
+    order (rows as added within a part)."""
+    table = table.take(pa.array(np.argsort(table.column("_part").to_numpy(), kind="stable")))
+    parts = table.column("_part").to_numpy()
+    starts = np.flatnonzero(np.r_[True, parts[1:] != parts[:-1]]) if len(parts) else np.zeros(0, np.int64)
+    for lo, hi in zip(starts.tolist(), np.r_[starts[1:], len(parts)].tolist()):
+        yield int(parts[lo]), table.slice(lo, hi - lo).combine_chunks().to_batches()[0]
 
 
 def _tempdir(what: str) -> "tempfile.TemporaryDirectory[str]":
