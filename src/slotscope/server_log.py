@@ -94,6 +94,7 @@ _KNOWN_OTHER = re.compile(
 _ANSI = re.compile(rb"\x1b?\[[0-9;]*m")
 _ANSI_ANY = re.compile(rb"\[[0-9;]*m")  # same hits as _ANSI, found faster (literal first)
 _USE_SCANNER = True  # tests turn it off to compare with FAST_PATTERN alone
+TASK_ROWS = 1 << 16  # finished tasks held in memory at a time while they go to disk
 
 
 @dataclass
@@ -628,8 +629,7 @@ def read_stream(
     progress: Callable[[int], None] | None = None,
     chunk_size: int | None = None,
     pool: Pool | None = None,
-    spill_rows: int | None = None,
-    spill_samples: bool = False,
+    spill_rows: int = TASK_ROWS,
 ) -> tuple[TaskAssembler, list[FileAccount]]:
     """Parse one server-log stream (rotated files oldest first) into an assembler.
 
@@ -641,7 +641,7 @@ def read_stream(
     state = StreamState(source=source, tz=tz)
     if year is not None:
         state.year = year
-    asm = TaskAssembler(source=source, keep_samples=keep_samples, spill_rows=spill_rows, spill_samples=spill_samples)
+    asm = TaskAssembler(source=source, keep_samples=keep_samples, spill_rows=spill_rows)
     accounts = []
     for lf in files:
         account = FileAccount(lf.path if lf.path != STDIN else "<stdin>")
@@ -715,50 +715,21 @@ def read_server_logs(
     found among the paths are skipped here (see :func:`slotscope.app_log.read_app_logs`).
     Input is read in blocks of ``chunk_size`` bytes (default 8 MiB), parsed by ``jobs`` worker
     processes (default: :func:`slotscope.workers.default_jobs`; 1: in this process) and
-    assembled here in order; memory is bounded by a few blocks and the tables themselves.
-    ``samples_on_disk``: the samples go to a temporary directory as they are read, and their
-    tables are built when first read (see :class:`ServerLogs`). ``tasks_on_disk`` (with
-    ``samples_on_disk``): the task table is written to one too, a batch at a time as the
-    tasks are finished (:class:`slotscope.store.StoredTable`), never whole in memory.
+    assembled here in order. The finished tasks and the samples wait in a temporary directory
+    as they are read; each table is built when first read (see :class:`ServerLogs`), the
+    tasks written a batch at a time (:class:`slotscope.store.StoredTable`), never whole in
+    memory. (``samples_on_disk`` and ``tasks_on_disk`` are accepted for callers that still
+    pass them: both are always so.)
     """
-    on_disk = samples_on_disk and tasks_on_disk
     assemblers, acc = _read_all(paths, inputs, keep_samples=keep_samples, tz=tz, year=year, progress=progress,
-                                chunk_size=chunk_size, jobs=jobs, spill_samples=samples_on_disk,
-                                spill_rows=TASK_ROWS if on_disk else None)
-    if on_disk:
-        stored, gen_parts, prefill_parts, stream_sessions, counts = _finish_on_disk(assemblers)
-        out = ServerLogs(tasks=stored, gen_samples=Samples(gen_parts, GEN_COLUMNS),
-                         prefill_samples=Samples(prefill_parts, PREFILL_COLUMNS),
-                         sessions=_concat(stream_sessions, SESSION_COLUMNS), accounting=acc)
-        acc.tasks_complete, acc.tasks_cancelled, acc.tasks_incomplete = counts
-        acc.sessions = len(out.sessions)
-        return out
-    tasks: list[pd.DataFrame] = []
-    gens: list[pd.DataFrame | SampleSource] = []  # (sources where the samples stay on disk)
-    prefills: list[pd.DataFrame | SampleSource] = []
-    sessions = []
-    for asm in assemblers:
-        t, g, p, s = asm.finish()
-        if not samples_on_disk:
-            g, p = g.table(consume=True), p.table(consume=True)
-            release_memory()  # the sample rows, now tables
-        tasks.append(t)
-        gens.append(g)
-        prefills.append(p)
-        sessions.append(s)
-    out = ServerLogs(
-        tasks=_concat(tasks, TASK_COLUMNS),
-        gen_samples=Samples(gens, GEN_COLUMNS) if samples_on_disk else _concat(gens, GEN_COLUMNS),
-        prefill_samples=Samples(prefills, PREFILL_COLUMNS) if samples_on_disk else _concat(prefills, PREFILL_COLUMNS),
-        sessions=_concat(sessions, SESSION_COLUMNS),
-        accounting=acc,
-    )
-    acc.tasks_complete, acc.tasks_cancelled, acc.tasks_incomplete = _status_counts(out.tasks)
+                                chunk_size=chunk_size, jobs=jobs, spill_rows=TASK_ROWS)
+    stored, gen_parts, prefill_parts, stream_sessions, counts = _finish_on_disk(assemblers)
+    out = ServerLogs(tasks=stored, gen_samples=Samples(gen_parts, GEN_COLUMNS),
+                     prefill_samples=Samples(prefill_parts, PREFILL_COLUMNS),
+                     sessions=_concat(stream_sessions, SESSION_COLUMNS), accounting=acc)
+    acc.tasks_complete, acc.tasks_cancelled, acc.tasks_incomplete = counts
     acc.sessions = len(out.sessions)
     return out
-
-
-TASK_ROWS = 1 << 16  # tasks held in memory at a time while they go to disk (tasks_on_disk)
 
 
 def _finish_on_disk(assemblers: list[TaskAssembler]) -> tuple[StoredTable, list[SampleSource], list[SampleSource], list[pd.DataFrame], tuple[int, int, int]]:
@@ -940,7 +911,7 @@ def _task_table(batch: TaskBatch | None, with_wall: bool) -> pd.DataFrame:
 
 
 def _read_all(
-    paths: Sequence[str | os.PathLike[str]], inputs: Inputs | None, *, spill_rows: int | None = None,
+    paths: Sequence[str | os.PathLike[str]], inputs: Inputs | None, *, spill_rows: int,
     pool: Pool | None = None, **kw: object,
 ) -> tuple[list[TaskAssembler], Accounting]:
     if inputs is None:

@@ -11,7 +11,7 @@ grows only with the output table; the DataFrame is built once, at the end.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator
 
 import numpy as np
 import pandas as pd
@@ -141,22 +141,20 @@ def _take(cols: dict[str, np.ndarray], sel: np.ndarray) -> dict[str, np.ndarray]
 
 
 class FinishedRows:
-    """Finished partial rows in the order they finished, as numeric columns.
-
-    With ``spill_rows``, every ``spill_rows`` rows go to disk as a chunk
-    (:class:`slotscope.store.Chunks`), so the rows held in memory stay bounded whatever the
-    input size; they are read back a column at a time, in output order (:meth:`gather`).
+    """Finished partial rows in the order they finished, as numeric columns, on disk: every
+    ``spill_rows`` rows go there as a chunk (:class:`slotscope.store.Chunks`), so the rows
+    held in memory stay bounded whatever the input size; they are read back a column at a
+    time, in output order (:meth:`gather`).
     """
 
-    def __init__(self, spill_rows: int | None = None, what: str = "finished tasks", row_bytes: int = 300) -> None:
+    def __init__(self, spill_rows: int, what: str = "finished tasks", row_bytes: int = 300) -> None:
         self.spill_rows = spill_rows
-        self.what = f"{what} (~{row_bytes} bytes per row)"
         self._pending: list[dict[str, np.ndarray]] = []
         self._n_pending = 0
-        self._chunks: list[str | dict[str, np.ndarray]] = []  # a chunk's file, or its rows in memory
+        self._chunks: list[str] = []  # each chunk's file
         self._names: list[str] = []
         self._sizes: list[int] = []
-        self._disk = store.Chunks(self.what)
+        self._disk = store.Chunks(f"{what} (~{row_bytes} bytes per row)")
 
     def __len__(self) -> int:
         return sum(self._sizes) + self._n_pending
@@ -167,40 +165,31 @@ class FinishedRows:
             return
         self._pending.append(rows)
         self._n_pending += n
-        if self.spill_rows is not None and self._n_pending >= self.spill_rows:
-            self._seal(spill=True)
+        if self._n_pending >= self.spill_rows:
+            self.close()
 
-    def _seal(self, spill: bool) -> None:
+    def close(self) -> None:
+        """The rows not yet written (no more rows, or enough for a chunk) go to disk."""
         if not self._pending:
             return
         rows = {c: np.concatenate([p.pop(c) for p in self._pending]) for c in list(self._pending[0])}
         self._pending, self._n_pending = [], 0
         self._sizes.append(len(rows["task"]))
         self._names = list(rows)
-        self._chunks.append(self._disk.write(rows) if spill else rows)
-
-    def close(self) -> None:
-        """No more rows: the last ones join the chunks (on disk too, with ``spill_rows``)."""
-        self._seal(spill=self.spill_rows is not None)
+        self._chunks.append(self._disk.write(rows))
 
     def __getstate__(self) -> dict:
         # A copy in another process reads the chunks; the files stay this one's to remove.
         return {**self.__dict__, "_pending": [], "_n_pending": 0}
 
-    def _columns_of(self, k: int, names: Sequence[str]) -> list[np.ndarray]:
-        chunk = self._chunks[k]
-        if isinstance(chunk, dict):
-            return [chunk[c] for c in names]
-        return store.Chunks.read(chunk, names)
-
     def chunks(self) -> Iterator[dict[str, np.ndarray]]:
         """Every column, a chunk at a time, in the order the rows finished."""
-        for k in range(len(self._chunks)):
-            yield dict(zip(self._names, self._columns_of(k, self._names)))
+        for chunk in self._chunks:
+            yield dict(zip(self._names, store.Chunks.read(chunk, self._names)))
 
     def column(self, c: str) -> np.ndarray:
         """One column over all rows."""
-        return np.concatenate([self._columns_of(k, [c])[0] for k in range(len(self._chunks))]) if self._chunks else np.zeros(0)
+        return np.concatenate([store.Chunks.read(k, [c])[0] for k in self._chunks]) if self._chunks else np.zeros(0)
 
     def gather(self, idx: np.ndarray) -> dict[str, np.ndarray]:
         """The rows at these positions, in this order, read a chunk's column at a time."""
@@ -210,24 +199,10 @@ class FinishedRows:
         for k in np.unique(which).tolist():
             at = np.flatnonzero(which == k)
             src = idx[at] - starts[k]
-            for c, v in zip(self._names, self._columns_of(k, self._names)):
+            for c, v in zip(self._names, store.Chunks.read(self._chunks[k], self._names)):
                 if c not in out:
                     out[c] = np.empty(len(idx), dtype=v.dtype)
                 out[c][at] = v[src]
-        return out
-
-    def take_all(self, order: np.ndarray) -> dict[str, np.ndarray]:
-        """Every row in this order, column by column (each column's chunks freed as it is
-        built, so the rows are never held twice)."""
-        if not self._chunks:
-            return {}
-        out = {}
-        for c in self._names:
-            out[c] = self.column(c)[order]
-            for chunk in self._chunks:
-                if isinstance(chunk, dict):
-                    del chunk[c]
-        self.discard()
         return out
 
     def discard(self) -> None:
@@ -345,8 +320,7 @@ class TaskAssembler:
     source: str
     keep_samples: bool | int = True  # True, False, or the one kind kept (HEARTBEAT or PROGRESS)
     _open: dict[str, np.ndarray] | None = None
-    spill_rows: int | None = None  # hold at most this many finished rows in memory (None: all)
-    spill_samples: bool = False  # samples go to disk as they come even without spill_rows
+    spill_rows: int = 1 << 15  # hold at most this many finished rows in memory
     _done: FinishedRows = field(init=False)
     _gen: FinishedRows = field(init=False)  # heartbeat rows, in the order their blocks came
     _prefill: FinishedRows = field(init=False)  # progress rows
@@ -358,10 +332,9 @@ class TaskAssembler:
 
     def __post_init__(self) -> None:
         self._done = FinishedRows(self.spill_rows)
-        # Samples are ~5x as many as tasks: with spilling on, they go to disk in larger chunks.
-        samples_spill = None if self.spill_rows is None and not self.spill_samples else SAMPLE_SPILL_ROWS
-        self._gen = FinishedRows(samples_spill, "heartbeat samples", 80)
-        self._prefill = FinishedRows(samples_spill, "prefill samples", 80)
+        # Samples are ~5x as many as tasks: they go to disk in larger chunks.
+        self._gen = FinishedRows(SAMPLE_SPILL_ROWS, "heartbeat samples", 80)
+        self._prefill = FinishedRows(SAMPLE_SPILL_ROWS, "prefill samples", 80)
         self.n_finished = 0  # set when the input ends
         self.has_wall_rows = False
 
@@ -462,30 +435,14 @@ class TaskAssembler:
                     entry[c] = info[c][i]
 
 
-    def finish(self) -> tuple[pd.DataFrame, "SampleSource", "SampleSource", pd.DataFrame]:
-        """Close every task still open: (tasks, gen samples, prefill samples, sessions), the
-        sample tables built when asked, from their rows as they are (on disk with
-        ``spill_samples``)."""
-        order, _ = self._end()
-        raw = _raw(self._done.take_all(order), list(self._files))
-        release_memory()  # the per-block parts just joined: small holes the table cannot reuse
-        sessions = self._sessions_table()
-        tasks = _derive(raw, self.source, sessions)
-        del raw
-        gen, prefill = self.samples_later(tasks if len(tasks) else None)
-        release_memory()
-        return tasks, gen, prefill, sessions
-
     def samples_later(self, tasks: "pd.DataFrame | Callable[[], FirstTokens] | None") -> tuple["SampleSource", "SampleSource"]:
-        """The gen and prefill samples as read, their tables built when asked (on disk with
-        ``spill_samples``). ``tasks``: the finished tasks' ``port``, ``session``, ``task_id``
+        """The gen and prefill samples as read (on disk), their tables built when asked. ``tasks``: the finished tasks' ``port``, ``session``, ``task_id``
         and ``first_token_s``, or what makes their :class:`FirstTokens` (None: no tasks), for
         the gen samples' first windows."""
         files = list(self._sample_files)
         self._gen.close()
         self._prefill.close()
-        if self._gen.spill_rows is not None:
-            release_memory()  # (the last rows, just written: not under the first tokens' making)
+        release_memory()  # (the last rows, just written: not under the first tokens' making)
         first = None
         if tasks is not None and len(self._gen):
             first = FirstTokens.of(tasks) if isinstance(tasks, pd.DataFrame) else tasks()
@@ -499,8 +456,8 @@ class TaskAssembler:
         """Close every task still open; return the task table as batches of ``rows`` rows in
         output order (together: :meth:`finish`'s table, same values and columns), and the
         sessions. A batch is built when asked (:meth:`TaskBatch.table`); only the sort keys
-        are held meanwhile. With ``spill_rows``, every finished row is on disk, so that a batch
-        pickles small (for worker processes); :meth:`discard` removes them after use.
+        are held meanwhile. Every finished row is on disk, so that a batch pickles small (for
+        worker processes); :meth:`discard` removes them after use.
         """
         order, with_wall = self._end()
         sessions = self._sessions_table()
@@ -752,12 +709,10 @@ class SampleSource:
     files: list[str]  # the ``file`` column's categories
     first_tokens: "FirstTokens | None"  # each task's first-token time (gen samples)
 
-    def table(self, consume: bool = False) -> pd.DataFrame:
-        """The table; ``consume``: the rows are dropped as they are read (no second table)."""
+    def table(self) -> pd.DataFrame:
         if not len(self.store):
             return empty_samples(self.kind)
-        order = self._keys_and_order()[-1]
-        return self.table_of(self.store.take_all(order) if consume else self.store.gather(order))
+        return self.table_of(self.store.gather(self._keys_and_order()[-1]))
 
     def batches(self, rows: int) -> list["SampleBatch"]:
         """The table as batches of ``rows`` rows, in order (together: :meth:`table`); only the
