@@ -736,10 +736,7 @@ def _finish_on_disk(assemblers: list[TaskAssembler]) -> tuple[StoredTable, list[
     """What :func:`read_server_logs` returns with the task table on disk: the table (its
     batches written in order, the streams one after the other as :func:`_concat` joins them),
     each stream's gen and prefill samples and sessions, and the status counts."""
-    ends = [asm.finish_in_batches(TASK_ROWS) for asm in assemblers]
-    release_memory()  # the parse's freed blocks, before the batches
-    with_wall = any(a.has_wall_rows for a in assemblers if a.n_finished)
-    streams = [(asm, parts) for asm, (parts, _) in zip(assemblers, ends) if asm.n_finished]
+    streams, sessions, with_wall = _finished(assemblers, TASK_ROWS)
     # Two or more streams with tasks: each categorical column with one set of categories, as
     # _concat gives them (taken from a one-row batch of each stream).
     cats: dict[str, list[str]] = {}
@@ -769,7 +766,16 @@ def _finish_on_disk(assemblers: list[TaskAssembler]) -> tuple[StoredTable, list[
             samples[id(asm)] = asm.samples_later(None)
     gens = [samples[id(asm)][0] for asm in assemblers]
     prefills = [samples[id(asm)][1] for asm in assemblers]
-    return stored, gens, prefills, [s for _, s in ends], (int(counts[0]), int(counts[1]), int(counts[2]))
+    return stored, gens, prefills, sessions, (int(counts[0]), int(counts[1]), int(counts[2]))
+
+
+def _finished(assemblers: list[TaskAssembler], rows: int) -> tuple[list[tuple[TaskAssembler, list[TaskBatch]]], list[pd.DataFrame], bool]:
+    """Close every stream's tasks: each stream with tasks and its task batches of ``rows``
+    rows, every stream's sessions, and whether a batch has wall-clock columns."""
+    ends = [asm.finish_in_batches(rows) for asm in assemblers]
+    release_memory()  # the parse's freed blocks (and a .gz's inflate buffers), before the batches
+    streams = [(asm, parts) for asm, (parts, _) in zip(assemblers, ends) if asm.n_finished]
+    return streams, [s for _, s in ends], any(a.has_wall_rows for a, _ in streams)
 
 
 def read_task_batches(
@@ -797,22 +803,17 @@ def read_task_batches(
     try:
         assemblers, acc = _read_all(paths, inputs, keep_samples=False, tz=tz, year=year, progress=progress,
                                     chunk_size=chunk_size, pool=pool, spill_rows=rows)
-        n_rows = sum(asm.n_open_or_done for asm in assemblers)
-        spread = pool.jobs > 1 and n_rows > rows
-        ends = [asm.finish_in_batches(rows) for asm in assemblers]
-        release_memory()  # the parse's freed blocks (and a .gz's inflate buffers), before the batches
+        streams, sessions, with_wall = _finished(assemblers, rows)
     except BaseException:
         pool.close()
         raise
-    acc.sessions = sum(len(s) for _, s in ends)
-    with_wall = any(a.has_wall_rows for a in assemblers if a.n_finished)
-    todo: list[TaskBatch | None] = [b for asm, (parts, _) in zip(assemblers, ends) if asm.n_finished for b in parts]
-    if not todo:
-        todo = [None]
+    acc.sessions = sum(len(s) for s in sessions)
+    todo: list[TaskBatch | None] = [b for _, parts in streams for b in parts] or [None]
     work = [(b, i, with_wall, then) for i, b in enumerate(todo)]
 
     def batches() -> Iterator[object]:
-        for out, counts in _in_order(pool, _task_batch, work, spread, [asm.discard for asm in assemblers]):
+        for out, counts in _in_order(pool, _task_batch, work, pool.jobs > 1 and len(work) > 1,
+                                     [asm.discard for asm in assemblers]):
             acc.count_tasks(counts)
             yield out
 
@@ -859,18 +860,18 @@ def read_sample_batches(
         assemblers, acc = _read_all(paths, inputs, keep_samples=code, tz=tz, year=year, progress=progress,
                                     chunk_size=chunk_size, pool=pool, spill_rows=task_rows)
         spread = pool.jobs > 1
+        streams, sessions, _ = _finished(assemblers, task_rows)
+        acc.sessions = sum(len(s) for s in sessions)
+        with_tasks = dict((id(asm), parts) for asm, parts in streams)
         todo = []
         for asm in assemblers:
-            tasks, _ = asm.finish_in_batches(task_rows)
-            work = [(b, i, False, _first_tokens) for i, b in enumerate(tasks if asm.n_finished else [])]
+            work = [(b, i, False, _first_tokens) for i, b in enumerate(with_tasks.get(id(asm), []))]
             found = list(pool.map(_task_batch, work) if spread and len(work) > 1 else map(_task_batch, work))
             for _, counts in found:
                 acc.count_tasks(counts)
             asm.discard()
             firsts = pd.concat([f for f, _ in found]) if found else None
             todo += asm.samples_later(firsts)[0 if code == HEARTBEAT else 1].batches(rows)
-            acc.sessions += len(asm.sessions)
-        release_memory()  # the parse's freed blocks, before the batches
     except BaseException:
         pool.close()
         for asm in assemblers:

@@ -471,10 +471,6 @@ class TaskAssembler:
         """Drop the finished rows (and their files on disk)."""
         self._done.discard()
 
-    @property
-    def n_open_or_done(self) -> int:
-        return len(self._done) + (len(self._open["task"]) if self._open is not None else 0)
-
     def _end(self) -> tuple[np.ndarray, bool]:
         """Close the open tasks; the output order of the finished rows, and whether any of them
         is in a session with wall-clock times (then every row has ``*_at`` columns)."""
