@@ -606,17 +606,16 @@ def _parse_block(job: tuple[bytes | Span, StreamState, bool | int]) -> _Parsed:
     return _Parsed(account, len(data), block=fold_block(ev, keep_samples), ports=ports, last_header=state.last_header)
 
 
-def _blocks(stream: BinaryIO, lf: LogFile, size: int, pool: Pool | None) -> tuple[Iterator[bytes | Span], int | None]:
-    """The blocks of one file, and how many may be in flight (None: the pool's default). With
-    workers, spans they read themselves: of the file where it is plain, else of a temporary
-    copy of each block (compressed or piped input); without, the bytes."""
-    if pool is not None and pool.jobs > 1 and is_plain(stream):
-        return iter_spans(stream, lf.path, size), None
+def _blocks(stream: BinaryIO, lf: LogFile, size: int, pool: Pool | None) -> Iterator[bytes | Span]:
+    """The blocks of one file. With workers, spans they read themselves: of the file where it
+    is plain, else of a temporary copy of each block (compressed or piped input); without,
+    the bytes."""
     if pool is None or pool.jobs < 2:
-        return iter_chunks(stream, lf.path, size), None
-    # Compressed or piped: each block goes to the workers through a temporary file. (Blocks
-    # of the full size: smaller ones save little memory and add per-block work.)
-    return staged(iter_chunks(stream, lf.path, size, pieces=True)), None
+        return iter_chunks(stream, lf.path, size)
+    if is_plain(stream):
+        return iter_spans(stream, lf.path, size)
+    # (Blocks of the full size: smaller ones save little memory and add per-block work.)
+    return staged(iter_chunks(stream, lf.path, size, pieces=True))
 
 
 def read_stream(
@@ -648,7 +647,7 @@ def read_stream(
         accounts.append(account)
         state.wrapper_known = state.wrapper_known and lf.order > 0
         stream = reopen(lf, inputs)
-        blocks, ahead = _blocks(stream, lf, chunk_size or CHUNK_SIZE, pool)
+        blocks = _blocks(stream, lf, chunk_size or CHUNK_SIZE, pool)
         try:
             if not state.wrapper_known:  # the first block, here: it decides how lines are framed
                 first = next(blocks, None)
@@ -658,7 +657,7 @@ def read_stream(
                     if progress is not None:
                         progress(len(chunk))
             jobs = ((b, _given(state), keep_samples) for b in blocks)
-            for got in (pool.map(_parse_block, jobs, ahead) if pool is not None else map(_parse_block, jobs)):
+            for got in (pool.map(_parse_block, jobs) if pool is not None else map(_parse_block, jobs)):
                 offset = account.lines
                 account.absorb(got.account)
                 if got.block is not None:
@@ -744,29 +743,30 @@ def _finish_on_disk(assemblers: list[TaskAssembler]) -> tuple[StoredTable, list[
         cats = _joined_categories([_task_table(dataclasses.replace(parts[0], idx=parts[0].idx[:1]), with_wall)
                                    for _, parts in streams])
     counts = np.zeros(3, np.int64)
-    samples: dict[int, tuple[SampleSource, SampleSource]] = {}  # per stream (id of its assembler)
-    firsts: list[list[np.ndarray]] = []  # a stream's tasks' keys and first-token times (its gen samples' first windows)
 
     def batches() -> Iterator[pd.DataFrame]:
         for asm, parts in streams:
             for part in parts:
                 table = _task_table(part, with_wall)
                 counts[:] += _status_counts(table)
-                firsts.append([table[c].to_numpy(dtype=np.int64) for c in ("port", "session", "task_id")]
-                              + [table["first_token_s"].to_numpy(dtype=np.float64, na_value=np.nan)])
                 yield table.assign(**{c: table[c].cat.set_categories(v) for c, v in cats.items()}) if cats else table
             asm.discard()  # its finished rows, on disk
-            samples[id(asm)] = asm.samples_later(lambda: FirstTokens.of_arrays(*(np.concatenate([f.pop(0) for f in firsts])
-                                                                                 for _ in range(4))))
-            firsts.clear()
 
     stored = StoredTable.of_parts(itertools.chain(batches(), [] if streams else [_concat([], TASK_COLUMNS)]), "tasks")
+    gens, prefills = [], []
+    at = 0
     for asm in assemblers:  # (a stream without tasks: its samples, if any, without first tokens)
-        if id(asm) not in samples:
-            samples[id(asm)] = asm.samples_later(None)
-    gens = [samples[id(asm)][0] for asm in assemblers]
-    prefills = [samples[id(asm)][1] for asm in assemblers]
+        gen, prefill = asm.samples_later(_first_tokens_of(stored, at, asm.n_finished) if asm.n_finished else None)
+        gens.append(gen)
+        prefills.append(prefill)
+        at += asm.n_finished
     return stored, gens, prefills, sessions, (int(counts[0]), int(counts[1]), int(counts[2]))
+
+
+def _first_tokens_of(stored: StoredTable, first: int, n: int) -> Callable[[], FirstTokens]:
+    """What makes the :class:`FirstTokens` of the ``n`` tasks from row ``first`` of the table
+    (one stream's: its gen samples' first windows)."""
+    return lambda: FirstTokens.of(stored.take(np.arange(first, first + n), ["port", "session", "task_id", "first_token_s"]))
 
 
 def _finished(assemblers: list[TaskAssembler], rows: int) -> tuple[list[tuple[TaskAssembler, list[TaskBatch]]], list[pd.DataFrame], bool]:

@@ -755,13 +755,8 @@ class FirstTokens:
 
     @classmethod
     def of(cls, tasks: pd.DataFrame) -> "FirstTokens":
-        return cls.of_arrays(tasks["port"].to_numpy(dtype=np.int64), tasks["session"].to_numpy(dtype=np.int64),
-                             tasks["task_id"].to_numpy(dtype=np.int64),
-                             tasks["first_token_s"].to_numpy(dtype=np.float64, na_value=np.nan))
-
-    @classmethod
-    def of_arrays(cls, port: np.ndarray, session: np.ndarray, task: np.ndarray, first_token_s: np.ndarray) -> "FirstTokens":
-        """:meth:`of` the columns as arrays (int64, and float64 with NaN)."""
+        port, session, task = (tasks[c].to_numpy(dtype=np.int64) for c in ("port", "session", "task_id"))
+        first_token_s = tasks["first_token_s"].to_numpy(dtype=np.float64, na_value=np.nan)
         sessions, ids = np.unique(cls._pair(port, session)), np.unique(task)
         keys = cls._keys_in(sessions, ids, port, session, task)
         order = np.argsort(keys, kind="stable")
