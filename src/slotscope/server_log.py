@@ -848,8 +848,7 @@ def read_sample_batches(
     ("prefill") as batches of ``rows`` rows, for logs of any size, like :func:`read_task_batches`.
 
     Sample rows beyond a chunk wait in a temporary directory; memory holds their sort keys
-    (~40 bytes a row while sorting, ~16 after) and each task's first-token time. The
-    accounting (lines and tasks) is final on return. ``then(batch, i)``: as in
+    and each task's first-token time. The accounting (lines and tasks) is final on return. ``then(batch, i)``: as in
     :func:`read_task_batches`.
     """
     code = {"gen": HEARTBEAT, "prefill": PROGRESS}[kind]
@@ -883,8 +882,7 @@ def read_sample_batches(
 
 def _first_tokens(tasks: pd.DataFrame, i: int) -> pd.DataFrame:
     """What the gen samples need of a batch of tasks (in a worker process)."""
-    return tasks[["port", "session", "task_id", "first_token_s"]] if len(tasks) else \
-        pd.DataFrame({c: pd.Series(dtype="float64") for c in ("port", "session", "task_id", "first_token_s")})
+    return tasks[["port", "session", "task_id", "first_token_s"]]
 
 
 def _sample_batch(job: tuple[SampleBatch | None, int, Callable[[pd.DataFrame, int], object] | None, str]) -> object:

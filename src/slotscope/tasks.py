@@ -454,16 +454,13 @@ class TaskAssembler:
 
     def finish_in_batches(self, rows: int = 1 << 15) -> tuple[list["TaskBatch"], pd.DataFrame]:
         """Close every task still open; return the task table as batches of ``rows`` rows in
-        output order (together: :meth:`finish`'s table, same values and columns), and the
-        sessions. A batch is built when asked (:meth:`TaskBatch.table`); only the sort keys
+        output order (none: no tasks), and the sessions. A batch is built when asked (:meth:`TaskBatch.table`); only the sort keys
         are held meanwhile. Every finished row is on disk, so that a batch pickles small (for
         worker processes); :meth:`discard` removes them after use.
         """
         order, with_wall = self._end()
         sessions = self._sessions_table()
         files = list(self._files)
-        if not len(order):
-            return [TaskBatch(self._done, order, self.source, files, sessions, None)], sessions
         return [TaskBatch(self._done, order[i : i + rows], self.source, files, sessions, with_wall)
                 for i in range(0, len(order), rows)], sessions
 
@@ -510,25 +507,19 @@ class TaskAssembler:
 
 SESSION_COLUMNS = ["source", "port", "session", "file", "first_line", "first_s", "last_s", "n_slots", "n_ctx_slot",
                    "wall_offset_us", "wall_offset_support", "start_at", "model", "build"]
-_RAW_COLUMNS = KEY + ["slot", "file"] + [c for c in _PARTIAL if c not in KEY and not c.startswith(("slot_", "file"))] + [
-    "cut_by_restart"]
 
 
-def _raw(cols: dict[str, np.ndarray] | None, files: list[str]) -> dict[str, np.ndarray | pd.Categorical]:
+def _raw(cols: dict[str, np.ndarray], files: list[str]) -> dict[str, np.ndarray | pd.Categorical]:
     """Finished partial rows (in output order) as columns: ``slot`` the launch's, else any
     event's, and ``file`` one category per file. Arrays, not a DataFrame: :func:`_derive` takes
     them one at a time, and deleting a DataFrame's columns is slow (its blocks are rebuilt)."""
-    if cols is None or not len(cols.get("task", ())):
-        raw: dict[str, np.ndarray | pd.Categorical] = {c: np.zeros(0) for c in _RAW_COLUMNS}
-        raw["file"] = np.zeros(0, dtype=object)
-        return raw
     code = cols.pop("file")
     # One category per file instead of its path repeated on every row.
     file = pd.Categorical.from_codes(np.where(np.isnan(code), -1, code).astype(np.int64),
                                      categories=pd.Index(files, dtype="str"))
     slot_any = cols.pop("slot_any")
     slot_launch = cols.pop("slot_launch")
-    raw = {c: cols.pop(c) for c in _PARTIAL + ["cut_by_restart"] if c in cols}
+    raw: dict[str, np.ndarray | pd.Categorical] = {c: cols.pop(c) for c in _PARTIAL + ["cut_by_restart"] if c in cols}
     raw["slot"] = np.where(np.isnan(slot_launch), slot_any, slot_launch)
     raw["file"] = file
     return raw
@@ -546,19 +537,18 @@ class TaskBatch:
     source: str
     files: list[str]
     sessions: pd.DataFrame
-    with_wall: bool | None
+    with_wall: bool
 
     def table(self) -> pd.DataFrame:
-        cols = self.rows.gather(self.idx) if len(self.idx) else None
-        return _derive(_raw(cols, self.files), self.source, self.sessions, self.with_wall)
+        return _derive(_raw(self.rows.gather(self.idx), self.files), self.source, self.sessions, self.with_wall)
 
 
 def _derive(raw: dict[str, np.ndarray | pd.Categorical], source: str, sessions: pd.DataFrame,
-            with_wall: bool | None = None) -> pd.DataFrame:
+            with_wall: bool) -> pd.DataFrame:
     """Timeline arithmetic of research/log-formats.md §1.3, column-wise (``raw`` in output order).
 
-    ``with_wall``: whether to add the ``*_at`` columns (None: if any row has a wall clock;
-    a table written in batches decides once for all of them).
+    ``with_wall``: whether to add the ``*_at`` columns (a table written in batches decides
+    once for all of them).
 
     ``raw`` (:func:`_raw`'s columns) is consumed: each column is dropped after its last use, so
     the partial rows and the task table are not both held whole. The arithmetic is numpy's
@@ -647,7 +637,7 @@ def _derive(raw: dict[str, np.ndarray | pd.Categorical], source: str, sessions: 
     out["is_child"] = flags(take("is_child"))
     out["error"] = np.nan_to_num(take("error")).astype(bool)
     off = _wall_offsets(sessions, port, session)
-    if (~np.isnan(off)).any() if with_wall is None else with_wall:
+    if with_wall:
         for name, us in (("launch_at", off + launch_us), ("release_at", off + release_us),
                          ("prefill_start_at", off + prefill_start_s * 1e6), ("first_token_at", off + first_token_s * 1e6)):
             out[name] = pd.to_datetime(pd.array(np.round(us), dtype="Int64"), unit="us", utc=True)
