@@ -204,8 +204,8 @@ def test_each_sample_names_the_file_its_line_is_in() -> None:
 
 
 def test_samples_kept_on_disk_build_the_same_tables(scenario, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``samples_on_disk``: the sample rows wait in a temporary directory (so reading holds
-    only the tasks) and each table, built when read, is the one read into memory."""
+    """The sample rows wait in a temporary directory (so reading holds only the tasks) and
+    each table, built when read, is the same on every read and pickles as a table."""
     import pickle
     import tempfile
 

@@ -122,17 +122,17 @@ def test_parts_that_differ_in_dtypes_are_an_error_and_leave_nothing_behind(monke
 
 @pytest.mark.parametrize("paths", [["before"], ["before", "wallclock", "restart"]])
 def test_the_task_table_written_as_it_is_finished_equals_the_one_built_whole(paths, monkeypatch) -> None:
-    """read_server_logs(tasks_on_disk=True) writes batches of TASK_ROWS tasks, from finished
-    rows spilled to disk; the tables (and samples, sessions, accounting) equal the whole build,
-    one server or three (categories joined as _concat joins them)."""
+    """read_server_logs writes batches of TASK_ROWS tasks, from finished rows spilled to disk;
+    the tables (and samples, sessions, accounting) equal those of one batch, one server or
+    three (categories joined as _concat joins them)."""
     from slotscope import server_log
 
+    logs = [REAL / p / "logs" / "llama-server.log" for p in paths]
+    whole = server_log.read_server_logs(logs)
     monkeypatch.setattr(server_log, "TASK_ROWS", 7)
     monkeypatch.setattr(store, "ROWS_PER_BATCH", 5)
-    logs = [REAL / p / "logs" / "llama-server.log" for p in paths]
-    whole = server_log.read_server_logs(logs, samples_on_disk=True)
-    parts = server_log.read_server_logs(logs, samples_on_disk=True, tasks_on_disk=True)
-    assert store.stored(whole, "tasks") is None and store.stored(parts, "tasks") is not None
+    parts = server_log.read_server_logs(logs)
+    assert store.stored(parts, "tasks") is not None
     assert len(whole.tasks) > 3 * 7
     pd.testing.assert_frame_equal(parts.tasks, whole.tasks)
     pd.testing.assert_frame_equal(parts.gen_samples, whole.gen_samples)

@@ -113,11 +113,6 @@ def _floats(col: pd.Series) -> np.ndarray:
     return col.to_numpy(dtype="float64", na_value=np.nan)
 
 
-def _eq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Equal numbers (a missing one equals nothing)."""
-    return a == b
-
-
 def _assign(p: pd.DataFrame, method: str, confidence: float, taken_c: np.ndarray, taken_t: np.ndarray) -> list[_Found]:
     """Unique-both-ways pairs are confident; the rest are resolved by time and flagged.
 
@@ -195,21 +190,22 @@ def match(calls: pd.DataFrame | Columns, tasks: pd.DataFrame, aligned: pd.DataFr
     p = _Pairs(cl, tk, us, ci, known[ki])
     del ci, ki, known
 
-    # Each test a column at a time, as numbers per pair (one pair-long array of them at once).
+    # Each test a column at a time, as numbers per pair (one pair-long array of them at once);
+    # a missing number (NaN) equals nothing.
     if "timings_prompt_ms" in cl and not np.isnan(p.call("timings_prompt_ms")).all():
-        exact = _eq(p.call("timings_prompt_n"), p.task("prompt_tokens_new"))
-        exact &= _eq(p.call("timings_predicted_n"), p.task("n_gen"))
+        exact = p.call("timings_prompt_n") == p.task("prompt_tokens_new")
+        exact &= p.call("timings_predicted_n") == p.task("n_gen")
         exact &= np.abs(p.call("timings_prompt_ms") - p.task("prompt_eval_ms")) < 0.006
         exact &= np.abs(p.call("timings_predicted_ms") - p.task("eval_ms")) < 0.006
         found += _assign(p.frame(exact, taken_c, taken_t), "timings", 1.0, taken_c, taken_t)
         del exact
 
     prompt_call, prompt_task = p.call("prompt_tokens"), p.task("prompt_tokens")
-    same_prompt = _eq(prompt_call, prompt_task)
+    same_prompt = prompt_call == prompt_task
     # Time alone, for calls whose counts cannot agree (cut off, failed, or counted differently).
     agree = np.isnan(prompt_call) | np.isnan(prompt_task) | same_prompt
     del prompt_call, prompt_task
-    tokens = same_prompt & _eq(p.call("completion_tokens"), p.task("n_gen"))
+    tokens = same_prompt & (p.call("completion_tokens") == p.task("n_gen"))
     found += _assign(p.frame(tokens, taken_c, taken_t), "tokens+time", 0.99, taken_c, taken_t)
     del tokens, same_prompt
     release = p.task("release_us")

@@ -94,6 +94,7 @@ _KNOWN_OTHER = re.compile(
 _ANSI = re.compile(rb"\x1b?\[[0-9;]*m")
 _ANSI_ANY = re.compile(rb"\[[0-9;]*m")  # same hits as _ANSI, found faster (literal first)
 _USE_SCANNER = True  # tests turn it off to compare with FAST_PATTERN alone
+TASK_ROWS = 1 << 16  # finished tasks held in memory at a time while they go to disk
 
 
 @dataclass
@@ -605,17 +606,16 @@ def _parse_block(job: tuple[bytes | Span, StreamState, bool | int]) -> _Parsed:
     return _Parsed(account, len(data), block=fold_block(ev, keep_samples), ports=ports, last_header=state.last_header)
 
 
-def _blocks(stream: BinaryIO, lf: LogFile, size: int, pool: Pool | None) -> tuple[Iterator[bytes | Span], int | None]:
-    """The blocks of one file, and how many may be in flight (None: the pool's default). With
-    workers, spans they read themselves: of the file where it is plain, else of a temporary
-    copy of each block (compressed or piped input); without, the bytes."""
-    if pool is not None and pool.jobs > 1 and is_plain(stream):
-        return iter_spans(stream, lf.path, size), None
+def _blocks(stream: BinaryIO, lf: LogFile, size: int, pool: Pool | None) -> Iterator[bytes | Span]:
+    """The blocks of one file. With workers, spans they read themselves: of the file where it
+    is plain, else of a temporary copy of each block (compressed or piped input); without,
+    the bytes."""
     if pool is None or pool.jobs < 2:
-        return iter_chunks(stream, lf.path, size), None
-    # Compressed or piped: each block goes to the workers through a temporary file. (Blocks
-    # of the full size: smaller ones save little memory and add per-block work.)
-    return staged(iter_chunks(stream, lf.path, size, pieces=True)), None
+        return iter_chunks(stream, lf.path, size)
+    if is_plain(stream):
+        return iter_spans(stream, lf.path, size)
+    # (Blocks of the full size: smaller ones save little memory and add per-block work.)
+    return staged(iter_chunks(stream, lf.path, size, pieces=True))
 
 
 def read_stream(
@@ -628,8 +628,7 @@ def read_stream(
     progress: Callable[[int], None] | None = None,
     chunk_size: int | None = None,
     pool: Pool | None = None,
-    spill_rows: int | None = None,
-    spill_samples: bool = False,
+    spill_rows: int = TASK_ROWS,
 ) -> tuple[TaskAssembler, list[FileAccount]]:
     """Parse one server-log stream (rotated files oldest first) into an assembler.
 
@@ -641,14 +640,14 @@ def read_stream(
     state = StreamState(source=source, tz=tz)
     if year is not None:
         state.year = year
-    asm = TaskAssembler(source=source, keep_samples=keep_samples, spill_rows=spill_rows, spill_samples=spill_samples)
+    asm = TaskAssembler(source=source, keep_samples=keep_samples, spill_rows=spill_rows)
     accounts = []
     for lf in files:
         account = FileAccount(lf.path if lf.path != STDIN else "<stdin>")
         accounts.append(account)
         state.wrapper_known = state.wrapper_known and lf.order > 0
         stream = reopen(lf, inputs)
-        blocks, ahead = _blocks(stream, lf, chunk_size or CHUNK_SIZE, pool)
+        blocks = _blocks(stream, lf, chunk_size or CHUNK_SIZE, pool)
         try:
             if not state.wrapper_known:  # the first block, here: it decides how lines are framed
                 first = next(blocks, None)
@@ -658,7 +657,7 @@ def read_stream(
                     if progress is not None:
                         progress(len(chunk))
             jobs = ((b, _given(state), keep_samples) for b in blocks)
-            for got in (pool.map(_parse_block, jobs, ahead) if pool is not None else map(_parse_block, jobs)):
+            for got in (pool.map(_parse_block, jobs) if pool is not None else map(_parse_block, jobs)):
                 offset = account.lines
                 account.absorb(got.account)
                 if got.block is not None:
@@ -715,60 +714,28 @@ def read_server_logs(
     found among the paths are skipped here (see :func:`slotscope.app_log.read_app_logs`).
     Input is read in blocks of ``chunk_size`` bytes (default 8 MiB), parsed by ``jobs`` worker
     processes (default: :func:`slotscope.workers.default_jobs`; 1: in this process) and
-    assembled here in order; memory is bounded by a few blocks and the tables themselves.
-    ``samples_on_disk``: the samples go to a temporary directory as they are read, and their
-    tables are built when first read (see :class:`ServerLogs`). ``tasks_on_disk`` (with
-    ``samples_on_disk``): the task table is written to one too, a batch at a time as the
-    tasks are finished (:class:`slotscope.store.StoredTable`), never whole in memory.
+    assembled here in order. The finished tasks and the samples wait in a temporary directory
+    as they are read; each table is built when first read (see :class:`ServerLogs`), the
+    tasks written a batch at a time (:class:`slotscope.store.StoredTable`), never whole in
+    memory. (``samples_on_disk`` and ``tasks_on_disk`` are accepted for callers that still
+    pass them: both are always so.)
     """
-    on_disk = samples_on_disk and tasks_on_disk
     assemblers, acc = _read_all(paths, inputs, keep_samples=keep_samples, tz=tz, year=year, progress=progress,
-                                chunk_size=chunk_size, jobs=jobs, spill_samples=samples_on_disk,
-                                spill_rows=TASK_ROWS if on_disk else None)
-    if on_disk:
-        stored, gen_parts, prefill_parts, stream_sessions, counts = _finish_on_disk(assemblers)
-        out = ServerLogs(tasks=stored, gen_samples=Samples(gen_parts, GEN_COLUMNS),
-                         prefill_samples=Samples(prefill_parts, PREFILL_COLUMNS),
-                         sessions=_concat(stream_sessions, SESSION_COLUMNS), accounting=acc)
-        acc.tasks_complete, acc.tasks_cancelled, acc.tasks_incomplete = counts
-        acc.sessions = len(out.sessions)
-        return out
-    tasks: list[pd.DataFrame] = []
-    gens: list[pd.DataFrame | SampleSource] = []  # (sources where the samples stay on disk)
-    prefills: list[pd.DataFrame | SampleSource] = []
-    sessions = []
-    for asm in assemblers:
-        t, g, p, s = asm.finish()
-        if not samples_on_disk:
-            g, p = g.table(consume=True), p.table(consume=True)
-            release_memory()  # the sample rows, now tables
-        tasks.append(t)
-        gens.append(g)
-        prefills.append(p)
-        sessions.append(s)
-    out = ServerLogs(
-        tasks=_concat(tasks, TASK_COLUMNS),
-        gen_samples=Samples(gens, GEN_COLUMNS) if samples_on_disk else _concat(gens, GEN_COLUMNS),
-        prefill_samples=Samples(prefills, PREFILL_COLUMNS) if samples_on_disk else _concat(prefills, PREFILL_COLUMNS),
-        sessions=_concat(sessions, SESSION_COLUMNS),
-        accounting=acc,
-    )
-    acc.tasks_complete, acc.tasks_cancelled, acc.tasks_incomplete = _status_counts(out.tasks)
+                                chunk_size=chunk_size, jobs=jobs, spill_rows=TASK_ROWS)
+    stored, gen_parts, prefill_parts, stream_sessions, counts = _finish_on_disk(assemblers)
+    out = ServerLogs(tasks=stored, gen_samples=Samples(gen_parts, GEN_COLUMNS),
+                     prefill_samples=Samples(prefill_parts, PREFILL_COLUMNS),
+                     sessions=_concat(stream_sessions, SESSION_COLUMNS), accounting=acc)
+    acc.tasks_complete, acc.tasks_cancelled, acc.tasks_incomplete = counts
     acc.sessions = len(out.sessions)
     return out
-
-
-TASK_ROWS = 1 << 16  # tasks held in memory at a time while they go to disk (tasks_on_disk)
 
 
 def _finish_on_disk(assemblers: list[TaskAssembler]) -> tuple[StoredTable, list[SampleSource], list[SampleSource], list[pd.DataFrame], tuple[int, int, int]]:
     """What :func:`read_server_logs` returns with the task table on disk: the table (its
     batches written in order, the streams one after the other as :func:`_concat` joins them),
     each stream's gen and prefill samples and sessions, and the status counts."""
-    ends = [asm.finish_in_batches(TASK_ROWS) for asm in assemblers]
-    release_memory()  # the parse's freed blocks, before the batches
-    with_wall = any(a.has_wall_rows for a in assemblers if a.n_finished)
-    streams = [(asm, parts) for asm, (parts, _) in zip(assemblers, ends) if asm.n_finished]
+    streams, sessions, with_wall = _finished(assemblers, TASK_ROWS)
     # Two or more streams with tasks: each categorical column with one set of categories, as
     # _concat gives them (taken from a one-row batch of each stream).
     cats: dict[str, list[str]] = {}
@@ -776,29 +743,39 @@ def _finish_on_disk(assemblers: list[TaskAssembler]) -> tuple[StoredTable, list[
         cats = _joined_categories([_task_table(dataclasses.replace(parts[0], idx=parts[0].idx[:1]), with_wall)
                                    for _, parts in streams])
     counts = np.zeros(3, np.int64)
-    samples: dict[int, tuple[SampleSource, SampleSource]] = {}  # per stream (id of its assembler)
-    firsts: list[list[np.ndarray]] = []  # a stream's tasks' keys and first-token times (its gen samples' first windows)
 
     def batches() -> Iterator[pd.DataFrame]:
         for asm, parts in streams:
             for part in parts:
                 table = _task_table(part, with_wall)
                 counts[:] += _status_counts(table)
-                firsts.append([table[c].to_numpy(dtype=np.int64) for c in ("port", "session", "task_id")]
-                              + [table["first_token_s"].to_numpy(dtype=np.float64, na_value=np.nan)])
                 yield table.assign(**{c: table[c].cat.set_categories(v) for c, v in cats.items()}) if cats else table
             asm.discard()  # its finished rows, on disk
-            samples[id(asm)] = asm.samples_later(lambda: FirstTokens.of_arrays(*(np.concatenate([f.pop(0) for f in firsts])
-                                                                                 for _ in range(4))))
-            firsts.clear()
 
     stored = StoredTable.of_parts(itertools.chain(batches(), [] if streams else [_concat([], TASK_COLUMNS)]), "tasks")
+    gens, prefills = [], []
+    at = 0
     for asm in assemblers:  # (a stream without tasks: its samples, if any, without first tokens)
-        if id(asm) not in samples:
-            samples[id(asm)] = asm.samples_later(None)
-    gens = [samples[id(asm)][0] for asm in assemblers]
-    prefills = [samples[id(asm)][1] for asm in assemblers]
-    return stored, gens, prefills, [s for _, s in ends], (int(counts[0]), int(counts[1]), int(counts[2]))
+        gen, prefill = asm.samples_later(_first_tokens_of(stored, at, asm.n_finished) if asm.n_finished else None)
+        gens.append(gen)
+        prefills.append(prefill)
+        at += asm.n_finished
+    return stored, gens, prefills, sessions, (int(counts[0]), int(counts[1]), int(counts[2]))
+
+
+def _first_tokens_of(stored: StoredTable, first: int, n: int) -> Callable[[], FirstTokens]:
+    """What makes the :class:`FirstTokens` of the ``n`` tasks from row ``first`` of the table
+    (one stream's: its gen samples' first windows)."""
+    return lambda: FirstTokens.of(stored.take(np.arange(first, first + n), ["port", "session", "task_id", "first_token_s"]))
+
+
+def _finished(assemblers: list[TaskAssembler], rows: int) -> tuple[list[tuple[TaskAssembler, list[TaskBatch]]], list[pd.DataFrame], bool]:
+    """Close every stream's tasks: each stream with tasks and its task batches of ``rows``
+    rows, every stream's sessions, and whether a batch has wall-clock columns."""
+    ends = [asm.finish_in_batches(rows) for asm in assemblers]
+    release_memory()  # the parse's freed blocks (and a .gz's inflate buffers), before the batches
+    streams = [(asm, parts) for asm, (parts, _) in zip(assemblers, ends) if asm.n_finished]
+    return streams, [s for _, s in ends], any(a.has_wall_rows for a, _ in streams)
 
 
 def read_task_batches(
@@ -826,22 +803,17 @@ def read_task_batches(
     try:
         assemblers, acc = _read_all(paths, inputs, keep_samples=False, tz=tz, year=year, progress=progress,
                                     chunk_size=chunk_size, pool=pool, spill_rows=rows)
-        n_rows = sum(asm.n_open_or_done for asm in assemblers)
-        spread = pool.jobs > 1 and n_rows > rows
-        ends = [asm.finish_in_batches(rows) for asm in assemblers]
-        release_memory()  # the parse's freed blocks (and a .gz's inflate buffers), before the batches
+        streams, sessions, with_wall = _finished(assemblers, rows)
     except BaseException:
         pool.close()
         raise
-    acc.sessions = sum(len(s) for _, s in ends)
-    with_wall = any(a.has_wall_rows for a in assemblers if a.n_finished)
-    todo: list[TaskBatch | None] = [b for asm, (parts, _) in zip(assemblers, ends) if asm.n_finished for b in parts]
-    if not todo:
-        todo = [None]
+    acc.sessions = sum(len(s) for s in sessions)
+    todo: list[TaskBatch | None] = [b for _, parts in streams for b in parts] or [None]
     work = [(b, i, with_wall, then) for i, b in enumerate(todo)]
 
     def batches() -> Iterator[object]:
-        for out, counts in _in_order(pool, _task_batch, work, spread, [asm.discard for asm in assemblers]):
+        for out, counts in _in_order(pool, _task_batch, work, pool.jobs > 1 and len(work) > 1,
+                                     [asm.discard for asm in assemblers]):
             acc.count_tasks(counts)
             yield out
 
@@ -876,8 +848,7 @@ def read_sample_batches(
     ("prefill") as batches of ``rows`` rows, for logs of any size, like :func:`read_task_batches`.
 
     Sample rows beyond a chunk wait in a temporary directory; memory holds their sort keys
-    (~40 bytes a row while sorting, ~16 after) and each task's first-token time. The
-    accounting (lines and tasks) is final on return. ``then(batch, i)``: as in
+    and each task's first-token time. The accounting (lines and tasks) is final on return. ``then(batch, i)``: as in
     :func:`read_task_batches`.
     """
     code = {"gen": HEARTBEAT, "prefill": PROGRESS}[kind]
@@ -888,18 +859,18 @@ def read_sample_batches(
         assemblers, acc = _read_all(paths, inputs, keep_samples=code, tz=tz, year=year, progress=progress,
                                     chunk_size=chunk_size, pool=pool, spill_rows=task_rows)
         spread = pool.jobs > 1
+        streams, sessions, _ = _finished(assemblers, task_rows)
+        acc.sessions = sum(len(s) for s in sessions)
+        with_tasks = dict((id(asm), parts) for asm, parts in streams)
         todo = []
         for asm in assemblers:
-            tasks, _ = asm.finish_in_batches(task_rows)
-            work = [(b, i, False, _first_tokens) for i, b in enumerate(tasks if asm.n_finished else [])]
+            work = [(b, i, False, _first_tokens) for i, b in enumerate(with_tasks.get(id(asm), []))]
             found = list(pool.map(_task_batch, work) if spread and len(work) > 1 else map(_task_batch, work))
             for _, counts in found:
                 acc.count_tasks(counts)
             asm.discard()
             firsts = pd.concat([f for f, _ in found]) if found else None
             todo += asm.samples_later(firsts)[0 if code == HEARTBEAT else 1].batches(rows)
-            acc.sessions += len(asm.sessions)
-        release_memory()  # the parse's freed blocks, before the batches
     except BaseException:
         pool.close()
         for asm in assemblers:
@@ -911,8 +882,7 @@ def read_sample_batches(
 
 def _first_tokens(tasks: pd.DataFrame, i: int) -> pd.DataFrame:
     """What the gen samples need of a batch of tasks (in a worker process)."""
-    return tasks[["port", "session", "task_id", "first_token_s"]] if len(tasks) else \
-        pd.DataFrame({c: pd.Series(dtype="float64") for c in ("port", "session", "task_id", "first_token_s")})
+    return tasks[["port", "session", "task_id", "first_token_s"]]
 
 
 def _sample_batch(job: tuple[SampleBatch | None, int, Callable[[pd.DataFrame, int], object] | None, str]) -> object:
@@ -940,7 +910,7 @@ def _task_table(batch: TaskBatch | None, with_wall: bool) -> pd.DataFrame:
 
 
 def _read_all(
-    paths: Sequence[str | os.PathLike[str]], inputs: Inputs | None, *, spill_rows: int | None = None,
+    paths: Sequence[str | os.PathLike[str]], inputs: Inputs | None, *, spill_rows: int,
     pool: Pool | None = None, **kw: object,
 ) -> tuple[list[TaskAssembler], Accounting]:
     if inputs is None:

@@ -90,12 +90,15 @@ class ColumnWriter:
         self.schema: pa.Schema | None = None  # every column's (add_part)
         self._open: dict[str, tuple[Any, Any]] = {}  # per column: its file and writer (add_part)
 
-    def add(self, name: str, col: pd.Series) -> None:
-        """Column ``name`` of every row (its index is not kept)."""
+    def _check(self, name: str, n: int) -> None:
         if name in self.files:
             raise ValueError(f"{self.what}: column {name} written twice")
-        if self.n is not None and len(col) != self.n:
-            raise ValueError(f"{self.what}: column {name} has {len(col)} rows, not {self.n}")
+        if self.n is not None and n != self.n:
+            raise ValueError(f"{self.what}: column {name} has {n} rows, not {self.n}")
+
+    def add(self, name: str, col: pd.Series) -> None:
+        """Column ``name`` of every row (its index is not kept)."""
+        self._check(name, len(col))
         self.n = len(col)
         frame = col.to_frame(name).reset_index(drop=True)
         schema = pa.Schema.from_pandas(frame, preserve_index=False)
@@ -112,10 +115,7 @@ class ColumnWriter:
     def add_stored(self, table: StoredTable, name: str) -> bool:
         """Column ``name`` of ``table``, its file linked (or copied), never read: where its
         stored batches are those :meth:`add` writes (True). Else nothing is written (False)."""
-        if name in self.files:
-            raise ValueError(f"{self.what}: column {name} written twice")
-        if self.n is not None and len(table) != self.n:
-            raise ValueError(f"{self.what}: column {name} has {len(table)} rows, not {self.n}")
+        self._check(name, len(table))
         ends = table._batch_ends() if len(table) else np.zeros(0, dtype=np.int64)
         if not np.array_equal(ends, np.append(np.arange(ROWS_PER_BATCH, len(table), ROWS_PER_BATCH), len(table))[:len(ends)]) \
                 or (len(table) and not len(ends)) or (len(ends) and ends[-1] != len(table)):
@@ -158,9 +158,7 @@ class ColumnWriter:
             yield
         except OSError as e:  # a full or read-only temporary directory
             self.discard()
-            raise SlotscopeError(getattr(e, "filename", None) or tempfile.gettempdir(), None,
-                                 f"cannot write the {self.what} to the temporary directory ({e.strerror or e}); "
-                                 "set TMPDIR to a directory with room") from None
+            raise _disk_error(e, f"the {self.what}") from None
         except BaseException:
             self.discard()
             raise

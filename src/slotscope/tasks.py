@@ -11,7 +11,7 @@ grows only with the output table; the DataFrame is built once, at the end.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator
 
 import numpy as np
 import pandas as pd
@@ -141,22 +141,20 @@ def _take(cols: dict[str, np.ndarray], sel: np.ndarray) -> dict[str, np.ndarray]
 
 
 class FinishedRows:
-    """Finished partial rows in the order they finished, as numeric columns.
-
-    With ``spill_rows``, every ``spill_rows`` rows go to disk as a chunk
-    (:class:`slotscope.store.Chunks`), so the rows held in memory stay bounded whatever the
-    input size; they are read back a column at a time, in output order (:meth:`gather`).
+    """Finished partial rows in the order they finished, as numeric columns, on disk: every
+    ``spill_rows`` rows go there as a chunk (:class:`slotscope.store.Chunks`), so the rows
+    held in memory stay bounded whatever the input size; they are read back a column at a
+    time, in output order (:meth:`gather`).
     """
 
-    def __init__(self, spill_rows: int | None = None, what: str = "finished tasks", row_bytes: int = 300) -> None:
+    def __init__(self, spill_rows: int, what: str = "finished tasks", row_bytes: int = 300) -> None:
         self.spill_rows = spill_rows
-        self.what = f"{what} (~{row_bytes} bytes per row)"
         self._pending: list[dict[str, np.ndarray]] = []
         self._n_pending = 0
-        self._chunks: list[str | dict[str, np.ndarray]] = []  # a chunk's file, or its rows in memory
+        self._chunks: list[str] = []  # each chunk's file
         self._names: list[str] = []
         self._sizes: list[int] = []
-        self._disk = store.Chunks(self.what)
+        self._disk = store.Chunks(f"{what} (~{row_bytes} bytes per row)")
 
     def __len__(self) -> int:
         return sum(self._sizes) + self._n_pending
@@ -167,40 +165,31 @@ class FinishedRows:
             return
         self._pending.append(rows)
         self._n_pending += n
-        if self.spill_rows is not None and self._n_pending >= self.spill_rows:
-            self._seal(spill=True)
+        if self._n_pending >= self.spill_rows:
+            self.close()
 
-    def _seal(self, spill: bool) -> None:
+    def close(self) -> None:
+        """The rows not yet written (no more rows, or enough for a chunk) go to disk."""
         if not self._pending:
             return
         rows = {c: np.concatenate([p.pop(c) for p in self._pending]) for c in list(self._pending[0])}
         self._pending, self._n_pending = [], 0
         self._sizes.append(len(rows["task"]))
         self._names = list(rows)
-        self._chunks.append(self._disk.write(rows) if spill else rows)
-
-    def close(self) -> None:
-        """No more rows: the last ones join the chunks (on disk too, with ``spill_rows``)."""
-        self._seal(spill=self.spill_rows is not None)
+        self._chunks.append(self._disk.write(rows))
 
     def __getstate__(self) -> dict:
         # A copy in another process reads the chunks; the files stay this one's to remove.
         return {**self.__dict__, "_pending": [], "_n_pending": 0}
 
-    def _columns_of(self, k: int, names: Sequence[str]) -> list[np.ndarray]:
-        chunk = self._chunks[k]
-        if isinstance(chunk, dict):
-            return [chunk[c] for c in names]
-        return store.Chunks.read(chunk, names)
-
     def chunks(self) -> Iterator[dict[str, np.ndarray]]:
         """Every column, a chunk at a time, in the order the rows finished."""
-        for k in range(len(self._chunks)):
-            yield dict(zip(self._names, self._columns_of(k, self._names)))
+        for chunk in self._chunks:
+            yield dict(zip(self._names, store.Chunks.read(chunk, self._names)))
 
     def column(self, c: str) -> np.ndarray:
         """One column over all rows."""
-        return np.concatenate([self._columns_of(k, [c])[0] for k in range(len(self._chunks))]) if self._chunks else np.zeros(0)
+        return np.concatenate([store.Chunks.read(k, [c])[0] for k in self._chunks]) if self._chunks else np.zeros(0)
 
     def gather(self, idx: np.ndarray) -> dict[str, np.ndarray]:
         """The rows at these positions, in this order, read a chunk's column at a time."""
@@ -210,24 +199,10 @@ class FinishedRows:
         for k in np.unique(which).tolist():
             at = np.flatnonzero(which == k)
             src = idx[at] - starts[k]
-            for c, v in zip(self._names, self._columns_of(k, self._names)):
+            for c, v in zip(self._names, store.Chunks.read(self._chunks[k], self._names)):
                 if c not in out:
                     out[c] = np.empty(len(idx), dtype=v.dtype)
                 out[c][at] = v[src]
-        return out
-
-    def take_all(self, order: np.ndarray) -> dict[str, np.ndarray]:
-        """Every row in this order, column by column (each column's chunks freed as it is
-        built, so the rows are never held twice)."""
-        if not self._chunks:
-            return {}
-        out = {}
-        for c in self._names:
-            out[c] = self.column(c)[order]
-            for chunk in self._chunks:
-                if isinstance(chunk, dict):
-                    del chunk[c]
-        self.discard()
         return out
 
     def discard(self) -> None:
@@ -345,8 +320,7 @@ class TaskAssembler:
     source: str
     keep_samples: bool | int = True  # True, False, or the one kind kept (HEARTBEAT or PROGRESS)
     _open: dict[str, np.ndarray] | None = None
-    spill_rows: int | None = None  # hold at most this many finished rows in memory (None: all)
-    spill_samples: bool = False  # samples go to disk as they come even without spill_rows
+    spill_rows: int = 1 << 15  # hold at most this many finished rows in memory
     _done: FinishedRows = field(init=False)
     _gen: FinishedRows = field(init=False)  # heartbeat rows, in the order their blocks came
     _prefill: FinishedRows = field(init=False)  # progress rows
@@ -358,10 +332,9 @@ class TaskAssembler:
 
     def __post_init__(self) -> None:
         self._done = FinishedRows(self.spill_rows)
-        # Samples are ~5x as many as tasks: with spilling on, they go to disk in larger chunks.
-        samples_spill = None if self.spill_rows is None and not self.spill_samples else SAMPLE_SPILL_ROWS
-        self._gen = FinishedRows(samples_spill, "heartbeat samples", 80)
-        self._prefill = FinishedRows(samples_spill, "prefill samples", 80)
+        # Samples are ~5x as many as tasks: they go to disk in larger chunks.
+        self._gen = FinishedRows(SAMPLE_SPILL_ROWS, "heartbeat samples", 80)
+        self._prefill = FinishedRows(SAMPLE_SPILL_ROWS, "prefill samples", 80)
         self.n_finished = 0  # set when the input ends
         self.has_wall_rows = False
 
@@ -462,30 +435,14 @@ class TaskAssembler:
                     entry[c] = info[c][i]
 
 
-    def finish(self) -> tuple[pd.DataFrame, "SampleSource", "SampleSource", pd.DataFrame]:
-        """Close every task still open: (tasks, gen samples, prefill samples, sessions), the
-        sample tables built when asked, from their rows as they are (on disk with
-        ``spill_samples``)."""
-        order, _ = self._end()
-        raw = _raw(self._done.take_all(order), list(self._files))
-        release_memory()  # the per-block parts just joined: small holes the table cannot reuse
-        sessions = self._sessions_table()
-        tasks = _derive(raw, self.source, sessions)
-        del raw
-        gen, prefill = self.samples_later(tasks if len(tasks) else None)
-        release_memory()
-        return tasks, gen, prefill, sessions
-
     def samples_later(self, tasks: "pd.DataFrame | Callable[[], FirstTokens] | None") -> tuple["SampleSource", "SampleSource"]:
-        """The gen and prefill samples as read, their tables built when asked (on disk with
-        ``spill_samples``). ``tasks``: the finished tasks' ``port``, ``session``, ``task_id``
+        """The gen and prefill samples as read (on disk), their tables built when asked. ``tasks``: the finished tasks' ``port``, ``session``, ``task_id``
         and ``first_token_s``, or what makes their :class:`FirstTokens` (None: no tasks), for
         the gen samples' first windows."""
         files = list(self._sample_files)
         self._gen.close()
         self._prefill.close()
-        if self._gen.spill_rows is not None:
-            release_memory()  # (the last rows, just written: not under the first tokens' making)
+        release_memory()  # (the last rows, just written: not under the first tokens' making)
         first = None
         if tasks is not None and len(self._gen):
             first = FirstTokens.of(tasks) if isinstance(tasks, pd.DataFrame) else tasks()
@@ -497,26 +454,19 @@ class TaskAssembler:
 
     def finish_in_batches(self, rows: int = 1 << 15) -> tuple[list["TaskBatch"], pd.DataFrame]:
         """Close every task still open; return the task table as batches of ``rows`` rows in
-        output order (together: :meth:`finish`'s table, same values and columns), and the
-        sessions. A batch is built when asked (:meth:`TaskBatch.table`); only the sort keys
-        are held meanwhile. With ``spill_rows``, every finished row is on disk, so that a batch
-        pickles small (for worker processes); :meth:`discard` removes them after use.
+        output order (none: no tasks), and the sessions. A batch is built when asked (:meth:`TaskBatch.table`); only the sort keys
+        are held meanwhile. Every finished row is on disk, so that a batch pickles small (for
+        worker processes); :meth:`discard` removes them after use.
         """
         order, with_wall = self._end()
         sessions = self._sessions_table()
         files = list(self._files)
-        if not len(order):
-            return [TaskBatch(self._done, order, self.source, files, sessions, None)], sessions
         return [TaskBatch(self._done, order[i : i + rows], self.source, files, sessions, with_wall)
                 for i in range(0, len(order), rows)], sessions
 
     def discard(self) -> None:
         """Drop the finished rows (and their files on disk)."""
         self._done.discard()
-
-    @property
-    def n_open_or_done(self) -> int:
-        return len(self._done) + (len(self._open["task"]) if self._open is not None else 0)
 
     def _end(self) -> tuple[np.ndarray, bool]:
         """Close the open tasks; the output order of the finished rows, and whether any of them
@@ -557,25 +507,19 @@ class TaskAssembler:
 
 SESSION_COLUMNS = ["source", "port", "session", "file", "first_line", "first_s", "last_s", "n_slots", "n_ctx_slot",
                    "wall_offset_us", "wall_offset_support", "start_at", "model", "build"]
-_RAW_COLUMNS = KEY + ["slot", "file"] + [c for c in _PARTIAL if c not in KEY and not c.startswith(("slot_", "file"))] + [
-    "cut_by_restart"]
 
 
-def _raw(cols: dict[str, np.ndarray] | None, files: list[str]) -> dict[str, np.ndarray | pd.Categorical]:
+def _raw(cols: dict[str, np.ndarray], files: list[str]) -> dict[str, np.ndarray | pd.Categorical]:
     """Finished partial rows (in output order) as columns: ``slot`` the launch's, else any
     event's, and ``file`` one category per file. Arrays, not a DataFrame: :func:`_derive` takes
     them one at a time, and deleting a DataFrame's columns is slow (its blocks are rebuilt)."""
-    if cols is None or not len(cols.get("task", ())):
-        raw: dict[str, np.ndarray | pd.Categorical] = {c: np.zeros(0) for c in _RAW_COLUMNS}
-        raw["file"] = np.zeros(0, dtype=object)
-        return raw
     code = cols.pop("file")
     # One category per file instead of its path repeated on every row.
     file = pd.Categorical.from_codes(np.where(np.isnan(code), -1, code).astype(np.int64),
                                      categories=pd.Index(files, dtype="str"))
     slot_any = cols.pop("slot_any")
     slot_launch = cols.pop("slot_launch")
-    raw = {c: cols.pop(c) for c in _PARTIAL + ["cut_by_restart"] if c in cols}
+    raw: dict[str, np.ndarray | pd.Categorical] = {c: cols.pop(c) for c in _PARTIAL + ["cut_by_restart"] if c in cols}
     raw["slot"] = np.where(np.isnan(slot_launch), slot_any, slot_launch)
     raw["file"] = file
     return raw
@@ -593,19 +537,18 @@ class TaskBatch:
     source: str
     files: list[str]
     sessions: pd.DataFrame
-    with_wall: bool | None
+    with_wall: bool
 
     def table(self) -> pd.DataFrame:
-        cols = self.rows.gather(self.idx) if len(self.idx) else None
-        return _derive(_raw(cols, self.files), self.source, self.sessions, self.with_wall)
+        return _derive(_raw(self.rows.gather(self.idx), self.files), self.source, self.sessions, self.with_wall)
 
 
 def _derive(raw: dict[str, np.ndarray | pd.Categorical], source: str, sessions: pd.DataFrame,
-            with_wall: bool | None = None) -> pd.DataFrame:
+            with_wall: bool) -> pd.DataFrame:
     """Timeline arithmetic of research/log-formats.md §1.3, column-wise (``raw`` in output order).
 
-    ``with_wall``: whether to add the ``*_at`` columns (None: if any row has a wall clock;
-    a table written in batches decides once for all of them).
+    ``with_wall``: whether to add the ``*_at`` columns (a table written in batches decides
+    once for all of them).
 
     ``raw`` (:func:`_raw`'s columns) is consumed: each column is dropped after its last use, so
     the partial rows and the task table are not both held whole. The arithmetic is numpy's
@@ -694,7 +637,7 @@ def _derive(raw: dict[str, np.ndarray | pd.Categorical], source: str, sessions: 
     out["is_child"] = flags(take("is_child"))
     out["error"] = np.nan_to_num(take("error")).astype(bool)
     off = _wall_offsets(sessions, port, session)
-    if (~np.isnan(off)).any() if with_wall is None else with_wall:
+    if with_wall:
         for name, us in (("launch_at", off + launch_us), ("release_at", off + release_us),
                          ("prefill_start_at", off + prefill_start_s * 1e6), ("first_token_at", off + first_token_s * 1e6)):
             out[name] = pd.to_datetime(pd.array(np.round(us), dtype="Int64"), unit="us", utc=True)
@@ -752,12 +695,10 @@ class SampleSource:
     files: list[str]  # the ``file`` column's categories
     first_tokens: "FirstTokens | None"  # each task's first-token time (gen samples)
 
-    def table(self, consume: bool = False) -> pd.DataFrame:
-        """The table; ``consume``: the rows are dropped as they are read (no second table)."""
+    def table(self) -> pd.DataFrame:
         if not len(self.store):
             return empty_samples(self.kind)
-        order = self._keys_and_order()[-1]
-        return self.table_of(self.store.take_all(order) if consume else self.store.gather(order))
+        return self.table_of(self.store.gather(self._keys_and_order()[-1]))
 
     def batches(self, rows: int) -> list["SampleBatch"]:
         """The table as batches of ``rows`` rows, in order (together: :meth:`table`); only the
@@ -804,13 +745,8 @@ class FirstTokens:
 
     @classmethod
     def of(cls, tasks: pd.DataFrame) -> "FirstTokens":
-        return cls.of_arrays(tasks["port"].to_numpy(dtype=np.int64), tasks["session"].to_numpy(dtype=np.int64),
-                             tasks["task_id"].to_numpy(dtype=np.int64),
-                             tasks["first_token_s"].to_numpy(dtype=np.float64, na_value=np.nan))
-
-    @classmethod
-    def of_arrays(cls, port: np.ndarray, session: np.ndarray, task: np.ndarray, first_token_s: np.ndarray) -> "FirstTokens":
-        """:meth:`of` the columns as arrays (int64, and float64 with NaN)."""
+        port, session, task = (tasks[c].to_numpy(dtype=np.int64) for c in ("port", "session", "task_id"))
+        first_token_s = tasks["first_token_s"].to_numpy(dtype=np.float64, na_value=np.nan)
         sessions, ids = np.unique(cls._pair(port, session)), np.unique(task)
         keys = cls._keys_in(sessions, ids, port, session, task)
         order = np.argsort(keys, kind="stable")
