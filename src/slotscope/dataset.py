@@ -163,10 +163,8 @@ def load(
     say = stage or (lambda text: None)
     inputs = collect(paths)
     say("reading server logs")
-    # The samples wait on disk until an analyzer reads them (they are most of the rows).
-    # The tasks go to disk as they are finished too.
-    server = read_server_logs(paths, keep_samples=keep_samples, tz=tz, progress=progress, inputs=inputs,
-                              samples_on_disk=bool(keep_samples), tasks_on_disk=bool(keep_samples))
+    # The tasks and samples wait on disk as they are finished, until an analyzer reads them.
+    server = read_server_logs(paths, keep_samples=keep_samples, tz=tz, progress=progress, inputs=inputs)
     if inputs.app:
         store.keep_on_disk(server, "tasks", "tasks")  # (not held while the app log is read)
         say("reading app logs")
