@@ -278,17 +278,19 @@ class PartStore:
         self._buckets.done()
         store.release_memory()  # (what sorted the rows into parts)
 
-    def parts(self) -> Iterator[Part]:
-        """Every part, in order."""
+    def parts(self, heartbeats: bool = True) -> Iterator[Part]:
+        """Every part, in order; without ``heartbeats``, their ``gen`` table empty (not read)."""
         if self._whole is not None:
             yield self._whole
             return
-        for k, frames in self._buckets.read():
+        kinds = ("gen", "prefill") if heartbeats else ("prefill",)
+        for k, frames in self._buckets.read(("tasks",) + kinds):
             store.release_memory()  # (what the last part was made of, and what was asked of it)
             tasks = frames["tasks"]
             rows = tasks.pop("row").to_numpy()
             counted = tasks.pop("counted").to_numpy()
-            gen, prefill = (self._samples(kind, frames[kind]) for kind in ("gen", "prefill"))
+            gen = self._samples("gen", frames["gen"]) if heartbeats else empty_samples(HEARTBEAT)
+            prefill = self._samples("prefill", frames["prefill"])
             yield Part(tasks=tasks, counted=counted, rows=rows, gen=gen, prefill=prefill,
                        sessions=self.sessions, span=self.partition.spans[k], index=k)
             del tasks, gen, prefill

@@ -479,10 +479,11 @@ class Buckets:
             self._tmp = _tempdir("the analysis' parts")
         return self._tmp.name
 
-    def read(self) -> Iterator[tuple[int, dict[str, pd.DataFrame]]]:
-        """(part, {table: its rows}) for every part, in order (again at each call)."""
+    def read(self, names: Sequence[str] | None = None) -> Iterator[tuple[int, dict[str, pd.DataFrame]]]:
+        """(part, {table: its rows}) for every part, in order (again at each call); only the
+        tables ``names`` (None: all)."""
         for k in range(self.n_parts):
-            yield k, {name: self._frame(name, self._part(name, k)) for name in self.names}
+            yield k, {name: self._frame(name, self._part(name, k)) for name in names or self.names}
 
     def _part(self, name: str, k: int) -> pa.Table:
         """Part ``k``'s rows of table ``name``, sorted by row."""

@@ -45,8 +45,9 @@ class Question:
     part order. ``ds`` gives what is not in the periods: the sessions, the app's calls.
 
     ``prepare``: for a question that needs something of every period first (a session's
-    typical step), ``(of_part, combine)``: ``of_part(part, opts)`` per part, ``combine`` of
-    all of them, handed to ``per_part(part, opts, prepared)`` in a second pass.
+    typical step), ``(of_part, combine)``: ``of_part(part, opts)`` per part (whose ``gen``
+    table, the heartbeats, is left empty), ``combine`` of all of them, handed to
+    ``per_part(part, opts, prepared)`` in a second pass.
     """
 
     tables: tuple[str, ...]
@@ -101,7 +102,7 @@ def answer(questions: list[Question], ds: Dataset, opts: Options, part_tasks: in
         early = [i for i, q in enumerate(questions) if q.prepare is not None]
         if early:
             firsts: dict[int, list[Any]] = {i: [] for i in early}
-            for part in periods.parts():
+            for part in periods.parts(heartbeats=False):  # (what a first pass asks needs none)
                 for i in early:
                     firsts[i].append(attempt(i, lambda: questions[i].prepare[0](part, opts)))  # type: ignore[index]
             prepared = {i: attempt(i, lambda: questions[i].prepare[1](firsts[i])) for i in early}  # type: ignore[index]
