@@ -554,9 +554,10 @@ class Spool:
         """Every object added, in order."""
         if self._file is None:
             return []
-        self._file.flush()
-        with open(self._file.name, "rb") as f:
-            return [pickle.load(f) for _ in range(self.n)]
+        self._file.seek(0)
+        out = [pickle.load(self._file) for _ in range(self.n)]
+        self._file.seek(0, os.SEEK_END)  # (more may be added after)
+        return out
 
     def discard(self) -> None:
         if self._file is not None:
