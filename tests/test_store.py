@@ -1,5 +1,6 @@
 """Tables on disk (slotscope.store) read back as they were: whole, by columns, and as
-dataclass fields that build them only when read whole."""
+dataclass fields that build them only when read whole. A small table is held in memory
+instead: these tests write every table to disk, except where they compare the two."""
 
 from __future__ import annotations
 
@@ -21,11 +22,21 @@ def _ds(scenario: str) -> Dataset:
     return load([REAL / scenario / "logs"])
 
 
+DEFAULT_SMALL_ROWS = store.SMALL_ROWS
+
+
+@pytest.fixture(autouse=True)
+def _on_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(store, "SMALL_ROWS", 0)
+
+
+@pytest.mark.parametrize("small_rows", [0, DEFAULT_SMALL_ROWS], ids=["on disk", "held"])
 @pytest.mark.parametrize("scenario", ["before", "restart"])
-def test_real_tables_read_back_equal_whole_and_by_columns(scenario: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_real_tables_read_back_equal_whole_and_by_columns(scenario: str, small_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The task table, the matched calls and the task view (categories, nullable integers,
-    wall times, texts) come back equal, written in slices of 7 rows."""
+    wall times, texts) come back equal, written in slices of 7 rows, or held in memory."""
     monkeypatch.setattr(store, "ROWS_PER_BATCH", 7)
+    monkeypatch.setattr(store, "SMALL_ROWS", small_rows)
     ds = _ds(scenario)
     for df in (ds.server.tasks, ds.matches.calls, task_view(ds)):
         st = store.StoredTable(df)

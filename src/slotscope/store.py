@@ -49,6 +49,9 @@ _returning_pool()
 from .errors import SlotscopeError
 
 ROWS_PER_BATCH = 1 << 16  # rows converted to Arrow at a time while writing
+# A table this short stays in memory, converted through Arrow once as a whole: what it reads
+# back is what its files would give, without a file and a conversion per column.
+SMALL_ROWS = 1 << 14
 
 
 def release_memory() -> None:
@@ -79,19 +82,27 @@ class ColumnWriter:
     time (:meth:`add_part`); :meth:`done` gives the :class:`StoredTable`. One Arrow IPC file
     per column, in batches of :data:`ROWS_PER_BATCH` rows: a column is read back alone, and
     a table made column by column (the calls, as they are read or matched) is never whole in
-    memory. On an error the files are removed."""
+    memory. A table of at most :data:`SMALL_ROWS` rows is held instead, and written nowhere.
+    On an error the files are removed."""
 
     def __init__(self, what: str = "table") -> None:
         self.what = what
-        self._tmp = tempfile.TemporaryDirectory(prefix="slotscope-")
+        self._tmp: "tempfile.TemporaryDirectory[str] | None" = None  # (made for the first file)
         self.files: dict[str, str] = {}
         self.dtypes: dict[str, Any] = {}
         self.n: int | None = None
         self.schema: pa.Schema | None = None  # every column's (add_part)
         self._open: dict[str, tuple[Any, Any]] = {}  # per column: its file and writer (add_part)
+        self._held: dict[str, pd.Series] = {}  # a small table's columns (add)
+        self._held_parts: list[pa.Table] = []  # a small table's parts (add_part)
+
+    def _dir(self) -> str:
+        if self._tmp is None:
+            self._tmp = _tempdir(f"the {self.what}")
+        return self._tmp.name
 
     def _check(self, name: str, n: int) -> None:
-        if name in self.files:
+        if name in self.files or name in self._held:
             raise ValueError(f"{self.what}: column {name} written twice")
         if self.n is not None and n != self.n:
             raise ValueError(f"{self.what}: column {name} has {n} rows, not {self.n}")
@@ -100,10 +111,14 @@ class ColumnWriter:
         """Column ``name`` of every row (its index is not kept)."""
         self._check(name, len(col))
         self.n = len(col)
+        if self.n <= SMALL_ROWS:
+            self._held[name] = col.reset_index(drop=True)
+            self.dtypes[name] = col.dtype
+            return
         frame = col.to_frame(name).reset_index(drop=True)
         schema = pa.Schema.from_pandas(frame, preserve_index=False)
         with self._guard():
-            path = os.path.join(self._tmp.name, str(len(self.files)))
+            path = os.path.join(self._dir(), str(len(self.files)))
             with new_file(path) as sink, pa.ipc.new_file(sink, schema) as writer:
                 # (one chunk first: an Arrow-backed column keeps its own chunks, and every
                 # column's batches must be the same rows for batches())
@@ -116,11 +131,13 @@ class ColumnWriter:
         """Column ``name`` of ``table``, its file linked (or copied), never read: where its
         stored batches are those :meth:`add` writes (True). Else nothing is written (False)."""
         self._check(name, len(table))
+        if not table.files or len(table) <= SMALL_ROWS:  # (a small table is held: no file to link)
+            return False
         ends = table._batch_ends() if len(table) else np.zeros(0, dtype=np.int64)
         if not np.array_equal(ends, np.append(np.arange(ROWS_PER_BATCH, len(table), ROWS_PER_BATCH), len(table))[:len(ends)]) \
                 or (len(table) and not len(ends)) or (len(ends) and ends[-1] != len(table)):
             return False
-        path = os.path.join(self._tmp.name, str(len(self.files)))
+        path = os.path.join(self._dir(), str(len(self.files)))
         with self._guard():
             try:
                 os.link(table.files[name], path)
@@ -137,20 +154,32 @@ class ColumnWriter:
         if self.n is None:
             self.n = 0
             self.schema = pa.Schema.from_pandas(df, preserve_index=False)
-            with self._guard():
-                for i, c in enumerate(df.columns):
-                    path = os.path.join(self._tmp.name, str(i))
-                    sink = new_file(path)
-                    self._open[c] = (sink, pa.ipc.new_file(sink, pa.schema([self.schema.field(i)], metadata=self.schema.metadata)))
-                    self.files[c], self.dtypes[c] = path, df[c].dtype
-        if list(df.columns) != list(self.files) or any(df[c].dtype != self.dtypes[c] for c in df.columns):
+            self.dtypes = {c: df[c].dtype for c in df.columns}
+        if list(df.columns) != list(self.dtypes) or any(df[c].dtype != self.dtypes[c] for c in df.columns):
             raise ValueError(f"{self.what}: a part's columns or dtypes differ from the first part's")
         with self._guard():
             # One conversion a part, in one chunk (see add).
             table = pa.Table.from_pandas(df, preserve_index=False, schema=self.schema).combine_chunks()
-            for i, c in enumerate(df.columns):
-                self._open[c][1].write_table(table.select([i]), max_chunksize=ROWS_PER_BATCH)
         self.n += len(df)
+        if self.n <= SMALL_ROWS:
+            self._held_parts.append(table)
+            return
+        held, self._held_parts = self._held_parts, []
+        for t in [*held, table]:
+            self._write_part(t)
+
+    def _write_part(self, table: pa.Table) -> None:
+        assert self.schema is not None
+        if not self._open:
+            with self._guard():
+                for i, c in enumerate(self.dtypes):
+                    path = os.path.join(self._dir(), str(i))
+                    sink = new_file(path)
+                    self._open[c] = (sink, pa.ipc.new_file(sink, pa.schema([self.schema.field(i)], metadata=self.schema.metadata)))
+                    self.files[c] = path
+        with self._guard():
+            for i, c in enumerate(self.dtypes):
+                self._open[c][1].write_table(table.select([i]), max_chunksize=ROWS_PER_BATCH)
 
     @contextlib.contextmanager
     def _guard(self) -> Iterator[None]:
@@ -170,15 +199,25 @@ class ColumnWriter:
                 writer.close()
             sink.close()
         self._open.clear()
-        self._tmp.cleanup()
+        self._held, self._held_parts = {}, []
+        if self._tmp is not None:
+            self._tmp.cleanup()
 
     def done(self, columns: Sequence[str] | None = None) -> StoredTable:
         """The table (``columns``: every column written, in this order)."""
+        written = [*self.files, *self._held] if not self._held_parts else list(self.dtypes)
         if columns is not None:
-            if sorted(columns) != sorted(self.files):
+            if sorted(columns) != sorted(written):
                 self.discard()
-                raise ValueError(f"{self.what}: columns {sorted(columns)} are not those written, {sorted(self.files)}")
-            self.files = {c: self.files[c] for c in columns}
+                raise ValueError(f"{self.what}: columns {sorted(columns)} are not those written, {sorted(written)}")
+            written = list(columns)
+        if self._held_parts or (self._held and not self.files):
+            back = pa.concat_tables(self._held_parts).to_pandas() if self._held_parts else \
+                pa.Table.from_pandas(pd.DataFrame(self._held, copy=False), preserve_index=False).to_pandas()
+            table = StoredTable.__new__(StoredTable)
+            table._hold(back, {c: self.dtypes[c] for c in written}, self.what, self.n or 0)
+            return table
+        self.files = {c: self.files[c] for c in written}
         with self._guard():
             for sink, writer in self._open.values():
                 writer.close()
@@ -189,9 +228,17 @@ class ColumnWriter:
 
 class StoredTable:
     """One DataFrame (with the default index 0..n-1) on disk, a file per column (see
-    :class:`ColumnWriter`)."""
+    :class:`ColumnWriter`), or a small one held in memory."""
+
+    _tmp: "tempfile.TemporaryDirectory[str] | None"
+    files: dict[str, str]
+    _built: pd.DataFrame | None  # the whole table, once read whole (a small one: always)
+    _ends: np.ndarray | None  # where the stored batches end (see take)
 
     def __init__(self, df: pd.DataFrame, what: str = "table") -> None:
+        if len(df) <= SMALL_ROWS:
+            self._hold(pa.Table.from_pandas(df.reset_index(drop=True), preserve_index=False).to_pandas(), dict(df.dtypes), what, len(df))
+            return
         w = ColumnWriter(what)
         with w._guard():
             for c in df.columns:
@@ -199,6 +246,16 @@ class StoredTable:
         if not len(df.columns):
             w.n = len(df)
         self._take(w)
+
+    def _hold(self, back: pd.DataFrame, dtypes: dict[str, Any], what: str, n: int) -> None:
+        """Hold a small table in memory as its files would give it back: ``back`` is the table
+        converted to Arrow and back (once, as a whole); ``dtypes``, the ones it had."""
+        self._tmp, self.files, self.schema = None, {}, None
+        self.columns = list(dtypes)
+        self.dtypes = pd.Series(dtypes, index=self.columns, dtype=object)
+        self.n = n
+        self._ends = np.array([self.n] if self.n else [], dtype=np.int64)
+        self._built = pd.DataFrame({c: self._restored(back[c], c) for c in self.columns}, index=pd.RangeIndex(self.n), copy=False)
 
     @classmethod
     def _of(cls, w: ColumnWriter) -> StoredTable:
@@ -212,8 +269,8 @@ class StoredTable:
         self.dtypes = pd.Series(w.dtypes, index=self.columns, dtype=object)
         self.n = w.n or 0
         self.schema = w.schema  # (when written a part at a time: the batches convert at once)
-        self._built: pd.DataFrame | None = None
-        self._ends: np.ndarray | None = None  # where the stored batches end (see take)
+        self._built = None
+        self._ends = None
 
     @classmethod
     def of_parts(cls, parts: Iterable[pd.DataFrame], what: str = "table") -> StoredTable:
@@ -270,6 +327,10 @@ class StoredTable:
     def batches(self) -> Iterator[pd.DataFrame]:
         """Every column, a stored batch of rows at a time (their index: the rows' positions),
         as they were; joined, :meth:`read`'s table."""
+        if not self.files:  # (a small table: one batch)
+            if self.n:
+                yield self._built.copy(deep=False)  # type: ignore[union-attr]
+            return
         with contextlib.ExitStack() as stack:  # (read, not mapped: a map's pages would add up in RSS)
             readers = {c: pa.ipc.open_file(stack.enter_context(pa.OSFile(self.files[c]))) for c in self.columns}
             n_batches = min((r.num_record_batches for r in readers.values()), default=0)
@@ -311,12 +372,14 @@ class StoredTable:
         return self._built
 
     def unload(self) -> None:
-        self._built = None
+        if self.files:  # (a small table is held: it has nothing else)
+            self._built = None
 
     def discard(self) -> None:
         """Remove the files (the table is not read again)."""
         self._built = None
-        self._tmp.cleanup()
+        if self._tmp is not None:
+            self._tmp.cleanup()
 
     def __reduce__(self) -> tuple:
         return table_itself, (self.table(),)  # pickled as its table: the file is this process'
