@@ -24,7 +24,7 @@ from .server_log import ServerLogs, read_server_logs
 from .sources import STDIN, Inputs, collect, reopen
 from . import store
 from .store import release_memory
-from .timeline import join_tasks, key_codes
+from .timeline import join_tasks, within_ranges
 from .workers import Pool
 
 
@@ -57,9 +57,7 @@ class Dataset:
         gc.collect()  # (pandas objects hold one another in cycles: the tables wait for the collector)
         release_memory()
         if self._view is None:
-            parts = _task_view_parts(self)
-            self._view = store.StoredTable.of_parts(parts, "task view") if parts is not None else \
-                store.StoredTable(_task_view(self), "task view")
+            self._view = _task_view(self)
             self.unload()
             release_memory()
 
@@ -206,10 +204,7 @@ def task_view(ds: Dataset, columns: Sequence[str] | None = None) -> pd.DataFrame
     ``columns``: only those of them the view has (in its order); after
     :meth:`Dataset.keep_on_disk` only they are read.
     """
-    if ds._view is not None:
-        return ds._view.read(columns)
-    tv = _task_view(ds)
-    return tv if columns is None else tv[[c for c in tv.columns if c in set(columns)]]
+    return (ds._view if ds._view is not None else _task_view(ds)).read(columns)
 
 
 def tasks_of(ds: Dataset, columns: Sequence[str]) -> pd.DataFrame:
@@ -238,67 +233,53 @@ def own_copy(df: pd.DataFrame) -> pd.DataFrame:
     return df.copy(deep=not _COPY_ON_WRITE)
 
 
-def _task_view_parts(ds: Dataset) -> Iterator[pd.DataFrame] | None:
-    """:func:`_task_view` a stored batch of tasks at a time (joined: its table), from the
-    tasks and calls on disk; None where it cannot (either in memory, or a task with two calls)."""
-    tasks = store.stored(ds.server, "tasks")
-    if tasks is None or not len(tasks):
-        return None
+def _task_view_parts(ds: Dataset) -> Iterator[pd.DataFrame]:
+    """The task view a batch of stored tasks at a time (joined: its table), reading of the
+    calls only the columns it adds. A task with two calls has a row per call, as a left merge
+    of the tasks and calls gives them; every batch's added columns get the NA and dtype that
+    merge gives them."""
+    tasks = store.raw(ds.server, "tasks")
+    stored = isinstance(tasks, store.StoredTable)
+    batches = tasks.batches() if stored and len(tasks) else [store.columns_of(ds.server, "tasks", list(tasks.columns))]
     if ds.matches is None:
-        return (t.assign(**{c: pd.NA for c in TASK_VIEW_EXTRA}).reset_index(drop=True) for t in tasks.batches())
-    calls = store.stored(ds.matches, "calls")
-    if calls is None:
-        return None
+        yield from (own_copy(t).assign(**{c: pd.NA for c in TASK_VIEW_EXTRA}).reset_index(drop=True) for t in batches)
+        return
     keys = ["source", "port", "session", "task_id"]
-    # Each task's row among the calls (-1: none), found by the keys alone; then the other
-    # columns, read a batch of tasks at a time.
-    call_keys = calls.read(keys)
+    # Each task's rows among the calls, found by the keys alone (packed keys: no hash of every
+    # task id); then the other columns, read a batch of tasks at a time.
+    call_keys = store.columns_of(ds.matches, "calls", keys)
     matched = np.flatnonzero(call_keys["task_id"].notna().to_numpy())
-    t, c = join_tasks(tasks.read(keys), call_keys.iloc[matched])  # (packed keys: no hash of every task id)
+    ti, ci = join_tasks(store.columns_of(ds.server, "tasks", keys), call_keys.iloc[matched])
     del call_keys
-    if len(t) and np.bincount(t, minlength=len(tasks)).max() > 1:  # a task with two calls: as a merge lists it
-        return None
-    row = np.full(len(tasks), -1, dtype=np.int64)
-    row[t] = matched[c]
-    del t, c, matched
+    counts = np.bincount(ti, minlength=ds.n_tasks)
+    reps = np.maximum(counts, 1)  # (a row per call, one for a task without)
+    start = np.cumsum(reps) - reps
+    order = np.lexsort((ci, ti))  # (a task's calls in their order)
+    row = np.full(int(reps.sum()), -1, dtype=np.int64)
+    row[start[ti[order]] + within_ranges(counts[counts > 0])] = matched[ci[order]]
+    del ti, ci, matched, order
     release_memory()  # the keys' join, before the first batch
     named = {"call_start_at": "start_at", "call_total_ms": "total_ms"}  # (the calls' names of two of them)
-    extra = [c for c in TASK_VIEW_EXTRA if named.get(c, c) in calls.columns]
+    columns = store.raw(ds.matches, "calls").columns
+    extra = [c for c in TASK_VIEW_EXTRA if named.get(c, c) in columns]
     names = [named.get(c, c) for c in extra]
-    # A task without a call anywhere: every batch's columns get the NA and dtype a left merge
-    # gives them (one missing row more than the batch's own), also a batch whose tasks all have one.
     missing = bool((row < 0).any())
-    aligned = ds.matches.aligned
-
-    def parts() -> Iterator[pd.DataFrame]:
-        for t in tasks.batches():
-            r = row[t.index[0]:t.index[-1] + 1]
-            got = calls.take(r[r >= 0], names)  # (the stored batches of the same times, mostly)
-            if missing:
-                pos = np.full(len(r) + 1, -1, dtype=np.int64)
-                pos[:-1][r >= 0] = np.arange(len(got))
-                got = got.reindex(pos).iloc[:-1]
-            t = t.reset_index(drop=True)
-            for c in extra:
-                t[c] = got[named.get(c, c)].array
-            del got
-            _add_app_clock(t, aligned)
-            yield t
-
-    return parts()
-
-
-def _matched_calls(ds: Dataset) -> tuple[pd.DataFrame, list[str]]:
-    """The matched calls' task keys and the task view's columns they give (under its names)."""
-    assert ds.matches is not None
-    keys = ["source", "port", "session", "task_id"]
-    named = {"call_start_at": "start_at", "call_total_ms": "total_ms"}  # (the calls' names of two of them)
-    calls = calls_of(ds, keys + [named.get(c, c) for c in TASK_VIEW_EXTRA])  # (only these are read from disk)
-    extra = [c for c in TASK_VIEW_EXTRA if named.get(c, c) in calls.columns]
-    # The matched calls' columns read here (of their ~40), under the task view's names.
-    m = calls.loc[calls["task_id"].notna().to_numpy(), keys + [named.get(c, c) for c in extra]]
-    m.columns = keys + extra
-    return m, extra
+    for t in batches:
+        lo, hi = (int(t.index[0]), int(t.index[-1]) + 1) if len(t) else (0, 0)
+        r = row[start[lo]:start[hi - 1] + reps[hi - 1]] if hi else row[:0]
+        t = own_copy(t.reset_index(drop=True))
+        if len(r) > len(t):
+            t = t.take(np.repeat(np.arange(len(t)), reps[lo:hi])).reset_index(drop=True)
+        got = store.rows_of(ds.matches, "calls", r[r >= 0], names)  # (the stored batches of the same times, mostly)
+        if missing:
+            pos = np.full(len(r) + 1, -1, dtype=np.int64)
+            pos[:-1][r >= 0] = np.arange(len(got))
+            got = got.reindex(pos).iloc[:-1]
+        for c in extra:
+            t[c] = got[named.get(c, c)].array
+        del got
+        _add_app_clock(t, ds.matches.aligned)
+        yield t
 
 
 def _add_app_clock(t: pd.DataFrame, aligned: pd.DataFrame) -> None:
@@ -307,27 +288,5 @@ def _add_app_clock(t: pd.DataFrame, aligned: pd.DataFrame) -> None:
         t[c[:-3] + "_at"] = pd.to_datetime(pd.Series(us).round().astype("Int64"), unit="us", utc=True).array
 
 
-def _task_view(ds: Dataset) -> pd.DataFrame:
-    # Columns are added to a (copy-on-write) copy of the task table, not to a merge's new
-    # table: no copy of the task columns per step.
-    t = own_copy(ds.server.tasks)
-    if ds.matches is None:
-        for c in TASK_VIEW_EXTRA:
-            t[c] = pd.NA
-        return t
-    keys = ["source", "port", "session", "task_id"]
-    m, extra = _matched_calls(ds)
-    tcode, mcode = key_codes([t, m], keys)
-    order = np.argsort(mcode, kind="stable")
-    sm = mcode[order]
-    if len(sm) > 1 and not bool((sm[1:] != sm[:-1]).all()):  # a task with two calls: as a merge lists it
-        t = t.merge(m[keys + extra], on=keys, how="left")
-    else:  # each task's call row (-1: none); filled in as a left merge fills it
-        at = np.minimum(np.searchsorted(sm, tcode), max(len(sm) - 1, 0))
-        row = np.where(sm[at] == tcode, order[at], -1) if len(sm) else np.full(len(t), -1)
-        calls = m[extra].reset_index(drop=True).reindex(row)
-        t = t.reset_index(drop=True)
-        for c in extra:
-            t[c] = calls[c].array
-    _add_app_clock(t, ds.matches.aligned)
-    return t
+def _task_view(ds: Dataset) -> store.StoredTable:
+    return store.StoredTable.of_parts(_task_view_parts(ds), "task view")
