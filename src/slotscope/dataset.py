@@ -76,7 +76,7 @@ class Dataset:
     def periods(self, part_tasks: int | None = None) -> Iterator[PartStore]:
         """The task view and the samples cut into busy periods (:mod:`slotscope.periods`),
         read a part at a time (as often as asked) until the block ends."""
-        view: pd.DataFrame | store.StoredTable = self._view if self._view is not None else _task_view(self)
+        view = self._view if self._view is not None else _task_view(self)
         samples = [self.server.on_disk(k) or getattr(self.server, k) for k in ("gen_samples", "prefill_samples")]
         parts = PartStore(view, samples[0], samples[1], self.server.sessions, part_tasks or PART_TASKS)
         try:

@@ -240,17 +240,16 @@ class PartStore:
     """The task view and the samples, cut into :class:`Part` objects and kept on disk until
     read (:meth:`parts`, in order)."""
 
-    def __init__(self, view: pd.DataFrame | store.StoredTable, gen: object, prefill: object,
+    def __init__(self, view: store.StoredTable, gen: object, prefill: object,
                  sessions: pd.DataFrame, part_tasks: int = PART_TASKS) -> None:
         self.sessions = sessions
         self._spools: list[store.Spool] = []
-        read = view.read if isinstance(view, store.StoredTable) else (lambda cols: view[[c for c in view.columns if c in cols]])
-        keys = read(TASK_KEYS + ["launch_s", "prefill_start_s", "first_token_s", "release_s"])
+        keys = view.read(TASK_KEYS + ["launch_s", "prefill_start_s", "first_token_s", "release_s"])
         self.partition = pt = partition(keys, sessions, part_tasks)
         self.n_tasks = len(keys)
         self._whole: Part | None = None
         if pt.n_parts <= 1:  # the log is one part: its tables as they are
-            whole = view if isinstance(view, pd.DataFrame) else view.read()
+            whole = view.read()
             self._whole = Part(tasks=whole, counted=np.ones(len(whole), bool), rows=np.arange(len(whole)),
                                gen=_table(gen, "gen"), prefill=_table(prefill, "prefill"), sessions=sessions)
             return
