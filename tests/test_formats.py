@@ -81,3 +81,36 @@ def test_variant_reads_the_same_in_small_blocks_and_worker_processes(name: str) 
             pd.testing.assert_frame_equal(getattr(got, table), getattr(whole, table), check_exact=True, obj=table)
         assert [(f.lines, f.used, f.ignored, f.unrecognized, f.examples) for f in got.accounting.files] == [
             (f.lines, f.used, f.ignored, f.unrecognized, f.examples) for f in whole.accounting.files]
+
+
+JOURNALD = FORMATS / "journald_short.log"
+
+
+def _journald_variant(tmp_path, old: str, new: str) -> list[str]:
+    text = JOURNALD.read_text(encoding="utf-8")
+    assert old in text
+    path = tmp_path / "journald.log"
+    path.write_text(text.replace(old, new), encoding="utf-8")
+    return [str(path)]
+
+
+def test_journald_with_the_host_and_pid_redacted_reads_the_same_tasks(tmp_path) -> None:
+    """Logs pasted in public threads often blank the host and the PID
+    (``Sep 11 00:04:26   ollama[]: ...``): the same tasks, at the same wall times."""
+    want = read_server_logs([str(JOURNALD)])
+    got = read_server_logs(_journald_variant(tmp_path, " host llama-server[22304]: ", "   llama-server[]: "))
+    assert got.accounting.unrecognized == want.accounting.unrecognized
+    pd.testing.assert_series_equal(got.tasks["launch_at"], want.tasks["launch_at"])
+    assert got.tasks["launch_at"].notna().all()
+
+
+@pytest.mark.parametrize("month, number", [("janv.", 1), ("févr.", 2), ("mär", 3), ("juin", 6), ("juil.", 7),
+                                           ("ago", 8), ("9月", 9), ("Okt", 10), ("ноя", 11), ("Dez", 12)])
+def test_journald_months_in_other_locales_give_the_wall_clock(tmp_path, month: str, number: int) -> None:
+    """journalctl prints the month as the system's locale abbreviates it: the tasks are the
+    same, launched on that month and day (the 28th: every month has one), at the same time."""
+    want = read_server_logs([str(JOURNALD)]).tasks["launch_at"]
+    got = read_server_logs(_journald_variant(tmp_path, "Nov 29 ", f"{month} 28 ")).tasks["launch_at"]
+    assert len(got) == len(want) and got.notna().all()
+    assert (got.dt.month == number).all() and (got.dt.day == 28).all()
+    assert (got.dt.strftime("%H:%M:%S.%f") == want.dt.strftime("%H:%M:%S.%f")).all()

@@ -21,9 +21,13 @@ import pyarrow.compute as pc
 
 # RE2 syntax (pyarrow.compute) and Python re agree on everything used here.
 _ISO = r"(?P<wall>\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?)"
-_SYSLOG = r"(?P<wall>[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d(?:\.\d+)?)"
+# The month as the system's locale abbreviates it (``Nov``, ``janv.``, ``Okt``, ``9月``): any
+# short run of non-digits, or digits before 月/월 (read by _MONTHS).
+_SYSLOG = r"(?P<wall>(?:[^\s\d]{2,12}|\d{1,2}(?:月|월)) {1,2}\d{1,2} \d\d:\d\d:\d\d(?:\.\d+)?)"
 _UNIX = r"(?P<wall>\d{9,11}\.\d+)"
-_HOST_IDENT = r" \S+ [^\s\[:]+(?:\[\d+\])?: ?"
+# Host, then identifier and PID; pasted logs often have the host or the PID redacted
+# (``Sep 11 00:04:26   ollama[]:``).
+_HOST_IDENT = r" +(?:\S+ +)?[^\s\[:]+(?:\[\d*\])?: ?"
 _COMPOSE = r"[\w.-]+ *\| "
 
 
@@ -141,10 +145,13 @@ def stamps_to_us(stamps: pd.Series, kind: str, year: int, tz: str) -> np.ndarray
     if kind == "unix":
         return (stamps.astype("float64") * 1e6).round().astype("int64").to_numpy().copy()
     if kind == "syslog":  # "Nov 29 07:31:43[.123456]" has no year and no zone
-        ts = pd.to_datetime(f"{year} " + stamps.str.replace("  ", " 0", regex=False), format="%Y %b %d %H:%M:%S.%f", errors="coerce")
+        parts = stamps.str.extract(r"^(\S+) +(\d+) (\S+)$")
+        month = parts[0].str.lower().str.rstrip(".").map(_month_number).astype("Int64")
+        text = f"{year} " + month.astype("string") + " " + parts[1] + " " + parts[2]
+        ts = pd.to_datetime(text, format="%Y %m %d %H:%M:%S.%f", errors="coerce")
         missing = ts.isna()
         if missing.any():
-            ts[missing] = pd.to_datetime(f"{year} " + stamps[missing], format="%Y %b %d %H:%M:%S", errors="coerce")
+            ts[missing] = pd.to_datetime(text[missing], format="%Y %m %d %H:%M:%S", errors="coerce")
         ts = ts.dt.tz_localize(tz, ambiguous="NaT", nonexistent="NaT")
     else:
         s = stamps.str.replace(",", ".", regex=False)
@@ -162,3 +169,31 @@ def stamps_to_us(stamps: pd.Series, kind: str, year: int, tz: str) -> np.ndarray
     us = ts.astype("datetime64[us, UTC]").astype("int64").to_numpy().copy()
     us[ts.isna().to_numpy()] = -1
     return us
+
+
+# Months as glibc's locales abbreviate them (%b), lower case, without a final dot: English,
+# French, German, Spanish, Italian, Portuguese, Dutch, Polish, Russian; CJK ones are numbers.
+_MONTHS = {name: i + 1 for names in (
+    "jan feb mar apr may jun jul aug sep oct nov dec",
+    "janv févr mars avr mai juin juil août sept oct nov déc",
+    "jan feb mär apr mai jun jul aug sep okt nov dez",
+    "ene feb mar abr may jun jul ago sept oct nov dic",
+    "gen feb mar apr mag giu lug ago set ott nov dic",
+    "jan fev mar abr mai jun jul ago set out nov dez",
+    "jan feb mrt apr mei jun jul aug sep okt nov dec",
+    "sty lut mar kwi maj cze lip sie wrz paź lis gru",
+    "янв фев мар апр мая июн июл авг сен окт ноя дек",
+) for i, name in enumerate(names.split())}
+
+
+def _month_number(token: object) -> float:
+    """A month abbreviation's number (NaN if unknown): a name of :data:`_MONTHS`, a longer
+    form of one (``sept``, ``févr``: its first four or three letters), or ``9月``."""
+    if not isinstance(token, str):
+        return np.nan
+    if token[-1:] in ("月", "월") and token[:-1].isdigit():
+        return float(token[:-1]) if 1 <= int(token[:-1]) <= 12 else np.nan
+    for name in (token, token[:4], token[:3]):
+        if name in _MONTHS:
+            return float(_MONTHS[name])
+    return np.nan
