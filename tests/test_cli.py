@@ -206,3 +206,17 @@ def test_progress_bar_draws_without_a_thread_so_workers_fork_alone(monkeypatch: 
     assert threads_at_fork and set(threads_at_fork) == {before}
     assert "reading" in screen.getvalue() and "kB" in screen.getvalue()  # the bar was drawn
     assert len(res.stdout.splitlines()) == 46  # header + 45 tasks, as without the bar
+
+
+@pytest.mark.parametrize("kind", ["missing", "a file"])
+def test_a_tmpdir_that_is_not_a_directory_is_one_clear_error(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python falls back to /tmp when TMPDIR is unusable, without a word: a user who set it to
+    spare a small /tmp would fill it. slotscope says so instead, in one line."""
+    bad = tmp_path / "nowhere"
+    if kind == "a file":
+        bad.write_text("")
+    monkeypatch.setenv("TMPDIR", str(bad))
+    res = run("analyze", str(REAL / "before" / "logs"))
+    assert res.exit_code == 1
+    assert res.stderr.strip().splitlines()[-1].startswith(f"error: {bad}: TMPDIR is not a directory: cannot write ")
+    assert "Traceback" not in res.stderr

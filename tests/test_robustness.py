@@ -119,3 +119,25 @@ def test_truncated_gzip_read_by_workers_keeps_every_line_before_the_damage(tmp_p
     assert a.error and b.error and a.lines > data.count(b"\n") // 2
     assert (a.lines, a.used, a.ignored, a.unrecognized) == (b.lines, b.used, b.ignored, b.unrecognized)
     pd.testing.assert_frame_equal(one.tasks, two.tasks, check_exact=True)
+
+
+def test_a_log_replaced_while_it_is_read_is_an_error_not_a_mix(tmp_path: Path) -> None:
+    """Worker processes open the log again by its path for each span: a log rotated (replaced)
+    meanwhile would mix the new file's bytes into the old one's tasks. It is said instead."""
+    import os
+
+    from slotscope.errors import InputError
+    from slotscope.sources import iter_spans, read_span
+
+    log = tmp_path / "llama-server.log"
+    log.write_bytes((REAL / "before" / "logs" / "llama-server.log").read_bytes())
+    with open(log, "rb") as stream:
+        spans = list(iter_spans(stream, str(log), 1 << 12))
+    assert len(spans) > 2
+    first = read_span(spans[0])
+    assert first == log.read_bytes()[:spans[0].length]
+    new = tmp_path / "new.log"
+    new.write_bytes(log.read_bytes())
+    os.replace(new, log)  # (same bytes, another file: as a rotation leaves it)
+    with pytest.raises(InputError, match="replaced while it was read"):
+        read_span(spans[1])

@@ -13,7 +13,6 @@ import io
 import os
 import re
 import sys
-import tempfile
 import types
 import zlib
 from collections import deque
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator, Literal, Sequence, cast
 
 from .app_fields import looks_like_app_log
+from . import store
 from .errors import InputError
 
 _zlib: types.ModuleType
@@ -426,12 +426,14 @@ class Span:
     """A byte range of a plain (uncompressed, seekable) file that holds whole lines only.
 
     ``staged``: the file is a temporary copy of one block (see :func:`staged`), removed by
-    whoever reads it."""
+    whoever reads it. ``file_id``: the (device, inode) of the file the span was cut from: a
+    worker opens the path again, and must find the same file there."""
 
     path: str
     start: int
     length: int
     staged: bool = False
+    file_id: tuple[int, int] | None = None
 
 
 def iter_spans(stream: BinaryIO, path: str, size: int = CHUNK_SIZE) -> Iterator[Span]:
@@ -443,7 +445,8 @@ def iter_spans(stream: BinaryIO, path: str, size: int = CHUNK_SIZE) -> Iterator[
     than :data:`LONGEST_LINE` is cut there, as :func:`iter_chunks` does.
     """
     try:
-        end = os.fstat(stream.fileno()).st_size
+        st = os.fstat(stream.fileno())
+        end, file_id = st.st_size, (st.st_dev, st.st_ino)
         start = 0
         while start < end:
             cut = min(start + size, end)
@@ -460,7 +463,7 @@ def iter_spans(stream: BinaryIO, path: str, size: int = CHUNK_SIZE) -> Iterator[
                     if not piece or scanned > LONGEST_LINE:
                         cut = min(cut - 1 + scanned, end)
                         break
-            yield Span(path, start, cut - start)
+            yield Span(path, start, cut - start, file_id=file_id)
             start = cut
     except OSError as e:
         raise InputError(path, None, f"cannot read: {e.strerror or e}") from None
@@ -470,6 +473,10 @@ def read_span(span: Span) -> bytes:
     """The bytes of a span (in whichever process parses it)."""
     try:
         with open(span.path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if span.file_id is not None and (st.st_dev, st.st_ino) != span.file_id:
+                raise InputError(span.path, None, "the file was replaced while it was read (rotated meanwhile?); "
+                                                  "copy it first, or read it again")
             f.seek(span.start)
             data = f.read(span.length)
         if span.staged:
@@ -495,7 +502,7 @@ class staged:
 
     def __init__(self, blocks: Iterator[bytes]) -> None:
         self._blocks = blocks
-        self._tmp = tempfile.TemporaryDirectory(prefix="slotscope-blocks-")
+        self._tmp = store.temp_dir("the log's blocks", prefix="slotscope-blocks-")
         self._n = 0
 
     def __iter__(self) -> "staged":

@@ -98,7 +98,7 @@ class ColumnWriter:
 
     def _dir(self) -> str:
         if self._tmp is None:
-            self._tmp = _tempdir(f"the {self.what}")
+            self._tmp = temp_dir(f"the {self.what}")
         return self._tmp.name
 
     def _check(self, name: str, n: int) -> None:
@@ -539,7 +539,7 @@ class Buckets:
 
     def _dir(self) -> str:
         if self._tmp is None:
-            self._tmp = _tempdir("the analysis' parts")
+            self._tmp = temp_dir("the analysis' parts")
         return self._tmp.name
 
     def read(self, names: Sequence[str] | None = None) -> Iterator[tuple[int, dict[str, pd.DataFrame]]]:
@@ -581,11 +581,23 @@ def _part_slices(table: pa.Table) -> Iterator[tuple[int, pa.RecordBatch]]:
         yield int(parts[lo]), table.slice(lo, hi - lo).combine_chunks().to_batches()[0]
 
 
-def _tempdir(what: str) -> "tempfile.TemporaryDirectory[str]":
+def temp_dir(what: str, prefix: str = "slotscope-") -> "tempfile.TemporaryDirectory[str]":
+    """A new directory in the temporary directory, for ``what`` (named in the error)."""
+    _check_tmpdir(what)
     try:
-        return tempfile.TemporaryDirectory(prefix="slotscope-")
+        return tempfile.TemporaryDirectory(prefix=prefix)
     except OSError as e:
         raise _disk_error(e, what) from None
+
+
+def _check_tmpdir(what: str) -> None:
+    """A ``TMPDIR`` the user set, usable: Python would fall back to /tmp without a word (the
+    disk the user meant to spare)."""
+    d = os.environ.get("TMPDIR")
+    if d and not os.path.isdir(d):
+        raise SlotscopeError(d, None, f"TMPDIR is not a directory: cannot write {what} there; set TMPDIR to a directory with room")
+    if d and not os.access(d, os.W_OK | os.X_OK):
+        raise SlotscopeError(d, None, f"TMPDIR is not writable: cannot write {what} there; set TMPDIR to a directory with room")
 
 
 def _disk_error(e: OSError, what: str) -> SlotscopeError:
@@ -606,6 +618,7 @@ class Spool:
     def append(self, obj: Any) -> None:
         try:
             if self._file is None:
+                _check_tmpdir(self.what)
                 self._file = tempfile.NamedTemporaryFile(prefix="slotscope-")
             pickle.dump(obj, self._file, protocol=pickle.HIGHEST_PROTOCOL)
         except OSError as e:
@@ -641,7 +654,7 @@ class Chunks:
     def write(self, cols: dict[str, np.ndarray]) -> str:
         """A new chunk; its file's path."""
         if self._tmp is None:
-            self._tmp = _tempdir(self.what)
+            self._tmp = temp_dir(self.what)
         path = os.path.join(self._tmp.name, str(len(self.paths)))
         table = pa.table({c: np.ascontiguousarray(v) for c, v in cols.items()})
         try:
