@@ -47,10 +47,8 @@ from .timeline import floats as _f
 TABLE_NAMES = ["overall", "same-conditions", "indicators", "changes"]
 _ESTIMATE_COLUMNS = ["before", "after", "before_n", "after_n", "diff", "ci_low", "ci_high", "caution"]
 OVERALL_COLUMNS = ["metric", *_ESTIMATE_COLUMNS]
-SAME_COLUMNS = [
-    "condition", "before_median_s", "before_p90_s", "before_n", "after_median_s", "after_p90_s", "after_n",
-    "diff_median_s", "ci_low", "ci_high", "caution", "definition",
-]
+SAME_COLUMNS = ["condition", "before_median_s", "before_p90_s", "before_n", "after_median_s", "after_p90_s", "after_n",
+                "diff_median_s", "ci_low", "ci_high", "caution", "definition"]
 INDICATOR_COLUMNS = ["indicator", *_ESTIMATE_COLUMNS]
 CHANGE_COLUMNS = ["setting", "before", "after", "changed", "note"]
 CAUTION_COLUMNS = ["about", "caution"]
@@ -64,6 +62,7 @@ UNKNOWN = "unknown"
 # Resample counts are drawn in blocks of at most this many cells, so a day of tasks stays in memory.
 _BLOCK_CELLS = 4_000_000
 _Z = 1.6448536269514722  # two-sided 90%
+Bounds = tuple[pd.Timestamp | None, pd.Timestamp | None]  # a wall-clock window [start, end), None: open
 
 
 class CompareError(SlotscopeError):
@@ -83,7 +82,7 @@ class Window(Dataset):
     unplaced: int = 0  # tasks of the whole dataset with no wall-clock time (left out)
 
 
-def parse_window(value: str, tz: str = "UTC") -> tuple[pd.Timestamp | None, pd.Timestamp | None]:
+def parse_window(value: str, tz: str = "UTC") -> Bounds:
     """``START..END`` (ISO times or dates, either side may be empty) -> bounds of [start, end).
 
     A time without a zone is read in ``tz``. A date alone as END includes that whole day (as a
@@ -146,9 +145,8 @@ def cut(ds: Dataset, start: pd.Timestamp | None, end: pd.Timestamp | None, *, tv
     lo, hi = _us(start, -np.inf), _us(end, np.inf)
     subject = (launch >= lo) & (launch < hi)
     if not subject.any():
-        first, last = np.nanmin(launch), np.nanmax(launch)
         raise CompareError(None, None, f"no task was launched in the window {_span_text(start, end)}; "
-                           f"the logs' tasks were launched {_ts(first)} to {_ts(last)}")
+                           f"the logs' tasks were launched {_ts(np.nanmin(launch))} to {_ts(np.nanmax(launch))}")
     ends = _wall(tv.assign(_end_s=tl.task_ends(tv, ds.server.sessions)), offsets, "_end_s")
     queue_us = np.nan_to_num(_f(tv["queue_ms"]) * 1e3 if "queue_ms" in tv.columns else np.zeros(len(tv)))
     begin = launch - queue_us
@@ -156,13 +154,10 @@ def cut(ds: Dataset, start: pd.Timestamp | None, end: pd.Timestamp | None, *, tv
     ctx_hi = max(hi if np.isfinite(hi) else -np.inf, float(np.nanmax(ends[subject])))
     context = (begin < ctx_hi) & (ends > ctx_lo)
     keys = tv.loc[context, tl.GROUP + ["task_id"]]
-    server = ds.server
-    tasks = server.tasks.merge(keys, on=tl.GROUP + ["task_id"], how="inner")
-    server = dataclasses.replace(
-        server, tasks=tasks,
-        gen_samples=_semi(server.gen_samples, keys), prefill_samples=_semi(server.prefill_samples, keys),
-        sessions=server.sessions.merge(keys[tl.GROUP].drop_duplicates(), on=tl.GROUP, how="inner"),
-    )
+    s = ds.server
+    server = dataclasses.replace(s, tasks=_semi(s.tasks, keys), gen_samples=_semi(s.gen_samples, keys),
+                                 prefill_samples=_semi(s.prefill_samples, keys),
+                                 sessions=s.sessions.merge(keys[tl.GROUP].drop_duplicates(), on=tl.GROUP, how="inner"))
     matches, app = ds.matches, ds.app
     if matches is not None:
         calls = matches.calls
@@ -181,15 +176,10 @@ def cut(ds: Dataset, start: pd.Timestamp | None, end: pd.Timestamp | None, *, tv
 def _semi(df: pd.DataFrame, keys: pd.DataFrame) -> pd.DataFrame:
     if df is None or not len(df) or "task_id" not in df.columns:
         return df
-    k = keys.drop_duplicates()
-    return df.merge(k, on=tl.GROUP + ["task_id"], how="inner")
+    return df.merge(keys.drop_duplicates(), on=tl.GROUP + ["task_id"], how="inner")
 
 
-def split(
-    ds: Dataset,
-    before: tuple[pd.Timestamp | None, pd.Timestamp | None],
-    after: tuple[pd.Timestamp | None, pd.Timestamp | None],
-) -> tuple[Window, Window]:
+def split(ds: Dataset, before: Bounds, after: Bounds) -> tuple[Window, Window]:
     """Cut one dataset into a before and an after window (each ``(start, end)``, wall clock)."""
     tv = task_view(ds)
     return cut(ds, *before, tv=tv), cut(ds, *after, tv=tv)
@@ -636,15 +626,8 @@ def _rounded(df: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
     return df
 
 
-def compare(
-    before: Dataset,
-    after: Dataset,
-    opts: Options | None = None,
-    *,
-    seed: int = 0,
-    n_boot: int = 2000,
-    short_tokens: int = SHORT_TOKENS,
-) -> dict[str, pd.DataFrame]:
+def compare(before: Dataset, after: Dataset, opts: Options | None = None, *, seed: int = 0, n_boot: int = 2000,
+            short_tokens: int = SHORT_TOKENS) -> dict[str, pd.DataFrame]:
     """The comparison's tables: ``overall``, ``same-conditions``, ``indicators``, ``changes`` and
     ``cautions`` (what limits the reading, one sentence a row). Differences are after - before."""
     opts = opts or Options()
@@ -757,8 +740,8 @@ def _num(v: float) -> str:
 class Sides:
     """What ``--before``/``--after`` ask for: two windows of one set of logs, or two sets of logs."""
 
-    before_window: tuple[pd.Timestamp | None, pd.Timestamp | None] | None = None
-    after_window: tuple[pd.Timestamp | None, pd.Timestamp | None] | None = None
+    before_window: Bounds | None = None
+    after_window: Bounds | None = None
     before_paths: tuple[str, ...] = ()
     after_paths: tuple[str, ...] = ()
 
