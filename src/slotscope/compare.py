@@ -266,19 +266,16 @@ def _turns(ds: Dataset, tv: pd.DataFrame, subj: np.ndarray, opts: Options, short
     keys = tl.GROUP + ["task_id"]
     calls = ds.matches.calls
     calls = calls[is_chat_turn(calls["purpose"]).to_numpy()]
-    matched = calls["task_id"].notna().to_numpy()
     if np.isfinite(lo) or np.isfinite(hi):
         # A matched call belongs where its task does (a task outside the window may be context).
-        sub_keys = tv.loc[subj, keys].assign(_s=True)
-        in_task = calls[keys].merge(sub_keys, on=keys, how="left")["_s"].notna().to_numpy()
-        calls = calls[np.where(matched, in_task, _in_window(calls, lo, hi))]
+        in_task = calls[keys].merge(tv.loc[subj, keys].assign(_s=True), on=keys, how="left")["_s"].notna().to_numpy()
+        calls = calls[np.where(calls["task_id"].notna().to_numpy(), in_task, _in_window(calls, lo, hi))]
     measured = (calls["ok"].fillna(False).astype(bool) & calls["task_id"].notna() & calls["ttft_ms"].notna()).to_numpy()
     t = calls.loc[measured, keys + ["ttft_ms"]].merge(
         tv[keys + ["launch_s", "first_token_s", "prompt_tokens_new", "queue_ms", "release_s", "prefill_start_s"]],
         on=keys, how="left")
     launch = _f(t["launch_s"])
-    q = np.nan_to_num(_f(t["queue_ms"]) / 1000)
-    span = t[tl.GROUP].assign(start_s=launch - q, end_s=_f(t["first_token_s"]))
+    span = t[tl.GROUP].assign(start_s=launch - np.nan_to_num(_f(t["queue_ms"]) / 1000), end_s=_f(t["first_token_s"]))
     # What else ran: every task from launch to end, the turn's own left out.
     run = tv[tl.GROUP].assign(start_s=_f(tv["launch_s"]), end_s=tl.task_ends(tv, ds.server.sessions))
     own_end = t[keys].merge(tv[keys].assign(_e=run["end_s"].to_numpy()), on=keys, how="left")["_e"].to_numpy(dtype="float64")
@@ -714,8 +711,7 @@ def _with_notes(df: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
     """Text columns (caution, note) leave the table and are listed under it by row, so the
     numbers keep their width."""
     text_cols = [c for c in ("caution", "note") if c in df.columns]
-    first = df.columns[0]
-    notes = [f"{label}: {text}" for label, *cells in df[[first] + text_cols].itertuples(index=False)
+    notes = [f"{label}: {text}" for label, *cells in df[[df.columns[0]] + text_cols].itertuples(index=False)
              for text in cells if isinstance(text, str) and text]
     return df.drop(columns=text_cols), notes
 
