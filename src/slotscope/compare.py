@@ -26,7 +26,7 @@ import math
 import os
 import zlib
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, Callable
 
 import numpy as np
 import pandas as pd
@@ -45,19 +45,14 @@ from .output import UsageError, print_table
 from .timeline import floats as _f
 
 TABLE_NAMES = ["overall", "same-conditions", "indicators", "changes"]
-OVERALL_COLUMNS = ["metric", "before", "after", "before_n", "after_n", "diff", "ci_low", "ci_high", "caution"]
-SAME_COLUMNS = [
-    "condition", "before_median_s", "before_p90_s", "before_n", "after_median_s", "after_p90_s", "after_n",
-    "diff_median_s", "ci_low", "ci_high", "caution", "definition",
-]
-INDICATOR_COLUMNS = ["indicator", "before", "after", "before_n", "after_n", "diff", "ci_low", "ci_high", "caution"]
+_ESTIMATE_COLUMNS = ["before", "after", "before_n", "after_n", "diff", "ci_low", "ci_high", "caution"]
+OVERALL_COLUMNS = ["metric", *_ESTIMATE_COLUMNS]
+SAME_COLUMNS = ["condition", "before_median_s", "before_p90_s", "before_n", "after_median_s", "after_p90_s", "after_n",
+                "diff_median_s", "ci_low", "ci_high", "caution", "definition"]
+INDICATOR_COLUMNS = ["indicator", *_ESTIMATE_COLUMNS]
 CHANGE_COLUMNS = ["setting", "before", "after", "changed", "note"]
 CAUTION_COLUMNS = ["about", "caution"]
 CONDITIONS = ["nothing_else_running", "overlapping_another_task", "overlapping_prefill_5k_plus"]
-INDICATORS = [
-    "gen_tps_during_long_prefill", "waits_over_1s_count", "waits_over_1s_total_s", "waits_over_1s_max_s",
-    "waits_different_lora_count", "prefill_tps_5k_plus", "gen_tps_median",
-]
 
 SHORT_TOKENS = 1_000  # a "short" turn has fewer new prompt tokens than this
 LEVEL = 0.90
@@ -67,6 +62,7 @@ UNKNOWN = "unknown"
 # Resample counts are drawn in blocks of at most this many cells, so a day of tasks stays in memory.
 _BLOCK_CELLS = 4_000_000
 _Z = 1.6448536269514722  # two-sided 90%
+Bounds = tuple[pd.Timestamp | None, pd.Timestamp | None]  # a wall-clock window [start, end), None: open
 
 
 class CompareError(SlotscopeError):
@@ -86,7 +82,7 @@ class Window(Dataset):
     unplaced: int = 0  # tasks of the whole dataset with no wall-clock time (left out)
 
 
-def parse_window(value: str, tz: str = "UTC") -> tuple[pd.Timestamp | None, pd.Timestamp | None]:
+def parse_window(value: str, tz: str = "UTC") -> Bounds:
     """``START..END`` (ISO times or dates, either side may be empty) -> bounds of [start, end).
 
     A time without a zone is read in ``tz``. A date alone as END includes that whole day (as a
@@ -149,9 +145,8 @@ def cut(ds: Dataset, start: pd.Timestamp | None, end: pd.Timestamp | None, *, tv
     lo, hi = _us(start, -np.inf), _us(end, np.inf)
     subject = (launch >= lo) & (launch < hi)
     if not subject.any():
-        first, last = np.nanmin(launch), np.nanmax(launch)
         raise CompareError(None, None, f"no task was launched in the window {_span_text(start, end)}; "
-                           f"the logs' tasks were launched {_ts(first)} to {_ts(last)}")
+                           f"the logs' tasks were launched {_ts(np.nanmin(launch))} to {_ts(np.nanmax(launch))}")
     ends = _wall(tv.assign(_end_s=tl.task_ends(tv, ds.server.sessions)), offsets, "_end_s")
     queue_us = np.nan_to_num(_f(tv["queue_ms"]) * 1e3 if "queue_ms" in tv.columns else np.zeros(len(tv)))
     begin = launch - queue_us
@@ -159,13 +154,10 @@ def cut(ds: Dataset, start: pd.Timestamp | None, end: pd.Timestamp | None, *, tv
     ctx_hi = max(hi if np.isfinite(hi) else -np.inf, float(np.nanmax(ends[subject])))
     context = (begin < ctx_hi) & (ends > ctx_lo)
     keys = tv.loc[context, tl.GROUP + ["task_id"]]
-    server = ds.server
-    tasks = server.tasks.merge(keys, on=tl.GROUP + ["task_id"], how="inner")
-    server = dataclasses.replace(
-        server, tasks=tasks,
-        gen_samples=_semi(server.gen_samples, keys), prefill_samples=_semi(server.prefill_samples, keys),
-        sessions=server.sessions.merge(keys[tl.GROUP].drop_duplicates(), on=tl.GROUP, how="inner"),
-    )
+    s = ds.server
+    server = dataclasses.replace(s, tasks=_semi(s.tasks, keys), gen_samples=_semi(s.gen_samples, keys),
+                                 prefill_samples=_semi(s.prefill_samples, keys),
+                                 sessions=s.sessions.merge(keys[tl.GROUP].drop_duplicates(), on=tl.GROUP, how="inner"))
     matches, app = ds.matches, ds.app
     if matches is not None:
         calls = matches.calls
@@ -184,15 +176,10 @@ def cut(ds: Dataset, start: pd.Timestamp | None, end: pd.Timestamp | None, *, tv
 def _semi(df: pd.DataFrame, keys: pd.DataFrame) -> pd.DataFrame:
     if df is None or not len(df) or "task_id" not in df.columns:
         return df
-    k = keys.drop_duplicates()
-    return df.merge(k, on=tl.GROUP + ["task_id"], how="inner")
+    return df.merge(keys.drop_duplicates(), on=tl.GROUP + ["task_id"], how="inner")
 
 
-def split(
-    ds: Dataset,
-    before: tuple[pd.Timestamp | None, pd.Timestamp | None],
-    after: tuple[pd.Timestamp | None, pd.Timestamp | None],
-) -> tuple[Window, Window]:
+def split(ds: Dataset, before: Bounds, after: Bounds) -> tuple[Window, Window]:
     """Cut one dataset into a before and an after window (each ``(start, end)``, wall clock)."""
     tv = task_view(ds)
     return cut(ds, *before, tv=tv), cut(ds, *after, tv=tv)
@@ -212,7 +199,8 @@ def _span_text(start: pd.Timestamp | None, end: pd.Timestamp | None) -> str:
 class Side:
     """What one side contributes: per-row samples and the load of its window."""
 
-    turns: pd.DataFrame  # chat turns: wall, measured, ttft_s, new tokens, condition
+    turns: pd.DataFrame  # chat turns with a TTFT: ttft_s, short, condition
+    n_turns: int  # chat turns, measured or not
     tasks: pd.DataFrame  # subject tasks: wait_s, different_lora, prefill_tps, gen_tps, new tokens
     pieces: pd.DataFrame  # long_prefill generation pieces of subject tasks: tok_per_s, cluster
     observed_s: float
@@ -229,27 +217,23 @@ def side(ds: Dataset, opts: Options, short_tokens: int = SHORT_TOKENS) -> Side:
     """Every sample the comparison needs from one dataset or window."""
     tv = task_view(ds)
     offsets = _wall_offsets(ds)
-    launch_us = _wall(tv, offsets, "launch_s")
+    window = isinstance(ds, Window)
     lo, hi = (_us(ds.start, -np.inf), _us(ds.end, np.inf)) if isinstance(ds, Window) else (-np.inf, np.inf)
-    subj = (launch_us >= lo) & (launch_us < hi) if isinstance(ds, Window) else np.ones(len(tv), dtype=bool)
+    launch_us = _wall(tv, offsets, "launch_s")
+    subj = (launch_us >= lo) & (launch_us < hi) if window else np.ones(len(tv), dtype=bool)
     keys = tl.GROUP + ["task_id"]
 
     # Tasks: waits, LoRA waits, speeds.
-    wait_s = _f(tv["wait_before_prefill_ms"]) / 1000
     waits = classify_waits(ds, opts, tv)
     diff_lora = tv[keys].merge(waits.loc[waits["cause"] == "different_lora", keys].assign(_d=True), on=keys, how="left")["_d"]
-    has_lora = ds.matches is not None and "lora" in tv.columns and tv["lora"].notna().any()
-    new = _f(tv["prompt_tokens_new"])
     tasks = pd.DataFrame({
-        "wait_s": wait_s,
+        "wait_s": _f(tv["wait_before_prefill_ms"]) / 1000,
         "different_lora": diff_lora.notna().to_numpy(),
-        "prompt_tokens_new": new,
+        "prompt_tokens_new": _f(tv["prompt_tokens_new"]),
         "prefill_tps": _f(tv["prefill_tps"]),
         "gen_tps": np.where(_f(tv["n_gen"]) >= 2, _f(tv["gen_tps"]), np.nan),
     })[subj].reset_index(drop=True)
-
-    # Chat turns: by their task's launch when matched, else by the call's start.
-    turns = _turns(ds, tv, subj, opts, short_tokens, lo, hi)
+    turns, n_turns = _turns(ds, tv, subj, opts, short_tokens, lo, hi)
 
     # Generation pieces during another slot's long prefill, resampled by that prefill.
     pieces = segment_pieces(ds, opts, tv)
@@ -261,45 +245,37 @@ def side(ds: Dataset, opts: Options, short_tokens: int = SHORT_TOKENS) -> Side:
 
     # Load within the window (or over the whole observed span of a dataset).
     steps = tl.concurrency(tv, ds.server.sessions)
-    if len(steps):
-        a = _wall(steps, offsets, "start_s") if isinstance(ds, Window) else _f(steps["start_s"])
-        z = _wall(steps, offsets, "end_s") if isinstance(ds, Window) else _f(steps["end_s"])
-        scale = 1e6 if isinstance(ds, Window) else 1.0
-        a, z = np.maximum(a, lo), np.minimum(z, hi)
-        secs = np.clip(z - a, 0, None) / scale
-        run = steps["running"].to_numpy()
-        observed, busy2, busy4 = secs.sum(), secs[run >= 2].sum(), secs[run >= BUSY_TASKS].sum()
-        max_running = float(run[secs > 0].max()) if (secs > 0).any() else 0.0
-    else:
-        observed = busy2 = busy4 = max_running = 0.0
-
+    a, z = (_wall(steps, offsets, c) if window and len(steps) else _f(steps[c]) for c in ("start_s", "end_s"))
+    secs = np.clip(np.minimum(z, hi) - np.maximum(a, lo), 0, None) / (1e6 if window else 1.0)
+    run = steps["running"].to_numpy()
     settings, lora_calls = _settings(ds, tv, subj, lo, hi)
-    return Side(turns=turns, tasks=tasks, pieces=pieces, observed_s=float(observed), busy2_s=float(busy2),
-                busy4_s=float(busy4), max_running=max_running, has_app=ds.matches is not None,
-                has_lora=bool(has_lora), settings=settings, lora_calls=lora_calls)
+    return Side(turns=turns, n_turns=n_turns, tasks=tasks, pieces=pieces, observed_s=float(secs.sum()),
+                busy2_s=float(secs[run >= 2].sum()), busy4_s=float(secs[run >= BUSY_TASKS].sum()),
+                max_running=float(run[secs > 0].max()) if (secs > 0).any() else 0.0,
+                has_app=ds.matches is not None,
+                has_lora=ds.matches is not None and "lora" in tv.columns and bool(tv["lora"].notna().any()),
+                settings=settings, lora_calls=lora_calls)
 
 
 def _turns(ds: Dataset, tv: pd.DataFrame, subj: np.ndarray, opts: Options, short_tokens: int,
-           lo: float, hi: float) -> pd.DataFrame:
+           lo: float, hi: float) -> tuple[pd.DataFrame, int]:
+    """The chat turns with a TTFT, and how many chat turns there were: by their task's launch
+    when matched, else by the call's start."""
     if ds.matches is None:
-        return pd.DataFrame({"measured": pd.Series(dtype=bool), "ttft_s": pd.Series(dtype="float64"),
-                             "short": pd.Series(dtype=bool), "condition": pd.Series(dtype="object")})
+        return pd.DataFrame({"ttft_s": np.zeros(0), "short": np.zeros(0, dtype=bool), "condition": []}), 0
     keys = tl.GROUP + ["task_id"]
     calls = ds.matches.calls
     calls = calls[is_chat_turn(calls["purpose"]).to_numpy()]
-    matched = calls["task_id"].notna().to_numpy()
     if np.isfinite(lo) or np.isfinite(hi):
         # A matched call belongs where its task does (a task outside the window may be context).
-        sub_keys = tv.loc[subj, keys].assign(_s=True)
-        in_task = calls[keys].merge(sub_keys, on=keys, how="left")["_s"].notna().to_numpy()
-        calls = calls[np.where(matched, in_task, _in_window(calls, lo, hi))]
+        in_task = calls[keys].merge(tv.loc[subj, keys].assign(_s=True), on=keys, how="left")["_s"].notna().to_numpy()
+        calls = calls[np.where(calls["task_id"].notna().to_numpy(), in_task, _in_window(calls, lo, hi))]
     measured = (calls["ok"].fillna(False).astype(bool) & calls["task_id"].notna() & calls["ttft_ms"].notna()).to_numpy()
     t = calls.loc[measured, keys + ["ttft_ms"]].merge(
         tv[keys + ["launch_s", "first_token_s", "prompt_tokens_new", "queue_ms", "release_s", "prefill_start_s"]],
         on=keys, how="left")
     launch = _f(t["launch_s"])
-    q = np.nan_to_num(_f(t["queue_ms"]) / 1000)
-    span = t[tl.GROUP].assign(start_s=launch - q, end_s=_f(t["first_token_s"]))
+    span = t[tl.GROUP].assign(start_s=launch - np.nan_to_num(_f(t["queue_ms"]) / 1000), end_s=_f(t["first_token_s"]))
     # What else ran: every task from launch to end, the turn's own left out.
     run = tv[tl.GROUP].assign(start_s=_f(tv["launch_s"]), end_s=tl.task_ends(tv, ds.server.sessions))
     own_end = t[keys].merge(tv[keys].assign(_e=run["end_s"].to_numpy()), on=keys, how="left")["_e"].to_numpy(dtype="float64")
@@ -310,11 +286,9 @@ def _turns(ds: Dataset, tv: pd.DataFrame, subj: np.ndarray, opts: Options, short
     big_cov = tl.overlaps(span, big, own_start=np.where(own_big, _f(t["prefill_start_s"]), np.nan),
                           own_end=np.where(own_big, _f(t["first_token_s"]), np.nan))["covered_s"].to_numpy()
     condition = np.select([big_cov > 0, others >= 1], CONDITIONS[:0:-1], CONDITIONS[0])
-    out = pd.DataFrame({"measured": np.ones(len(t), dtype=bool), "ttft_s": _f(t["ttft_ms"]) / 1000,
-                        "short": (_f(t["prompt_tokens_new"]) < short_tokens), "condition": condition})
-    unmeasured = pd.DataFrame({"measured": np.zeros(int((~measured).sum()), dtype=bool), "ttft_s": np.nan,
-                               "short": False, "condition": None})
-    return pd.concat([out, unmeasured], ignore_index=True) if len(unmeasured) else out
+    out = pd.DataFrame({"ttft_s": _f(t["ttft_ms"]) / 1000, "short": (_f(t["prompt_tokens_new"]) < short_tokens),
+                        "condition": condition})
+    return out, len(out) + int((~measured).sum())
 
 
 def _in_window(calls: pd.DataFrame, lo: float, hi: float) -> np.ndarray:
@@ -470,10 +444,11 @@ def few_caution(e: Estimate, unit: str, min_samples: int) -> str:
     return f"only {what}: too few to call an effect; {tail}"
 
 
-def _ratio(a: float, b: float) -> float:
+def _differs(a: float, b: float, text: str) -> str:
+    """``text`` when ``a`` and ``b`` differ by more than ``LOAD_RATIO`` (either not positive: when the other is)."""
     if not (math.isfinite(a) and math.isfinite(b)) or min(a, b) <= 0:
-        return math.inf if max(a, b) > 0 else 1.0
-    return max(a, b) / min(a, b)
+        return text if max(a, b) > 0 else ""
+    return text if max(a, b) / min(a, b) > LOAD_RATIO else ""
 
 
 def _join(*parts: str) -> str:
@@ -481,8 +456,7 @@ def _join(*parts: str) -> str:
 
 
 def _row(label: str, e: Estimate, caution: str, name_col: str) -> dict[str, object]:
-    return {name_col: label, "before": e.before, "after": e.after, "before_n": e.before_n, "after_n": e.after_n,
-            "diff": e.diff, "ci_low": e.ci_low, "ci_high": e.ci_high, "caution": caution}
+    return {name_col: label, **dataclasses.asdict(e), "caution": caution}
 
 
 def _load_row(label: str, b: float, a: float, caution: str = "", n: tuple[int, int] | None = None) -> dict[str, object]:
@@ -492,8 +466,8 @@ def _load_row(label: str, b: float, a: float, caution: str = "", n: tuple[int, i
 
 def _overall(b: Side, a: Side, opts: Options, seed: int, n_boot: int) -> pd.DataFrame:
     ms = opts.min_samples
-    tb, ta = len(b.turns), len(a.turns)
-    tph_b, tph_a = (len(s.turns) / (s.observed_s / 3600) if s.observed_s > 0 else np.nan for s in (b, a))
+    tb, ta = b.n_turns, a.n_turns
+    tph_b, tph_a = (s.n_turns / (s.observed_s / 3600) if s.observed_s > 0 else np.nan for s in (b, a))
     share_b, share_a = (s.busy2_s / s.observed_s if s.observed_s > 0 else np.nan for s in (b, a))
     long_b, long_a = (int((s.tasks["prompt_tokens_new"] >= opts.long_prefill_tokens).sum()) for s in (b, a))
     load = f"load differs by more than {LOAD_RATIO - 1:.0%}: differences in time may come from the traffic"
@@ -501,10 +475,10 @@ def _overall(b: Side, a: Side, opts: Options, seed: int, n_boot: int) -> pd.Data
         _load_row("turns", tb, ta, few_caution(Estimate(tb, ta, tb, ta, ta - tb, np.nan, np.nan, np.nan), "turns", ms)
                   if (b.has_app and a.has_app) else "needs an app log on both sides", (tb, ta)),
         _load_row("observed_s", b.observed_s, a.observed_s,
-                  "windows of different length: compare rates, not counts" if _ratio(b.observed_s, a.observed_s) > LOAD_RATIO else ""),
-        _load_row("turns_per_hour", tph_b, tph_a, load if _ratio(tph_b, tph_a) > LOAD_RATIO else "", (tb, ta)),
+                  _differs(b.observed_s, a.observed_s, "windows of different length: compare rates, not counts")),
+        _load_row("turns_per_hour", tph_b, tph_a, _differs(tph_b, tph_a, load), (tb, ta)),
         _load_row("time_2plus_running_s", b.busy2_s, a.busy2_s),
-        _load_row("share_2plus_running", share_b, share_a, load if _ratio(share_b, share_a) > LOAD_RATIO else ""),
+        _load_row("share_2plus_running", share_b, share_a, _differs(share_b, share_a, load)),
         _load_row(f"time_{BUSY_TASKS}plus_running_s", b.busy4_s, a.busy4_s,
                   _one_sided(b.busy4_s, a.busy4_s, f"{BUSY_TASKS}+ tasks running at once")),
         _load_row("max_concurrency", b.max_running, a.max_running),
@@ -512,9 +486,8 @@ def _overall(b: Side, a: Side, opts: Options, seed: int, n_boot: int) -> pd.Data
                   _one_sided(long_b, long_a, f"prefills of {opts.long_prefill_tokens:,}+ new tokens")),
     ]
     for kind, label in (("median", "ttft_median_s"), ("p95", "ttft_p95_s")):
-        tb_v = b.turns.loc[b.turns["measured"], "ttft_s"].to_numpy(dtype="float64")
-        ta_v = a.turns.loc[a.turns["measured"], "ttft_s"].to_numpy(dtype="float64")
-        e = estimate(label, tb_v, ta_v, kind, seed=seed, n_boot=n_boot)
+        e = estimate(label, b.turns["ttft_s"].to_numpy(dtype="float64"), a.turns["ttft_s"].to_numpy(dtype="float64"),
+                     kind, seed=seed, n_boot=n_boot)
         rows.append(_row(label, e, few_caution(e, "turns", ms), "metric"))
     out = pd.DataFrame(rows)
     for c in ("before_n", "after_n"):
@@ -530,125 +503,116 @@ def _one_sided(b: float, a: float, what: str) -> str:
 
 
 def _same_conditions(b: Side, a: Side, opts: Options, short_tokens: int, seed: int, n_boot: int) -> pd.DataFrame:
+    big = f"{opts.big_prefill_tokens:,}+ new tokens"
     definitions = {
         "nothing_else_running": "no other task ran during the turn's queue, wait and prefill",
-        "overlapping_another_task": f"other tasks ran meanwhile, none prefilling {opts.big_prefill_tokens:,}+ new tokens",
-        "overlapping_prefill_5k_plus": f"another task's prefill of {opts.big_prefill_tokens:,}+ new tokens ran meanwhile",
+        "overlapping_another_task": f"other tasks ran meanwhile, none prefilling {big}",
+        "overlapping_prefill_5k_plus": f"another task's prefill of {big} ran meanwhile",
     }
     rows = []
     for cond in CONDITIONS:
-        vb, va = _short_ttft(b, cond), _short_ttft(a, cond)
+        vb, va = (s.turns.loc[s.turns["short"] & (s.turns["condition"] == cond), "ttft_s"].to_numpy(dtype="float64")
+                  for s in (b, a))
         e = estimate(f"same-conditions:{cond}", vb, va, "median", seed=seed, n_boot=n_boot)
-        p90b, p90a = _point(vb[np.isfinite(vb)], "p90"), _point(va[np.isfinite(va)], "p90")
-        caution = few_caution(e, "turns", opts.min_samples)
+        caution = _join(_one_sided(len(vb), len(va), "this condition"), few_caution(e, "turns", opts.min_samples))
         if not (b.has_app and a.has_app):
             caution = "needs an app log on both sides (which calls are chat turns, their queue time)"
-        elif (len(vb) == 0) != (len(va) == 0):
-            caution = _join(_one_sided(len(vb), len(va), "this condition"), caution)
-        rows.append({"condition": cond, "before_median_s": e.before, "before_p90_s": p90b, "before_n": e.before_n,
-                     "after_median_s": e.after, "after_p90_s": p90a, "after_n": e.after_n,
-                     "diff_median_s": e.diff, "ci_low": e.ci_low, "ci_high": e.ci_high, "caution": caution,
-                     "definition": f"short turns (< {short_tokens:,} new tokens): {definitions[cond]}"})
+        rows.append({"condition": cond, "before_median_s": e.before, "before_p90_s": _point(vb[np.isfinite(vb)], "p90"),
+                     "before_n": e.before_n, "after_median_s": e.after, "after_p90_s": _point(va[np.isfinite(va)], "p90"),
+                     "after_n": e.after_n, "diff_median_s": e.diff, "ci_low": e.ci_low, "ci_high": e.ci_high,
+                     "caution": caution, "definition": f"short turns (< {short_tokens:,} new tokens): {definitions[cond]}"})
     return _rounded(pd.DataFrame(rows), SAME_COLUMNS)
 
 
-def _short_ttft(s: Side, condition: str) -> np.ndarray:
-    t = s.turns
-    return t.loc[t["measured"] & t["short"] & (t["condition"] == condition), "ttft_s"].to_numpy(dtype="float64")
+def _waits(s: Side) -> pd.DataFrame:
+    """Subject tasks whose wait before prefill is known."""
+    return s.tasks[np.isfinite(s.tasks["wait_s"])]
+
+
+def _over(s: Side, o: Options) -> np.ndarray:
+    """Each known wait of at least the threshold, the shorter ones as 0."""
+    w = _waits(s)["wait_s"]
+    return w.to_numpy() * (w >= o.wait_threshold_s).to_numpy()
+
+
+# The indicators, in their order: statistic, the samples' unit (for cautions), one side's samples.
+_INDICATOR_DEFS: dict[str, tuple[str, str, Callable[[Side, Options], np.ndarray]]] = {
+    "gen_tps_during_long_prefill": ("median", "stretches of generation", lambda s, o: s.pieces["tok_per_s"].to_numpy()),
+    "waits_over_1s_count": ("sum", "tasks", lambda s, o: (_waits(s)["wait_s"] >= o.wait_threshold_s).to_numpy(float)),
+    "waits_over_1s_total_s": ("sum", "tasks", _over),
+    "waits_over_1s_max_s": ("max", "tasks", _over),
+    "waits_different_lora_count": ("sum", "tasks", lambda s, o: (
+        _waits(s)["different_lora"] & (_waits(s)["wait_s"] >= o.wait_threshold_s)).to_numpy(float)),
+    "prefill_tps_5k_plus": ("median", "prefills", lambda s, o: s.tasks.loc[
+        s.tasks["prompt_tokens_new"] >= o.big_prefill_tokens, "prefill_tps"].to_numpy(dtype="float64")),
+    "gen_tps_median": ("median", "tasks", lambda s, o: s.tasks["gen_tps"].to_numpy(dtype="float64")),
+}
+INDICATORS = list(_INDICATOR_DEFS)
 
 
 def _indicators(b: Side, a: Side, opts: Options, seed: int, n_boot: int) -> pd.DataFrame:
     ms = opts.min_samples
-    thr = opts.wait_threshold_s
-    rows = []
-    e = estimate("gen_tps_during_long_prefill", b.pieces["tok_per_s"].to_numpy(), a.pieces["tok_per_s"].to_numpy(),
-                 "median", seed=seed, n_boot=n_boot, before_clusters=b.pieces["cluster"].to_numpy(),
-                 after_clusters=a.pieces["cluster"].to_numpy())
     events = [(s.pieces["cluster"].nunique(), n) for s, n in ((b, "before"), (a, "after"))]
-    few_events = [f"{k} {name}" for k, name in events if 0 < k < ms]
-    rows.append(_row("gen_tps_during_long_prefill", e, _join(
-        few_caution(e, "stretches of generation", ms),
-        f"the stretches come from few long prefills ({', '.join(few_events)}): not independent samples" if few_events else ""),
-        "indicator"))
-
-    def w(s: Side) -> pd.DataFrame:
-        return s.tasks[np.isfinite(s.tasks["wait_s"])]
-
-    wb, wa = w(b), w(a)
-    over_b, over_a = (wb["wait_s"] >= thr).to_numpy(), (wa["wait_s"] >= thr).to_numpy()
-    for name, kind, vb, va in (
-        ("waits_over_1s_count", "sum", over_b.astype(float), over_a.astype(float)),
-        ("waits_over_1s_total_s", "sum", wb["wait_s"].to_numpy() * over_b, wa["wait_s"].to_numpy() * over_a),
-        ("waits_over_1s_max_s", "max", wb["wait_s"].to_numpy() * over_b, wa["wait_s"].to_numpy() * over_a),
-    ):
-        e = estimate(name, vb, va, kind, seed=seed, n_boot=n_boot)
-        length = "counted over windows of different length" if (
-            kind == "sum" and _ratio(b.observed_s, a.observed_s) > LOAD_RATIO) else ""
-        rows.append(_row(name, e, _join(few_caution(e, "tasks", ms), length), "indicator"))
-    if b.has_lora and a.has_lora:
-        e = estimate("waits_different_lora_count", (wb["different_lora"] & (wb["wait_s"] >= thr)).to_numpy(float),
-                     (wa["different_lora"] & (wa["wait_s"] >= thr)).to_numpy(float), "sum", seed=seed, n_boot=n_boot)
-        rows.append(_row("waits_different_lora_count", e, few_caution(e, "tasks", ms), "indicator"))
-    else:
-        rows.append(_row("waits_different_lora_count", Estimate(np.nan, np.nan, 0, 0, np.nan, np.nan, np.nan, np.nan),
-                         "needs an app log with each call's LoRA setting on both sides", "indicator"))
-
-    def big(s: Side) -> np.ndarray:
-        t = s.tasks
-        return t.loc[t["prompt_tokens_new"] >= opts.big_prefill_tokens, "prefill_tps"].to_numpy(dtype="float64")
-
-    e = estimate("prefill_tps_5k_plus", big(b), big(a), "median", seed=seed, n_boot=n_boot)
-    rows.append(_row("prefill_tps_5k_plus", e, few_caution(e, "prefills", ms), "indicator"))
-    e = estimate("gen_tps_median", b.tasks["gen_tps"].to_numpy(dtype="float64"), a.tasks["gen_tps"].to_numpy(dtype="float64"),
-                 "median", seed=seed, n_boot=n_boot)
-    rows.append(_row("gen_tps_median", e, few_caution(e, "tasks", ms), "indicator"))
-    out = pd.DataFrame(rows)
-    out["indicator"] = pd.Categorical(out["indicator"], categories=INDICATORS)
-    out = out.sort_values("indicator").reset_index(drop=True)
-    out["indicator"] = out["indicator"].astype(str)
-    for c in ("before_n", "after_n"):
-        out[c] = out[c].astype("int64")
-    return _rounded(out, INDICATOR_COLUMNS)
+    few_events = ", ".join(f"{k} {name}" for k, name in events if 0 < k < ms)
+    length = _differs(b.observed_s, a.observed_s, "counted over windows of different length")
+    extra = {  # cautions besides too few samples
+        "gen_tps_during_long_prefill":
+            f"the stretches come from few long prefills ({few_events}): not independent samples" if few_events else "",
+        "waits_over_1s_count": length,
+        "waits_over_1s_total_s": length,
+    }
+    rows = []
+    for name, (kind, unit, samples) in _INDICATOR_DEFS.items():
+        if name == "waits_different_lora_count" and not (b.has_lora and a.has_lora):
+            rows.append(_row(name, Estimate(np.nan, np.nan, 0, 0, np.nan, np.nan, np.nan, np.nan),
+                             "needs an app log with each call's LoRA setting on both sides", "indicator"))
+            continue
+        pieces = name == "gen_tps_during_long_prefill"  # resampled by the prefill that caused them
+        e = estimate(name, samples(b, opts), samples(a, opts), kind, seed=seed, n_boot=n_boot,
+                     before_clusters=b.pieces["cluster"].to_numpy() if pieces else None,
+                     after_clusters=a.pieces["cluster"].to_numpy() if pieces else None)
+        rows.append(_row(name, e, _join(few_caution(e, unit, ms), extra.get(name, "")), "indicator"))
+    return _rounded(pd.DataFrame(rows), INDICATOR_COLUMNS)
 
 
 _HUMAN = {"chunk_tokens": "n_batch", "lora": "LoRA", "n_slots": "the slot count", "n_ctx_slot": "the context size",
           "model": "the model", "build": "the server build"}
+_UNKNOWN_NOTES = {
+    "model": "no `loading model` line in the sessions' logs (they start after it); compare the model files by hand",
+    "build": "no build line (llama-server prints it at -lv 4 only); compare `llama-server --version` by hand",
+    "lora": "needs an app log with each call's LoRA setting",
+    "chunk_tokens": "no prefill progress lines (prefills under 3 s)",
+}
 
 
-def _changes(b: Side, a: Side) -> pd.DataFrame:
+def _changes(b: Side, a: Side) -> tuple[pd.DataFrame, str]:
+    """The settings table, and the caution when several settings changed at once ('' if not)."""
     rows = []
     slots = max([int(x) for s in (b, a) for x in s.settings["n_slots"].split(", ") if x.isdigit()] or [0])
+    changed: object
     for key in ("n_slots", "n_ctx_slot", "chunk_tokens", "model", "build", "lora"):
         vb, va = b.settings[key], a.settings[key]
-        note = ""
         if UNKNOWN in (vb, va):
-            changed: object = pd.NA
-            note = {"model": "no `loading model` line in the sessions' logs (they start after it); compare the model files by hand",
-                    "build": "no build line (llama-server prints it at -lv 4 only); compare `llama-server --version` by hand",
-                    "lora": "needs an app log with each call's LoRA setting",
-                    "chunk_tokens": "no prefill progress lines (prefills under 3 s)"}.get(key, "")
+            changed, note = pd.NA, _UNKNOWN_NOTES.get(key, "")
         elif key == "chunk_tokens":
             # A pass takes n_batch minus one token per generating slot from a prefill.
             changed = abs(int(vb) - int(va)) > slots
             note = "prompt tokens one pass takes from a prefill (n_batch minus generating slots), from progress lines"
         else:
-            changed = vb != va
-        if key == "lora" and UNKNOWN not in (vb, va):
-            note = f"calls by setting: {b.lora_calls} -> {a.lora_calls}"
+            changed, note = vb != va, (f"calls by setting: {b.lora_calls} -> {a.lora_calls}" if key == "lora" else "")
         rows.append({"setting": key, "before": vb, "after": va, "changed": changed, "note": note})
     out = pd.DataFrame(rows, columns=CHANGE_COLUMNS)
     out["changed"] = pd.array(out["changed"], dtype="boolean")
-    return out
-
-
-def _multiple(changes: pd.DataFrame) -> str:
-    names = changes.loc[changes["changed"].fillna(False).astype(bool), "setting"].tolist()
+    changed_now = out["changed"].fillna(False).astype(bool)
+    names = out.loc[changed_now, "setting"].tolist()
     if len(names) < 2:
-        return ""
+        return out, ""
+    out.loc[changed_now, "note"] = out["note"].where(out["note"] == "", out["note"] + "; ") \
+        + "changed together with another setting"
     human = [_HUMAN.get(n, n) for n in names]
     both = " and ".join(human) if len(human) == 2 else ", ".join(human[:-1]) + " and " + human[-1]
-    return (f"{len(names)} settings changed at once ({', '.join(names)}): the effects of {both} can't be "
-            f"separated by this comparison; compare runs that differ in one setting to tell them apart")
+    return out, (f"{len(names)} settings changed at once ({', '.join(names)}): the effects of {both} can't be "
+                 f"separated by this comparison; compare runs that differ in one setting to tell them apart")
 
 
 def _rounded(df: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
@@ -659,48 +623,33 @@ def _rounded(df: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
     return df
 
 
-def compare(
-    before: Dataset,
-    after: Dataset,
-    opts: Options | None = None,
-    *,
-    seed: int = 0,
-    n_boot: int = 2000,
-    short_tokens: int = SHORT_TOKENS,
-) -> dict[str, pd.DataFrame]:
+def compare(before: Dataset, after: Dataset, opts: Options | None = None, *, seed: int = 0, n_boot: int = 2000,
+            short_tokens: int = SHORT_TOKENS) -> dict[str, pd.DataFrame]:
     """The comparison's tables: ``overall``, ``same-conditions``, ``indicators``, ``changes`` and
     ``cautions`` (what limits the reading, one sentence a row). Differences are after - before."""
     opts = opts or Options()
     b, a = side(before, opts, short_tokens), side(after, opts, short_tokens)
+    changes, multiple = _changes(b, a)
     tables = {
         "overall": _overall(b, a, opts, seed, n_boot),
         "same-conditions": _same_conditions(b, a, opts, short_tokens, seed, n_boot),
         "indicators": _indicators(b, a, opts, seed, n_boot),
-        "changes": _changes(b, a),
+        "changes": changes,
     }
-    multiple = _multiple(tables["changes"])
-    if multiple:
-        ch = tables["changes"]
-        ch.loc[ch["changed"].fillna(False).astype(bool), "note"] = ch["note"].where(ch["note"] == "", ch["note"] + "; ") \
-            + "changed together with another setting"
-    tables["cautions"] = _cautions(before, after, b, a, tables, multiple)
+    tables["cautions"] = _cautions(before, after, b, a, tables["overall"], multiple)
     return tables
 
 
-def _cautions(before: Dataset, after: Dataset, b: Side, a: Side, tables: dict[str, pd.DataFrame], multiple: str) -> pd.DataFrame:
-    rows: list[tuple[str, str]] = []
-    if multiple:
-        rows.append(("changes", multiple))
-    ov = tables["overall"].set_index("metric")
+def _cautions(before: Dataset, after: Dataset, b: Side, a: Side, overall: pd.DataFrame, multiple: str) -> pd.DataFrame:
+    rows = [("changes", multiple)] if multiple else []
+    ov = overall.set_index("metric")
     for metric in ("turns_per_hour", "share_2plus_running"):
         if ov.loc[metric, "caution"]:
             vb, va = ov.loc[metric, "before"], ov.loc[metric, "after"]
             rows.append(("load", f"load differs between the sides by more than {LOAD_RATIO - 1:.0%} ({metric} "
                                  f"{vb:,.3g} before, {va:,.3g} after): a difference in time may come from the traffic, "
                                  "not from the change; trust same-conditions and indicators over overall"))
-    for metric in ov.index:
-        if ov.loc[metric, "caution"] and "happened" in str(ov.loc[metric, "caution"]):
-            rows.append(("conditions", str(ov.loc[metric, "caution"])))
+    rows += [("conditions", str(c)) for c in ov["caution"] if c and "happened" in str(c)]
     if ov.loc["observed_s", "caution"]:
         rows.append(("windows", f"the sides cover {b.observed_s / 60:,.1f} and {a.observed_s / 60:,.1f} minutes: "
                                 "counts and totals (turns, waits) are not comparable as they stand"))
@@ -762,8 +711,7 @@ def _with_notes(df: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
     """Text columns (caution, note) leave the table and are listed under it by row, so the
     numbers keep their width."""
     text_cols = [c for c in ("caution", "note") if c in df.columns]
-    first = df.columns[0]
-    notes = [f"{label}: {text}" for label, *cells in df[[first] + text_cols].itertuples(index=False)
+    notes = [f"{label}: {text}" for label, *cells in df[[df.columns[0]] + text_cols].itertuples(index=False)
              for text in cells if isinstance(text, str) and text]
     return df.drop(columns=text_cols), notes
 
@@ -788,8 +736,8 @@ def _num(v: float) -> str:
 class Sides:
     """What ``--before``/``--after`` ask for: two windows of one set of logs, or two sets of logs."""
 
-    before_window: tuple[pd.Timestamp | None, pd.Timestamp | None] | None = None
-    after_window: tuple[pd.Timestamp | None, pd.Timestamp | None] | None = None
+    before_window: Bounds | None = None
+    after_window: Bounds | None = None
     before_paths: tuple[str, ...] = ()
     after_paths: tuple[str, ...] = ()
 
