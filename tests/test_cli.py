@@ -220,3 +220,20 @@ def test_a_tmpdir_that_is_not_a_directory_is_one_clear_error(kind: str, tmp_path
     assert res.exit_code == 1
     assert res.stderr.strip().splitlines()[-1].startswith(f"error: {bad}: TMPDIR is not a directory: cannot write ")
     assert "Traceback" not in res.stderr
+
+
+def test_an_app_log_with_no_usable_call_gives_the_report_and_counts_its_lines(tmp_path: Path) -> None:
+    """Every call's start time unreadable (the real app log's, spoiled): no call to join, so
+    the report is the server log's, and each app line is counted as unrecognized."""
+    import json
+    import shutil
+
+    logs = REAL / "before" / "logs"
+    shutil.copy(logs / "llama-server.log", tmp_path / "llama-server.log")
+    records = [json.loads(line) for line in (logs / "app.jsonl").read_text().splitlines()]
+    spoiled = [{**r, "start": "not a time", "end": "not a time"} for r in records]
+    (tmp_path / "app.jsonl").write_text("".join(json.dumps(r) + "\n" for r in spoiled))
+    res = run("analyze", str(tmp_path))
+    assert res.exit_code == 0, res.stderr
+    assert "Traceback" not in res.stderr and "could not compute" not in res.stdout + res.stderr
+    assert f"app.jsonl (app): {len(records)} lines, used 0, ignored 0, unrecognized {len(records)}" in res.stderr

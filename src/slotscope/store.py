@@ -151,15 +151,16 @@ class ColumnWriter:
     def add_part(self, df: pd.DataFrame) -> None:
         """The next rows, every column (the first part's columns, dtypes and Arrow types: a
         column of Python objects all missing there must be so in every part)."""
-        if self.n is None:
-            self.n = 0
-            self.schema = pa.Schema.from_pandas(df, preserve_index=False)
-            self.dtypes = {c: df[c].dtype for c in df.columns}
-        if list(df.columns) != list(self.dtypes) or any(df[c].dtype != self.dtypes[c] for c in df.columns):
+        if self.n is not None and (list(df.columns) != list(self.dtypes) or any(df[c].dtype != self.dtypes[c] for c in df.columns)):
             raise ValueError(f"{self.what}: a part's columns or dtypes differ from the first part's")
         with self._guard():
-            # One conversion a part, in one chunk (see add).
+            # One conversion a part, in one chunk (see add); the types are those the first part
+            # converted to (a category with no categories yet: its values' type, not Arrow's
+            # guess from the dtype alone, null, which no later text would fit).
             table = pa.Table.from_pandas(df, preserve_index=False, schema=self.schema).combine_chunks()
+        if self.n is None:
+            self.n, self.schema = 0, table.schema
+            self.dtypes = {c: df[c].dtype for c in df.columns}
         self.n += len(df)
         if self.n <= SMALL_ROWS:
             self._held_parts.append(table)
