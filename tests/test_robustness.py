@@ -141,3 +141,18 @@ def test_a_log_replaced_while_it_is_read_is_an_error_not_a_mix(tmp_path: Path) -
     os.replace(new, log)  # (same bytes, another file: as a rotation leaves it)
     with pytest.raises(InputError, match="replaced while it was read"):
         read_span(spans[1])
+
+
+def test_one_nul_byte_near_the_start_leaves_a_text_log_read(tmp_path: Path) -> None:
+    """A stray NUL in the first 4 KiB (a crash, a disk hiccup) made the whole log 'binary'.
+    Text is judged by its share: the same tasks, every line counted."""
+    raw = (REAL / "before" / "logs" / "llama-server.log").read_bytes()
+    at = raw.index(b"\n", 1000)
+    log = tmp_path / "llama-server.log"
+    log.write_bytes(raw[:at] + b"\x00" + raw[at:])
+    want = read_server_logs([str(REAL / "before" / "logs" / "llama-server.log")])
+    got = read_server_logs([str(log)])
+    assert got.accounting.lines == want.accounting.lines
+    assert got.accounting.used + got.accounting.ignored + got.accounting.unrecognized == got.accounting.lines
+    pd.testing.assert_frame_equal(got.tasks.drop(columns=["source", "file"], errors="ignore"),
+                                  want.tasks.drop(columns=["source", "file"], errors="ignore"))
