@@ -22,7 +22,6 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 from rich import box
-from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
 
@@ -452,70 +451,54 @@ def _cell(v: object) -> str:
     return str(v)
 
 
-def rich_table(df: pd.DataFrame, title: str | None = None, max_rows: int | None = None, tight: bool = False) -> Table:
-    """A rich Table of a DataFrame (numbers right-aligned, blanks for missing values).
-
-    ``tight``: each column exactly as wide as its values or its header's longest word, the
-    header wrapped to it (rich's own shrinking does not respect the values' widths)."""
+def rich_table(df: pd.DataFrame, title: str | None = None, max_rows: int | None = None) -> Table:
+    """A rich Table of a DataFrame (numbers right-aligned, blanks for missing values): each
+    column exactly as wide as its values (up to 24 characters; longer ones fold) or its
+    header's longest word, the header wrapped between words to it."""
     table = Table(title=title, title_justify="left", show_lines=False, pad_edge=False, header_style="bold",
                   box=box.SIMPLE_HEAD, collapse_padding=True)
     rows = df if max_rows is None else df.head(max_rows)
-    cells = [[_cell(v) for v in rows[c].tolist()] for c in rows.columns]
-    for c, col_cells in zip(df.columns, cells):
+    for c, (cells, width) in _columns(rows).items():
         numeric = pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c])
-        # Values keep their width; long headers wrap instead.
-        width = min(max((len(x) for x in col_cells), default=0), 24)
-        header = str(c).replace("_", " ")
-        fixed = max([width, *(len(w) for w in header.split())]) if tight else None
-        table.add_column(header, justify="right" if numeric else "left", overflow="fold", min_width=width, width=fixed)
-    for rec in zip(*cells):
+        table.add_column(_header(c), justify="right" if numeric else "left", overflow="fold", width=width)
+    for rec in zip(*(cells for cells, _ in _columns(rows).values())):
         table.add_row(*rec)
     if max_rows is not None and len(df) > max_rows:
         table.caption = f"{len(df) - max_rows:,} more rows; use --format csv for all"
     return table
 
 
+def _header(c: object) -> str:
+    return str(c).replace("_", " ")
+
+
+def _columns(rows: pd.DataFrame) -> dict[object, tuple[list[str], int]]:
+    """Each column's cells and width (see :func:`rich_table`)."""
+    out = {}
+    for c in rows.columns:
+        cells = [_cell(v) for v in rows[c].tolist()]
+        width = min(max((len(x) for x in cells), default=0), 24)
+        out[c] = (cells, max([width, *(len(w) for w in _header(c).split())]))
+    return out
+
+
 def print_table(console: Console, df: pd.DataFrame, title: str | None = None, max_rows: int | None = None,
                 caption: str | None = None) -> None:
-    """Print ``df`` as :func:`rich_table` does, but never wider than the console: a table whose
-    columns cannot fit (even with headers wrapped) is printed as several, each with a row
-    number ``#`` and as many columns as fit, in order. (A table wider than the console would
-    lose its last columns, cut off at the edge.)"""
-    table = rich_table(df, title=title, max_rows=max_rows)
-    if caption:
-        table.caption = f"{table.caption}; {caption}" if table.caption else caption
-    if len(df.columns) < 2 or _fits(console.width, table):
-        console.print(table)
-        return
-    tight = rich_table(df, title=title, max_rows=max_rows, tight=True)
-    tight.caption = table.caption
-    if _fits(console.width, tight):
-        console.print(tight)
-        return
+    """Print ``df`` as :func:`rich_table` does, never wider than the console and never a value
+    cut: the columns that fit, in order, and a caption naming the others (``--format csv``
+    shows every column). A table wider than the console would lose its last columns at the
+    edge, or rich would squeeze them into words broken over lines."""
     rows = df if max_rows is None else df.head(max_rows)
-    numbered = rows.reset_index(drop=True)
-    numbered.insert(0, "#", np.arange(1, len(numbered) + 1))
-    groups: list[list[str]] = []
-    for c in rows.columns:
-        if groups and _fits(console.width, rich_table(numbered[["#", *groups[-1], c]], tight=True)):
-            groups[-1].append(c)
-        else:
-            groups.append([c])
-    for i, cols in enumerate(groups):
-        part = rich_table(numbered[["#", *cols]], title=title if i == 0 else None, tight=True)
-        if i == len(groups) - 1:
-            part.caption = table.caption
-        console.print(part)
-
-
-def _fits(width: int, table: Table) -> bool:
-    """Whether the table can be drawn in ``width`` columns without cutting a value: drawn and
-    looked at, since rich's own measure of these tables comes out a few short. A table of
-    fixed widths (``tight``) is drawn at its own width (given less, rich would squeeze it)."""
-    buf = io.StringIO()
-    fixed = all(c.width is not None for c in table.columns)
-    Console(file=buf, width=10_000 if fixed else width, soft_wrap=False, color_system=None).print(table, crop=False)
-    return max((cell_len(line) for line in buf.getvalue().splitlines()), default=0) <= width
+    # A column takes its width and a space each side (what rich draws these tables with).
+    ends = np.cumsum([w + 2 for _, w in _columns(rows).values()])
+    n = max(1, int(np.searchsorted(ends, console.width, "right")))
+    table = rich_table(df.iloc[:, :n], title=title, max_rows=max_rows)
+    hidden = [str(c) for c in df.columns[n:]]
+    notes = [table.caption, caption]
+    if hidden:
+        notes.append(f"{len(hidden)} more column{'s' if len(hidden) > 1 else ''} ({', '.join(hidden)}): --format csv shows all")
+    table.caption = "; ".join(x for x in notes if x) or None
+    console.print(table)
 
 
 @contextmanager
