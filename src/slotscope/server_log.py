@@ -137,13 +137,10 @@ def _split(block: bytes, last_ends: bool) -> pa.StringArray:
     """
     raw = np.frombuffer(block, np.uint8)
     nl = np.flatnonzero(raw == 10)
-    n = len(nl) + (0 if last_ends else 1)
-    off = np.empty(n + 1, np.int32)
-    off[0] = 0
+    off = np.zeros(len(nl) + (1 if last_ends else 2), np.int32)
     off[1 : len(nl) + 1] = nl + 1
-    if len(nl) < n:  # the last line has no newline (end of input)
-        off[n] = len(block)
-    return pa.StringArray.from_buffers(n, pa.py_buffer(off), pa.py_buffer(block))
+    off[len(nl) + 1 :] = len(block)  # (a last line without its newline: end of input)
+    return pa.StringArray.from_buffers(len(off) - 1, pa.py_buffer(off), pa.py_buffer(block))
 
 
 def _without_newline(lines: pa.Array) -> pa.Array:
@@ -288,10 +285,9 @@ def _json_lines(chunk: bytes, wrapper: prefixes.Wrapper) -> tuple[pa.Array, np.n
     if lines_b and lines_b[-1] == b"":
         lines_b.pop()
     n = len(lines_b)
-    wall = np.full(n, -1, dtype=np.int64)
     lines_b, json_walls = prefixes.decode_json_lines(lines_b, wrapper)
     # A stamp no clock can show (a damaged record, beyond year 287,000) is no stamp.
-    wall[:] = [(int(round(x * 1e6)) if x is not None and abs(x) < 9e12 else -1) for x in json_walls]
+    wall = np.array([(int(round(x * 1e6)) if x is not None and abs(x) < 9e12 else -1) for x in json_walls], np.int64)
     # A message with a line break inside shifts what follows, as in a plain read of it.
     text = _clean(b"\n".join(lines_b)).decode("utf-8").split("\n")
     del text[n:]
@@ -328,13 +324,10 @@ def _unknown_lines(lines: pa.Array, read: _Exact, wall: np.ndarray, first_line: 
     known_other = 0
     texts = _without_newline(lines.take(pa.array(unknown_idx))).to_pylist()
     for i, s in zip(unknown_idx, texts):
-        if read.bad[i]:
-            account.add_unrecognized(first_line + int(i), s)
-            continue
-        if not s.strip() or _KNOWN_OTHER.match(s):
+        if not read.bad[i] and (not s.strip() or _KNOWN_OTHER.match(s)):
             known_other += 1
             continue
-        row = legacy.parse_line(s)
+        row = None if read.bad[i] else legacy.parse_line(s)
         if row is None:
             account.add_unrecognized(first_line + int(i), s)
             continue
@@ -482,9 +475,7 @@ def local_sessions(ev: pd.DataFrame | dict[str, np.ndarray]) -> tuple[np.ndarray
         # The last known time before each row (none for the first).
         last = np.where(known, np.arange(len(p_ts)), -1)
         np.maximum.accumulate(last, out=last)
-        before = np.empty_like(last)
-        before[0] = -1
-        before[1:] = last[:-1]
+        before = np.concatenate(([-1], last[:-1]))
         prior = p_ts[np.maximum(before, 0)]
         start = (known & (before >= 0) & (p_ts < prior - 1_000_000)) | banner
         start[0] = False
@@ -540,8 +531,8 @@ class Samples:
 class ServerLogs:
     """Everything read from llama-server logs: the tables and the line accounting.
 
-    ``gen_samples`` and ``prefill_samples`` may be kept on disk (``samples_on_disk`` of
-    :func:`read_server_logs`): reading one builds it, and it stays built.
+    ``gen_samples`` and ``prefill_samples`` are kept on disk (:class:`Samples`): reading one
+    builds it, and it stays built.
     """
 
     tasks: pd.DataFrame = StoredField()  # type: ignore[assignment]
@@ -585,11 +576,11 @@ def _parse_block(job: tuple[bytes | Span, StreamState, bool | int]) -> _Parsed:
     return _Parsed(account, len(data), block=fold_block(ev, keep_samples), ports=ports, last_header=state.last_header)
 
 
-def _blocks(stream: BinaryIO, lf: LogFile, size: int, pool: Pool | None) -> Iterator[bytes | Span]:
+def _blocks(stream: BinaryIO, lf: LogFile, size: int, pool: Pool) -> Iterator[bytes | Span]:
     """The blocks of one file. With workers, spans they read themselves: of the file where it
     is plain, else of a temporary copy of each block (compressed or piped input); without,
     the bytes."""
-    if pool is None or pool.jobs < 2:
+    if pool.jobs < 2:
         return iter_chunks(stream, lf.path, size)
     if is_plain(stream):
         return iter_spans(stream, lf.path, size)
@@ -606,7 +597,7 @@ def read_stream(
     year: int | None = None,
     progress: Callable[[int], None] | None = None,
     chunk_size: int | None = None,
-    pool: Pool | None = None,
+    pool: Pool,
     spill_rows: int = TASK_ROWS,
 ) -> tuple[TaskAssembler, list[FileAccount]]:
     """Parse one server-log stream (rotated files oldest first) into an assembler.
@@ -636,7 +627,7 @@ def read_stream(
                     if progress is not None:
                         progress(len(chunk))
             jobs = ((b, _given(state), keep_samples) for b in blocks)
-            for got in (pool.map(_parse_block, jobs) if pool is not None else map(_parse_block, jobs)):
+            for got in pool.map(_parse_block, jobs):
                 offset = account.lines
                 account.absorb(got.account)
                 if got.block is not None:
@@ -895,23 +886,19 @@ def _status_counts(tasks: pd.DataFrame) -> tuple[int, int, int]:
 
 
 def _concat(frames: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:
-    frames = [f for f in frames if len(f)]
-    if not frames:
-        return pd.DataFrame({c: pd.Series(dtype="object") for c in columns})
-    return pd.concat(_same_categories(frames) if len(frames) > 1 else frames, ignore_index=True)
-
-
-def _same_categories(frames: list[pd.DataFrame]) -> list[pd.DataFrame]:
-    """The frames with each column that is categorical in all of them (``source``, ``file``)
-    given one set of categories, sorted (so the column sorts as its text does).
+    """The non-empty frames joined, each column categorical in all of them (``source``,
+    ``file``) given one set of categories, sorted (so the column sorts as its text does).
 
     pandas joins categoricals with different categories as text: with two or more server
     logs, ``source`` and ``file`` would become a string per row, and their dtype would
     depend on how many servers were read.
     """
-    for c, cats in _joined_categories(frames).items():
+    frames = [f for f in frames if len(f)]
+    if not frames:
+        return pd.DataFrame({c: pd.Series(dtype="object") for c in columns})
+    for c, cats in (_joined_categories(frames) if len(frames) > 1 else {}).items():
         frames = [f.assign(**{c: f[c].cat.set_categories(cats)}) for f in frames]
-    return frames
+    return pd.concat(frames, ignore_index=True)
 
 
 def _joined_categories(frames: list[pd.DataFrame]) -> dict[str, list[str]]:
