@@ -149,11 +149,7 @@ class _Cursor:
 
     def either(self, a: bytes, b: bytes) -> None:
         in_a = self.has(a)
-        not_a = np.flatnonzero(~in_a)
-        if len(not_a):  # b is read only where a is not there (usually nowhere)
-            in_b = np.zeros(len(in_a), bool)
-            in_b[not_a] = self.has(b, at=self.pos[not_a])
-            self.ok &= in_a | in_b
+        self.ok &= in_a | self.has(b)
         self.pos = self.pos + np.where(in_a, len(a), len(b))
 
     def blanks(self, least: int = 0) -> None:
