@@ -417,12 +417,10 @@ def _fill_times(ev: pd.DataFrame | dict[str, np.ndarray], state: StreamState) ->
             for h, val in zip(heads, state.last_header or ()):
                 if np.isnan(h[0]):
                     h[0] = val
-            h_port, h_slot, h_task, h_ts = (pd.Series(h).ffill().to_numpy() for h in heads)
-            ok = cont & ~np.isnan(h_task)
-            port = np.where(ok, h_port, port).astype(np.int64)
-            slot = np.where(ok, h_slot, slot)
-            task = np.where(ok, h_task, task)
-            ts = np.where(ok, h_ts, ts).astype(np.int64)
+            filled = [pd.Series(h).ffill().to_numpy() for h in heads]
+            ok = cont & ~np.isnan(filled[2])  # (a header's task)
+            port, slot, task, ts = (np.where(ok, h, x) for h, x in zip(filled, (port, slot, task, ts)))
+            port, ts = port.astype(np.int64), ts.astype(np.int64)
             ev["port"], ev["slot"], ev["task"], ev["ts_us"] = port, slot, task, ts
         if hdr.any():
             last = np.flatnonzero(hdr)[-1]
