@@ -384,10 +384,9 @@ def _heads(words: _Words, s: np.ndarray, e: np.ndarray, lines: pa.StringArray, o
     h.lit(b" | task ")
     task = h.signed()
     h.lit(b" |")
-    rows, m, slot, task = idx[rows[h.ok]], h.pos[h.ok], slot[h.ok], task[h.ok]
-    out.slot[rows] = slot
-    out.task[rows] = task
-    return rows, m
+    rows = idx[rows[h.ok]]
+    out.slot[rows], out.task[rows] = slot[h.ok], task[h.ok]
+    return rows, h.pos[h.ok]
 
 
 def _messages(words: _Words, rows: np.ndarray, m: np.ndarray, end: np.ndarray, out: Scan) -> None:

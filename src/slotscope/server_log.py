@@ -319,8 +319,6 @@ def _unknown_lines(lines: pa.Array, read: _Exact, wall: np.ndarray, first_line: 
     unrecognized."""
     unknown_idx = np.flatnonzero(~read.valid | read.bad)
     legacy_rows: list[dict[str, Any]] = []
-    if not len(unknown_idx):
-        return legacy_rows
     known_other = 0
     texts = _without_newline(lines.take(pa.array(unknown_idx))).to_pylist()
     for i, s in zip(unknown_idx, texts):
