@@ -294,8 +294,7 @@ def scan(lines: pa.StringArray) -> Scan:
         rest, rows, m = _c_laid_out(raw, s, e, out)
     if len(rest):
         more, m_more = _heads(words, s[rest], e[rest], lines, out, rest)
-        if len(more):
-            rows, m = np.concatenate([rows, more]), np.concatenate([m, m_more])
+        rows, m = np.concatenate([rows, more]), np.concatenate([m, m_more])
     if len(rows):
         _messages(words, rows, m, e[rows], out)
     return out
