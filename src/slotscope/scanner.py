@@ -149,19 +149,8 @@ class _Cursor:
 
     def either(self, a: bytes, b: bytes) -> None:
         in_a = self.has(a)
-        not_a = np.flatnonzero(~in_a)
-        if len(not_a):  # b is read only where a is not there (usually nowhere)
-            in_b = np.zeros(len(in_a), bool)
-            in_b[not_a] = self.has(b, at=self.pos[not_a])
-            self.ok &= in_a | in_b
+        self.ok &= in_a | self.has(b)
         self.pos = self.pos + np.where(in_a, len(a), len(b))
-
-    def field(self, blanks: int | None = None, sign: bool = False, frac: bool = False) -> np.ndarray:
-        """`` *`` (``blanks``: at least that many; None: no blanks), ``-?`` (``sign``), ``\\d+``
-        and, with ``frac``, ``(?:\\.\\d*)?``, as float64 like :meth:`uint`/:meth:`decimal`."""
-        if blanks is not None:
-            self.blanks(blanks)
-        return self.signed() if sign else self.decimal() if frac else self.uint()
 
     def blanks(self, least: int = 0) -> None:
         n = _blank_run(self.w, self.pos)
@@ -305,8 +294,7 @@ def scan(lines: pa.StringArray) -> Scan:
         rest, rows, m = _c_laid_out(raw, s, e, out)
     if len(rest):
         more, m_more = _heads(words, s[rest], e[rest], lines, out, rest)
-        if len(more):
-            rows, m = np.concatenate([rows, more]), np.concatenate([m, m_more])
+        rows, m = np.concatenate([rows, more]), np.concatenate([m, m_more])
     if len(rows):
         _messages(words, rows, m, e[rows], out)
     return out
@@ -390,14 +378,14 @@ def _heads(words: _Words, s: np.ndarray, e: np.ndarray, lines: pa.StringArray, o
 
     rows = np.flatnonzero(is_slot)
     h = _Cursor(words, c.pos[rows] + 21)
-    slot = h.field(blanks=1, sign=True)
+    h.blanks(1)
+    slot = h.signed()
     h.lit(b" | task ")
-    task = h.field(sign=True)
+    task = h.signed()
     h.lit(b" |")
-    rows, m, slot, task = idx[rows[h.ok]], h.pos[h.ok], slot[h.ok], task[h.ok]
-    out.slot[rows] = slot
-    out.task[rows] = task
-    return rows, m
+    rows = idx[rows[h.ok]]
+    out.slot[rows], out.task[rows] = slot[h.ok], task[h.ok]
+    return rows, h.pos[h.ok]
 
 
 def _messages(words: _Words, rows: np.ndarray, m: np.ndarray, end: np.ndarray, out: Scan) -> None:
@@ -415,27 +403,24 @@ def _messages(words: _Words, rows: np.ndarray, m: np.ndarray, end: np.ndarray, o
 
     one = (k == 1) & ~header
     some = (k >= 1) & (k < 16) & ~header
-    for code, sel, parse in (
-        (LAUNCH, one & (kw5 == _KW_LAUNCH), _launch),
-        (PROGRESS, one & (kw == _KW_PROGRESS), _progress),
-        (HEARTBEAT, one & ((kw5 == _KW_GEN) | (kw5 == _KW_DECODED)), _heartbeat),
-        (PROMPT_EVAL, one & (kw == _KW_PROMPT_EVAL), _prompt_eval),
-        (EVAL, some & (kw5 == _KW_EVAL), _eval),
-        (TOTAL, some & (kw5 == _KW_TOTAL), _total),
-        (RELEASE, one & (kw5 == _KW_RELEASE), _release),
+    for code, sel in (
+        (LAUNCH, one & (kw5 == _KW_LAUNCH)),
+        (PROGRESS, one & (kw == _KW_PROGRESS)),
+        (HEARTBEAT, one & ((kw5 == _KW_GEN) | (kw5 == _KW_DECODED))),
+        (PROMPT_EVAL, one & (kw == _KW_PROMPT_EVAL)),
+        (EVAL, some & (kw5 == _KW_EVAL)),
+        (TOTAL, some & (kw5 == _KW_TOTAL)),
+        (RELEASE, one & (kw5 == _KW_RELEASE)),
     ):
         i = np.flatnonzero(sel)
         if len(i):
             cur = _Cursor(words, m[i] + k[i])
-            vals = parse(cur)
-            _put(out, rows[i[cur.ok]], code, [v[cur.ok] for v in vals])
-
-
-def _put(out: Scan, rows: np.ndarray, code: int, values: list[np.ndarray]) -> None:
-    out.known[rows] = True
-    out.kind[rows] = code
-    for j, v in enumerate(values):
-        out.v[j][rows] = v
+            vals = _launch(cur) if code == LAUNCH else _read(cur, _GRAMMAR[code])
+            done = rows[i[cur.ok]]
+            out.known[done] = True
+            out.kind[done] = code
+            for j, v in enumerate(vals):
+                out.v[j][done] = v[cur.ok]
 
 
 def _srv_events(out: Scan, rows: np.ndarray, rest_at: np.ndarray, texts: list[str]) -> None:
@@ -486,68 +471,35 @@ def _launch(c: _Cursor) -> list[np.ndarray]:
     return [np.where(tail & (nd >= 1), child.astype(np.float64), np.nan)]
 
 
-def _progress(c: _Cursor) -> list[np.ndarray]:
-    c.lit(b"prompt processing, n_tokens =")
-    n = c.field(blanks=0)
-    c.lit(b", progress =")
-    prog = c.field(blanks=0, frac=True)
-    c.lit(b", t =")
-    t = c.field(blanks=0, frac=True)
-    c.lit(b" s /")
-    tps = c.field(blanks=0, frac=True)
-    c.lit(b" tokens per second")
-    return [n, prog, t, tps]
+# The other slot messages as steps: bytes, a literal; (a, b), either literal; int or float, a
+# number (after any blanks: a value); [text, ...], an optional tail at the end of the line
+# (where its text is there, the rest must read too: else FAST_PATTERN may read it otherwise).
+_Steps = tuple[object, ...]
+_GRAMMAR: dict[int, _Steps] = {
+    PROGRESS: (b"prompt processing, n_tokens =", int, b", progress =", float, b", t =", float, b" s /", float,
+               b" tokens per second"),
+    HEARTBEAT: ((b"n_gen =", b"n_decoded ="), int, b", tg =", float, b" t/s", [b", tg_3s =", float, b" t/s"]),
+    PROMPT_EVAL: (b"prompt eval time =", float, b" ms /", int, b" tokens"),
+    EVAL: (b"eval time =", float, b" ms /", int, (b" tokens", b" runs")),
+    TOTAL: (b"total time =", float, b" ms", [b" /", int, b" tokens"]),
+    RELEASE: ((b"stop processing: n_tokens =", b"stop processing: n_past ="), int, b", truncated =", int),
+}
 
 
-def _heartbeat(c: _Cursor) -> list[np.ndarray]:
-    c.either(b"n_gen =", b"n_decoded =")
-    n = c.field(blanks=0)
-    c.lit(b", tg =")
-    tg = c.field(blanks=0, frac=True)
-    c.lit(b" t/s")
-    tail = c.has(b", tg_3s =")
-    t = _Cursor(c.w, c.pos + 9)
-    tg3 = t.field(blanks=0, frac=True)
-    t.lit(b" t/s")
-    c.ok &= ~tail | t.ok  # a tail FAST_PATTERN might read otherwise (inf, nan, signs): not ours
-    return [n, tg, np.where(tail, tg3, np.nan)]
-
-
-def _prompt_eval(c: _Cursor) -> list[np.ndarray]:
-    c.lit(b"prompt eval time =")
-    ms = c.field(blanks=0, frac=True)
-    c.lit(b" ms /")
-    n = c.field(blanks=0)
-    c.lit(b" tokens")
-    return [ms, n]
-
-
-def _eval(c: _Cursor) -> list[np.ndarray]:
-    c.lit(b"eval time =")
-    ms = c.field(blanks=0, frac=True)
-    c.lit(b" ms /")
-    n = c.field(blanks=0)
-    c.either(b" tokens", b" runs")
-    return [ms, n]
-
-
-def _total(c: _Cursor) -> list[np.ndarray]:
-    c.lit(b"total time =")
-    ms = c.field(blanks=0, frac=True)
-    c.lit(b" ms")
-    tail = c.has(b" /")
-    t = _Cursor(c.w, c.pos + 2)
-    n = t.field(blanks=0)
-    t.lit(b" tokens")
-    c.ok &= ~tail | t.ok
-    return [ms, np.where(tail, n, np.nan)]
-
-
-def _release(c: _Cursor) -> list[np.ndarray]:
-    c.either(b"stop processing: n_tokens =", b"stop processing: n_past =")
-    n = c.field(blanks=0)
-    c.lit(b", truncated =")
-    tr = c.field(blanks=0)
-    return [n, tr]
-
-
+def _read(c: _Cursor, steps: _Steps) -> list[np.ndarray]:
+    """The values of a message read by its steps (see :data:`_GRAMMAR`)."""
+    values = []
+    for step in steps:
+        if isinstance(step, bytes):
+            c.lit(step)
+        elif isinstance(step, tuple):
+            c.either(*step)
+        elif isinstance(step, list):
+            there = c.has(step[0])
+            tail = _Cursor(c.w, c.pos + len(step[0]))
+            values += [np.where(there, v, np.nan) for v in _read(tail, tuple(step[1:]))]
+            c.ok &= ~there | tail.ok
+        else:
+            c.blanks()
+            values.append(c.decimal() if step is float else c.uint())
+    return values

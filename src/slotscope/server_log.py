@@ -16,7 +16,6 @@ Each event row carries its file line so every figure can be traced back.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime as _dt
 import itertools
@@ -138,13 +137,10 @@ def _split(block: bytes, last_ends: bool) -> pa.StringArray:
     """
     raw = np.frombuffer(block, np.uint8)
     nl = np.flatnonzero(raw == 10)
-    n = len(nl) + (0 if last_ends else 1)
-    off = np.empty(n + 1, np.int32)
-    off[0] = 0
+    off = np.zeros(len(nl) + (1 if last_ends else 2), np.int32)
     off[1 : len(nl) + 1] = nl + 1
-    if len(nl) < n:  # the last line has no newline (end of input)
-        off[n] = len(block)
-    return pa.StringArray.from_buffers(n, pa.py_buffer(off), pa.py_buffer(block))
+    off[len(nl) + 1 :] = len(block)  # (a last line without its newline: end of input)
+    return pa.StringArray.from_buffers(len(off) - 1, pa.py_buffer(off), pa.py_buffer(block))
 
 
 def _without_newline(lines: pa.Array) -> pa.Array:
@@ -179,24 +175,10 @@ def _parse_exact(lines: pa.Array) -> _Exact:
     f = {name: parts.field(name) for name in (t.name for t in parts.type)}
 
     kind = np.zeros(n, dtype=np.int8)
-    conds = [
-        (_nonempty(f["k_launch"]), LAUNCH),
-        (_nonempty(f["pp_n"]), PROGRESS),
-        (_nonempty(f["k_hb"]), HEARTBEAT),
-        (_nonempty(f["pe_ms"]), PROMPT_EVAL),
-        (_nonempty(f["ev_ms"]), EVAL),
-        (_nonempty(f["tt_ms"]), TOTAL),
-        (_nonempty(f["rel_n"]), RELEASE),
-        (_nonempty(f["k_init"]), INIT),
-        (_nonempty(f["n_slots"]), CONFIG),
-        (_nonempty(f["cancel"]), CANCEL),
-        (_nonempty(f["k_exit"]), EXIT),
-        (_nonempty(f["err_task"]), ERROR),
-        (_nonempty(f["model"]), MODEL),
-        (_nonempty(f["build"]), BUILD),
-    ]
-    for mask, code in conds:
-        kind[mask & (kind == 0)] = code
+    for name, code in (("k_launch", LAUNCH), ("pp_n", PROGRESS), ("k_hb", HEARTBEAT), ("pe_ms", PROMPT_EVAL),
+                       ("ev_ms", EVAL), ("tt_ms", TOTAL), ("rel_n", RELEASE), ("k_init", INIT), ("n_slots", CONFIG),
+                       ("cancel", CANCEL), ("k_exit", EXIT), ("err_task", ERROR), ("model", MODEL), ("build", BUILD)):
+        kind[_nonempty(f[name]) & (kind == 0)] = code
     c_kind = f["c_kind"]
     cont = _nonempty(c_kind)
     if cont.any():
@@ -303,10 +285,9 @@ def _json_lines(chunk: bytes, wrapper: prefixes.Wrapper) -> tuple[pa.Array, np.n
     if lines_b and lines_b[-1] == b"":
         lines_b.pop()
     n = len(lines_b)
-    wall = np.full(n, -1, dtype=np.int64)
     lines_b, json_walls = prefixes.decode_json_lines(lines_b, wrapper)
     # A stamp no clock can show (a damaged record, beyond year 287,000) is no stamp.
-    wall[:] = [(int(round(x * 1e6)) if x is not None and abs(x) < 9e12 else -1) for x in json_walls]
+    wall = np.array([(int(round(x * 1e6)) if x is not None and abs(x) < 9e12 else -1) for x in json_walls], np.int64)
     # A message with a line break inside shifts what follows, as in a plain read of it.
     text = _clean(b"\n".join(lines_b)).decode("utf-8").split("\n")
     del text[n:]
@@ -338,18 +319,13 @@ def _unknown_lines(lines: pa.Array, read: _Exact, wall: np.ndarray, first_line: 
     unrecognized."""
     unknown_idx = np.flatnonzero(~read.valid | read.bad)
     legacy_rows: list[dict[str, Any]] = []
-    if not len(unknown_idx):
-        return legacy_rows
     known_other = 0
     texts = _without_newline(lines.take(pa.array(unknown_idx))).to_pylist()
     for i, s in zip(unknown_idx, texts):
-        if read.bad[i]:
-            account.add_unrecognized(first_line + int(i), s)
-            continue
-        if not s.strip() or _KNOWN_OTHER.match(s):
+        if not read.bad[i] and (not s.strip() or _KNOWN_OTHER.match(s)):
             known_other += 1
             continue
-        row = legacy.parse_line(s)
+        row = None if read.bad[i] else legacy.parse_line(s)
         if row is None:
             account.add_unrecognized(first_line + int(i), s)
             continue
@@ -397,9 +373,8 @@ def _with_legacy(ev: pd.DataFrame, legacy_rows: list[dict[str, Any]]) -> pd.Data
                 ev[c] = a.astype(b.dtype)
     ev = pd.concat([ev, lg], ignore_index=True).sort_values("line", kind="stable")
     ev["cont"] = ev["cont"].fillna(False).astype(bool)
-    ev["port"] = ev["port"].fillna(-1).astype(np.int64)
-    ev["ts_us"] = ev["ts_us"].fillna(-1).astype(np.int64)
-    ev["wall_us"] = ev["wall_us"].fillna(-1).astype(np.int64)
+    for c in ("port", "ts_us", "wall_us"):
+        ev[c] = ev[c].fillna(-1).astype(np.int64)
     ev["kind"] = ev["kind"].astype(np.int8)
     return ev
 
@@ -436,21 +411,14 @@ def _fill_times(ev: pd.DataFrame | dict[str, np.ndarray], state: StreamState) ->
     if cont.any() or hdr.any():  # a header's lines may follow in the next block
         port, slot, task = (np.asarray(ev[c]) for c in ("port", "slot", "task"))
         if cont.any():
-            h_port = pd.Series(np.where(hdr, port, np.nan))
-            h_slot = pd.Series(np.where(hdr, slot, np.nan))
-            h_task = pd.Series(np.where(hdr, task, np.nan))
-            h_ts = pd.Series(np.where(hdr, ts, np.nan))
-            if state.last_header is not None:
-                p, s, t, tt = state.last_header
-                for ser, val in ((h_port, p), (h_slot, s), (h_task, t), (h_ts, tt)):
-                    if np.isnan(ser.iloc[0]):
-                        ser.iloc[0] = val
-            h_port, h_slot, h_task, h_ts = (x.ffill().to_numpy() for x in (h_port, h_slot, h_task, h_ts))
-            ok = cont & ~np.isnan(h_task)
-            port = np.where(ok, h_port, port).astype(np.int64)
-            slot = np.where(ok, h_slot, slot)
-            task = np.where(ok, h_task, task)
-            ts = np.where(ok, h_ts, ts).astype(np.int64)
+            heads = [np.where(hdr, x, np.nan) for x in (port, slot, task, ts)]
+            for h, val in zip(heads, state.last_header or ()):
+                if np.isnan(h[0]):
+                    h[0] = val
+            filled = [pd.Series(h).ffill().to_numpy() for h in heads]
+            ok = cont & ~np.isnan(filled[2])  # (a header's task)
+            port, slot, task, ts = (np.where(ok, h, x) for h, x in zip(filled, (port, slot, task, ts)))
+            port, ts = port.astype(np.int64), ts.astype(np.int64)
             ev["port"], ev["slot"], ev["task"], ev["ts_us"] = port, slot, task, ts
         if hdr.any():
             last = np.flatnonzero(hdr)[-1]
@@ -503,9 +471,7 @@ def local_sessions(ev: pd.DataFrame | dict[str, np.ndarray]) -> tuple[np.ndarray
         # The last known time before each row (none for the first).
         last = np.where(known, np.arange(len(p_ts)), -1)
         np.maximum.accumulate(last, out=last)
-        before = np.empty_like(last)
-        before[0] = -1
-        before[1:] = last[:-1]
+        before = np.concatenate(([-1], last[:-1]))
         prior = p_ts[np.maximum(before, 0)]
         start = (known & (before >= 0) & (p_ts < prior - 1_000_000)) | banner
         start[0] = False
@@ -561,8 +527,8 @@ class Samples:
 class ServerLogs:
     """Everything read from llama-server logs: the tables and the line accounting.
 
-    ``gen_samples`` and ``prefill_samples`` may be kept on disk (``samples_on_disk`` of
-    :func:`read_server_logs`): reading one builds it, and it stays built.
+    ``gen_samples`` and ``prefill_samples`` are kept on disk (:class:`Samples`): reading one
+    builds it, and it stays built.
     """
 
     tasks: pd.DataFrame = StoredField()  # type: ignore[assignment]
@@ -606,11 +572,11 @@ def _parse_block(job: tuple[bytes | Span, StreamState, bool | int]) -> _Parsed:
     return _Parsed(account, len(data), block=fold_block(ev, keep_samples), ports=ports, last_header=state.last_header)
 
 
-def _blocks(stream: BinaryIO, lf: LogFile, size: int, pool: Pool | None) -> Iterator[bytes | Span]:
+def _blocks(stream: BinaryIO, lf: LogFile, size: int, pool: Pool) -> Iterator[bytes | Span]:
     """The blocks of one file. With workers, spans they read themselves: of the file where it
     is plain, else of a temporary copy of each block (compressed or piped input); without,
     the bytes."""
-    if pool is None or pool.jobs < 2:
+    if pool.jobs < 2:
         return iter_chunks(stream, lf.path, size)
     if is_plain(stream):
         return iter_spans(stream, lf.path, size)
@@ -627,7 +593,7 @@ def read_stream(
     year: int | None = None,
     progress: Callable[[int], None] | None = None,
     chunk_size: int | None = None,
-    pool: Pool | None = None,
+    pool: Pool,
     spill_rows: int = TASK_ROWS,
 ) -> tuple[TaskAssembler, list[FileAccount]]:
     """Parse one server-log stream (rotated files oldest first) into an assembler.
@@ -657,7 +623,7 @@ def read_stream(
                     if progress is not None:
                         progress(len(chunk))
             jobs = ((b, _given(state), keep_samples) for b in blocks)
-            for got in (pool.map(_parse_block, jobs) if pool is not None else map(_parse_block, jobs)):
+            for got in pool.map(_parse_block, jobs):
                 offset = account.lines
                 account.absorb(got.account)
                 if got.block is not None:
@@ -720,62 +686,41 @@ def read_server_logs(
     memory. (``samples_on_disk`` and ``tasks_on_disk`` are accepted for callers that still
     pass them: both are always so.)
     """
-    assemblers, acc = _read_all(paths, inputs, keep_samples=keep_samples, tz=tz, year=year, progress=progress,
-                                chunk_size=chunk_size, jobs=jobs, spill_rows=TASK_ROWS)
-    stored, gen_parts, prefill_parts, stream_sessions, counts = _finish_on_disk(assemblers)
-    out = ServerLogs(tasks=stored, gen_samples=Samples(gen_parts, GEN_COLUMNS),
-                     prefill_samples=Samples(prefill_parts, PREFILL_COLUMNS),
-                     sessions=_concat(stream_sessions, SESSION_COLUMNS), accounting=acc)
-    acc.tasks_complete, acc.tasks_cancelled, acc.tasks_incomplete = counts
-    acc.sessions = len(out.sessions)
-    return out
-
-
-def _finish_on_disk(assemblers: list[TaskAssembler]) -> tuple[StoredTable, list[SampleSource], list[SampleSource], list[pd.DataFrame], tuple[int, int, int]]:
-    """What :func:`read_server_logs` returns with the task table on disk: the table (its
-    batches written in order, the streams one after the other as :func:`_concat` joins them),
-    each stream's gen and prefill samples and sessions, and the status counts."""
-    streams, sessions, with_wall = _finished(assemblers, TASK_ROWS)
+    assemblers, streams, sessions, with_wall, acc = _read_all(
+        paths, inputs, Pool(jobs), TASK_ROWS, keep_pool=False, keep_samples=keep_samples, tz=tz, year=year,
+        progress=progress, chunk_size=chunk_size)
     # Two or more streams with tasks: each categorical column with one set of categories, as
     # _concat gives them (taken from a one-row batch of each stream).
     cats: dict[str, list[str]] = {}
     if len(streams) > 1:
         cats = _joined_categories([_task_table(dataclasses.replace(parts[0], idx=parts[0].idx[:1]), with_wall)
                                    for _, parts in streams])
-    counts = np.zeros(3, np.int64)
 
     def batches() -> Iterator[pd.DataFrame]:
         for asm, parts in streams:
             for part in parts:
                 table = _task_table(part, with_wall)
-                counts[:] += _status_counts(table)
+                acc.count_tasks(_status_counts(table))
                 yield table.assign(**{c: table[c].cat.set_categories(v) for c, v in cats.items()}) if cats else table
             asm.discard()  # its finished rows, on disk
 
-    stored = StoredTable.of_parts(itertools.chain(batches(), [] if streams else [_concat([], TASK_COLUMNS)]), "tasks")
-    gens, prefills = [], []
+    tasks = StoredTable.of_parts(itertools.chain(batches(), [] if streams else [_concat([], TASK_COLUMNS)]), "tasks")
+    samples: tuple[list[SampleSource], list[SampleSource]] = ([], [])
     at = 0
     for asm in assemblers:  # (a stream without tasks: its samples, if any, without first tokens)
-        gen, prefill = asm.samples_later(_first_tokens_of(stored, at, asm.n_finished) if asm.n_finished else None)
-        gens.append(gen)
-        prefills.append(prefill)
+        for kept, part in zip(samples, asm.samples_later(_first_tokens_of(tasks, at, asm.n_finished)
+                                                         if asm.n_finished else None)):
+            kept.append(part)
         at += asm.n_finished
-    return stored, gens, prefills, sessions, (int(counts[0]), int(counts[1]), int(counts[2]))
+    return ServerLogs(tasks=tasks, gen_samples=Samples(samples[0], GEN_COLUMNS),
+                      prefill_samples=Samples(samples[1], PREFILL_COLUMNS),
+                      sessions=_concat(sessions, SESSION_COLUMNS), accounting=acc)
 
 
 def _first_tokens_of(stored: StoredTable, first: int, n: int) -> Callable[[], FirstTokens]:
     """What makes the :class:`FirstTokens` of the ``n`` tasks from row ``first`` of the table
     (one stream's: its gen samples' first windows)."""
     return lambda: FirstTokens.of(stored.take(np.arange(first, first + n), ["port", "session", "task_id", "first_token_s"]))
-
-
-def _finished(assemblers: list[TaskAssembler], rows: int) -> tuple[list[tuple[TaskAssembler, list[TaskBatch]]], list[pd.DataFrame], bool]:
-    """Close every stream's tasks: each stream with tasks and its task batches of ``rows``
-    rows, every stream's sessions, and whether a batch has wall-clock columns."""
-    ends = [asm.finish_in_batches(rows) for asm in assemblers]
-    release_memory()  # the parse's freed blocks (and a .gz's inflate buffers), before the batches
-    streams = [(asm, parts) for asm, (parts, _) in zip(assemblers, ends) if asm.n_finished]
-    return streams, [s for _, s in ends], any(a.has_wall_rows for a, _ in streams)
 
 
 def read_task_batches(
@@ -800,14 +745,8 @@ def read_task_batches(
     function or a ``functools.partial`` of one).
     """
     pool = Pool(jobs)
-    try:
-        assemblers, acc = _read_all(paths, inputs, keep_samples=False, tz=tz, year=year, progress=progress,
-                                    chunk_size=chunk_size, pool=pool, spill_rows=rows)
-        streams, sessions, with_wall = _finished(assemblers, rows)
-    except BaseException:
-        pool.close()
-        raise
-    acc.sessions = sum(len(s) for s in sessions)
+    assemblers, streams, _, with_wall, acc = _read_all(paths, inputs, pool, rows, keep_samples=False, tz=tz, year=year,
+                                                       progress=progress, chunk_size=chunk_size)
     todo: list[TaskBatch | None] = [b for _, parts in streams for b in parts] or [None]
     work = [(b, i, with_wall, then) for i, b in enumerate(todo)]
 
@@ -853,14 +792,10 @@ def read_sample_batches(
     """
     code = {"gen": HEARTBEAT, "prefill": PROGRESS}[kind]
     pool = Pool(jobs)
-    assemblers: list[TaskAssembler] = []
+    assemblers, streams, _, _, acc = _read_all(paths, inputs, pool, 1 << 15, keep_samples=code, tz=tz, year=year,
+                                               progress=progress, chunk_size=chunk_size)
+    spread = pool.jobs > 1
     try:
-        task_rows = 1 << 15
-        assemblers, acc = _read_all(paths, inputs, keep_samples=code, tz=tz, year=year, progress=progress,
-                                    chunk_size=chunk_size, pool=pool, spill_rows=task_rows)
-        spread = pool.jobs > 1
-        streams, sessions, _ = _finished(assemblers, task_rows)
-        acc.sessions = sum(len(s) for s in sessions)
         with_tasks = dict((id(asm), parts) for asm, parts in streams)
         todo = []
         for asm in assemblers:
@@ -910,20 +845,34 @@ def _task_table(batch: TaskBatch | None, with_wall: bool) -> pd.DataFrame:
 
 
 def _read_all(
-    paths: Sequence[str | os.PathLike[str]], inputs: Inputs | None, *, spill_rows: int,
-    pool: Pool | None = None, **kw: object,
-) -> tuple[list[TaskAssembler], Accounting]:
+    paths: Sequence[str | os.PathLike[str]], inputs: Inputs | None, pool: Pool, rows: int, *,
+    keep_pool: bool = True, **kw: Any,
+) -> tuple[list[TaskAssembler], list[tuple[TaskAssembler, list[TaskBatch]]], list[pd.DataFrame], bool, Accounting]:
+    """Read every stream (``pool``: its workers; closed after, unless ``keep_pool``, and on a
+    failure) and close its tasks: the assemblers, each stream with tasks and its task batches
+    of ``rows`` rows, every stream's sessions, whether a batch has wall-clock columns, and the
+    accounting (its task counts are the caller's to add)."""
     if inputs is None:
         inputs = collect(paths)
     acc = Accounting(skipped=list(inputs.skipped), unusable=list(inputs.unusable), notes=list(inputs.notes))
     assemblers = []
-    jobs = kw.pop("jobs", None)
-    with contextlib.nullcontext(pool) if pool is not None else Pool(jobs) as workers:  # type: ignore[arg-type]
+    try:
         for files in inputs.server:
-            asm, accounts = read_stream(files, inputs, pool=workers, spill_rows=spill_rows, **kw)  # type: ignore[arg-type]
+            asm, accounts = read_stream(files, inputs, pool=pool, spill_rows=rows, **kw)
             assemblers.append(asm)
             acc.files.extend(accounts)
-    return assemblers, acc
+        if not keep_pool:
+            pool.close()
+        ends = [asm.finish_in_batches(rows) for asm in assemblers]
+    except BaseException:
+        pool.close()
+        for asm in assemblers:
+            asm.discard_samples()
+        raise
+    release_memory()  # the parse's freed blocks (and a .gz's inflate buffers), before the batches
+    streams = [(asm, parts) for asm, (parts, _) in zip(assemblers, ends) if asm.n_finished]
+    acc.sessions = sum(len(s) for _, s in ends)
+    return assemblers, streams, [s for _, s in ends], any(a.has_wall_rows for a, _ in streams), acc
 
 
 def _status_counts(tasks: pd.DataFrame) -> tuple[int, int, int]:
@@ -933,23 +882,19 @@ def _status_counts(tasks: pd.DataFrame) -> tuple[int, int, int]:
 
 
 def _concat(frames: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:
-    frames = [f for f in frames if len(f)]
-    if not frames:
-        return pd.DataFrame({c: pd.Series(dtype="object") for c in columns})
-    return pd.concat(_same_categories(frames) if len(frames) > 1 else frames, ignore_index=True)
-
-
-def _same_categories(frames: list[pd.DataFrame]) -> list[pd.DataFrame]:
-    """The frames with each column that is categorical in all of them (``source``, ``file``)
-    given one set of categories, sorted (so the column sorts as its text does).
+    """The non-empty frames joined, each column categorical in all of them (``source``,
+    ``file``) given one set of categories, sorted (so the column sorts as its text does).
 
     pandas joins categoricals with different categories as text: with two or more server
     logs, ``source`` and ``file`` would become a string per row, and their dtype would
     depend on how many servers were read.
     """
-    for c, cats in _joined_categories(frames).items():
+    frames = [f for f in frames if len(f)]
+    if not frames:
+        return pd.DataFrame({c: pd.Series(dtype="object") for c in columns})
+    for c, cats in (_joined_categories(frames) if len(frames) > 1 else {}).items():
         frames = [f.assign(**{c: f[c].cat.set_categories(cats)}) for f in frames]
-    return frames
+    return pd.concat(frames, ignore_index=True)
 
 
 def _joined_categories(frames: list[pd.DataFrame]) -> dict[str, list[str]]:
