@@ -328,17 +328,16 @@ def _stall_table(ds: Dataset, tv: pd.DataFrame, keep: pd.DataFrame, lanes: pd.Da
     w = w[~w["_rank"].isin(shadowed)].drop(columns="_rank").head(marked).reset_index(drop=True)
     cause = w[tl.GROUP].assign(task_id=w["cause_task_id"].astype("int64")).merge(
         tv[KEYS + ["slot", "prefill_start_s", "first_token_s"]], on=KEYS, how="left")
-    seg = clock(w, "a", "b")
-    cx = clock(cause, "prefill_start_s", "first_token_s")
     mid_s = (np.fmax(_f(w["a"]), _f(cause["prefill_start_s"])) + np.fmin(_f(w["b"]), _f(cause["first_token_s"]))) / 2
-    link = clock(w.assign(mid=mid_s), "mid")["mid"]
+    seg = clock(w.assign(mid=mid_s), "a", "b", "mid")
+    cx = clock(cause, "prefill_start_s", "first_token_s")
     out = pd.DataFrame({
         "rank": np.arange(1, len(w) + 1), "lane": _lane_of(w, lanes), "task": w["task_id"].to_numpy(),
         "a": seg["a"], "b": seg["b"], "v": np.round(w["v"].to_numpy(dtype=float), 3),
         "tokens": w["tokens"].to_numpy(), "sec": np.round(w["seconds"].to_numpy(dtype=float), 2), "class": w["class"].to_numpy(),
         "purpose": _text(w["purpose"]).to_numpy(), "user": _text(w["user"]).to_numpy(),
         "clane": _lane_of(cause, lanes), "ctask": w["cause_task_id"].astype("int64").to_numpy(),
-        "ca": cx["prefill_start_s"], "cb": cx["first_token_s"], "cx": link,
+        "ca": cx["prefill_start_s"], "cb": cx["first_token_s"], "cx": seg["mid"],
         "cnew": pd.array(w["cause_prompt_tokens_new"], dtype="Int64"),
         "cpurpose": _text(w["cause_purpose"]).to_numpy(), "cuser": _text(w["cause_user"]).to_numpy(),
         "where": _where(_either(w["hb_file"], w["file"]), w["hb_line"]),
@@ -401,10 +400,9 @@ def timeline_data(ds: Dataset, since: When = None, until: When = None, opts: Any
     opts = opts or Options()
     tv_all = task_view(ds)
     tv = _launched_in(tv_all, since, until)
-    windowed = since is not None or until is not None
-    offsets = _offsets(tv)
     wall = bool(len(tv)) and "launch_at" in tv.columns and bool(tv["launch_at"].notna().all())
-    clock = _Clock(offsets, wall)
+    per_s = 1e3 if wall else 1.0  # chart units per second
+    clock = _Clock(_offsets(tv), wall)
     lanes = _lanes(tv, ds.server.sessions)
     tasks = _task_table(tv, lanes, clock, tl.task_ends(tv, ds.server.sessions))
     speed = _speed_table(ds, tv, lanes, clock)
@@ -416,22 +414,21 @@ def timeline_data(ds: Dataset, since: When = None, until: When = None, opts: Any
         width = (hi - lo) * max(1, speed["lane"].nunique()) / MAX_SPEED_ROWS
         n_windows = len(speed)
         speed = _bin_speed(speed, lo, width)
-        notes.append(f"{n_windows:,} generation windows merged into {len(speed):,} bins of {width / (1e3 if wall else 1):,.1f} s "
+        notes.append(f"{n_windows:,} generation windows merged into {len(speed):,} bins of {width / per_s:,.1f} s "
                      "per slot, each at its slowest window (narrow --since/--until to see every window)")
     v = speed["v"].to_numpy(dtype=float) if len(speed) else np.empty(0)
     top = max(float(np.nanpercentile(v, 95)) if len(v) and np.isfinite(v).any() else 1.0, 1e-3)
     marked = max(MARKED, min(100, len(tasks) // 50))
-    keep = tv[["source", "port", "session", "task_id"]]
+    keep = tv[KEYS]
     stalls = _stall_table(ds, tv_all, keep, lanes, clock, opts, STALL_FRAC * top, marked) if len(tv) else pd.DataFrame()
-    waits = _wait_table(ds, tv_all, keep, lanes, clock, opts, marked, windowed) if len(tv) else pd.DataFrame()
+    waits = _wait_table(ds, tv_all, keep, lanes, clock, opts, marked, since is not None or until is not None) if len(tv) else pd.DataFrame()
     overview = overview_speed = detail_span = None
     if len(tasks) > DETAIL_MAX_TASKS:
         width = (hi - lo) / OVERVIEW_BINS
-        overview = _busy_bins(tasks, lo, width, OVERVIEW_BINS, 1e3 if wall else 1.0)
+        overview = _busy_bins(tasks, lo, width, OVERVIEW_BINS, per_s)
         overview_speed = _bin_speed(speed, lo, width, pooled=True)
         detail_span = (hi - lo) * DETAIL_MAX_TASKS / len(tasks)
-        unit = 1e3 if wall else 1.0
-        notes.append(f"{len(tasks):,} tasks: each lane shows bins of {width / unit:,.0f} s (colour: the phase that took most of the bin, "
+        notes.append(f"{len(tasks):,} tasks: each lane shows bins of {width / per_s:,.0f} s (colour: the phase that took most of the bin, "
                      "faded: idle; speed: tokens over seconds of the bin)")
     srcs = sorted({os.path.basename(str(s)) for s in tv["source"]}) if len(tv) else []
     title = f"slotscope timeline: {', '.join(srcs) or '(no tasks)'}"
@@ -475,9 +472,6 @@ def timeline_spec(data: TimelineData, *, width: int = WIDTH_PX, interactive: boo
     def tt(f: str, title: str, **kw: Any) -> Any:
         return alt.Tooltip(f, title=title, **kw)
 
-    def tt_time(f: str, title: str) -> Any:
-        return alt.Tooltip(f"{f}_t:N", title=title)
-
     def times(*fields: str) -> dict[str, str]:
         # Tooltip times as text (a temporal tooltip with formatType "utc" renders NaN in Vega-Lite 6).
         return {f"{f}_t": f"isValid(datum.{f}) ? {tfmt.format(f=f)} : ''" for f in fields}
@@ -501,17 +495,14 @@ def timeline_spec(data: TimelineData, *, width: int = WIDTH_PX, interactive: boo
     # Level of detail: which layers draw at the current zoom (constant in a static image).
     long_log = data.overview is not None and data.detail_span is not None
     if long_log and interactive:
-        zoomed = f"(isObject(zoom) && isArray(zoom.a) && time(zoom.a[1]) - time(zoom.a[0]) <= {data.detail_span:.10g})"
-        detail_only = zoomed
-
-        def in_view(a: str, b: str) -> str:
-            return f"{zoomed} && datum.{b} >= time(zoom.a[0]) && datum.{a} <= time(zoom.a[1])"
+        detail_only = f"(isObject(zoom) && isArray(zoom.a) && time(zoom.a[1]) - time(zoom.a[0]) <= {data.detail_span:.10g})"
+        view = detail_only + " && datum.{b} >= time(zoom.a[0]) && datum.{a} <= time(zoom.a[1])"  # (a, b: the mark's x fields)
     else:
-        detail_only = "false" if long_log else "true"
-
-        def in_view(a: str, b: str) -> str:
-            return detail_only
+        detail_only = view = "false" if long_log else "true"
     overview_only = f"!({detail_only})"
+
+    def in_view(a: str, b: str) -> str:
+        return view.format(a=a, b=b)
 
     lane_bg = at("lanes").mark_rect().encode(
         y=Y("y0"), y2="y1:Q",
@@ -520,7 +511,7 @@ def timeline_spec(data: TimelineData, *, width: int = WIDTH_PX, interactive: boo
     stall_v = STALL_FRAC * data.speed_top
     speed_tt = [tt("task:Q", "task"), tt("v:Q", "tokens/s (tokens / seconds)", format=",.2f"),
                 tt("tg3:Q", "tg_3s logged", format=",.2f"), tt("n:Q", "tokens"), tt("sec:Q", "seconds", format=",.2f"),
-                tt_time("a", "from"), tt_time("b", "to"), tt("windows:Q", "windows"), tt("where:N", "log")]
+                tt("a_t:N", "from"), tt("b_t:N", "to"), tt("windows:Q", "windows"), tt("where:N", "log")]
 
     def speed_layer(name: str, show: str) -> Any:
         return at(name).mark_rect().encode(
@@ -542,7 +533,7 @@ def timeline_spec(data: TimelineData, *, width: int = WIDTH_PX, interactive: boo
     phase_fill = alt.Fill("phase:N", title="phase", scale=phase_scale, legend=alt.Legend(orient="top"))
     if long_log:
         ott = [tt("phase:N", "most of the bin"), tt("busy:Q", "busy", format=".0%"), tt("wait_s:Q", "wait s"),
-               tt("prefill_s:Q", "prefill s"), tt("gen_s:Q", "generation s"), tt_time("a", "from"), tt_time("b", "to")]
+               tt("prefill_s:Q", "prefill s"), tt("gen_s:Q", "generation s"), tt("a_t:N", "from"), tt("b_t:N", "to")]
         layers.append(at("overview").mark_rect().encode(
             x=X("a"), x2="b", y=Y("y0"), y2="y1:Q", fill=phase_fill,
             opacity=alt.Opacity("busy:Q", scale=alt.Scale(domain=[0, 1], range=[0.25, 1]), legend=None), tooltip=ott,
@@ -565,7 +556,7 @@ def timeline_spec(data: TimelineData, *, width: int = WIDTH_PX, interactive: boo
                tt("gen:Q", "generated tokens", format=","), tt("queue_s:Q", "queue s", format=",.2f"),
                tt("wait_s:Q", "wait before prefill s", format=",.2f"), tt("prefill_s:Q", "prefill s", format=",.2f"),
                tt("gen_s:Q", "generation s", format=",.2f"), tt("gen_tps:Q", "generation tokens/s", format=",.1f"),
-               tt_time("l", "launched"), tt_time("f", "first token"), tt_time("e", "ended"),
+               tt("l_t:N", "launched"), tt("f_t:N", "first token"), tt("e_t:N", "ended"),
                tt("status:N", "status"), tt("where:N", "log")]
     # The queue (before the slot took the task) is a thin bar above: it may overlap the slot's previous task.
     for phase, a, b, ys in (("queue", "q", "l", QUEUE_Y), ("wait", "l", "p", TASK_Y), ("prefill", "p", "f", TASK_Y),
