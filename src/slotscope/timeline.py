@@ -9,6 +9,7 @@ every interval.
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -249,17 +250,14 @@ class _BlockRange:
         self.small = _SparseTable(base, pick)  # (asked only for levels 0..BLOCK_LEVELS)
         self.block = 1 << BLOCK_LEVELS
         self.pick = pick
-        self._blocks: _SparseTable | None = None
 
-    @property
+    @cached_property
     def blocks(self) -> _SparseTable:
         """The sparse table over the blocks' picks, made when a long range first asks for it."""
-        if self._blocks is None:
-            n = len(self.small.levels[0])
-            first = np.arange(0, n, self.block)
-            last = np.minimum(first + self.block - 1, n - 1)
-            self._blocks = _SparseTable(self.small.pick_of(first, last) if n else self.small.levels[0][:0], self.pick)
-        return self._blocks
+        n = len(self.small.levels[0])
+        first = np.arange(0, n, self.block)
+        last = np.minimum(first + self.block - 1, n - 1)
+        return _SparseTable(self.small.pick_of(first, last) if n else self.small.levels[0][:0], self.pick)
 
     def query(self, lo: np.ndarray, hi: np.ndarray, empty: int) -> np.ndarray:
         """The pick over [lo, hi] (inclusive); ``empty`` where the range is empty."""
