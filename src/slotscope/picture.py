@@ -316,9 +316,8 @@ def _stall_table(ds: Dataset, tv: pd.DataFrame, keep: pd.DataFrame, lanes: pd.Da
     w = w[w["cause_task_id"].notna()].merge(keep, on=KEYS, how="inner")
     by = tl.GROUP + ["task_id", "cause_task_id"]
     g = w.groupby(by, sort=False, dropna=False, observed=True)
-    first = g.first().reset_index()
-    agg = g.agg(tokens=("tokens", "sum"), seconds=("seconds", "sum"), a=("seg_start_s", "min"), b=("seg_end_s", "max")).reset_index()
-    w = first.drop(columns=["tokens", "seconds"]).merge(agg, on=by)
+    sums = g.agg(tokens=("tokens", "sum"), seconds=("seconds", "sum"), a=("seg_start_s", "min"), b=("seg_end_s", "max"))
+    w = g.first().drop(columns=["tokens", "seconds"]).join(sums).reset_index()
     w["v"] = w["tokens"] / w["seconds"]
     w = w[w["v"] < slower_than].sort_values(["v", "seconds"], ascending=[True, False], kind="stable").reset_index(drop=True)
     # Two prefills that overlapped one stall: keep the stall once, with the slower (first) cause.
