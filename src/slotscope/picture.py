@@ -18,7 +18,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeAlias
 
 import numpy as np
 import pandas as pd
@@ -58,6 +58,8 @@ TASK_Y = (0.10, 0.46)
 SPEED_BASE = 0.96
 SPEED_H = 0.40
 _EPOCH = pd.Timestamp(0, tz="UTC")
+When: TypeAlias = str | float | pd.Timestamp | None  # a --since/--until bound: server-clock seconds or a wall time
+PathArg: TypeAlias = str | os.PathLike[str]
 
 
 class PlotExtraMissing(SlotscopeError):
@@ -116,7 +118,7 @@ def _vl_version() -> str:
     return ".".join(alt.SCHEMA_VERSION.lstrip("v").split(".")[:2])
 
 
-def _bound(value: str | float | pd.Timestamp | None) -> float | pd.Timestamp | None:
+def _bound(value: When) -> float | pd.Timestamp | None:
     return parse_when(value) if isinstance(value, str) else value
 
 
@@ -156,7 +158,7 @@ def _lanes(tv: pd.DataFrame, sessions: pd.DataFrame) -> pd.DataFrame:
         ok = ~np.isnan(n)
         s, n = s[ok], n[ok].astype(np.int64)
         rep = s.loc[s.index.repeat(n), tl.GROUP].reset_index(drop=True)
-        rep["slot"] = np.concatenate([np.arange(k) for k in n]) if len(n) else np.empty(0)
+        rep["slot"] = tl.within_ranges(n)
         parts.append(rep)
     lanes = pd.concat(parts, ignore_index=True)
     lanes["slot"] = lanes["slot"].fillna(-1)
@@ -169,24 +171,22 @@ def _lanes(tv: pd.DataFrame, sessions: pd.DataFrame) -> pd.DataFrame:
     if many_sess:
         label = "s" + lanes["session"].astype(str) + " " + label
     if many_src:
-        src = lanes["source"].astype(str).map(lambda p: os.path.basename(p))
+        src = lanes["source"].astype(str).map(os.path.basename)
         port = lanes["port"].astype(np.int64)
         label = src.where(port < 0, src + ":" + port.astype(str)) + " " + label
     lanes["label"] = label
     return lanes
 
 
-def _lane_of(df: pd.DataFrame, lanes: pd.DataFrame, slot_col: str = "slot") -> np.ndarray:
-    key = df[tl.GROUP].assign(slot=_f(df[slot_col]))
-    key["slot"] = key["slot"].fillna(-1)
+def _lane_of(df: pd.DataFrame, lanes: pd.DataFrame) -> np.ndarray:
+    key = df[tl.GROUP].assign(slot=_f(df["slot"])).fillna({"slot": -1})
     return _f(key.merge(lanes[tl.GROUP + ["slot", "lane"]], on=tl.GROUP + ["slot"], how="left")["lane"])
 
 
-def _where(df: pd.DataFrame, line: str = "line") -> pd.Series:
-    src = df["file"] if "file" in df.columns else df["source"]
-    name = src.astype(str).map(os.path.basename)
-    ln = pd.to_numeric(df[line], errors="coerce").astype("Int64").astype(str).replace("<NA>", "?")
-    return name + ":" + ln
+def _where(file: pd.Series, line: pd.Series) -> np.ndarray:
+    """``name:line`` of each log line (``?`` for a line not known)."""
+    ln = pd.to_numeric(line, errors="coerce").astype("Int64").astype(str).replace("<NA>", "?")
+    return (file.astype(str).map(os.path.basename) + ":" + ln).to_numpy()
 
 
 def _either(first: pd.Series, other: pd.Series) -> pd.Series:
@@ -203,12 +203,11 @@ def _task_table(tv: pd.DataFrame, lanes: pd.DataFrame, clock: _Clock, ends: np.n
 
     The phases are drawn between consecutive times (queue ``q``..``l``, wait ``l``..``p``,
     prefill ``p``..``f``, generation ``f``..``r``) where both ends are known, as in
-    :func:`slotscope.timeline.phases`, whose queue start (from the app's ``queue_ms``) is used.
+    :func:`slotscope.timeline.phases` (the queue starts the app's ``queue_ms`` before launch).
     """
-    ph = tl.phases(tv)
-    queue = ph.loc[ph["phase"] == "queue", KEYS + ["start_s"]].rename(columns={"start_s": "queue_start_s"})
-    t = tv.merge(queue, on=KEYS, how="left")
-    t["end_s"] = ends
+    launch, queue_s = _f(tv["launch_s"]), _f(tv["queue_ms"]) / 1e3
+    queued = launch - queue_s
+    t = tv.assign(queue_start_s=np.where(queued <= launch, queued, np.nan), end_s=ends)
     x = clock(t, "queue_start_s", "launch_s", "prefill_start_s", "first_token_s", "release_s", "end_s")
     out = pd.DataFrame({
         "lane": _lane_of(t, lanes),
@@ -223,10 +222,10 @@ def _task_table(tv: pd.DataFrame, lanes: pd.DataFrame, clock: _Clock, ends: np.n
         "cached": pd.array(t["prompt_tokens_cached"], dtype="Int64"),
         "gen": pd.array(t["n_gen"], dtype="Int64"),
         "status": t["status"].astype(str).to_numpy(),
-        "where": _where(t).to_numpy(),
+        "where": _where(t["file"], t["line"]),
         "q": x["queue_start_s"], "l": x["launch_s"], "p": x["prefill_start_s"], "f": x["first_token_s"],
         "r": x["release_s"], "e": x["end_s"],
-        "queue_s": np.round(_f(t["queue_ms"]) / 1e3, 3),
+        "queue_s": np.round(queue_s, 3),
         "wait_s": np.round(_f(t["wait_before_prefill_ms"]) / 1e3, 3),
         "prefill_s": np.round(_f(t["prompt_eval_ms"]) / 1e3, 3),
         "gen_s": np.round(_f(t["eval_ms"]) / 1e3, 3),
@@ -249,8 +248,8 @@ def _speed_table(ds: Dataset, tv: pd.DataFrame, lanes: pd.DataFrame, clock: _Clo
         "a": x["start_s"], "b": x["end_s"], "sec": np.round(secs, 3),
         "n": _f(seg["tokens"]), "v": np.round(_f(seg["tokens"]) / secs, 2),
         "tg3": np.round(_f(seg["tg_3s_tps"]), 2),
-        "where": _where(seg.assign(file=_either(seg["hb_file"], seg["file"]), line=seg["hb_line"])).where(
-            seg["kind"] == "heartbeat", "(after the last heartbeat)").to_numpy(),
+        "where": np.where(seg["kind"] == "heartbeat", _where(_either(seg["hb_file"], seg["file"]), seg["hb_line"]),
+                          "(after the last heartbeat)"),
         "windows": 1,
     })
     return sp[~np.isnan(sp["lane"].to_numpy()) & (sp["sec"] > 0)].reset_index(drop=True)
@@ -317,9 +316,8 @@ def _stall_table(ds: Dataset, tv: pd.DataFrame, keep: pd.DataFrame, lanes: pd.Da
     w = w[w["cause_task_id"].notna()].merge(keep, on=KEYS, how="inner")
     by = tl.GROUP + ["task_id", "cause_task_id"]
     g = w.groupby(by, sort=False, dropna=False, observed=True)
-    first = g.first().reset_index()
-    agg = g.agg(tokens=("tokens", "sum"), seconds=("seconds", "sum"), a=("seg_start_s", "min"), b=("seg_end_s", "max")).reset_index()
-    w = first.drop(columns=["tokens", "seconds"]).merge(agg, on=by)
+    sums = g.agg(tokens=("tokens", "sum"), seconds=("seconds", "sum"), a=("seg_start_s", "min"), b=("seg_end_s", "max"))
+    w = g.first().drop(columns=["tokens", "seconds"]).join(sums).reset_index()
     w["v"] = w["tokens"] / w["seconds"]
     w = w[w["v"] < slower_than].sort_values(["v", "seconds"], ascending=[True, False], kind="stable").reset_index(drop=True)
     # Two prefills that overlapped one stall: keep the stall once, with the slower (first) cause.
@@ -329,21 +327,20 @@ def _stall_table(ds: Dataset, tv: pd.DataFrame, keep: pd.DataFrame, lanes: pd.Da
     w = w[~w["_rank"].isin(shadowed)].drop(columns="_rank").head(marked).reset_index(drop=True)
     cause = w[tl.GROUP].assign(task_id=w["cause_task_id"].astype("int64")).merge(
         tv[KEYS + ["slot", "prefill_start_s", "first_token_s"]], on=KEYS, how="left")
-    seg = clock(w, "a", "b")
-    cx = clock(cause, "prefill_start_s", "first_token_s")
     mid_s = (np.fmax(_f(w["a"]), _f(cause["prefill_start_s"])) + np.fmin(_f(w["b"]), _f(cause["first_token_s"]))) / 2
-    link = clock(w.assign(mid=mid_s), "mid")["mid"]
+    seg = clock(w.assign(mid=mid_s), "a", "b", "mid")
+    cx = clock(cause, "prefill_start_s", "first_token_s")
     out = pd.DataFrame({
         "rank": np.arange(1, len(w) + 1), "lane": _lane_of(w, lanes), "task": w["task_id"].to_numpy(),
         "a": seg["a"], "b": seg["b"], "v": np.round(w["v"].to_numpy(dtype=float), 3),
         "tokens": w["tokens"].to_numpy(), "sec": np.round(w["seconds"].to_numpy(dtype=float), 2), "class": w["class"].to_numpy(),
         "purpose": _text(w["purpose"]).to_numpy(), "user": _text(w["user"]).to_numpy(),
         "clane": _lane_of(cause, lanes), "ctask": w["cause_task_id"].astype("int64").to_numpy(),
-        "ca": cx["prefill_start_s"], "cb": cx["first_token_s"], "cx": link,
+        "ca": cx["prefill_start_s"], "cb": cx["first_token_s"], "cx": seg["mid"],
         "cnew": pd.array(w["cause_prompt_tokens_new"], dtype="Int64"),
         "cpurpose": _text(w["cause_purpose"]).to_numpy(), "cuser": _text(w["cause_user"]).to_numpy(),
-        "where": _where(w.assign(file=_either(w["hb_file"], w["file"]), line=w["hb_line"])).to_numpy(),
-        "cwhere": _where(w.assign(file=_either(w["cause_file"], w["source"]), line=w["cause_line"])).to_numpy(),
+        "where": _where(_either(w["hb_file"], w["file"]), w["hb_line"]),
+        "cwhere": _where(_either(w["cause_file"], w["source"]), w["cause_line"]),
     })
     out["label"] = [f"stall #{r}: {v:.2f} tok/s" for r, v in zip(out["rank"], out["v"])]
     out["clabel"] = [f"prefill of task {t} ({n:,} new tokens)" if n is not pd.NA else f"prefill of task {t}"
@@ -375,14 +372,13 @@ def _wait_table(ds: Dataset, tv: pd.DataFrame, keep: pd.DataFrame, lanes: pd.Dat
         "hlane": _lane_of(held, lanes), "htask": pd.array(w["holder_task_id"], dtype="Int64"),
         "hpurpose": _text(w["holder_purpose"]).to_numpy(), "hlora": _text(w["holder_lora"]).to_numpy(),
         "hnew": pd.array(w["holder_prompt_tokens_new"], dtype="Int64"),
-        "where": _where(w.assign(file=w["source"])).to_numpy(),
+        "where": _where(w["source"], w["line"]),
     })
     out["label"] = [f"wait {s:.0f} s" + (f" (held by task {h})" if h is not pd.NA else "") for s, h in zip(out["wait_s"], out["htask"])]
     return out
 
 
-def _launched_in(tv: pd.DataFrame, since: str | float | pd.Timestamp | None,
-                 until: str | float | pd.Timestamp | None) -> pd.DataFrame:
+def _launched_in(tv: pd.DataFrame, since: When, until: When) -> pd.DataFrame:
     """The tasks launched in [since, until); :class:`NothingToDraw` if a window is given and none was."""
     kept = window(tv, _bound(since), _bound(until), time_col="launch_s").reset_index(drop=True)
     if not len(kept) and (since is not None or until is not None):
@@ -392,12 +388,7 @@ def _launched_in(tv: pd.DataFrame, since: str | float | pd.Timestamp | None,
     return kept
 
 
-def timeline_data(
-    ds: Dataset,
-    since: str | float | pd.Timestamp | None = None,
-    until: str | float | pd.Timestamp | None = None,
-    opts: Any = None,
-) -> TimelineData:
+def timeline_data(ds: Dataset, since: When = None, until: When = None, opts: Any = None) -> TimelineData:
     """Everything the timeline draws for the tasks launched in [since, until) (all by default).
 
     ``since``/``until`` take the forms of ``--since``: server-clock seconds or a wall time.
@@ -408,10 +399,9 @@ def timeline_data(
     opts = opts or Options()
     tv_all = task_view(ds)
     tv = _launched_in(tv_all, since, until)
-    windowed = since is not None or until is not None
-    offsets = _offsets(tv)
     wall = bool(len(tv)) and "launch_at" in tv.columns and bool(tv["launch_at"].notna().all())
-    clock = _Clock(offsets, wall)
+    per_s = 1e3 if wall else 1.0  # chart units per second
+    clock = _Clock(_offsets(tv), wall)
     lanes = _lanes(tv, ds.server.sessions)
     tasks = _task_table(tv, lanes, clock, tl.task_ends(tv, ds.server.sessions))
     speed = _speed_table(ds, tv, lanes, clock)
@@ -423,22 +413,21 @@ def timeline_data(
         width = (hi - lo) * max(1, speed["lane"].nunique()) / MAX_SPEED_ROWS
         n_windows = len(speed)
         speed = _bin_speed(speed, lo, width)
-        notes.append(f"{n_windows:,} generation windows merged into {len(speed):,} bins of {width / (1e3 if wall else 1):,.1f} s "
+        notes.append(f"{n_windows:,} generation windows merged into {len(speed):,} bins of {width / per_s:,.1f} s "
                      "per slot, each at its slowest window (narrow --since/--until to see every window)")
     v = speed["v"].to_numpy(dtype=float) if len(speed) else np.empty(0)
     top = max(float(np.nanpercentile(v, 95)) if len(v) and np.isfinite(v).any() else 1.0, 1e-3)
     marked = max(MARKED, min(100, len(tasks) // 50))
-    keep = tv[["source", "port", "session", "task_id"]]
+    keep = tv[KEYS]
     stalls = _stall_table(ds, tv_all, keep, lanes, clock, opts, STALL_FRAC * top, marked) if len(tv) else pd.DataFrame()
-    waits = _wait_table(ds, tv_all, keep, lanes, clock, opts, marked, windowed) if len(tv) else pd.DataFrame()
+    waits = _wait_table(ds, tv_all, keep, lanes, clock, opts, marked, since is not None or until is not None) if len(tv) else pd.DataFrame()
     overview = overview_speed = detail_span = None
     if len(tasks) > DETAIL_MAX_TASKS:
         width = (hi - lo) / OVERVIEW_BINS
-        overview = _busy_bins(tasks, lo, width, OVERVIEW_BINS, 1e3 if wall else 1.0)
+        overview = _busy_bins(tasks, lo, width, OVERVIEW_BINS, per_s)
         overview_speed = _bin_speed(speed, lo, width, pooled=True)
         detail_span = (hi - lo) * DETAIL_MAX_TASKS / len(tasks)
-        unit = 1e3 if wall else 1.0
-        notes.append(f"{len(tasks):,} tasks: each lane shows bins of {width / unit:,.0f} s (colour: the phase that took most of the bin, "
+        notes.append(f"{len(tasks):,} tasks: each lane shows bins of {width / per_s:,.0f} s (colour: the phase that took most of the bin, "
                      "faded: idle; speed: tokens over seconds of the bin)")
     srcs = sorted({os.path.basename(str(s)) for s in tv["source"]}) if len(tv) else []
     title = f"slotscope timeline: {', '.join(srcs) or '(no tasks)'}"
@@ -482,9 +471,6 @@ def timeline_spec(data: TimelineData, *, width: int = WIDTH_PX, interactive: boo
     def tt(f: str, title: str, **kw: Any) -> Any:
         return alt.Tooltip(f, title=title, **kw)
 
-    def tt_time(f: str, title: str) -> Any:
-        return alt.Tooltip(f"{f}_t:N", title=title)
-
     def times(*fields: str) -> dict[str, str]:
         # Tooltip times as text (a temporal tooltip with formatType "utc" renders NaN in Vega-Lite 6).
         return {f"{f}_t": f"isValid(datum.{f}) ? {tfmt.format(f=f)} : ''" for f in fields}
@@ -508,17 +494,14 @@ def timeline_spec(data: TimelineData, *, width: int = WIDTH_PX, interactive: boo
     # Level of detail: which layers draw at the current zoom (constant in a static image).
     long_log = data.overview is not None and data.detail_span is not None
     if long_log and interactive:
-        zoomed = f"(isObject(zoom) && isArray(zoom.a) && time(zoom.a[1]) - time(zoom.a[0]) <= {data.detail_span:.10g})"
-        detail_only = zoomed
-
-        def in_view(a: str, b: str) -> str:
-            return f"{zoomed} && datum.{b} >= time(zoom.a[0]) && datum.{a} <= time(zoom.a[1])"
+        detail_only = f"(isObject(zoom) && isArray(zoom.a) && time(zoom.a[1]) - time(zoom.a[0]) <= {data.detail_span:.10g})"
+        view = detail_only + " && datum.{b} >= time(zoom.a[0]) && datum.{a} <= time(zoom.a[1])"  # (a, b: the mark's x fields)
     else:
-        detail_only = "false" if long_log else "true"
-
-        def in_view(a: str, b: str) -> str:
-            return detail_only
+        detail_only = view = "false" if long_log else "true"
     overview_only = f"!({detail_only})"
+
+    def in_view(a: str, b: str) -> str:
+        return view.format(a=a, b=b)
 
     lane_bg = at("lanes").mark_rect().encode(
         y=Y("y0"), y2="y1:Q",
@@ -527,7 +510,7 @@ def timeline_spec(data: TimelineData, *, width: int = WIDTH_PX, interactive: boo
     stall_v = STALL_FRAC * data.speed_top
     speed_tt = [tt("task:Q", "task"), tt("v:Q", "tokens/s (tokens / seconds)", format=",.2f"),
                 tt("tg3:Q", "tg_3s logged", format=",.2f"), tt("n:Q", "tokens"), tt("sec:Q", "seconds", format=",.2f"),
-                tt_time("a", "from"), tt_time("b", "to"), tt("windows:Q", "windows"), tt("where:N", "log")]
+                tt("a_t:N", "from"), tt("b_t:N", "to"), tt("windows:Q", "windows"), tt("where:N", "log")]
 
     def speed_layer(name: str, show: str) -> Any:
         return at(name).mark_rect().encode(
@@ -549,7 +532,7 @@ def timeline_spec(data: TimelineData, *, width: int = WIDTH_PX, interactive: boo
     phase_fill = alt.Fill("phase:N", title="phase", scale=phase_scale, legend=alt.Legend(orient="top"))
     if long_log:
         ott = [tt("phase:N", "most of the bin"), tt("busy:Q", "busy", format=".0%"), tt("wait_s:Q", "wait s"),
-               tt("prefill_s:Q", "prefill s"), tt("gen_s:Q", "generation s"), tt_time("a", "from"), tt_time("b", "to")]
+               tt("prefill_s:Q", "prefill s"), tt("gen_s:Q", "generation s"), tt("a_t:N", "from"), tt("b_t:N", "to")]
         layers.append(at("overview").mark_rect().encode(
             x=X("a"), x2="b", y=Y("y0"), y2="y1:Q", fill=phase_fill,
             opacity=alt.Opacity("busy:Q", scale=alt.Scale(domain=[0, 1], range=[0.25, 1]), legend=None), tooltip=ott,
@@ -572,7 +555,7 @@ def timeline_spec(data: TimelineData, *, width: int = WIDTH_PX, interactive: boo
                tt("gen:Q", "generated tokens", format=","), tt("queue_s:Q", "queue s", format=",.2f"),
                tt("wait_s:Q", "wait before prefill s", format=",.2f"), tt("prefill_s:Q", "prefill s", format=",.2f"),
                tt("gen_s:Q", "generation s", format=",.2f"), tt("gen_tps:Q", "generation tokens/s", format=",.1f"),
-               tt_time("l", "launched"), tt_time("f", "first token"), tt_time("e", "ended"),
+               tt("l_t:N", "launched"), tt("f_t:N", "first token"), tt("e_t:N", "ended"),
                tt("status:N", "status"), tt("where:N", "log")]
     # The queue (before the slot took the task) is a thin bar above: it may overlap the slot's previous task.
     for phase, a, b, ys in (("queue", "q", "l", QUEUE_Y), ("wait", "l", "p", TASK_Y), ("prefill", "p", "f", TASK_Y),
@@ -649,25 +632,21 @@ def timeline_spec(data: TimelineData, *, width: int = WIDTH_PX, interactive: boo
     return spec, datasets
 
 
-def _rows_json(datasets: Mapping[str, pd.DataFrame]) -> str:
-    """Datasets as Vega-Lite wants them: a list of records each."""
-    return "{" + ",".join(f"{json.dumps(k)}:{df.to_json(orient='records', force_ascii=False) if len(df) else '[]'}"
-                          for k, df in datasets.items()) + "}"
-
-
-def _columns_json(datasets: Mapping[str, pd.DataFrame]) -> str:
-    """Datasets as column names + rows of values (the page turns them into records): the keys are
-    not repeated on every row, which halves the file of a long log."""
-    return "{" + ",".join(f"{json.dumps(k)}:{df.to_json(orient='split', index=False, force_ascii=False)}"
-                          for k, df in datasets.items()) + "}"
+def _spec_and_datasets_json(data: TimelineData, orient: str, interactive: bool = True) -> tuple[str, str]:
+    """The spec without its datasets, and the datasets, as JSON texts. ``orient``: ``records``
+    (a list of records each, as Vega-Lite wants them) or ``split`` (column names + rows of values,
+    which the page turns into records: the keys are not repeated on every row, which halves the
+    file of a long log)."""
+    spec, datasets = timeline_spec(data, interactive=interactive)
+    spec.pop("datasets", None)
+    rows = ",".join(f"{json.dumps(k)}:{df.to_json(orient=orient, index=False, force_ascii=False)}" for k, df in datasets.items())
+    return json.dumps(spec, separators=(",", ":")), "{" + rows + "}"
 
 
 def spec_json(data: TimelineData, *, interactive: bool = True) -> str:
     """The complete Vega-Lite spec with its data inlined, as JSON text (e.g. for vl-convert)."""
-    spec, datasets = timeline_spec(data, interactive=interactive)
-    spec.pop("datasets", None)
-    text = json.dumps(spec, separators=(",", ":"))
-    return text[:-1] + ',"datasets":' + _rows_json(datasets) + "}"
+    spec, datasets = _spec_and_datasets_json(data, "records", interactive)
+    return spec[:-1] + ',"datasets":' + datasets + "}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -739,50 +718,32 @@ def _lists_html(data: TimelineData) -> str:
 
 
 def _lane_label(data: TimelineData, lane: float) -> str:
-    if lane != lane:
-        return "?"
-    return str(data.lanes["label"].iloc[int(lane)])
+    return "?" if lane != lane else str(data.lanes["label"].iloc[int(lane)])
 
 
 def page_html(data: TimelineData, after: str = "") -> str:
     """The self-contained HTML page of the timeline (``after``: more HTML under the chart)."""
     _, vlc = _require()
-    spec, datasets = timeline_spec(data)
-    spec.pop("datasets", None)
+    spec, datasets = _spec_and_datasets_json(data, "split")
     renderer = "svg" if data.overview is None and data.marks() <= SVG_MAX_MARKS else "canvas"
     bundle = vlc.javascript_bundle(vl_version=_vl_version())
     # "</" inside inline JSON or JS would end the <script> element early.
     return _PAGE.format(title=html.escape(data.title), bundle=bundle.replace("</script", "<\\/script"),
-                        spec=json.dumps(spec, separators=(",", ":")).replace("</", "<\\/"),
-                        data=_columns_json(datasets).replace("</", "<\\/"), renderer=renderer,
+                        spec=spec.replace("</", "<\\/"), data=datasets.replace("</", "<\\/"), renderer=renderer,
                         after=after + "\n" + _lists_html(data))
 
 
-def timeline_html(
-    ds: Dataset,
-    path: str | os.PathLike[str],
-    since: str | float | pd.Timestamp | None = None,
-    until: str | float | pd.Timestamp | None = None,
-) -> Path:
+def timeline_html(ds: Dataset, path: PathArg, since: When = None, until: When = None) -> Path:
     """Write the interactive timeline of ``ds`` to ``path`` as one self-contained HTML file."""
-    data = timeline_data(ds, since, until)
     out = Path(path)
-    out.write_text(page_html(data), encoding="utf-8")
+    out.write_text(page_html(timeline_data(ds, since, until)), encoding="utf-8")
     return out
 
 
-def timeline_image(
-    ds: Dataset,
-    path: str | os.PathLike[str],
-    since: str | float | pd.Timestamp | None = None,
-    until: str | float | pd.Timestamp | None = None,
-    *,
-    scale: float = 1.5,
-) -> Path:
+def timeline_image(ds: Dataset, path: PathArg, since: When = None, until: When = None, *, scale: float = 1.5) -> Path:
     """Write a static PNG or SVG of the timeline (by ``path``'s extension), e.g. for an issue thread."""
     _, vlc = _require()
-    data = timeline_data(ds, since, until)
-    spec = spec_json(data, interactive=False)
+    spec = spec_json(timeline_data(ds, since, until), interactive=False)
     out = Path(path)
     if out.suffix.lower() == ".svg":
         out.write_text(vlc.vegalite_to_svg(spec, vl_version=_vl_version()), encoding="utf-8")
@@ -794,19 +755,14 @@ def timeline_image(
 IMAGE_SUFFIXES = (".png", ".svg")
 
 
-def write_timeline(
-    ds: Dataset,
-    path: str | os.PathLike[str],
-    since: str | float | pd.Timestamp | None = None,
-    until: str | float | pd.Timestamp | None = None,
-) -> Path:
+def write_timeline(ds: Dataset, path: PathArg, since: When = None, until: When = None) -> Path:
     """HTML, PNG or SVG by the extension of ``path`` (anything else is HTML)."""
     if Path(path).suffix.lower() in IMAGE_SUFFIXES:
         return timeline_image(ds, path, since, until)
     return timeline_html(ds, path, since, until)
 
 
-def report_html(ds: Dataset, tables: Mapping[str, pd.DataFrame], path: str | os.PathLike[str]) -> Path:
+def report_html(ds: Dataset, tables: Mapping[str, pd.DataFrame], path: PathArg) -> Path:
     """The report's findings and tables followed by the timeline, in one self-contained HTML file."""
     from .report import CAPTIONS, setup_line
 
@@ -822,7 +778,6 @@ def report_html(ds: Dataset, tables: Mapping[str, pd.DataFrame], path: str | os.
         cap = f'<p class="note">{html.escape(CAPTIONS[name])}</p>' if name in CAPTIONS else ""
         body = df.to_html(index=False, na_rep="", border=0, float_format=lambda v: f"{v:,.3g}" if abs(v) < 100 else f"{v:,.0f}")
         parts.append(f'<h2 id="table-{html.escape(name)}">{html.escape(name)}</h2>{cap}{body}')
-    data = timeline_data(ds)
     out = Path(path)
-    out.write_text(page_html(data, after="\n".join(parts)), encoding="utf-8")
+    out.write_text(page_html(timeline_data(ds), after="\n".join(parts)), encoding="utf-8")
     return out

@@ -9,6 +9,7 @@ every interval.
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -81,7 +82,7 @@ def phases(tv: pd.DataFrame) -> pd.DataFrame:
     base = pd.DataFrame({c: column(tv, c) for c in keep})
     parts = []
     for name, (a, b) in bounds.items():
-        ok = ~np.isnan(a) & ~np.isnan(b) & (b >= a)
+        ok = b >= a  # (False where an end is NaN)
         p = base[ok].copy()
         p["phase"] = name
         p["start_s"] = a[ok]
@@ -167,7 +168,7 @@ def step_levels(tv: pd.DataFrame, sessions: pd.DataFrame | None = None
     first token or release in the session; sessions in code order, each in time order."""
     launch, ps, ft, rel = (floats(tv[c]) for c in ("launch_s", "prefill_start_s", "first_token_s", "release_s"))
     end = task_ends(tv, sessions)
-    runs, pre, gen = (~np.isnan(a) & ~np.isnan(b) & (b >= a) for a, b in ((launch, end), (ps, ft), (ft, rel)))
+    runs, pre, gen = (b >= a for a, b in ((launch, end), (ps, ft), (ft, rel)))  # (False where an end is NaN)
     code = key_codes([tv], GROUP)[0]
     # Events: +1 where an interval begins, -1 where it ends, in its count (the other counts: 0).
     picks = [(launch, runs, 0, 1), (end, runs, 0, -1), (ps, pre, 1, 1), (ft, pre, 1, -1), (ft, gen, 2, 1),
@@ -249,17 +250,14 @@ class _BlockRange:
         self.small = _SparseTable(base, pick)  # (asked only for levels 0..BLOCK_LEVELS)
         self.block = 1 << BLOCK_LEVELS
         self.pick = pick
-        self._blocks: _SparseTable | None = None
 
-    @property
+    @cached_property
     def blocks(self) -> _SparseTable:
         """The sparse table over the blocks' picks, made when a long range first asks for it."""
-        if self._blocks is None:
-            n = len(self.small.levels[0])
-            first = np.arange(0, n, self.block)
-            last = np.minimum(first + self.block - 1, n - 1)
-            self._blocks = _SparseTable(self.small.pick_of(first, last) if n else self.small.levels[0][:0], self.pick)
-        return self._blocks
+        n = len(self.small.levels[0])
+        first = np.arange(0, n, self.block)
+        last = np.minimum(first + self.block - 1, n - 1)
+        return _SparseTable(self.small.pick_of(first, last) if n else self.small.levels[0][:0], self.pick)
 
     def query(self, lo: np.ndarray, hi: np.ndarray, empty: int) -> np.ndarray:
         """The pick over [lo, hi] (inclusive); ``empty`` where the range is empty."""
@@ -302,12 +300,11 @@ def overlaps(
     queries: pd.DataFrame,
     intervals: pd.DataFrame,
     *,
-    by: Sequence[str] = GROUP,
     value: str | None = None,
     own_start: np.ndarray | None = None,
     own_end: np.ndarray | None = None,
 ) -> pd.DataFrame:
-    """For each query interval [start_s, end_s], what the ``intervals`` of its group did during it.
+    """For each query interval [start_s, end_s], what the ``intervals`` of its session (``GROUP``) did during it.
 
     Returns, aligned with ``queries``: ``covered_s`` (seconds inside the union of the
     intervals), ``overlap_frac`` (covered_s / query length), ``max_count`` (most intervals
@@ -324,7 +321,7 @@ def overlaps(
     ive = floats(intervals["end_s"]) if len(intervals) else np.empty(0)
     vals = floats(intervals[value]) if (value is not None and len(intervals)) else None
     if len(queries) and len(intervals):
-        qcode, icode = key_codes([queries, intervals], by)
+        qcode, icode = key_codes([queries, intervals], GROUP)
     else:
         qcode, icode = np.zeros(len(queries), dtype=np.int64), np.zeros(len(intervals), dtype=np.int64)
     covered, max_count, max_value, max_pos = overlap_arrays(qcode, qs, qe, icode, ivs, ive, vals=vals,
@@ -432,10 +429,10 @@ def overlap_arrays(
     max_pos = np.full(n, -1, dtype=np.int64) if vals is not None else None
     has_own = own_start is not None and own_end is not None
     os_, oe_ = (np.asarray(own_start, dtype="float64"), np.asarray(own_end, dtype="float64")) if has_own else (qs, qe)
-    valid_iv = ~np.isnan(ivs) & ~np.isnan(ive) & (ive > ivs)
+    valid_iv = ive > ivs  # (False where an end is NaN)
     if not (n and valid_iv.any()):
         return covered, max_count, max_value, max_pos
-    q_ok = ~np.isnan(qs) & ~np.isnan(qe) & (qe > qs)
+    q_ok = qe > qs
     for q_all, grp in _both_by_group(qcode, q_ok, icode, valid_iv):
         g = _Steps(ivs, ive, grp, vals, need, has_own)
         del grp
@@ -555,23 +552,16 @@ def median(v: np.ndarray) -> float:
     return float(np.median(v)) if len(v) else np.nan
 
 
-def _sorted_quantile(s: np.ndarray, q: float) -> float:
-    """The ``q`` quantile of sorted values (not empty), linear between the two nearest ranks."""
-    at = q * (len(s) - 1)
-    i, frac = int(at), at % 1
-    return float(s[i]) if frac == 0.0 else float(s[i] + (s[i + 1] - s[i]) * frac)
-
-
 def quantile(v: np.ndarray, q: float) -> float:
     """The ``q`` quantile of the values that are not NaN (NaN: none), equal to the bit to
     pandas' groupby quantile."""
-    s = np.sort(v[~np.isnan(v)])
-    return _sorted_quantile(s, q) if len(s) else np.nan
+    return median_and_quantile(v.copy(), q)[1]
 
 
 def median_and_quantile(v: np.ndarray, q: float) -> tuple[float, float]:
     """:func:`median` and :func:`quantile` of ``v`` (the same floats) from one sort of ``v``
-    itself, which is changed: the caller's own copy."""
+    itself, which is changed: the caller's own copy. The quantile is linear between the two
+    nearest ranks."""
     if np.isnan(v).any():
         v = v[~np.isnan(v)]
     v.sort()
@@ -580,7 +570,8 @@ def median_and_quantile(v: np.ndarray, q: float) -> tuple[float, float]:
         return np.nan, np.nan
     h = n // 2
     med = float(v[h]) if n % 2 else float(np.mean(v[h - 1:h + 1]))  # (as np.median takes the middle two)
-    return med, _sorted_quantile(v, q)
+    i, frac = int(q * (n - 1)), q * (n - 1) % 1
+    return med, float(v[i]) if frac == 0.0 else float(v[i] + (v[i + 1] - v[i]) * frac)
 
 
 def prefill_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None,
@@ -659,11 +650,12 @@ def _packed(frames: Sequence[pd.DataFrame]) -> list[np.ndarray] | None:
     does, if the frames have one source and every key fits; else None."""
     if not _one_value([f["source"] for f in frames]):
         return None
-    ints = [[_ints(f[c]) for c in ("port", "session", "task_id")] for f in frames]
     packed = []
-    for port, session, task in ints:
-        if port is None or session is None or task is None:
+    for f in frames:
+        cols = [f[c] for c in ("port", "session", "task_id")]
+        if any(getattr(c.dtype, "kind", "") not in ("i", "u") or c.isna().any() for c in cols):  # (integers without gaps)
             return None
+        port, session, task = (c.to_numpy(dtype=np.int64) for c in cols)
         if not ((port >= -1) & (port <= 65535) & (session >= 0) & (session < 1 << 14) & (task >= 0) & (task < 1 << 32)).all():
             return None
         packed.append(((port + 1) << 46) | (session << 32) | task)
@@ -674,16 +666,7 @@ def join_tasks(left: pd.DataFrame, right: pd.DataFrame) -> tuple[np.ndarray, np.
     """Row pairs ``(l, r)`` of ``left`` and ``right`` with equal task keys (``GROUP`` +
     ``task_id``), in left order: an inner merge, on packed int64 keys where they fit (the
     usual case), else on :func:`key_codes`."""
-    packed = _packed([left, right])
-    return _join_unique(*packed) if packed is not None else _join_unique(*key_codes([left, right], GROUP + ["task_id"]))
-
-
-def _ints(col: pd.Series) -> np.ndarray | None:
-    """An integer column without gaps as int64 (else None)."""
-    kind = getattr(col.dtype, "kind", "")
-    if not kind or kind not in "iu" or col.isna().any():
-        return None
-    return col.to_numpy(dtype=np.int64)
+    return _join_unique(*(_packed([left, right]) or key_codes([left, right], GROUP + ["task_id"])))
 
 
 def _join_unique(left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
