@@ -494,7 +494,7 @@ def print_table(console: Console, df: pd.DataFrame, title: str | None = None, ma
     n = max(1, int(np.searchsorted(ends, console.width, "right")))
     table = rich_table(df.iloc[:, :n], title=title, max_rows=max_rows)
     hidden = [str(c) for c in df.columns[n:]]
-    notes = [table.caption, caption]
+    notes = [str(table.caption or ""), caption]
     if hidden:
         notes.append(f"{len(hidden)} more column{'s' if len(hidden) > 1 else ''} ({', '.join(hidden)}): --format csv shows all")
     table.caption = "; ".join(x for x in notes if x) or None
