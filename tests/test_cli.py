@@ -237,3 +237,13 @@ def test_an_app_log_with_no_usable_call_gives_the_report_and_counts_its_lines(tm
     assert res.exit_code == 0, res.stderr
     assert "Traceback" not in res.stderr and "could not compute" not in res.stdout + res.stderr
     assert f"app.jsonl (app): {len(records)} lines, used 0, ignored 0, unrecognized {len(records)}" in res.stderr
+
+
+def test_a_log_that_only_starts_like_gzip_is_one_clear_error(tmp_path: Path) -> None:
+    """Two bytes of gzip's magic before real lines (found by fuzzing): the inflater's own error
+    class (isal's, not zlib's) ended in a traceback. One line names the file instead."""
+    log = tmp_path / "llama-server.log"
+    log.write_bytes(b"\x1f\x8b" + (REAL / "before" / "logs" / "llama-server.log").read_bytes()[:4000])
+    res = run("analyze", str(log))
+    assert res.exit_code == 1 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith(f"error: {log}: cannot read: ")

@@ -34,7 +34,9 @@ except ImportError:  # pragma: no cover - depends on the environment
 Kind = Literal["server", "app"]
 
 # What a damaged or unreadable stream raises while being read (zstd's error is its own class).
-READ_ERRORS: tuple[type[BaseException], ...] = (OSError, EOFError, ValueError, zlib.error)
+# (isal's inflater raises its own class, not zlib's)
+_INFLATE_ERRORS: tuple[type[BaseException], ...] = (zlib.error, getattr(_zlib, "error", zlib.error))
+READ_ERRORS: tuple[type[BaseException], ...] = (OSError, EOFError, ValueError, *_INFLATE_ERRORS)
 try:
     import zstandard as _zstd
 
@@ -296,7 +298,7 @@ class _GzipStream(io.RawIOBase):
                     break
                 parts.append(out)
                 got += len(out)
-        except (EOFError, zlib.error) as e:
+        except (EOFError, *_INFLATE_ERRORS) as e:
             self._eof = True
             self._input = b""
             if not parts:
