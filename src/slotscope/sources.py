@@ -37,6 +37,7 @@ Kind = Literal["server", "app"]
 # (isal's inflater raises its own class, not zlib's)
 _INFLATE_ERRORS: tuple[type[BaseException], ...] = (zlib.error, getattr(_zlib, "error", zlib.error))
 READ_ERRORS: tuple[type[BaseException], ...] = (OSError, EOFError, ValueError, *_INFLATE_ERRORS)
+_DAMAGED: tuple[type[BaseException], ...] = (EOFError, *_INFLATE_ERRORS)  # a damaged or cut gzip
 try:
     import zstandard as _zstd
 
@@ -298,7 +299,7 @@ class _GzipStream(io.RawIOBase):
                     break
                 parts.append(out)
                 got += len(out)
-        except (EOFError, *_INFLATE_ERRORS) as e:
+        except _DAMAGED as e:
             self._eof = True
             self._input = b""
             if not parts:
