@@ -31,6 +31,7 @@ CAPTIONS = {
     "cache": "Prompt-cache misses among consecutive turns of one user.",
     "cache-misses": "The misses.",
     "lora-switch": "Prefill time of short prompts right after a LoRA change vs the same setting.",
+    "ruled-out": "What wasn't the cause: each hypothesis against its figure.",
     "findings": "What the numbers show.",
 }
 # The columns a terminal report shows per table (CSV/JSON exports keep every column).
@@ -132,6 +133,10 @@ def render(ds: Dataset, tables: dict[str, pd.DataFrame], file: IO[str] | None = 
         if name == "findings":
             for text in df.get("finding", pd.Series(dtype=str)):
                 console.print(f"- {text}", markup=False)
+            continue
+        if name == "ruled-out" and "hypothesis" in df.columns:
+            for r in df.itertuples(index=False):
+                console.print(f"- {r.hypothesis}: {r.verdict}. {r.figure} ({r.samples:,} samples)", markup=False)
             continue
         if "note" in df.columns and df.drop(columns=["note"]).dropna(how="all").empty:
             for note in df["note"].dropna().unique():

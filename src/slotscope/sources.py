@@ -35,9 +35,9 @@ Kind = Literal["server", "app"]
 
 # What a damaged or unreadable stream raises while being read (zstd's error is its own class).
 # (isal's inflater raises its own class, not zlib's)
-_INFLATE_ERRORS: tuple[type[BaseException], ...] = (zlib.error, getattr(_zlib, "error", zlib.error))
+_INFLATE_ERRORS: tuple[type[Exception], ...] = (zlib.error, getattr(_zlib, "error", zlib.error))
 READ_ERRORS: tuple[type[BaseException], ...] = (OSError, EOFError, ValueError, *_INFLATE_ERRORS)
-_DAMAGED: tuple[type[BaseException], ...] = (EOFError, *_INFLATE_ERRORS)  # a damaged or cut gzip
+_DAMAGED: tuple[type[Exception], ...] = (EOFError, *_INFLATE_ERRORS)  # a damaged or cut gzip
 try:
     import zstandard as _zstd
 

@@ -140,10 +140,12 @@ def register(name: str) -> Callable[[Analyzer], Analyzer]:
 
 REPORT_ORDER = [
     "turns", "load", "breakdown", "stalls", "stalls-worst", "waits", "waits-worst", "prefills",
-    "prefill-speed", "context", "cache", "cache-misses", "lora-switch", "findings",
+    "prefill-speed", "context", "cache", "cache-misses", "lora-switch", "ruled-out", "findings",
 ]
+# Tables made of the others (after them): what each reads (None: every table).
+DERIVED: dict[str, list[str] | None] = {"ruled-out": ["load", "cache", "context"], "findings": None}
 _MODULES = ["turns", "load", "breakdown", "stalls", "waits", "prefills", "prefill_speed", "context", "cache",
-            "lora_switch", "findings"]
+            "lora_switch", "ruled_out", "findings"]
 
 
 def _import_all() -> None:
@@ -156,7 +158,7 @@ def _import_all() -> None:
 def table_names() -> list[str]:
     """Every table the report can compute, in report order."""
     _import_all()
-    names = [n for n in REPORT_ORDER if n in TABLES or n == "findings"]
+    names = [n for n in REPORT_ORDER if n in TABLES or n in DERIVED]
     return names + [n for n in TABLES if n not in REPORT_ORDER]
 
 
@@ -164,13 +166,14 @@ def _plan(names: list[str] | None) -> tuple[list[str], list[Question], list[str]
     """For the tables asked for (all: None): those wanted, the questions of the busy periods
     that make them, the tables of the per-call table, and the order they are made in."""
     wanted = table_names() if names is None else names
-    unknown = [n for n in wanted if n not in TABLES and n != "findings"]
+    unknown = [n for n in wanted if n not in TABLES and n not in DERIVED]
     if unknown:
         raise KeyError(f"unknown table(s) {', '.join(unknown)}; tables: {', '.join(table_names())}")
-    needed = [n for n in (table_names() if "findings" in wanted else wanted) if n != "findings"]
+    reads = [n for d in wanted if d in DERIVED for n in (DERIVED[d] or table_names())]
+    needed = [n for n in dict.fromkeys([*wanted, *reads]) if n not in DERIVED]
     asked = list({id(QUESTIONS[n]): QUESTIONS[n] for n in needed if n in QUESTIONS}.values())
     plain = [n for n in needed if n not in QUESTIONS]
-    order = [n for q in asked for n in q.tables if n in needed] + plain + (["findings"] if "findings" in wanted else [])
+    order = [n for q in asked for n in q.tables if n in needed] + plain + [d for d in DERIVED if d in wanted]
     return wanted, asked, plain, order
 
 
@@ -212,9 +215,11 @@ def run(ds: Dataset, opts: Options | None = None, names: list[str] | None = None
     for name in plain:
         said(name)
         out[name] = _plain_table(name, ds, opts, strict)
-    if "findings" in wanted:
-        from .findings import findings
+    from .findings import findings
+    from .ruled_out import ruled_out
 
-        said("findings")
-        out["findings"] = findings(ds, opts, out)
+    for name, make in (("ruled-out", ruled_out), ("findings", findings)):
+        if name in wanted:
+            said(name)
+            out[name] = make(ds, opts, out)
     return {n: out[n] for n in wanted if n in out}
