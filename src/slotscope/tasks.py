@@ -41,14 +41,12 @@ _FIRST_OF_KIND: list[tuple[str, int, str]] = [
     ("launch_us", LAUNCH, "ts_us"), ("is_child", LAUNCH, "v1"),
     ("prompt_eval_ms", PROMPT_EVAL, "v1"), ("prompt_tokens_new", PROMPT_EVAL, "v2"),
     ("eval_ms", EVAL, "v1"), ("n_gen", EVAL, "v2"), ("eval_us", EVAL, "ts_us"),
-    ("total_ms", TOTAL, "v1"), ("total_tokens", TOTAL, "v2"), ("total_us", TOTAL, "ts_us"),
+    ("total_ms", TOTAL, "v1"), ("total_us", TOTAL, "ts_us"),
     ("release_us", RELEASE, "ts_us"), ("n_tokens_released", RELEASE, "v1"), ("truncated", RELEASE, "v2"),
     ("release_line", RELEASE, "line"),
 ]
-_FIRST = [c for c, _, _ in _FIRST_OF_KIND] + ["slot_any"]  # slot: the launch's, else any event's
 _MAX = {"cancelled": CANCEL, "error": ERROR}
 _SUM = {"n_heartbeats": HEARTBEAT, "n_progress": PROGRESS}
-_PARTIAL = KEY + _FIRST + list(_MAX) + list(_SUM) + ["first_line"]
 _BY_KIND: dict[int, list[tuple[str, str]]] = {}
 for _c, _kind, _src in _FIRST_OF_KIND:
     _BY_KIND.setdefault(_kind, []).append((_c, _src))
@@ -73,16 +71,14 @@ def _fold(
     takes the first value that is there: an open row's, else its kind's first event's.
     """
     n_open = len(open_rows["task"]) if open_rows is not None else 0
-    rows = _concat([open_rows, events], _CORE) if open_rows is not None and n_open else events
+    rows = _concat([open_rows, events], _CORE) if open_rows is not None else events
     port, session = rows["port"], rows["session"]
     if len(port) and port.min() == port.max() and session.min() == session.max():  # one port, one session
         order = np.argsort(rows["task"], kind="stable")
     else:
         order = np.lexsort((rows["task"], session, port))  # stable: order kept per task
     key = {k: rows[k][order] for k in KEY}
-    new = np.ones(len(order), bool)
-    new[1:] = (key["port"][1:] != key["port"][:-1]) | (key["session"][1:] != key["session"][:-1]) | (
-        key["task"][1:] != key["task"][:-1])
+    new = _new_run(*key.values())
     starts = np.flatnonzero(new)
     n_groups = len(starts)
     group_sorted = np.cumsum(new) - 1
@@ -94,8 +90,7 @@ def _fold(
         """Each group's first row among ``g`` (the rows' groups, in row order): (groups, rows)."""
         o = np.argsort(g, kind="stable")
         gs = g[o]
-        lead = np.ones(len(gs), bool)
-        lead[1:] = gs[1:] != gs[:-1]
+        lead = _new_run(gs)
         return gs[lead], o[lead]
 
     opened = np.arange(n_open)
@@ -119,17 +114,20 @@ def _fold(
     # slot_any over every row: first non-missing per group, walking the rows in key order
     v = rows["slot_any"][order]
     have = np.flatnonzero(~np.isnan(v))
-    g = group_sorted[have]
-    lead = np.ones(len(have), bool)
-    lead[1:] = g[1:] != g[:-1]
+    lead = have[_new_run(group_sorted[have])]
     out["slot_any"] = np.full(n_groups, np.nan)
-    out["slot_any"][g[lead]] = v[have[lead]]
-    for c in _MAX:
-        out[c] = np.maximum.reduceat(rows[c][order], starts) if n_groups else np.zeros(0, np.int8)
-    for c in _SUM:
-        out[c] = np.add.reduceat(rows[c][order], starts) if n_groups else np.zeros(0, np.int64)
-    out["first_line"] = np.minimum.reduceat(rows["first_line"][order], starts) if n_groups else np.zeros(0, np.int64)
+    out["slot_any"][group_sorted[lead]] = v[lead]
+    for names, ufunc, dtype in ((_MAX, np.maximum, np.int8), (_SUM, np.add, np.int64), (["first_line"], np.minimum, np.int64)):
+        for c in names:
+            out[c] = ufunc.reduceat(rows[c][order], starts) if n_groups else np.zeros(0, dtype)
     return out
+
+
+def _new_run(*keys: np.ndarray) -> np.ndarray:
+    """Whether each row's keys differ from the previous row's (the first row's do)."""
+    new = np.ones(len(keys[0]), bool)
+    new[1:] = np.logical_or.reduce([k[1:] != k[:-1] for k in keys])
+    return new
 
 
 def _concat(parts: list[dict[str, np.ndarray]], names: list[str]) -> dict[str, np.ndarray]:
@@ -359,8 +357,7 @@ class TaskAssembler:
         for code, rows_of in ((HEARTBEAT, self._gen), (PROGRESS, self._prefill)):
             if code in samples:
                 rows_of.append(samples[code])
-        n = len(rows["task"])
-        if not n:
+        if not len(rows["task"]):
             return
         rows["file"] = np.where(np.isnan(rows["file"]), np.nan, float(self._files.setdefault(file, len(self._files))))  # type: ignore[arg-type]
         open_rows = self._open if self._open is not None and len(self._open["task"]) else None
@@ -369,28 +366,21 @@ class TaskAssembler:
             return
         # Only the rows of tasks that may be open (by task id: a superset) are folded with the
         # open rows; the others are one per task already. Row order is free here: the output
-        # order is set once, at the end (_end). A few dozen rows folded instead of thousands,
-        # and the others closed where they are (not copied into one table first).
+        # order is set once, at the end (_end). A few dozen rows folded instead of thousands.
         maybe = np.isin(rows["task"], open_rows["task"])
         part = _take(rows, maybe)
-        firsts = {c: part[c] for c in _FIRST if c != "slot_any"}
+        firsts = {c: part[c] for c, _, _ in _FIRST_OF_KIND}
         folded = _fold(open_rows, part, [(np.arange(len(part["task"])), firsts)])
-        still = self._close(folded, info), self._close(rows, info, ~maybe)
+        still = self._close(folded, info), self._close(_take(rows, ~maybe), info)
         self._open = _concat(list(still), list(folded))
 
-    def _close(self, merged: dict[str, np.ndarray], info: dict[str, np.ndarray],
-               rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
-        """Hand the finished ones of these rows (``rows``: a mask of them; None: all) to the
-        finished rows, in order; return the others, still open."""
-        idx = np.flatnonzero(rows) if rows is not None else None
-
-        def col(c: str) -> np.ndarray:
-            return merged[c] if idx is None else merged[c][idx]
-
+    def _close(self, rows: dict[str, np.ndarray], info: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Hand the finished ones of these rows to the finished rows, in order; return the
+        others, still open."""
         cur_session: dict[int, int] = {}
         for (p, s) in self.sessions:
             cur_session[p] = max(cur_session.get(p, s), s)
-        port, session = col("port"), col("session")
+        port, session = rows["port"], rows["session"]
         # The latest server time of each (port, session) in this block: "now" for stale releases.
         now = np.full(len(port), np.nan)
         current = np.full(len(port), np.nan)
@@ -398,22 +388,20 @@ class TaskAssembler:
             current[port == p] = cur_session.get(int(p), np.nan)
         for p, s, t in zip(info["port"], info["session"], info["now_us"]):
             now[(port == p) & (session == s)] = t
-        release = col("release_us")
+        release = rows["release_us"]
         has_release = ~np.isnan(release)
-        has_total = ~np.isnan(col("total_ms"))  # the last timing line
-        cancelled = col("cancelled") > 0
+        has_total = ~np.isnan(rows["total_ms"])  # the last timing line
+        cancelled = rows["cancelled"] > 0
         with np.errstate(invalid="ignore"):
             # Older builds print the release before the timings; wait a little for them.
             stale_release = has_release & ((now - release) > 5e6)
             old_session = session < current
         done = (has_release & (has_total | cancelled)) | stale_release | old_session
-        at = np.flatnonzero(done)
-        if len(at):
-            finished = _take(merged, at if idx is None else idx[at])
-            finished["cut_by_restart"] = old_session[at] & ~has_release[at]
+        if done.any():
+            finished = _take(rows, done)
+            finished["cut_by_restart"] = old_session[done] & ~has_release[done]
             self._done.append(finished)
-        left = np.flatnonzero(~done)
-        return _take(merged, left if idx is None else idx[left])
+        return _take(rows, ~done)
 
     def _track_sessions(self, info: dict[str, np.ndarray], file: str | None) -> None:
         for i in range(len(info["port"])):
@@ -509,22 +497,6 @@ SESSION_COLUMNS = ["source", "port", "session", "file", "first_line", "first_s",
                    "wall_offset_us", "wall_offset_support", "start_at", "model", "build"]
 
 
-def _raw(cols: dict[str, np.ndarray], files: list[str]) -> dict[str, np.ndarray | pd.Categorical]:
-    """Finished partial rows (in output order) as columns: ``slot`` the launch's, else any
-    event's, and ``file`` one category per file. Arrays, not a DataFrame: :func:`_derive` takes
-    them one at a time, and deleting a DataFrame's columns is slow (its blocks are rebuilt)."""
-    code = cols.pop("file")
-    # One category per file instead of its path repeated on every row.
-    file = pd.Categorical.from_codes(np.where(np.isnan(code), -1, code).astype(np.int64),
-                                     categories=pd.Index(files, dtype="str"))
-    slot_any = cols.pop("slot_any")
-    slot_launch = cols.pop("slot_launch")
-    raw: dict[str, np.ndarray | pd.Categorical] = {c: cols.pop(c) for c in _PARTIAL + ["cut_by_restart"] if c in cols}
-    raw["slot"] = np.where(np.isnan(slot_launch), slot_any, slot_launch)
-    raw["file"] = file
-    return raw
-
-
 @dataclass
 class TaskBatch:
     """Some finished rows, by position in output order, and what deriving them needs.
@@ -540,29 +512,27 @@ class TaskBatch:
     with_wall: bool
 
     def table(self) -> pd.DataFrame:
-        return _derive(_raw(self.rows.gather(self.idx), self.files), self.source, self.sessions, self.with_wall)
+        return _derive(self.rows.gather(self.idx), self.files, self.source, self.sessions, self.with_wall)
 
 
-def _derive(raw: dict[str, np.ndarray | pd.Categorical], source: str, sessions: pd.DataFrame,
+def _derive(raw: dict[str, np.ndarray], files: list[str], source: str, sessions: pd.DataFrame,
             with_wall: bool) -> pd.DataFrame:
-    """Timeline arithmetic of research/log-formats.md §1.3, column-wise (``raw`` in output order).
+    """Timeline arithmetic of research/log-formats.md §1.3, column-wise, on finished partial
+    rows (``raw``, in output order).
 
     ``with_wall``: whether to add the ``*_at`` columns (a table written in batches decides
     once for all of them).
 
-    ``raw`` (:func:`_raw`'s columns) is consumed: each column is dropped after its last use, so
-    the partial rows and the task table are not both held whole. The arithmetic is numpy's
-    (float64, NaN for missing), each column made a pandas one once, at the end.
+    ``raw`` is consumed: each column is dropped after its last use, so the partial rows and
+    the task table are not both held whole. The arithmetic is numpy's (float64, NaN for
+    missing), each column made a pandas one once, at the end. Arrays, not a DataFrame:
+    deleting a DataFrame's columns is slow (its blocks are rebuilt).
     """
     def take(c: str) -> np.ndarray:
         return np.asarray(raw.pop(c), dtype=np.float64)
 
     def col(c: str) -> np.ndarray:
         return np.asarray(raw[c], dtype=np.float64)
-
-    def seconds(us: np.ndarray) -> np.ndarray:
-        with np.errstate(invalid="ignore"):
-            return np.where(us >= 0, us, np.nan) / 1e6
 
     def flags(v: np.ndarray) -> pd.arrays.BooleanArray:  # 1 -> True, 0 -> False, else missing
         return pd.arrays.BooleanArray(v == 1, ~((v == 1) | (v == 0)))
@@ -573,10 +543,11 @@ def _derive(raw: dict[str, np.ndarray | pd.Categorical], source: str, sessions: 
     session = np.asarray(raw.pop("session")).astype(np.int64)
     port = np.asarray(raw.pop("port")).astype(np.int64)
     out["session"] = session
-    out["slot"] = pd.array(take("slot"), dtype="Int64")
+    slot_launch, slot_any = take("slot_launch"), take("slot_any")  # the launch's, else any event's
+    out["slot"] = pd.array(np.where(np.isnan(slot_launch), slot_any, slot_launch), dtype="Int64")
     out["task_id"] = np.asarray(raw.pop("task")).astype(np.int64)
     launch_us, release_us = col("launch_us"), col("release_us")
-    launch_s = seconds(launch_us)
+    launch_s = _seconds(launch_us)
     eval_us, total_us = take("eval_us"), take("total_us")
     with np.errstate(invalid="ignore"):
         anchor = np.where(eval_us >= 0, eval_us, total_us)
@@ -587,7 +558,7 @@ def _derive(raw: dict[str, np.ndarray | pd.Categorical], source: str, sessions: 
     prefill_start_s = (anchor - timing_total * 1000) / 1e6
     del anchor, timing_total
     first_token_s = prefill_start_s + prompt_eval_ms / 1000
-    release_s = seconds(release_us)
+    release_s = _seconds(release_us)
     wait_ms = (prefill_start_s - launch_s) * 1000
     new, n_gen, released = take("prompt_tokens_new"), take("n_gen"), take("n_tokens_released")
     cached = released - n_gen + 1 - new
@@ -623,7 +594,9 @@ def _derive(raw: dict[str, np.ndarray | pd.Categorical], source: str, sessions: 
                                                np.where(cancelled, 1, 2)))
     out["line"] = pd.array(line, dtype="Int64")
     # Columns beyond the stable set.
-    out["file"] = raw.pop("file")
+    code = take("file")  # one category per file instead of its path repeated on every row
+    out["file"] = pd.Categorical.from_codes(np.where(np.isnan(code), -1, code).astype(np.int64),
+                                            categories=pd.Index(files, dtype="str"))
     out["port"] = port
     out["release_line"] = pd.array(take("release_line"), dtype="Int64")
     out["total_ms"] = total_ms
@@ -724,7 +697,11 @@ class SampleSource:
         """Gen samples: each row's task's first-token time (rows in table order); else None."""
         if self.kind != HEARTBEAT:
             return None
-        return _first_token_per_row(self.first_tokens, port, session, task, _same_task_as_previous(port, session, task))
+        if self.first_tokens is None or not len(port):
+            return np.full(len(port), np.nan)
+        new = _new_run(port, session, task)  # (rows grouped by task: looked up once per task)
+        starts = np.flatnonzero(new)
+        return self.first_tokens.at(port[starts], session[starts], task[starts])[np.cumsum(new) - 1]
 
     def table_of(self, cols: dict[str, np.ndarray], skip: int = 0) -> pd.DataFrame:
         """:func:`_sample_table` of rows gathered in table order."""
@@ -751,7 +728,7 @@ class FirstTokens:
         keys = cls._keys_in(sessions, ids, port, session, task)
         order = np.argsort(keys, kind="stable")
         keys = keys[order]
-        first = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])[: len(keys)]  # a task twice: its first row
+        first = np.flatnonzero(_new_run(keys))  # a task twice: its first row
         return cls(sessions, ids, keys[first], first_token_s[order[first]])
 
     @staticmethod
@@ -781,31 +758,18 @@ class FirstTokens:
         return np.where(hit & (keys >= 0), self.values[at] if len(known) else np.nan, np.nan)
 
 
-def _first_token_per_row(first_tokens: FirstTokens | None, port: np.ndarray, session: np.ndarray, task: np.ndarray,
-                         same: np.ndarray) -> np.ndarray:
-    """Each sample row's task's first-token time (rows grouped by task: looked up once per task)."""
-    if first_tokens is None or not len(port):
-        return np.full(len(port), np.nan)
-    starts = np.flatnonzero(~same)
-    return first_tokens.at(port[starts], session[starts], task[starts])[np.cumsum(~same) - 1]
-
-
-def _same_task_as_previous(port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
-    same = np.zeros(len(port), bool)
-    same[1:] = (port[1:] == port[:-1]) & (session[1:] == session[:-1]) & (task[1:] == task[:-1])
-    return same
-
-
-def _previous(v: np.ndarray, same: np.ndarray) -> np.ndarray:
+def _previous(v: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """Each row's previous row's value; NaN where ``new`` (a task's first row)."""
     out = np.full(len(v), np.nan)
     out[1:] = v[:-1]
-    out[~same] = np.nan
+    out[new] = np.nan
     return out
 
 
 def _seconds(us: np.ndarray) -> np.ndarray:
     v = us.astype(np.float64)
-    return np.where(v >= 0, v, np.nan) / 1e6
+    with np.errstate(invalid="ignore"):
+        return np.where(v >= 0, v, np.nan) / 1e6
 
 
 def empty_samples(kind: int) -> pd.DataFrame:
@@ -820,7 +784,7 @@ def _sample_table(kind: int, cols: dict[str, np.ndarray], source: str, files: li
     (context: the sample before a batch). ``file``: the file each sample's line is in (one
     category per file of ``files``; ``line`` counts from that file's start)."""
     port, session, task = (cols[c].astype(np.int64) for c in ("port", "session", "task"))
-    same = _same_task_as_previous(port, session, task)
+    new = _new_run(port, session, task)
     t_s = _seconds(cols["ts_us"])
     n = cols["v1"].astype(np.float64)
     out: dict[str, object] = {"source": None, "session": session, "slot": pd.array(cols["slot"], dtype="Int64"),
@@ -828,9 +792,9 @@ def _sample_table(kind: int, cols: dict[str, np.ndarray], source: str, files: li
     if kind == HEARTBEAT:
         assert first_token is not None
         # The first heartbeat's window starts at the task's first token (t_print_last is reset there).
-        step = t_s - _previous(t_s, same)
+        step = t_s - _previous(t_s, new)
         window = np.round(np.where(np.isnan(step), t_s - first_token, step), 6)
-        tokens = n - _previous(n, same)
+        tokens = n - _previous(n, new)
         out.update({
             "n_gen": pd.array(n, dtype="Int64"), "tg_tps": cols["v2"].astype(np.float64),
             "tg_3s_tps": cols["v3"].astype(np.float64), "window_s": window,
@@ -840,8 +804,8 @@ def _sample_table(kind: int, cols: dict[str, np.ndarray], source: str, files: li
         out.update({
             "n_tokens": pd.array(n, dtype="Int64"), "progress": cols["v2"].astype(np.float64),
             "elapsed_s": cols["v3"].astype(np.float64), "tps": cols["v4"].astype(np.float64),
-            "step_tokens": pd.array(n - _previous(n, same), dtype="Int64"),
-            "step_s": np.round(t_s - _previous(t_s, same), 6)})
+            "step_tokens": pd.array(n - _previous(n, new), dtype="Int64"),
+            "step_s": np.round(t_s - _previous(t_s, new), 6)})
     out["line"] = cols["line"].astype(np.int64)
     out["port"] = port
     out["file"] = pd.Categorical.from_codes(cols["file"].astype(np.int64), categories=pd.Index(files, dtype="str"))
