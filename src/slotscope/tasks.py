@@ -149,9 +149,8 @@ class FinishedRows:
         self.spill_rows = spill_rows
         self._pending: list[dict[str, np.ndarray]] = []
         self._n_pending = 0
-        self._chunks: list[str] = []  # each chunk's file
         self._names: list[str] = []
-        self._sizes: list[int] = []
+        self._sizes: list[int] = []  # each chunk's rows
         self._disk = store.Chunks(f"{what} (~{row_bytes} bytes per row)")
 
     def __len__(self) -> int:
@@ -174,7 +173,7 @@ class FinishedRows:
         self._pending, self._n_pending = [], 0
         self._sizes.append(len(rows["task"]))
         self._names = list(rows)
-        self._chunks.append(self._disk.write(rows))
+        self._disk.write(rows)
 
     def __getstate__(self) -> dict:
         # A copy in another process reads the chunks; the files stay this one's to remove.
@@ -182,12 +181,13 @@ class FinishedRows:
 
     def chunks(self) -> Iterator[dict[str, np.ndarray]]:
         """Every column, a chunk at a time, in the order the rows finished."""
-        for chunk in self._chunks:
+        for chunk in self._disk.paths:
             yield dict(zip(self._names, store.Chunks.read(chunk, self._names)))
 
     def column(self, c: str) -> np.ndarray:
         """One column over all rows."""
-        return np.concatenate([store.Chunks.read(k, [c])[0] for k in self._chunks]) if self._chunks else np.zeros(0)
+        paths = self._disk.paths
+        return np.concatenate([store.Chunks.read(k, [c])[0] for k in paths]) if paths else np.zeros(0)
 
     def gather(self, idx: np.ndarray) -> dict[str, np.ndarray]:
         """The rows at these positions, in this order, read a chunk's column at a time."""
@@ -197,14 +197,14 @@ class FinishedRows:
         for k in np.unique(which).tolist():
             at = np.flatnonzero(which == k)
             src = idx[at] - starts[k]
-            for c, v in zip(self._names, store.Chunks.read(self._chunks[k], self._names)):
+            for c, v in zip(self._names, store.Chunks.read(self._disk.paths[k], self._names)):
                 if c not in out:
                     out[c] = np.empty(len(idx), dtype=v.dtype)
                 out[c][at] = v[src]
         return out
 
     def discard(self) -> None:
-        self._pending, self._chunks, self._sizes = [], [], []
+        self._pending, self._sizes = [], []
         self._disk.discard()
 
 
@@ -239,6 +239,7 @@ def fold_block(ev: pd.DataFrame | dict[str, np.ndarray], keep_samples: bool | in
     """
     cols = {c: np.asarray(ev[c]) for c in ("line", "kind", "port", "ts_us", "wall_us", "slot", "task", "v1", "v2",
                                            "v3", "v4", "session")}
+    cols["file"] = np.zeros(len(cols["line"]))  # which file: the assembler knows
     kind = cols["kind"]
     samples = {}
     for code, names in ((HEARTBEAT, _SAMPLE_GEN), (PROGRESS, _SAMPLE)):
@@ -254,18 +255,12 @@ def fold_block(ev: pd.DataFrame | dict[str, np.ndarray], keep_samples: bool | in
         "task": task[sel].astype(np.int64), "slot_any": cols["slot"][sel].astype(np.float64),
         "first_line": cols["line"][sel].astype(np.int64),
     }
-    for c, code in _MAX.items():
-        events[c] = (k == code).astype(np.int8)
-    for c, code in _SUM.items():
-        events[c] = (k == code).astype(np.int64)
+    for c, code in {**_MAX, **_SUM}.items():
+        events[c] = (k == code).astype(np.int8 if c in _MAX else np.int64)
     kinds = []
     for code, columns in _BY_KIND.items():
         at = np.flatnonzero(k == code)
-        src = sel[at]
-        values = {c: cols[f][src].astype(np.float64) for c, f in columns if f != "file"}
-        if code == LAUNCH:
-            values["file"] = np.zeros(len(at))  # which file: the assembler knows
-        kinds.append((at, values))
+        kinds.append((at, {c: cols[f][sel[at]].astype(np.float64) for c, f in columns}))
     rows = _fold(None, events, kinds)
     return BlockTasks(rows=rows, samples=samples, sessions=_session_info(cols, np.asarray(ev["text"]) if "text" in ev else None))
 
@@ -275,26 +270,24 @@ def _session_info(ev: dict[str, np.ndarray], text: np.ndarray | None = None) -> 
     ``text``: the events' text (MODEL and BUILD rows), if the block has any."""
     ts = ev["ts_us"]
     timed = np.flatnonzero(ts >= 0)
+    port, session = ev["port"][timed], ev["session"][timed]
+    one = len(timed) and (port == port[0]).all() and (session == session[0]).all()
+    pairs = [(port[0], session[0])] if one else pd.unique(pd.MultiIndex.from_arrays([port, session])).tolist()
     out: dict[str, list] = {c: [] for c in _SESSION_INFO}
-    if len(timed):
-        port, session = ev["port"][timed], ev["session"][timed]
-        same = (port == port[0]).all() and (session == session[0]).all()
-        pairs = [(port[0], session[0])] if same else pd.unique(pd.MultiIndex.from_arrays([port, session])).tolist()
-        for p, s in pairs:
-            idx = timed if same else timed[(port == p) & (session == s)]
-            t = ts[idx]
-            wall = ev["wall_us"][idx]
-            w = wall >= 0
-            cfg = idx[ev["kind"][idx] == CONFIG]
-            for c, v in (("port", p), ("session", s), ("first_line", ev["line"][idx[0]]), ("first_us", t[0]),
-                         ("last_us", t[-1]), ("now_us", t.max()),
-                         ("offset_us", (wall[w] - t[w]).min() if w.any() else -1), ("support", w.sum()),
-                         ("n_slots", ev["v1"][cfg[0]] if len(cfg) else np.nan),
-                         ("n_ctx_slot", ev["v2"][cfg[0]] if len(cfg) else np.nan)):
-                out[c].append(v)
-            for c, code in _SESSION_TEXT.items():
-                at = idx[ev["kind"][idx] == code] if text is not None else idx[:0]
-                out[c].append(text[at[0]] if text is not None and len(at) and isinstance(text[at[0]], str) else None)
+    for p, s in pairs:
+        idx = timed if one else timed[(port == p) & (session == s)]
+        t, wall, kind = ts[idx], ev["wall_us"][idx], ev["kind"][idx]
+        w = wall >= 0
+        cfg = idx[kind == CONFIG]
+        for c, v in (("port", p), ("session", s), ("first_line", ev["line"][idx[0]]), ("first_us", t[0]),
+                     ("last_us", t[-1]), ("now_us", t.max()),
+                     ("offset_us", (wall[w] - t[w]).min() if w.any() else -1), ("support", w.sum()),
+                     ("n_slots", ev["v1"][cfg[0]] if len(cfg) else np.nan),
+                     ("n_ctx_slot", ev["v2"][cfg[0]] if len(cfg) else np.nan)):
+            out[c].append(v)
+        for c, code in _SESSION_TEXT.items():
+            at = idx[kind == code] if text is not None else idx[:0]
+            out[c].append(text[at[0]] if text is not None and len(at) and isinstance(text[at[0]], str) else None)
     return {c: np.array(v, dtype=object if c in _SESSION_TEXT else np.float64 if c in ("n_slots", "n_ctx_slot") else np.int64)
             for c, v in out.items()}
 
@@ -404,24 +397,27 @@ class TaskAssembler:
         return _take(rows, ~done)
 
     def _track_sessions(self, info: dict[str, np.ndarray], file: str | None) -> None:
+        """Each (port, session)'s row of the sessions table, with this block's in it (the
+        first line, file and time are the first block's)."""
         for i in range(len(info["port"])):
             key = (int(info["port"][i]), int(info["session"][i]))
-            entry = self.sessions.setdefault(key, {
-                "first_line": int(info["first_line"][i]), "file": file, "first_us": int(info["first_us"][i]),
-                "offset_us": None, "offset_support": 0, "n_slots": None, "n_ctx_slot": None, "model": None, "build": None,
+            row = self.sessions.setdefault(key, {
+                "source": self.source, "port": key[0], "session": key[1], "file": file,
+                "first_line": int(info["first_line"][i]), "first_s": int(info["first_us"][i]) / 1e6,
+                "wall_offset_us": None, "wall_offset_support": 0, "n_slots": None, "n_ctx_slot": None,
+                "model": None, "build": None,
             })
-            entry["last_us"] = int(info["last_us"][i])
+            row["last_s"] = int(info["last_us"][i]) / 1e6
             if info["support"][i]:
                 off = int(info["offset_us"][i])
-                entry["offset_us"] = off if entry["offset_us"] is None else min(off, entry["offset_us"])
-                entry["offset_support"] += int(info["support"][i])
+                row["wall_offset_us"] = off if row["wall_offset_us"] is None else min(off, row["wall_offset_us"])
+                row["wall_offset_support"] += int(info["support"][i])
             if not np.isnan(info["n_slots"][i]):
-                entry["n_slots"] = int(info["n_slots"][i])
-                entry["n_ctx_slot"] = int(info["n_ctx_slot"][i])
+                row["n_slots"] = int(info["n_slots"][i])
+                row["n_ctx_slot"] = int(info["n_ctx_slot"][i])
             for c in _SESSION_TEXT:  # the session's first such line (one per start-up)
-                if entry[c] is None and info[c][i] is not None:
-                    entry[c] = info[c][i]
-
+                if row[c] is None:
+                    row[c] = info[c][i]
 
     def samples_later(self, tasks: "pd.DataFrame | Callable[[], FirstTokens] | None") -> tuple["SampleSource", "SampleSource"]:
         """The gen and prefill samples as read (on disk), their tables built when asked. ``tasks``: the finished tasks' ``port``, ``session``, ``task_id``
@@ -442,54 +438,35 @@ class TaskAssembler:
 
     def finish_in_batches(self, rows: int = 1 << 15) -> tuple[list["TaskBatch"], pd.DataFrame]:
         """Close every task still open; return the task table as batches of ``rows`` rows in
-        output order (none: no tasks), and the sessions. A batch is built when asked (:meth:`TaskBatch.table`); only the sort keys
-        are held meanwhile. Every finished row is on disk, so that a batch pickles small (for
-        worker processes); :meth:`discard` removes them after use.
+        output order (none: no tasks), each built when asked (:meth:`TaskBatch.table`), and the
+        sessions. Every finished row is on disk, so that a batch pickles small (for worker
+        processes); :meth:`discard` removes them after use.
         """
-        order, with_wall = self._end()
+        if self._open is not None:
+            self._open["cut_by_restart"] = np.zeros(len(self._open["task"]), bool)
+            self._done.append(self._open)
+        self._open = None
+        self._done.close()
+        port, session = self._done.column("port"), self._done.column("session")
+        # Output order: per process, by launch (tasks whose launch was never seen last), then line.
+        order = np.lexsort((self._done.column("first_line"), self._done.column("launch_us"), session, port))
+        # A row in a session with wall-clock times: every row has ``*_at`` columns.
+        walled = [k for k, row in self.sessions.items() if row["wall_offset_us"] is not None]
+        with_wall = bool(walled) and bool(pd.MultiIndex.from_arrays([port, session]).isin(walled).any())
+        self.n_finished, self.has_wall_rows = len(order), with_wall
         sessions = self._sessions_table()
-        files = list(self._files)
-        return [TaskBatch(self._done, order[i : i + rows], self.source, files, sessions, with_wall)
+        return [TaskBatch(self._done, order[i : i + rows], self.source, list(self._files), sessions, with_wall)
                 for i in range(0, len(order), rows)], sessions
 
     def discard(self) -> None:
         """Drop the finished rows (and their files on disk)."""
         self._done.discard()
 
-    def _end(self) -> tuple[np.ndarray, bool]:
-        """Close the open tasks; the output order of the finished rows, and whether any of them
-        is in a session with wall-clock times (then every row has ``*_at`` columns)."""
-        if self._open is not None and len(self._open["task"]):
-            rest = dict(self._open)
-            rest["cut_by_restart"] = np.zeros(len(rest["task"]), bool)
-            self._done.append(rest)
-        self._open = None
-        self._done.close()
-        port, session = self._done.column("port"), self._done.column("session")
-        # Output order: per process, by launch (tasks whose launch was never seen last), then line.
-        order = np.lexsort((self._done.column("first_line"), self._done.column("launch_us"), session, port))
-        walled = [k for k, info in self.sessions.items() if info["offset_us"] is not None]
-        with_wall = bool(walled) and bool(pd.MultiIndex.from_arrays([port, session]).isin(walled).any())
-        self.n_finished, self.has_wall_rows = len(order), with_wall
-        return order, with_wall
-
     def _sessions_table(self) -> pd.DataFrame:
-        rows = []
-        for (port, session), info in sorted(self.sessions.items()):
-            rows.append({
-                "source": self.source, "port": port, "session": session, "file": info["file"],
-                "first_line": info["first_line"], "first_s": info["first_us"] / 1e6,
-                "last_s": info.get("last_us", info["first_us"]) / 1e6,
-                "n_slots": info["n_slots"], "n_ctx_slot": info["n_ctx_slot"],
-                "wall_offset_us": info["offset_us"], "wall_offset_support": info["offset_support"],
-                "model": info["model"], "build": info["build"],
-            })
-        cols = SESSION_COLUMNS[: SESSION_COLUMNS.index("start_at")]
-        df = pd.DataFrame(rows, columns=cols + list(_SESSION_TEXT))
-        text = df.pop("model"), df.pop("build")
+        df = pd.DataFrame([row for _, row in sorted(self.sessions.items())], columns=SESSION_COLUMNS)
         df["start_at"] = pd.to_datetime(df["wall_offset_us"].astype("Int64"), unit="us", utc=True)
-        for col in text:  # the model file and build its start-up lines name (NA: none seen)
-            df[col.name] = col.astype("string")
+        for c in _SESSION_TEXT:  # the model file and build its start-up lines name (NA: none seen)
+            df[c] = df[c].astype("string")
         return df
 
 
@@ -609,8 +586,8 @@ def _derive(raw: dict[str, np.ndarray], files: list[str], source: str, sessions:
     out["cut_by_restart"] = np.nan_to_num(take("cut_by_restart")).astype(bool)
     out["is_child"] = flags(take("is_child"))
     out["error"] = np.nan_to_num(take("error")).astype(bool)
-    off = _wall_offsets(sessions, port, session)
     if with_wall:
+        off = _wall_offsets(sessions, port, session)
         for name, us in (("launch_at", off + launch_us), ("release_at", off + release_us),
                          ("prefill_start_at", off + prefill_start_s * 1e6), ("first_token_at", off + first_token_s * 1e6)):
             out[name] = pd.to_datetime(pd.array(np.round(us), dtype="Int64"), unit="us", utc=True)
@@ -622,9 +599,9 @@ def _wall_offsets(sessions: pd.DataFrame, port: np.ndarray, session: np.ndarray)
     sessions' sorted keys (a MultiIndex per batch took longer)."""
     if not len(sessions) or not len(port):
         return np.full(len(port), np.nan)
-    keys = FirstTokens._pair(sessions["port"].to_numpy(dtype=np.int64), sessions["session"].to_numpy(dtype=np.int64))
+    keys = _pair(sessions["port"].to_numpy(dtype=np.int64), sessions["session"].to_numpy(dtype=np.int64))
     order = np.argsort(keys)
-    at, hit = FirstTokens._place(keys[order], FirstTokens._pair(port, session))
+    at, hit = _place(keys[order], _pair(port, session))
     wall = sessions["wall_offset_us"].to_numpy(dtype="float64", na_value=np.nan)[order]
     return np.where(hit, wall[at], np.nan)
 
@@ -703,59 +680,58 @@ class SampleSource:
         starts = np.flatnonzero(new)
         return self.first_tokens.at(port[starts], session[starts], task[starts])[np.cumsum(new) - 1]
 
-    def table_of(self, cols: dict[str, np.ndarray], skip: int = 0) -> pd.DataFrame:
+    def table_of(self, cols: dict[str, np.ndarray]) -> pd.DataFrame:
         """:func:`_sample_table` of rows gathered in table order."""
         first_token = self._first_tokens(*(cols[c].astype(np.int64) for c in ("port", "session", "task")))
-        return _sample_table(self.kind, cols, self.source, self.files, first_token, skip)
+        return _sample_table(self.kind, cols, self.source, self.files, first_token)
 
 
+@dataclass
 class FirstTokens:
     """Each task's ``first_token_s`` by (port, session, task_id), looked up with one sorted
     int64 key per task (smaller than a pandas MultiIndex): the session's place among
     the sessions, times the number of task ids, plus the task id's place among them."""
 
-    def __init__(self, sessions: np.ndarray, ids: np.ndarray, keys: np.ndarray, values: np.ndarray) -> None:
-        self.sessions = sessions  # sorted, distinct (port + 1) * 2**32 + session
-        self.ids = ids  # sorted, distinct task ids
-        self.keys = keys  # sorted
-        self.values = values
+    sessions: np.ndarray  # sorted, distinct (port + 1) * 2**32 + session
+    ids: np.ndarray  # sorted, distinct task ids
+    keys: np.ndarray  # sorted
+    values: np.ndarray
 
     @classmethod
     def of(cls, tasks: pd.DataFrame) -> "FirstTokens":
         port, session, task = (tasks[c].to_numpy(dtype=np.int64) for c in ("port", "session", "task_id"))
         first_token_s = tasks["first_token_s"].to_numpy(dtype=np.float64, na_value=np.nan)
-        sessions, ids = np.unique(cls._pair(port, session)), np.unique(task)
-        keys = cls._keys_in(sessions, ids, port, session, task)
+        out = cls(np.unique(_pair(port, session)), np.unique(task), np.zeros(0, np.int64), np.zeros(0))
+        keys = out._keys(port, session, task)
         order = np.argsort(keys, kind="stable")
         keys = keys[order]
         first = np.flatnonzero(_new_run(keys))  # a task twice: its first row
-        return cls(sessions, ids, keys[first], first_token_s[order[first]])
+        out.keys, out.values = keys[first], first_token_s[order[first]]
+        return out
 
-    @staticmethod
-    def _pair(port: np.ndarray, session: np.ndarray) -> np.ndarray:
-        return (port + 1) * (1 << 32) + session  # ports are -1 (none) to 65535
-
-    @staticmethod
-    def _place(sorted_values: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Each value's place in ``sorted_values``, and whether it is there at all."""
-        if not len(sorted_values):
-            return np.zeros(len(v), np.int64), np.zeros(len(v), bool)
-        at = np.minimum(np.searchsorted(sorted_values, v), len(sorted_values) - 1)
-        return at, sorted_values[at] == v
-
-    @classmethod
-    def _keys_in(cls, sessions: np.ndarray, ids: np.ndarray, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
+    def _keys(self, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
         """Each (port, session, task)'s key; -1 where no task of the table can have it."""
-        s, s_ok = cls._place(sessions, cls._pair(port, session))
-        t, t_ok = cls._place(ids, task)
-        return np.where(s_ok & t_ok, s * len(ids) + t, -1)
+        s, s_ok = _place(self.sessions, _pair(port, session))
+        t, t_ok = _place(self.ids, task)
+        return np.where(s_ok & t_ok, s * len(self.ids) + t, -1)
 
     def at(self, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
         """The first-token time of each (port, session, task) (NaN: no such task)."""
-        keys = self._keys_in(self.sessions, self.ids, port, session, task)
-        known = self.keys
-        at, hit = self._place(known, keys)
-        return np.where(hit & (keys >= 0), self.values[at] if len(known) else np.nan, np.nan)
+        keys = self._keys(port, session, task)
+        at, hit = _place(self.keys, keys)
+        return np.where(hit & (keys >= 0), self.values[at] if len(self.keys) else np.nan, np.nan)
+
+
+def _pair(port: np.ndarray, session: np.ndarray) -> np.ndarray:
+    return (port + 1) * (1 << 32) + session  # ports are -1 (none) to 65535
+
+
+def _place(sorted_values: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each value's place in ``sorted_values``, and whether it is there at all."""
+    if not len(sorted_values):
+        return np.zeros(len(v), np.int64), np.zeros(len(v), bool)
+    at = np.minimum(np.searchsorted(sorted_values, v), len(sorted_values) - 1)
+    return at, sorted_values[at] == v
 
 
 def _previous(v: np.ndarray, new: np.ndarray) -> np.ndarray:
