@@ -4,8 +4,8 @@ Each chunk's task events and the partial rows of tasks still open are folded int
 partial row per task with a single stable sort and a few numpy reductions per column (the
 first value of each kind, sums, maxima). A task is closed when its release and timings (or
 cancellation) have been seen, when its process restarts, or at the end of input. Closed
-rows are kept as numeric numpy columns (the file as an index into a short list), so memory
-grows only with the output table; the DataFrame is built once, at the end.
+rows wait on disk as numeric columns (the file as an index into a short list); the task
+table is derived from them a batch at a time, at the end.
 """
 
 from __future__ import annotations
@@ -34,28 +34,22 @@ PREFILL_COLUMNS = [
     "source", "session", "slot", "task_id", "t_s", "n_tokens", "progress", "elapsed_s", "tps", "step_tokens",
 ]
 
-# A task's partial row: values from its first event of one kind (first non-missing value,
-# per column), then flags combined by max, counts by sum, and its first line by min.
-_FIRST_OF_KIND: list[tuple[str, int, str]] = [
-    ("slot_launch", LAUNCH, "slot"), ("file", LAUNCH, "file"), ("line", LAUNCH, "line"),
-    ("launch_us", LAUNCH, "ts_us"), ("is_child", LAUNCH, "v1"),
-    ("prompt_eval_ms", PROMPT_EVAL, "v1"), ("prompt_tokens_new", PROMPT_EVAL, "v2"),
-    ("eval_ms", EVAL, "v1"), ("n_gen", EVAL, "v2"), ("eval_us", EVAL, "ts_us"),
-    ("total_ms", TOTAL, "v1"), ("total_us", TOTAL, "ts_us"),
-    ("release_us", RELEASE, "ts_us"), ("n_tokens_released", RELEASE, "v1"), ("truncated", RELEASE, "v2"),
-    ("release_line", RELEASE, "line"),
-]
+# A task's partial row: per event kind, (column, event field) from its first event of that
+# kind (first non-missing value, per column), then flags combined by max, counts by sum, and
+# its first line by min.
+_FIRST_OF_KIND: dict[int, list[tuple[str, str]]] = {
+    LAUNCH: [("slot_launch", "slot"), ("file", "file"), ("line", "line"), ("launch_us", "ts_us"), ("is_child", "v1")],
+    PROMPT_EVAL: [("prompt_eval_ms", "v1"), ("prompt_tokens_new", "v2")],
+    EVAL: [("eval_ms", "v1"), ("n_gen", "v2"), ("eval_us", "ts_us")],
+    TOTAL: [("total_ms", "v1"), ("total_us", "ts_us")],
+    RELEASE: [("release_us", "ts_us"), ("n_tokens_released", "v1"), ("truncated", "v2"), ("release_line", "line")],
+}
 _MAX = {"cancelled": CANCEL, "error": ERROR}
 _SUM = {"n_heartbeats": HEARTBEAT, "n_progress": PROGRESS}
-_BY_KIND: dict[int, list[tuple[str, str]]] = {}
-for _c, _kind, _src in _FIRST_OF_KIND:
-    _BY_KIND.setdefault(_kind, []).append((_c, _src))
+_CORE = KEY + ["slot_any"] + list(_MAX) + list(_SUM) + ["first_line"]  # what every event row has
 _SAMPLE = KEY + ["slot", "ts_us", "v1", "v2", "v3", "v4", "line"]
 _SAMPLE_GEN = [c for c in _SAMPLE if c != "v4"]  # heartbeats have three values
 SAMPLE_SPILL_ROWS = 1 << 18  # sample rows per chunk on disk, when finished rows spill
-
-
-_CORE = KEY + ["slot_any"] + list(_MAX) + list(_SUM) + ["first_line"]  # what every event row has
 
 
 def _fold(
@@ -258,11 +252,11 @@ def fold_block(ev: pd.DataFrame | dict[str, np.ndarray], keep_samples: bool | in
     for c, code in {**_MAX, **_SUM}.items():
         events[c] = (k == code).astype(np.int8 if c in _MAX else np.int64)
     kinds = []
-    for code, columns in _BY_KIND.items():
+    for code, columns in _FIRST_OF_KIND.items():
         at = np.flatnonzero(k == code)
         kinds.append((at, {c: cols[f][sel[at]].astype(np.float64) for c, f in columns}))
-    rows = _fold(None, events, kinds)
-    return BlockTasks(rows=rows, samples=samples, sessions=_session_info(cols, np.asarray(ev["text"]) if "text" in ev else None))
+    text = np.asarray(ev["text"]) if "text" in ev else None
+    return BlockTasks(rows=_fold(None, events, kinds), samples=samples, sessions=_session_info(cols, text))
 
 
 def _session_info(ev: dict[str, np.ndarray], text: np.ndarray | None = None) -> dict[str, np.ndarray]:
@@ -320,6 +314,7 @@ class TaskAssembler:
     # the files with launches (a file of heartbeats only would add an empty category).
     _sample_files: dict[str, int] = field(default_factory=dict)
     sessions: dict[tuple[int, int], dict] = field(default_factory=dict)
+    _latest: dict[int, int] = field(default_factory=dict)  # each port's latest session
 
     def __post_init__(self) -> None:
         self._done = FinishedRows(self.spill_rows)
@@ -345,11 +340,9 @@ class TaskAssembler:
         self._track_sessions(info, file)
         if samples:  # every sample line of the block is in its file
             at = self._sample_files.setdefault(file, len(self._sample_files))  # type: ignore[arg-type]
-            for part in samples.values():
+            for code, part in samples.items():
                 part["file"] = np.full(len(part["task"]), at, dtype=np.int32)
-        for code, rows_of in ((HEARTBEAT, self._gen), (PROGRESS, self._prefill)):
-            if code in samples:
-                rows_of.append(samples[code])
+                (self._gen if code == HEARTBEAT else self._prefill).append(part)
         if not len(rows["task"]):
             return
         rows["file"] = np.where(np.isnan(rows["file"]), np.nan, float(self._files.setdefault(file, len(self._files))))  # type: ignore[arg-type]
@@ -362,7 +355,7 @@ class TaskAssembler:
         # order is set once, at the end (_end). A few dozen rows folded instead of thousands.
         maybe = np.isin(rows["task"], open_rows["task"])
         part = _take(rows, maybe)
-        firsts = {c: part[c] for c, _, _ in _FIRST_OF_KIND}
+        firsts = {c: part[c] for columns in _FIRST_OF_KIND.values() for c, _ in columns}
         folded = _fold(open_rows, part, [(np.arange(len(part["task"])), firsts)])
         still = self._close(folded, info), self._close(_take(rows, ~maybe), info)
         self._open = _concat(list(still), list(folded))
@@ -370,15 +363,12 @@ class TaskAssembler:
     def _close(self, rows: dict[str, np.ndarray], info: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Hand the finished ones of these rows to the finished rows, in order; return the
         others, still open."""
-        cur_session: dict[int, int] = {}
-        for (p, s) in self.sessions:
-            cur_session[p] = max(cur_session.get(p, s), s)
         port, session = rows["port"], rows["session"]
         # The latest server time of each (port, session) in this block: "now" for stale releases.
         now = np.full(len(port), np.nan)
         current = np.full(len(port), np.nan)
         for p in np.unique(port):
-            current[port == p] = cur_session.get(int(p), np.nan)
+            current[port == p] = self._latest.get(int(p), np.nan)
         for p, s, t in zip(info["port"], info["session"], info["now_us"]):
             now[(port == p) & (session == s)] = t
         release = rows["release_us"]
@@ -401,6 +391,7 @@ class TaskAssembler:
         first line, file and time are the first block's)."""
         for i in range(len(info["port"])):
             key = (int(info["port"][i]), int(info["session"][i]))
+            self._latest[key[0]] = max(self._latest.get(key[0], key[1]), key[1])
             row = self.sessions.setdefault(key, {
                 "source": self.source, "port": key[0], "session": key[1], "file": file,
                 "first_line": int(info["first_line"][i]), "first_s": int(info["first_us"][i]) / 1e6,
@@ -495,35 +486,27 @@ class TaskBatch:
 def _derive(raw: dict[str, np.ndarray], files: list[str], source: str, sessions: pd.DataFrame,
             with_wall: bool) -> pd.DataFrame:
     """Timeline arithmetic of research/log-formats.md §1.3, column-wise, on finished partial
-    rows (``raw``, in output order).
+    rows (``raw``, in output order); ``with_wall``: with the ``*_at`` columns (a table written
+    in batches decides once for all of them).
 
-    ``with_wall``: whether to add the ``*_at`` columns (a table written in batches decides
-    once for all of them).
-
-    ``raw`` is consumed: each column is dropped after its last use, so the partial rows and
-    the task table are not both held whole. The arithmetic is numpy's (float64, NaN for
-    missing), each column made a pandas one once, at the end. Arrays, not a DataFrame:
-    deleting a DataFrame's columns is slow (its blocks are rebuilt).
+    ``raw`` is consumed, each column dropped after its last use, so that the partial rows and
+    the task table are not both held whole (arrays, not a DataFrame: deleting a DataFrame's
+    columns rebuilds its blocks). The arithmetic is numpy's (float64, NaN for missing).
     """
     def take(c: str) -> np.ndarray:
         return np.asarray(raw.pop(c), dtype=np.float64)
 
-    def col(c: str) -> np.ndarray:
-        return np.asarray(raw[c], dtype=np.float64)
-
     def flags(v: np.ndarray) -> pd.arrays.BooleanArray:  # 1 -> True, 0 -> False, else missing
         return pd.arrays.BooleanArray(v == 1, ~((v == 1) | (v == 0)))
 
-    n = len(raw["task"])
-    out: dict[str, object] = {}
-    out["source"] = source_column(source, n)
+    out: dict[str, object] = {"source": source_column(source, len(raw["task"]))}
     session = np.asarray(raw.pop("session")).astype(np.int64)
     port = np.asarray(raw.pop("port")).astype(np.int64)
     out["session"] = session
     slot_launch, slot_any = take("slot_launch"), take("slot_any")  # the launch's, else any event's
     out["slot"] = pd.array(np.where(np.isnan(slot_launch), slot_any, slot_launch), dtype="Int64")
     out["task_id"] = np.asarray(raw.pop("task")).astype(np.int64)
-    launch_us, release_us = col("launch_us"), col("release_us")
+    launch_us, release_us = take("launch_us"), take("release_us")
     launch_s = _seconds(launch_us)
     eval_us, total_us = take("eval_us"), take("total_us")
     with np.errstate(invalid="ignore"):
