@@ -169,10 +169,6 @@ class FinishedRows:
         self._names = list(rows)
         self._disk.write(rows)
 
-    def __getstate__(self) -> dict:
-        # A copy in another process reads the chunks; the files stay this one's to remove.
-        return {**self.__dict__, "_pending": [], "_n_pending": 0}
-
     def chunks(self) -> Iterator[dict[str, np.ndarray]]:
         """Every column, a chunk at a time, in the order the rows finished."""
         for chunk in self._disk.paths:
@@ -717,10 +713,10 @@ def _place(sorted_values: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.nda
     return at, sorted_values[at] == v
 
 
-def _previous(v: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """Each row's previous row's value; NaN where ``new`` (a task's first row)."""
+def _steps(v: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """Each row's value minus the previous row's; NaN where ``new`` (a task's first row)."""
     out = np.full(len(v), np.nan)
-    out[1:] = v[:-1]
+    out[1:] = np.diff(v)
     out[new] = np.nan
     return out
 
@@ -746,25 +742,23 @@ def _sample_table(kind: int, cols: dict[str, np.ndarray], source: str, files: li
     new = _new_run(port, session, task)
     t_s = _seconds(cols["ts_us"])
     n = cols["v1"].astype(np.float64)
+    step_s, step_n = _steps(t_s, new), _steps(n, new)
     out: dict[str, object] = {"source": None, "session": session, "slot": pd.array(cols["slot"], dtype="Int64"),
                               "task_id": task, "t_s": t_s}
     if kind == HEARTBEAT:
         assert first_token is not None
         # The first heartbeat's window starts at the task's first token (t_print_last is reset there).
-        step = t_s - _previous(t_s, new)
-        window = np.round(np.where(np.isnan(step), t_s - first_token, step), 6)
-        tokens = n - _previous(n, new)
+        window = np.round(np.where(np.isnan(step_s), t_s - first_token, step_s), 6)
         out.update({
             "n_gen": pd.array(n, dtype="Int64"), "tg_tps": cols["v2"].astype(np.float64),
             "tg_3s_tps": cols["v3"].astype(np.float64), "window_s": window,
-            "tokens": pd.array(np.where(np.isnan(tokens), n, tokens), dtype="Int64"),
+            "tokens": pd.array(np.where(np.isnan(step_n), n, step_n), dtype="Int64"),
             "window_start_s": np.round(t_s - window, 6)})
     else:
         out.update({
             "n_tokens": pd.array(n, dtype="Int64"), "progress": cols["v2"].astype(np.float64),
             "elapsed_s": cols["v3"].astype(np.float64), "tps": cols["v4"].astype(np.float64),
-            "step_tokens": pd.array(n - _previous(n, new), dtype="Int64"),
-            "step_s": np.round(t_s - _previous(t_s, new), 6)})
+            "step_tokens": pd.array(step_n, dtype="Int64"), "step_s": np.round(step_s, 6)})
     out["line"] = cols["line"].astype(np.int64)
     out["port"] = port
     out["file"] = pd.Categorical.from_codes(cols["file"].astype(np.int64), categories=pd.Index(files, dtype="str"))
