@@ -295,7 +295,7 @@ def shifted_sessions(port: np.ndarray, session: np.ndarray, shift: dict[int, int
 class TaskAssembler:
     """Folds blocks of one server-log stream, in order, into finished task rows and samples.
 
-    Only tasks still open are held as partial rows; finished ones are kept as numeric columns.
+    Only tasks still open are held as partial rows; finished ones wait on disk (:class:`FinishedRows`).
     """
 
     source: str
@@ -653,11 +653,9 @@ class SampleSource:
         """Gen samples: each row's task's first-token time (rows in table order); else None."""
         if self.kind != HEARTBEAT:
             return None
-        if self.first_tokens is None or not len(port):
+        if self.first_tokens is None:
             return np.full(len(port), np.nan)
-        new = _new_run(port, session, task)  # (rows grouped by task: looked up once per task)
-        starts = np.flatnonzero(new)
-        return self.first_tokens.at(port[starts], session[starts], task[starts])[np.cumsum(new) - 1]
+        return self.first_tokens.at(port, session, task)
 
     def table_of(self, cols: dict[str, np.ndarray]) -> pd.DataFrame:
         """:func:`_sample_table` of rows gathered in table order."""
@@ -695,10 +693,13 @@ class FirstTokens:
         return np.where(s_ok & t_ok, s * len(self.ids) + t, -1)
 
     def at(self, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
-        """The first-token time of each (port, session, task) (NaN: no such task)."""
-        keys = self._keys(port, session, task)
+        """The first-token time of each (port, session, task) (NaN: no such task); rows of one
+        task next to each other (as samples are) are looked up once."""
+        new = _new_run(port, session, task)
+        starts = np.flatnonzero(new)
+        keys = self._keys(port[starts], session[starts], task[starts])
         at, hit = _place(self.keys, keys)
-        return np.where(hit & (keys >= 0), self.values[at] if len(self.keys) else np.nan, np.nan)
+        return np.where(hit & (keys >= 0), self.values[at] if len(self.keys) else np.nan, np.nan)[np.cumsum(new) - 1]
 
 
 def _pair(port: np.ndarray, session: np.ndarray) -> np.ndarray:
