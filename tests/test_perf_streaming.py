@@ -240,7 +240,7 @@ def test_task_batches_join_to_the_task_table(big_log: Path, monkeypatch: pytest.
     def append(self: tasks_mod.FinishedRows, rows: dict) -> None:
         real_append(self, rows)
         held.append(self._n_pending)
-        dirs.update(c for c in self._chunks if isinstance(c, str))
+        dirs.update(self._disk.paths)
 
     dirs: set[str] = set()
     monkeypatch.setattr(tasks_mod.FinishedRows, "append", append)
@@ -313,7 +313,7 @@ def test_sample_batches_join_to_the_samples_table(big_log: Path, monkeypatch: py
 
     def append(self: tasks_mod.FinishedRows, rows: dict) -> None:
         real_append(self, rows)
-        dirs.update(c for c in self._chunks if isinstance(c, str))
+        dirs.update(self._disk.paths)
 
     monkeypatch.setattr(tasks_mod.FinishedRows, "append", append)
     batches, acc = read_sample_batches([big_log], kind=kind, rows=777, chunk_size=256 << 10, jobs=jobs)

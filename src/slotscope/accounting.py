@@ -39,6 +39,11 @@ class FileAccount:
         self.unrecognized += part.unrecognized
 
 
+def _total(count: str) -> property:
+    """One of the files' counts, summed over them."""
+    return property(lambda self: sum(getattr(f, count) for f in self.files))
+
+
 @dataclass
 class Accounting:
     """What happened to every line of every input, for the summary on stderr."""
@@ -58,24 +63,10 @@ class Accounting:
         self.tasks_cancelled += counts[1]
         self.tasks_incomplete += counts[2]
 
-    def _sum(self, attr: str) -> int:
-        return sum(getattr(f, attr) for f in self.files)
-
-    @property
-    def lines(self) -> int:
-        return self._sum("lines")
-
-    @property
-    def used(self) -> int:
-        return self._sum("used")
-
-    @property
-    def ignored(self) -> int:
-        return self._sum("ignored")
-
-    @property
-    def unrecognized(self) -> int:
-        return self._sum("unrecognized")
+    lines = _total("lines")
+    used = _total("used")
+    ignored = _total("ignored")
+    unrecognized = _total("unrecognized")
 
     def examples(self, limit: int = 5) -> list[str]:
         """Up to ``limit`` unrecognized lines as ``file:line: text``."""
@@ -83,11 +74,12 @@ class Accounting:
 
     def merge(self, other: "Accounting") -> "Accounting":
         """Both accounts in one (server and app logs of one run)."""
+        def union(mine: list, theirs: list) -> list:
+            return mine + [x for x in theirs if x not in mine]
+
         return Accounting(
-            files=self.files + other.files,
-            skipped=self.skipped + [s for s in other.skipped if s not in self.skipped],
-            unusable=self.unusable + [s for s in other.unusable if s not in self.unusable],
-            notes=self.notes + [n for n in other.notes if n not in self.notes],
+            files=self.files + other.files, skipped=union(self.skipped, other.skipped),
+            unusable=union(self.unusable, other.unusable), notes=union(self.notes, other.notes),
             tasks_complete=self.tasks_complete + other.tasks_complete,
             tasks_incomplete=self.tasks_incomplete + other.tasks_incomplete,
             tasks_cancelled=self.tasks_cancelled + other.tasks_cancelled,

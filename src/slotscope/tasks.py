@@ -4,8 +4,8 @@ Each chunk's task events and the partial rows of tasks still open are folded int
 partial row per task with a single stable sort and a few numpy reductions per column (the
 first value of each kind, sums, maxima). A task is closed when its release and timings (or
 cancellation) have been seen, when its process restarts, or at the end of input. Closed
-rows are kept as numeric numpy columns (the file as an index into a short list), so memory
-grows only with the output table; the DataFrame is built once, at the end.
+rows wait on disk as numeric columns (the file as an index into a short list); the task
+table is derived from them a batch at a time, at the end.
 """
 
 from __future__ import annotations
@@ -34,30 +34,22 @@ PREFILL_COLUMNS = [
     "source", "session", "slot", "task_id", "t_s", "n_tokens", "progress", "elapsed_s", "tps", "step_tokens",
 ]
 
-# A task's partial row: values from its first event of one kind (first non-missing value,
-# per column), then flags combined by max, counts by sum, and its first line by min.
-_FIRST_OF_KIND: list[tuple[str, int, str]] = [
-    ("slot_launch", LAUNCH, "slot"), ("file", LAUNCH, "file"), ("line", LAUNCH, "line"),
-    ("launch_us", LAUNCH, "ts_us"), ("is_child", LAUNCH, "v1"),
-    ("prompt_eval_ms", PROMPT_EVAL, "v1"), ("prompt_tokens_new", PROMPT_EVAL, "v2"),
-    ("eval_ms", EVAL, "v1"), ("n_gen", EVAL, "v2"), ("eval_us", EVAL, "ts_us"),
-    ("total_ms", TOTAL, "v1"), ("total_tokens", TOTAL, "v2"), ("total_us", TOTAL, "ts_us"),
-    ("release_us", RELEASE, "ts_us"), ("n_tokens_released", RELEASE, "v1"), ("truncated", RELEASE, "v2"),
-    ("release_line", RELEASE, "line"),
-]
-_FIRST = [c for c, _, _ in _FIRST_OF_KIND] + ["slot_any"]  # slot: the launch's, else any event's
+# A task's partial row: per event kind, (column, event field) from its first event of that
+# kind (first non-missing value, per column), then flags combined by max, counts by sum, and
+# its first line by min.
+_FIRST_OF_KIND: dict[int, list[tuple[str, str]]] = {
+    LAUNCH: [("slot_launch", "slot"), ("file", "file"), ("line", "line"), ("launch_us", "ts_us"), ("is_child", "v1")],
+    PROMPT_EVAL: [("prompt_eval_ms", "v1"), ("prompt_tokens_new", "v2")],
+    EVAL: [("eval_ms", "v1"), ("n_gen", "v2"), ("eval_us", "ts_us")],
+    TOTAL: [("total_ms", "v1"), ("total_us", "ts_us")],
+    RELEASE: [("release_us", "ts_us"), ("n_tokens_released", "v1"), ("truncated", "v2"), ("release_line", "line")],
+}
 _MAX = {"cancelled": CANCEL, "error": ERROR}
 _SUM = {"n_heartbeats": HEARTBEAT, "n_progress": PROGRESS}
-_PARTIAL = KEY + _FIRST + list(_MAX) + list(_SUM) + ["first_line"]
-_BY_KIND: dict[int, list[tuple[str, str]]] = {}
-for _c, _kind, _src in _FIRST_OF_KIND:
-    _BY_KIND.setdefault(_kind, []).append((_c, _src))
+_CORE = KEY + ["slot_any"] + list(_MAX) + list(_SUM) + ["first_line"]  # what every event row has
 _SAMPLE = KEY + ["slot", "ts_us", "v1", "v2", "v3", "v4", "line"]
 _SAMPLE_GEN = [c for c in _SAMPLE if c != "v4"]  # heartbeats have three values
 SAMPLE_SPILL_ROWS = 1 << 18  # sample rows per chunk on disk, when finished rows spill
-
-
-_CORE = KEY + ["slot_any"] + list(_MAX) + list(_SUM) + ["first_line"]  # what every event row has
 
 
 def _fold(
@@ -73,16 +65,14 @@ def _fold(
     takes the first value that is there: an open row's, else its kind's first event's.
     """
     n_open = len(open_rows["task"]) if open_rows is not None else 0
-    rows = _concat([open_rows, events], _CORE) if open_rows is not None and n_open else events
+    rows = _concat([open_rows, events], _CORE) if open_rows is not None else events
     port, session = rows["port"], rows["session"]
     if len(port) and port.min() == port.max() and session.min() == session.max():  # one port, one session
         order = np.argsort(rows["task"], kind="stable")
     else:
         order = np.lexsort((rows["task"], session, port))  # stable: order kept per task
     key = {k: rows[k][order] for k in KEY}
-    new = np.ones(len(order), bool)
-    new[1:] = (key["port"][1:] != key["port"][:-1]) | (key["session"][1:] != key["session"][:-1]) | (
-        key["task"][1:] != key["task"][:-1])
+    new = _new_run(*key.values())
     starts = np.flatnonzero(new)
     n_groups = len(starts)
     group_sorted = np.cumsum(new) - 1
@@ -94,8 +84,7 @@ def _fold(
         """Each group's first row among ``g`` (the rows' groups, in row order): (groups, rows)."""
         o = np.argsort(g, kind="stable")
         gs = g[o]
-        lead = np.ones(len(gs), bool)
-        lead[1:] = gs[1:] != gs[:-1]
+        lead = _new_run(gs)
         return gs[lead], o[lead]
 
     opened = np.arange(n_open)
@@ -119,17 +108,20 @@ def _fold(
     # slot_any over every row: first non-missing per group, walking the rows in key order
     v = rows["slot_any"][order]
     have = np.flatnonzero(~np.isnan(v))
-    g = group_sorted[have]
-    lead = np.ones(len(have), bool)
-    lead[1:] = g[1:] != g[:-1]
+    lead = have[_new_run(group_sorted[have])]
     out["slot_any"] = np.full(n_groups, np.nan)
-    out["slot_any"][g[lead]] = v[have[lead]]
-    for c in _MAX:
-        out[c] = np.maximum.reduceat(rows[c][order], starts) if n_groups else np.zeros(0, np.int8)
-    for c in _SUM:
-        out[c] = np.add.reduceat(rows[c][order], starts) if n_groups else np.zeros(0, np.int64)
-    out["first_line"] = np.minimum.reduceat(rows["first_line"][order], starts) if n_groups else np.zeros(0, np.int64)
+    out["slot_any"][group_sorted[lead]] = v[lead]
+    for names, ufunc, dtype in ((_MAX, np.maximum, np.int8), (_SUM, np.add, np.int64), (["first_line"], np.minimum, np.int64)):
+        for c in names:
+            out[c] = ufunc.reduceat(rows[c][order], starts) if n_groups else np.zeros(0, dtype)
     return out
+
+
+def _new_run(*keys: np.ndarray) -> np.ndarray:
+    """Whether each row's keys differ from the previous row's (the first row's do)."""
+    new = np.ones(len(keys[0]), bool)
+    new[1:] = np.logical_or.reduce([k[1:] != k[:-1] for k in keys])
+    return new
 
 
 def _concat(parts: list[dict[str, np.ndarray]], names: list[str]) -> dict[str, np.ndarray]:
@@ -151,9 +143,8 @@ class FinishedRows:
         self.spill_rows = spill_rows
         self._pending: list[dict[str, np.ndarray]] = []
         self._n_pending = 0
-        self._chunks: list[str] = []  # each chunk's file
         self._names: list[str] = []
-        self._sizes: list[int] = []
+        self._sizes: list[int] = []  # each chunk's rows
         self._disk = store.Chunks(f"{what} (~{row_bytes} bytes per row)")
 
     def __len__(self) -> int:
@@ -176,20 +167,17 @@ class FinishedRows:
         self._pending, self._n_pending = [], 0
         self._sizes.append(len(rows["task"]))
         self._names = list(rows)
-        self._chunks.append(self._disk.write(rows))
-
-    def __getstate__(self) -> dict:
-        # A copy in another process reads the chunks; the files stay this one's to remove.
-        return {**self.__dict__, "_pending": [], "_n_pending": 0}
+        self._disk.write(rows)
 
     def chunks(self) -> Iterator[dict[str, np.ndarray]]:
         """Every column, a chunk at a time, in the order the rows finished."""
-        for chunk in self._chunks:
+        for chunk in self._disk.paths:
             yield dict(zip(self._names, store.Chunks.read(chunk, self._names)))
 
     def column(self, c: str) -> np.ndarray:
         """One column over all rows."""
-        return np.concatenate([store.Chunks.read(k, [c])[0] for k in self._chunks]) if self._chunks else np.zeros(0)
+        paths = self._disk.paths
+        return np.concatenate([store.Chunks.read(k, [c])[0] for k in paths]) if paths else np.zeros(0)
 
     def gather(self, idx: np.ndarray) -> dict[str, np.ndarray]:
         """The rows at these positions, in this order, read a chunk's column at a time."""
@@ -199,14 +187,14 @@ class FinishedRows:
         for k in np.unique(which).tolist():
             at = np.flatnonzero(which == k)
             src = idx[at] - starts[k]
-            for c, v in zip(self._names, store.Chunks.read(self._chunks[k], self._names)):
+            for c, v in zip(self._names, store.Chunks.read(self._disk.paths[k], self._names)):
                 if c not in out:
                     out[c] = np.empty(len(idx), dtype=v.dtype)
                 out[c][at] = v[src]
         return out
 
     def discard(self) -> None:
-        self._pending, self._chunks, self._sizes = [], [], []
+        self._pending, self._sizes = [], []
         self._disk.discard()
 
 
@@ -241,6 +229,7 @@ def fold_block(ev: pd.DataFrame | dict[str, np.ndarray], keep_samples: bool | in
     """
     cols = {c: np.asarray(ev[c]) for c in ("line", "kind", "port", "ts_us", "wall_us", "slot", "task", "v1", "v2",
                                            "v3", "v4", "session")}
+    cols["file"] = np.zeros(len(cols["line"]))  # which file: the assembler knows
     kind = cols["kind"]
     samples = {}
     for code, names in ((HEARTBEAT, _SAMPLE_GEN), (PROGRESS, _SAMPLE)):
@@ -256,20 +245,14 @@ def fold_block(ev: pd.DataFrame | dict[str, np.ndarray], keep_samples: bool | in
         "task": task[sel].astype(np.int64), "slot_any": cols["slot"][sel].astype(np.float64),
         "first_line": cols["line"][sel].astype(np.int64),
     }
-    for c, code in _MAX.items():
-        events[c] = (k == code).astype(np.int8)
-    for c, code in _SUM.items():
-        events[c] = (k == code).astype(np.int64)
+    for c, code in {**_MAX, **_SUM}.items():
+        events[c] = (k == code).astype(np.int8 if c in _MAX else np.int64)
     kinds = []
-    for code, columns in _BY_KIND.items():
+    for code, columns in _FIRST_OF_KIND.items():
         at = np.flatnonzero(k == code)
-        src = sel[at]
-        values = {c: cols[f][src].astype(np.float64) for c, f in columns if f != "file"}
-        if code == LAUNCH:
-            values["file"] = np.zeros(len(at))  # which file: the assembler knows
-        kinds.append((at, values))
-    rows = _fold(None, events, kinds)
-    return BlockTasks(rows=rows, samples=samples, sessions=_session_info(cols, np.asarray(ev["text"]) if "text" in ev else None))
+        kinds.append((at, {c: cols[f][sel[at]].astype(np.float64) for c, f in columns}))
+    text = np.asarray(ev["text"]) if "text" in ev else None
+    return BlockTasks(rows=_fold(None, events, kinds), samples=samples, sessions=_session_info(cols, text))
 
 
 def _session_info(ev: dict[str, np.ndarray], text: np.ndarray | None = None) -> dict[str, np.ndarray]:
@@ -277,26 +260,24 @@ def _session_info(ev: dict[str, np.ndarray], text: np.ndarray | None = None) -> 
     ``text``: the events' text (MODEL and BUILD rows), if the block has any."""
     ts = ev["ts_us"]
     timed = np.flatnonzero(ts >= 0)
+    port, session = ev["port"][timed], ev["session"][timed]
+    one = len(timed) and (port == port[0]).all() and (session == session[0]).all()
+    pairs = [(port[0], session[0])] if one else pd.unique(pd.MultiIndex.from_arrays([port, session])).tolist()
     out: dict[str, list] = {c: [] for c in _SESSION_INFO}
-    if len(timed):
-        port, session = ev["port"][timed], ev["session"][timed]
-        same = (port == port[0]).all() and (session == session[0]).all()
-        pairs = [(port[0], session[0])] if same else pd.unique(pd.MultiIndex.from_arrays([port, session])).tolist()
-        for p, s in pairs:
-            idx = timed if same else timed[(port == p) & (session == s)]
-            t = ts[idx]
-            wall = ev["wall_us"][idx]
-            w = wall >= 0
-            cfg = idx[ev["kind"][idx] == CONFIG]
-            for c, v in (("port", p), ("session", s), ("first_line", ev["line"][idx[0]]), ("first_us", t[0]),
-                         ("last_us", t[-1]), ("now_us", t.max()),
-                         ("offset_us", (wall[w] - t[w]).min() if w.any() else -1), ("support", w.sum()),
-                         ("n_slots", ev["v1"][cfg[0]] if len(cfg) else np.nan),
-                         ("n_ctx_slot", ev["v2"][cfg[0]] if len(cfg) else np.nan)):
-                out[c].append(v)
-            for c, code in _SESSION_TEXT.items():
-                at = idx[ev["kind"][idx] == code] if text is not None else idx[:0]
-                out[c].append(text[at[0]] if text is not None and len(at) and isinstance(text[at[0]], str) else None)
+    for p, s in pairs:
+        idx = timed if one else timed[(port == p) & (session == s)]
+        t, wall, kind = ts[idx], ev["wall_us"][idx], ev["kind"][idx]
+        w = wall >= 0
+        cfg = idx[kind == CONFIG]
+        for c, v in (("port", p), ("session", s), ("first_line", ev["line"][idx[0]]), ("first_us", t[0]),
+                     ("last_us", t[-1]), ("now_us", t.max()),
+                     ("offset_us", (wall[w] - t[w]).min() if w.any() else -1), ("support", w.sum()),
+                     ("n_slots", ev["v1"][cfg[0]] if len(cfg) else np.nan),
+                     ("n_ctx_slot", ev["v2"][cfg[0]] if len(cfg) else np.nan)):
+            out[c].append(v)
+        for c, code in _SESSION_TEXT.items():
+            at = idx[kind == code] if text is not None else idx[:0]
+            out[c].append(text[at[0]] if text is not None and len(at) and isinstance(text[at[0]], str) else None)
     return {c: np.array(v, dtype=object if c in _SESSION_TEXT else np.float64 if c in ("n_slots", "n_ctx_slot") else np.int64)
             for c, v in out.items()}
 
@@ -314,7 +295,7 @@ def shifted_sessions(port: np.ndarray, session: np.ndarray, shift: dict[int, int
 class TaskAssembler:
     """Folds blocks of one server-log stream, in order, into finished task rows and samples.
 
-    Only tasks still open are held as partial rows; finished ones are kept as numeric columns.
+    Only tasks still open are held as partial rows; finished ones wait on disk (:class:`FinishedRows`).
     """
 
     source: str
@@ -329,6 +310,7 @@ class TaskAssembler:
     # the files with launches (a file of heartbeats only would add an empty category).
     _sample_files: dict[str, int] = field(default_factory=dict)
     sessions: dict[tuple[int, int], dict] = field(default_factory=dict)
+    _latest: dict[int, int] = field(default_factory=dict)  # each port's latest session
 
     def __post_init__(self) -> None:
         self._done = FinishedRows(self.spill_rows)
@@ -354,13 +336,10 @@ class TaskAssembler:
         self._track_sessions(info, file)
         if samples:  # every sample line of the block is in its file
             at = self._sample_files.setdefault(file, len(self._sample_files))  # type: ignore[arg-type]
-            for part in samples.values():
+            for code, part in samples.items():
                 part["file"] = np.full(len(part["task"]), at, dtype=np.int32)
-        for code, rows_of in ((HEARTBEAT, self._gen), (PROGRESS, self._prefill)):
-            if code in samples:
-                rows_of.append(samples[code])
-        n = len(rows["task"])
-        if not n:
+                (self._gen if code == HEARTBEAT else self._prefill).append(part)
+        if not len(rows["task"]):
             return
         rows["file"] = np.where(np.isnan(rows["file"]), np.nan, float(self._files.setdefault(file, len(self._files))))  # type: ignore[arg-type]
         open_rows = self._open if self._open is not None and len(self._open["task"]) else None
@@ -369,71 +348,63 @@ class TaskAssembler:
             return
         # Only the rows of tasks that may be open (by task id: a superset) are folded with the
         # open rows; the others are one per task already. Row order is free here: the output
-        # order is set once, at the end (_end). A few dozen rows folded instead of thousands,
-        # and the others closed where they are (not copied into one table first).
+        # order is set once, at the end (_end). A few dozen rows folded instead of thousands.
         maybe = np.isin(rows["task"], open_rows["task"])
         part = _take(rows, maybe)
-        firsts = {c: part[c] for c in _FIRST if c != "slot_any"}
+        firsts = {c: part[c] for columns in _FIRST_OF_KIND.values() for c, _ in columns}
         folded = _fold(open_rows, part, [(np.arange(len(part["task"])), firsts)])
-        still = self._close(folded, info), self._close(rows, info, ~maybe)
+        still = self._close(folded, info), self._close(_take(rows, ~maybe), info)
         self._open = _concat(list(still), list(folded))
 
-    def _close(self, merged: dict[str, np.ndarray], info: dict[str, np.ndarray],
-               rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
-        """Hand the finished ones of these rows (``rows``: a mask of them; None: all) to the
-        finished rows, in order; return the others, still open."""
-        idx = np.flatnonzero(rows) if rows is not None else None
-
-        def col(c: str) -> np.ndarray:
-            return merged[c] if idx is None else merged[c][idx]
-
-        cur_session: dict[int, int] = {}
-        for (p, s) in self.sessions:
-            cur_session[p] = max(cur_session.get(p, s), s)
-        port, session = col("port"), col("session")
+    def _close(self, rows: dict[str, np.ndarray], info: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Hand the finished ones of these rows to the finished rows, in order; return the
+        others, still open."""
+        port, session = rows["port"], rows["session"]
         # The latest server time of each (port, session) in this block: "now" for stale releases.
         now = np.full(len(port), np.nan)
         current = np.full(len(port), np.nan)
         for p in np.unique(port):
-            current[port == p] = cur_session.get(int(p), np.nan)
+            current[port == p] = self._latest.get(int(p), np.nan)
         for p, s, t in zip(info["port"], info["session"], info["now_us"]):
             now[(port == p) & (session == s)] = t
-        release = col("release_us")
+        release = rows["release_us"]
         has_release = ~np.isnan(release)
-        has_total = ~np.isnan(col("total_ms"))  # the last timing line
-        cancelled = col("cancelled") > 0
+        has_total = ~np.isnan(rows["total_ms"])  # the last timing line
+        cancelled = rows["cancelled"] > 0
         with np.errstate(invalid="ignore"):
             # Older builds print the release before the timings; wait a little for them.
             stale_release = has_release & ((now - release) > 5e6)
             old_session = session < current
         done = (has_release & (has_total | cancelled)) | stale_release | old_session
-        at = np.flatnonzero(done)
-        if len(at):
-            finished = _take(merged, at if idx is None else idx[at])
-            finished["cut_by_restart"] = old_session[at] & ~has_release[at]
+        if done.any():
+            finished = _take(rows, done)
+            finished["cut_by_restart"] = old_session[done] & ~has_release[done]
             self._done.append(finished)
-        left = np.flatnonzero(~done)
-        return _take(merged, left if idx is None else idx[left])
+        return _take(rows, ~done)
 
     def _track_sessions(self, info: dict[str, np.ndarray], file: str | None) -> None:
+        """Each (port, session)'s row of the sessions table, with this block's in it (the
+        first line, file and time are the first block's)."""
         for i in range(len(info["port"])):
             key = (int(info["port"][i]), int(info["session"][i]))
-            entry = self.sessions.setdefault(key, {
-                "first_line": int(info["first_line"][i]), "file": file, "first_us": int(info["first_us"][i]),
-                "offset_us": None, "offset_support": 0, "n_slots": None, "n_ctx_slot": None, "model": None, "build": None,
+            self._latest[key[0]] = max(self._latest.get(key[0], key[1]), key[1])
+            row = self.sessions.setdefault(key, {
+                "source": self.source, "port": key[0], "session": key[1], "file": file,
+                "first_line": int(info["first_line"][i]), "first_s": int(info["first_us"][i]) / 1e6,
+                "wall_offset_us": None, "wall_offset_support": 0, "n_slots": None, "n_ctx_slot": None,
+                "model": None, "build": None,
             })
-            entry["last_us"] = int(info["last_us"][i])
+            row["last_s"] = int(info["last_us"][i]) / 1e6
             if info["support"][i]:
                 off = int(info["offset_us"][i])
-                entry["offset_us"] = off if entry["offset_us"] is None else min(off, entry["offset_us"])
-                entry["offset_support"] += int(info["support"][i])
+                row["wall_offset_us"] = off if row["wall_offset_us"] is None else min(off, row["wall_offset_us"])
+                row["wall_offset_support"] += int(info["support"][i])
             if not np.isnan(info["n_slots"][i]):
-                entry["n_slots"] = int(info["n_slots"][i])
-                entry["n_ctx_slot"] = int(info["n_ctx_slot"][i])
+                row["n_slots"] = int(info["n_slots"][i])
+                row["n_ctx_slot"] = int(info["n_ctx_slot"][i])
             for c in _SESSION_TEXT:  # the session's first such line (one per start-up)
-                if entry[c] is None and info[c][i] is not None:
-                    entry[c] = info[c][i]
-
+                if row[c] is None:
+                    row[c] = info[c][i]
 
     def samples_later(self, tasks: "pd.DataFrame | Callable[[], FirstTokens] | None") -> tuple["SampleSource", "SampleSource"]:
         """The gen and prefill samples as read (on disk), their tables built when asked. ``tasks``: the finished tasks' ``port``, ``session``, ``task_id``
@@ -454,75 +425,40 @@ class TaskAssembler:
 
     def finish_in_batches(self, rows: int = 1 << 15) -> tuple[list["TaskBatch"], pd.DataFrame]:
         """Close every task still open; return the task table as batches of ``rows`` rows in
-        output order (none: no tasks), and the sessions. A batch is built when asked (:meth:`TaskBatch.table`); only the sort keys
-        are held meanwhile. Every finished row is on disk, so that a batch pickles small (for
-        worker processes); :meth:`discard` removes them after use.
+        output order (none: no tasks), each built when asked (:meth:`TaskBatch.table`), and the
+        sessions. Every finished row is on disk, so that a batch pickles small (for worker
+        processes); :meth:`discard` removes them after use.
         """
-        order, with_wall = self._end()
+        if self._open is not None:
+            self._open["cut_by_restart"] = np.zeros(len(self._open["task"]), bool)
+            self._done.append(self._open)
+        self._open = None
+        self._done.close()
+        port, session = self._done.column("port"), self._done.column("session")
+        # Output order: per process, by launch (tasks whose launch was never seen last), then line.
+        order = np.lexsort((self._done.column("first_line"), self._done.column("launch_us"), session, port))
+        # A row in a session with wall-clock times: every row has ``*_at`` columns.
+        walled = [k for k, row in self.sessions.items() if row["wall_offset_us"] is not None]
+        with_wall = bool(walled) and bool(pd.MultiIndex.from_arrays([port, session]).isin(walled).any())
+        self.n_finished, self.has_wall_rows = len(order), with_wall
         sessions = self._sessions_table()
-        files = list(self._files)
-        return [TaskBatch(self._done, order[i : i + rows], self.source, files, sessions, with_wall)
+        return [TaskBatch(self._done, order[i : i + rows], self.source, list(self._files), sessions, with_wall)
                 for i in range(0, len(order), rows)], sessions
 
     def discard(self) -> None:
         """Drop the finished rows (and their files on disk)."""
         self._done.discard()
 
-    def _end(self) -> tuple[np.ndarray, bool]:
-        """Close the open tasks; the output order of the finished rows, and whether any of them
-        is in a session with wall-clock times (then every row has ``*_at`` columns)."""
-        if self._open is not None and len(self._open["task"]):
-            rest = dict(self._open)
-            rest["cut_by_restart"] = np.zeros(len(rest["task"]), bool)
-            self._done.append(rest)
-        self._open = None
-        self._done.close()
-        port, session = self._done.column("port"), self._done.column("session")
-        # Output order: per process, by launch (tasks whose launch was never seen last), then line.
-        order = np.lexsort((self._done.column("first_line"), self._done.column("launch_us"), session, port))
-        walled = [k for k, info in self.sessions.items() if info["offset_us"] is not None]
-        with_wall = bool(walled) and bool(pd.MultiIndex.from_arrays([port, session]).isin(walled).any())
-        self.n_finished, self.has_wall_rows = len(order), with_wall
-        return order, with_wall
-
     def _sessions_table(self) -> pd.DataFrame:
-        rows = []
-        for (port, session), info in sorted(self.sessions.items()):
-            rows.append({
-                "source": self.source, "port": port, "session": session, "file": info["file"],
-                "first_line": info["first_line"], "first_s": info["first_us"] / 1e6,
-                "last_s": info.get("last_us", info["first_us"]) / 1e6,
-                "n_slots": info["n_slots"], "n_ctx_slot": info["n_ctx_slot"],
-                "wall_offset_us": info["offset_us"], "wall_offset_support": info["offset_support"],
-                "model": info["model"], "build": info["build"],
-            })
-        cols = SESSION_COLUMNS[: SESSION_COLUMNS.index("start_at")]
-        df = pd.DataFrame(rows, columns=cols + list(_SESSION_TEXT))
-        text = df.pop("model"), df.pop("build")
+        df = pd.DataFrame([row for _, row in sorted(self.sessions.items())], columns=SESSION_COLUMNS)
         df["start_at"] = pd.to_datetime(df["wall_offset_us"].astype("Int64"), unit="us", utc=True)
-        for col in text:  # the model file and build its start-up lines name (NA: none seen)
-            df[col.name] = col.astype("string")
+        for c in _SESSION_TEXT:  # the model file and build its start-up lines name (NA: none seen)
+            df[c] = df[c].astype("string")
         return df
 
 
 SESSION_COLUMNS = ["source", "port", "session", "file", "first_line", "first_s", "last_s", "n_slots", "n_ctx_slot",
                    "wall_offset_us", "wall_offset_support", "start_at", "model", "build"]
-
-
-def _raw(cols: dict[str, np.ndarray], files: list[str]) -> dict[str, np.ndarray | pd.Categorical]:
-    """Finished partial rows (in output order) as columns: ``slot`` the launch's, else any
-    event's, and ``file`` one category per file. Arrays, not a DataFrame: :func:`_derive` takes
-    them one at a time, and deleting a DataFrame's columns is slow (its blocks are rebuilt)."""
-    code = cols.pop("file")
-    # One category per file instead of its path repeated on every row.
-    file = pd.Categorical.from_codes(np.where(np.isnan(code), -1, code).astype(np.int64),
-                                     categories=pd.Index(files, dtype="str"))
-    slot_any = cols.pop("slot_any")
-    slot_launch = cols.pop("slot_launch")
-    raw: dict[str, np.ndarray | pd.Categorical] = {c: cols.pop(c) for c in _PARTIAL + ["cut_by_restart"] if c in cols}
-    raw["slot"] = np.where(np.isnan(slot_launch), slot_any, slot_launch)
-    raw["file"] = file
-    return raw
 
 
 @dataclass
@@ -540,43 +476,34 @@ class TaskBatch:
     with_wall: bool
 
     def table(self) -> pd.DataFrame:
-        return _derive(_raw(self.rows.gather(self.idx), self.files), self.source, self.sessions, self.with_wall)
+        return _derive(self.rows.gather(self.idx), self.files, self.source, self.sessions, self.with_wall)
 
 
-def _derive(raw: dict[str, np.ndarray | pd.Categorical], source: str, sessions: pd.DataFrame,
+def _derive(raw: dict[str, np.ndarray], files: list[str], source: str, sessions: pd.DataFrame,
             with_wall: bool) -> pd.DataFrame:
-    """Timeline arithmetic of research/log-formats.md §1.3, column-wise (``raw`` in output order).
+    """Timeline arithmetic of research/log-formats.md §1.3, column-wise, on finished partial
+    rows (``raw``, in output order); ``with_wall``: with the ``*_at`` columns (a table written
+    in batches decides once for all of them).
 
-    ``with_wall``: whether to add the ``*_at`` columns (a table written in batches decides
-    once for all of them).
-
-    ``raw`` (:func:`_raw`'s columns) is consumed: each column is dropped after its last use, so
-    the partial rows and the task table are not both held whole. The arithmetic is numpy's
-    (float64, NaN for missing), each column made a pandas one once, at the end.
+    ``raw`` is consumed, each column dropped after its last use, so that the partial rows and
+    the task table are not both held whole (arrays, not a DataFrame: deleting a DataFrame's
+    columns rebuilds its blocks). The arithmetic is numpy's (float64, NaN for missing).
     """
     def take(c: str) -> np.ndarray:
         return np.asarray(raw.pop(c), dtype=np.float64)
 
-    def col(c: str) -> np.ndarray:
-        return np.asarray(raw[c], dtype=np.float64)
-
-    def seconds(us: np.ndarray) -> np.ndarray:
-        with np.errstate(invalid="ignore"):
-            return np.where(us >= 0, us, np.nan) / 1e6
-
     def flags(v: np.ndarray) -> pd.arrays.BooleanArray:  # 1 -> True, 0 -> False, else missing
         return pd.arrays.BooleanArray(v == 1, ~((v == 1) | (v == 0)))
 
-    n = len(raw["task"])
-    out: dict[str, object] = {}
-    out["source"] = source_column(source, n)
+    out: dict[str, object] = {"source": source_column(source, len(raw["task"]))}
     session = np.asarray(raw.pop("session")).astype(np.int64)
     port = np.asarray(raw.pop("port")).astype(np.int64)
     out["session"] = session
-    out["slot"] = pd.array(take("slot"), dtype="Int64")
+    slot_launch, slot_any = take("slot_launch"), take("slot_any")  # the launch's, else any event's
+    out["slot"] = pd.array(np.where(np.isnan(slot_launch), slot_any, slot_launch), dtype="Int64")
     out["task_id"] = np.asarray(raw.pop("task")).astype(np.int64)
-    launch_us, release_us = col("launch_us"), col("release_us")
-    launch_s = seconds(launch_us)
+    launch_us, release_us = take("launch_us"), take("release_us")
+    launch_s = _seconds(launch_us)
     eval_us, total_us = take("eval_us"), take("total_us")
     with np.errstate(invalid="ignore"):
         anchor = np.where(eval_us >= 0, eval_us, total_us)
@@ -587,7 +514,7 @@ def _derive(raw: dict[str, np.ndarray | pd.Categorical], source: str, sessions: 
     prefill_start_s = (anchor - timing_total * 1000) / 1e6
     del anchor, timing_total
     first_token_s = prefill_start_s + prompt_eval_ms / 1000
-    release_s = seconds(release_us)
+    release_s = _seconds(release_us)
     wait_ms = (prefill_start_s - launch_s) * 1000
     new, n_gen, released = take("prompt_tokens_new"), take("n_gen"), take("n_tokens_released")
     cached = released - n_gen + 1 - new
@@ -623,7 +550,9 @@ def _derive(raw: dict[str, np.ndarray | pd.Categorical], source: str, sessions: 
                                                np.where(cancelled, 1, 2)))
     out["line"] = pd.array(line, dtype="Int64")
     # Columns beyond the stable set.
-    out["file"] = raw.pop("file")
+    code = take("file")  # one category per file instead of its path repeated on every row
+    out["file"] = pd.Categorical.from_codes(np.where(np.isnan(code), -1, code).astype(np.int64),
+                                            categories=pd.Index(files, dtype="str"))
     out["port"] = port
     out["release_line"] = pd.array(take("release_line"), dtype="Int64")
     out["total_ms"] = total_ms
@@ -636,8 +565,8 @@ def _derive(raw: dict[str, np.ndarray | pd.Categorical], source: str, sessions: 
     out["cut_by_restart"] = np.nan_to_num(take("cut_by_restart")).astype(bool)
     out["is_child"] = flags(take("is_child"))
     out["error"] = np.nan_to_num(take("error")).astype(bool)
-    off = _wall_offsets(sessions, port, session)
     if with_wall:
+        off = _wall_offsets(sessions, port, session)
         for name, us in (("launch_at", off + launch_us), ("release_at", off + release_us),
                          ("prefill_start_at", off + prefill_start_s * 1e6), ("first_token_at", off + first_token_s * 1e6)):
             out[name] = pd.to_datetime(pd.array(np.round(us), dtype="Int64"), unit="us", utc=True)
@@ -649,9 +578,9 @@ def _wall_offsets(sessions: pd.DataFrame, port: np.ndarray, session: np.ndarray)
     sessions' sorted keys (a MultiIndex per batch took longer)."""
     if not len(sessions) or not len(port):
         return np.full(len(port), np.nan)
-    keys = FirstTokens._pair(sessions["port"].to_numpy(dtype=np.int64), sessions["session"].to_numpy(dtype=np.int64))
+    keys = _pair(sessions["port"].to_numpy(dtype=np.int64), sessions["session"].to_numpy(dtype=np.int64))
     order = np.argsort(keys)
-    at, hit = FirstTokens._place(keys[order], FirstTokens._pair(port, session))
+    at, hit = _place(keys[order], _pair(port, session))
     wall = sessions["wall_offset_us"].to_numpy(dtype="float64", na_value=np.nan)[order]
     return np.where(hit, wall[at], np.nan)
 
@@ -724,88 +653,79 @@ class SampleSource:
         """Gen samples: each row's task's first-token time (rows in table order); else None."""
         if self.kind != HEARTBEAT:
             return None
-        return _first_token_per_row(self.first_tokens, port, session, task, _same_task_as_previous(port, session, task))
+        if self.first_tokens is None:
+            return np.full(len(port), np.nan)
+        return self.first_tokens.at(port, session, task)
 
-    def table_of(self, cols: dict[str, np.ndarray], skip: int = 0) -> pd.DataFrame:
+    def table_of(self, cols: dict[str, np.ndarray]) -> pd.DataFrame:
         """:func:`_sample_table` of rows gathered in table order."""
         first_token = self._first_tokens(*(cols[c].astype(np.int64) for c in ("port", "session", "task")))
-        return _sample_table(self.kind, cols, self.source, self.files, first_token, skip)
+        return _sample_table(self.kind, cols, self.source, self.files, first_token)
 
 
+@dataclass
 class FirstTokens:
     """Each task's ``first_token_s`` by (port, session, task_id), looked up with one sorted
     int64 key per task (smaller than a pandas MultiIndex): the session's place among
     the sessions, times the number of task ids, plus the task id's place among them."""
 
-    def __init__(self, sessions: np.ndarray, ids: np.ndarray, keys: np.ndarray, values: np.ndarray) -> None:
-        self.sessions = sessions  # sorted, distinct (port + 1) * 2**32 + session
-        self.ids = ids  # sorted, distinct task ids
-        self.keys = keys  # sorted
-        self.values = values
+    sessions: np.ndarray  # sorted, distinct (port + 1) * 2**32 + session
+    ids: np.ndarray  # sorted, distinct task ids
+    keys: np.ndarray  # sorted
+    values: np.ndarray
 
     @classmethod
     def of(cls, tasks: pd.DataFrame) -> "FirstTokens":
         port, session, task = (tasks[c].to_numpy(dtype=np.int64) for c in ("port", "session", "task_id"))
         first_token_s = tasks["first_token_s"].to_numpy(dtype=np.float64, na_value=np.nan)
-        sessions, ids = np.unique(cls._pair(port, session)), np.unique(task)
-        keys = cls._keys_in(sessions, ids, port, session, task)
+        out = cls(np.unique(_pair(port, session)), np.unique(task), np.zeros(0, np.int64), np.zeros(0))
+        keys = out._keys(port, session, task)
         order = np.argsort(keys, kind="stable")
         keys = keys[order]
-        first = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])[: len(keys)]  # a task twice: its first row
-        return cls(sessions, ids, keys[first], first_token_s[order[first]])
+        first = np.flatnonzero(_new_run(keys))  # a task twice: its first row
+        out.keys, out.values = keys[first], first_token_s[order[first]]
+        return out
 
-    @staticmethod
-    def _pair(port: np.ndarray, session: np.ndarray) -> np.ndarray:
-        return (port + 1) * (1 << 32) + session  # ports are -1 (none) to 65535
-
-    @staticmethod
-    def _place(sorted_values: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Each value's place in ``sorted_values``, and whether it is there at all."""
-        if not len(sorted_values):
-            return np.zeros(len(v), np.int64), np.zeros(len(v), bool)
-        at = np.minimum(np.searchsorted(sorted_values, v), len(sorted_values) - 1)
-        return at, sorted_values[at] == v
-
-    @classmethod
-    def _keys_in(cls, sessions: np.ndarray, ids: np.ndarray, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
+    def _keys(self, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
         """Each (port, session, task)'s key; -1 where no task of the table can have it."""
-        s, s_ok = cls._place(sessions, cls._pair(port, session))
-        t, t_ok = cls._place(ids, task)
-        return np.where(s_ok & t_ok, s * len(ids) + t, -1)
+        s, s_ok = _place(self.sessions, _pair(port, session))
+        t, t_ok = _place(self.ids, task)
+        return np.where(s_ok & t_ok, s * len(self.ids) + t, -1)
 
     def at(self, port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
-        """The first-token time of each (port, session, task) (NaN: no such task)."""
-        keys = self._keys_in(self.sessions, self.ids, port, session, task)
-        known = self.keys
-        at, hit = self._place(known, keys)
-        return np.where(hit & (keys >= 0), self.values[at] if len(known) else np.nan, np.nan)
+        """The first-token time of each (port, session, task) (NaN: no such task); rows of one
+        task next to each other (as samples are) are looked up once."""
+        new = _new_run(port, session, task)
+        starts = np.flatnonzero(new)
+        keys = self._keys(port[starts], session[starts], task[starts])
+        at, hit = _place(self.keys, keys)
+        return np.where(hit & (keys >= 0), self.values[at] if len(self.keys) else np.nan, np.nan)[np.cumsum(new) - 1]
 
 
-def _first_token_per_row(first_tokens: FirstTokens | None, port: np.ndarray, session: np.ndarray, task: np.ndarray,
-                         same: np.ndarray) -> np.ndarray:
-    """Each sample row's task's first-token time (rows grouped by task: looked up once per task)."""
-    if first_tokens is None or not len(port):
-        return np.full(len(port), np.nan)
-    starts = np.flatnonzero(~same)
-    return first_tokens.at(port[starts], session[starts], task[starts])[np.cumsum(~same) - 1]
+def _pair(port: np.ndarray, session: np.ndarray) -> np.ndarray:
+    return (port + 1) * (1 << 32) + session  # ports are -1 (none) to 65535
 
 
-def _same_task_as_previous(port: np.ndarray, session: np.ndarray, task: np.ndarray) -> np.ndarray:
-    same = np.zeros(len(port), bool)
-    same[1:] = (port[1:] == port[:-1]) & (session[1:] == session[:-1]) & (task[1:] == task[:-1])
-    return same
+def _place(sorted_values: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each value's place in ``sorted_values``, and whether it is there at all."""
+    if not len(sorted_values):
+        return np.zeros(len(v), np.int64), np.zeros(len(v), bool)
+    at = np.minimum(np.searchsorted(sorted_values, v), len(sorted_values) - 1)
+    return at, sorted_values[at] == v
 
 
-def _previous(v: np.ndarray, same: np.ndarray) -> np.ndarray:
+def _steps(v: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """Each row's value minus the previous row's; NaN where ``new`` (a task's first row)."""
     out = np.full(len(v), np.nan)
-    out[1:] = v[:-1]
-    out[~same] = np.nan
+    out[1:] = np.diff(v)
+    out[new] = np.nan
     return out
 
 
 def _seconds(us: np.ndarray) -> np.ndarray:
     v = us.astype(np.float64)
-    return np.where(v >= 0, v, np.nan) / 1e6
+    with np.errstate(invalid="ignore"):
+        return np.where(v >= 0, v, np.nan) / 1e6
 
 
 def empty_samples(kind: int) -> pd.DataFrame:
@@ -820,28 +740,26 @@ def _sample_table(kind: int, cols: dict[str, np.ndarray], source: str, files: li
     (context: the sample before a batch). ``file``: the file each sample's line is in (one
     category per file of ``files``; ``line`` counts from that file's start)."""
     port, session, task = (cols[c].astype(np.int64) for c in ("port", "session", "task"))
-    same = _same_task_as_previous(port, session, task)
+    new = _new_run(port, session, task)
     t_s = _seconds(cols["ts_us"])
     n = cols["v1"].astype(np.float64)
+    step_s, step_n = _steps(t_s, new), _steps(n, new)
     out: dict[str, object] = {"source": None, "session": session, "slot": pd.array(cols["slot"], dtype="Int64"),
                               "task_id": task, "t_s": t_s}
     if kind == HEARTBEAT:
         assert first_token is not None
         # The first heartbeat's window starts at the task's first token (t_print_last is reset there).
-        step = t_s - _previous(t_s, same)
-        window = np.round(np.where(np.isnan(step), t_s - first_token, step), 6)
-        tokens = n - _previous(n, same)
+        window = np.round(np.where(np.isnan(step_s), t_s - first_token, step_s), 6)
         out.update({
             "n_gen": pd.array(n, dtype="Int64"), "tg_tps": cols["v2"].astype(np.float64),
             "tg_3s_tps": cols["v3"].astype(np.float64), "window_s": window,
-            "tokens": pd.array(np.where(np.isnan(tokens), n, tokens), dtype="Int64"),
+            "tokens": pd.array(np.where(np.isnan(step_n), n, step_n), dtype="Int64"),
             "window_start_s": np.round(t_s - window, 6)})
     else:
         out.update({
             "n_tokens": pd.array(n, dtype="Int64"), "progress": cols["v2"].astype(np.float64),
             "elapsed_s": cols["v3"].astype(np.float64), "tps": cols["v4"].astype(np.float64),
-            "step_tokens": pd.array(n - _previous(n, same), dtype="Int64"),
-            "step_s": np.round(t_s - _previous(t_s, same), 6)})
+            "step_tokens": pd.array(step_n, dtype="Int64"), "step_s": np.round(step_s, 6)})
     out["line"] = cols["line"].astype(np.int64)
     out["port"] = port
     out["file"] = pd.Categorical.from_codes(cols["file"].astype(np.int64), categories=pd.Index(files, dtype="str"))
