@@ -247,3 +247,23 @@ def test_a_log_that_only_starts_like_gzip_is_one_clear_error(tmp_path: Path) -> 
     res = run("analyze", str(log))
     assert res.exit_code == 1 and "Traceback" not in res.stderr
     assert res.stderr.strip().splitlines()[-1].startswith(f"error: {log}: cannot read: ")
+
+
+def test_a_server_log_without_tasks_is_an_empty_report_that_says_why(tmp_path: Path) -> None:
+    """Real excerpts often hold only the start-up lines. The task table then has every column
+    (no rows): each report table computes, and the report says why it is empty."""
+    from slotscope import analyze as analysis
+    from slotscope.dataset import load
+
+    lines = (REAL / "before" / "logs" / "llama-server.log").read_text().splitlines(keepends=True)
+    first = next(i for i, line in enumerate(lines) if "launch_slot_" in line)
+    log = tmp_path / "llama-server.log"
+    log.write_text("".join(lines[:first]))
+    res = run("analyze", str(log))
+    assert res.exit_code == 0 and "Traceback" not in res.stderr
+    assert "No task in the server log" in res.stdout and "could not compute" not in res.stdout + res.stderr
+    ds = load([log])
+    full = load([REAL / "before" / "logs" / "llama-server.log"])
+    assert list(ds.server.tasks.columns) == list(full.server.tasks.columns) and len(ds.server.tasks) == 0
+    tables = analysis.run(ds, strict=True)  # (strict: a table that fails raises)
+    assert "note" not in tables["load"].columns

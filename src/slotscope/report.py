@@ -108,7 +108,9 @@ def render(ds: Dataset, tables: dict[str, pd.DataFrame], file: IO[str] | None = 
     """Print the whole report: alignment, findings first, then every table with its caption."""
     console = Console(file=file, width=width, soft_wrap=False, highlight=False)
     # Only the column read here (the tables may wait on disk); the distinct sources made text.
-    src = ", ".join(sorted(set(map(str, pd.unique(tasks_of(ds, ["source"])["source"]))))) if ds.n_tasks else "(no server log)"
+    servers = [f for f in ds.server.accounting.files if f.kind == "server"]
+    src = ", ".join(sorted(set(map(str, pd.unique(tasks_of(ds, ["source"])["source"]))))) if ds.n_tasks else \
+        ", ".join(f.path for f in servers) or "(no server log)"
     console.print(Rule(f"slotscope report: {src}", align="left"))
     matched = calls_of(ds, ["task_id"])["task_id"] if ds.matches is not None else None
     console.print(f"{ds.n_tasks:,} server tasks in {len(ds.server.sessions)} session(s)"
@@ -124,6 +126,11 @@ def render(ds: Dataset, tables: dict[str, pd.DataFrame], file: IO[str] | None = 
                           + (f"; {r.warning}" if r.warning else ""), markup=False)
     else:
         console.print(APP_LOG_ADDS, markup=False)
+    if servers and not ds.n_tasks:
+        console.print(f"No task in the server log ({sum(f.lines for f in servers):,} lines): it has no `slot launch_slot_` "
+                      "line, only start-up and other lines, so there is nothing to report. A log that began before the "
+                      "first request, or a server that was never asked, looks like this.", markup=False)
+        return
     for name in sorted(tables, key=lambda n: n != "findings"):  # findings first, the rest in order
         df = tables[name]
         console.print()

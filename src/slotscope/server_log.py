@@ -44,7 +44,7 @@ from .workers import Pool
 from .scanner import COMP_BUILD, SRV_EVENT, Reading, Scan, scan
 from .tasks import (
     GEN_COLUMNS, PREFILL_COLUMNS, SESSION_COLUMNS, TASK_COLUMNS, BlockTasks, SampleBatch, SampleSource, TaskAssembler,
-    TaskBatch, FirstTokens, fold_block, shifted_sessions,
+    TaskBatch, FirstTokens, empty_task_table, fold_block, shifted_sessions,
 )
 
 T = TypeVar("T")
@@ -704,7 +704,8 @@ def read_server_logs(
                 yield table.assign(**{c: table[c].cat.set_categories(v) for c, v in cats.items()}) if cats else table
             asm.discard()  # its finished rows, on disk
 
-    tasks = StoredTable.of_parts(itertools.chain(batches(), [] if streams else [_concat([], TASK_COLUMNS)]), "tasks")
+    none = [] if streams else [empty_task_table(assemblers[0].source if assemblers else "", _concat(sessions, SESSION_COLUMNS), with_wall)]
+    tasks = StoredTable.of_parts(itertools.chain(batches(), none), "tasks")
     samples: tuple[list[SampleSource], list[SampleSource]] = ([], [])
     at = 0
     for asm in assemblers:  # (a stream without tasks: its samples, if any, without first tokens)

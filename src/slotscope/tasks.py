@@ -461,6 +461,16 @@ SESSION_COLUMNS = ["source", "port", "session", "file", "first_line", "first_s",
                    "wall_offset_us", "wall_offset_support", "start_at", "model", "build"]
 
 
+def empty_task_table(source: str, sessions: pd.DataFrame, with_wall: bool) -> pd.DataFrame:
+    """The task table of a log without tasks: every column, typed as a log with tasks has it
+    (what the report's questions read of it is there, with no rows)."""
+    ints = {**dict.fromkeys(KEY + list(_SUM) + ["first_line"], np.int64), **dict.fromkeys(_MAX, np.int8)}
+    firsts = [c for cols in _FIRST_OF_KIND.values() for c, _ in cols] + ["slot_any"]
+    raw = {c: np.zeros(0, ints.get(c, np.float64)) for c in [*_CORE, *firsts]}
+    raw["cut_by_restart"] = np.zeros(0, bool)
+    return _derive(raw, [], source, sessions.iloc[:0], with_wall)
+
+
 @dataclass
 class TaskBatch:
     """Some finished rows, by position in output order, and what deriving them needs.
