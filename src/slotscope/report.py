@@ -107,6 +107,19 @@ def render(ds: Dataset, tables: dict[str, pd.DataFrame], file: IO[str] | None = 
            max_rows: int = 12) -> None:
     """Print the whole report: alignment, findings first, then every table with its caption."""
     console = Console(file=file, width=width, soft_wrap=False, highlight=False)
+    if not _header(console, ds):
+        return
+    for name in sorted(tables, key=lambda n: n != "findings"):  # findings first, the rest in order
+        console.print()
+        console.print(Rule(name, align="left"))
+        if name in CAPTIONS:
+            console.print(CAPTIONS[name], markup=False)
+        _section(console, name, tables[name], max_rows)
+
+
+def _header(console: Console, ds: Dataset) -> bool:
+    """The report's first lines: what was read, the server, the clock alignment. False where
+    there is nothing more to report (a server log without tasks)."""
     # Only the column read here (the tables may wait on disk); the distinct sources made text.
     servers = [f for f in ds.server.accounting.files if f.kind == "server"]
     src = ", ".join(sorted(set(map(str, pd.unique(tasks_of(ds, ["source"])["source"]))))) if ds.n_tasks else \
@@ -130,28 +143,24 @@ def render(ds: Dataset, tables: dict[str, pd.DataFrame], file: IO[str] | None = 
         console.print(f"No task in the server log ({sum(f.lines for f in servers):,} lines): it has no `slot launch_slot_` "
                       "line, only start-up and other lines, so there is nothing to report. A log that began before the "
                       "first request, or a server that was never asked, looks like this.", markup=False)
-        return
-    for name in sorted(tables, key=lambda n: n != "findings"):  # findings first, the rest in order
-        df = tables[name]
-        console.print()
-        console.print(Rule(name, align="left"))
-        if name in CAPTIONS:
-            console.print(CAPTIONS[name], markup=False)
-        if name == "findings":
-            for text in df.get("finding", pd.Series(dtype=str)):
-                console.print(f"- {text}", markup=False)
-            continue
-        if name == "ruled-out" and "hypothesis" in df.columns:
-            for r in df.itertuples(index=False):
-                console.print(f"- {r.hypothesis}: {r.verdict}. {r.figure} ({r.samples:,} samples)", markup=False)
-            continue
-        if "note" in df.columns and df.drop(columns=["note"]).dropna(how="all").empty:
-            for note in df["note"].dropna().unique():
-                console.print(str(note), markup=False)
-            continue
-        if df.empty:
-            console.print("(no rows)", markup=False)
-            continue
+        return False
+    return True
+
+
+def _section(console: Console, name: str, df: pd.DataFrame, max_rows: int) -> None:
+    """One table of the report: sentences (findings, ruled-out), a note, or the table."""
+    if name == "findings":
+        for text in df.get("finding", pd.Series(dtype=str)):
+            console.print(f"- {text}", markup=False)
+    elif name == "ruled-out" and "hypothesis" in df.columns:
+        for r in df.itertuples(index=False):
+            console.print(f"- {r.hypothesis}: {r.verdict}. {r.figure} ({r.samples:,} samples)", markup=False)
+    elif "note" in df.columns and df.drop(columns=["note"]).dropna(how="all").empty:
+        for note in df["note"].dropna().unique():
+            console.print(str(note), markup=False)
+    elif df.empty:
+        console.print("(no rows)", markup=False)
+    else:
         print_table(console, _readable(name, df), max_rows=max_rows)
         for text in _footnotes(df):
             console.print(f"  {text}", markup=False)
