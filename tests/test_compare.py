@@ -71,8 +71,9 @@ def test_generation_during_long_prefills_rises(change: dict[str, pd.DataFrame]) 
     r = _row(change, "indicators", "gen_tps_during_long_prefill")
     assert r["after"] > r["before"]
     assert r["before"] < 0.5 and 0.8 < r["after"] < 1.5  # stalled vs "slow": 0.27 vs 0.95 tok/s
-    # Four stretches before, all stalled by two long prefills: an interval can't exclude 0.
-    assert r["before_n"] == 4 and r["ci_low"] < 0 < r["ci_high"]
+    # Four stretches before, all stalled by two long prefills: resampled by prefill, too few
+    # for an interval.
+    assert r["before_n"] == 4 and pd.isna(r["ci_low"]) and pd.isna(r["ci_high"])
     assert "only 4 stretches of generation before: too few to call an effect" in r["caution"]
     assert "few long prefills" in r["caution"]
 
@@ -311,3 +312,27 @@ def test_a_model_swap_is_a_change_and_counts_with_the_others(tmp_path) -> None:
     cautions = tables["cautions"]
     multiple = cautions.loc[cautions["about"] == "changes", "caution"].iloc[0]
     assert multiple.startswith("3 settings changed at once (chunk_tokens, model, lora)")
+
+
+def _pairs_for_intervals():
+    return [("before", "after"), ("before", "b2048-unified"), ("b2048-unified", "after"), ("before", "before"), ("after", "after")]
+
+
+@pytest.mark.parametrize("b, a", _pairs_for_intervals())
+def test_every_interval_holds_its_estimate_and_a_side_against_itself_holds_zero(b: str, a: str) -> None:
+    """On the real captures: an indicator's 90% interval contains its own estimate, and a log
+    compared with itself has intervals around 0. The stretches of generation during long
+    prefills come from 2 prefills per side: resampled by prefill, too few for an interval at
+    all, and no sample-size hint drawn from their spread (said in stretches' place: prefills)."""
+    from slotscope.dataset import load
+
+    tables = cmp.compare(load([REAL / b / "logs"]), load([REAL / a / "logs"]))
+    ind = tables["indicators"].set_index("indicator")
+    has = ind["ci_low"].notna()
+    assert has.sum() >= 4
+    assert ((ind.loc[has, "ci_low"] <= ind.loc[has, "diff"] + 1e-9) & (ind.loc[has, "diff"] <= ind.loc[has, "ci_high"] + 1e-9)).all()
+    if a == b:
+        assert ((ind.loc[has, "ci_low"] <= 0) & (ind.loc[has, "ci_high"] >= 0)).all()
+    lp = ind.loc["gen_tps_during_long_prefill"]
+    assert pd.isna(lp["ci_low"]) and pd.isna(lp["ci_high"])
+    assert "too few for an interval" in lp["caution"] and "about" not in lp["caution"]

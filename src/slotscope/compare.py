@@ -62,6 +62,9 @@ UNKNOWN = "unknown"
 # Resample counts are drawn in blocks of at most this many cells, so a day of tasks stays in memory.
 _BLOCK_CELLS = 4_000_000
 _Z = 1.6448536269514722  # two-sided 90%
+# Clusters per side below which a cluster bootstrap's statistic takes only a handful of values:
+# no interval, and no sample-size hint from its spread.
+MIN_CLUSTERS = 5
 Bounds = tuple[pd.Timestamp | None, pd.Timestamp | None]  # a wall-clock window [start, end), None: open
 
 
@@ -348,6 +351,11 @@ class Estimate:
     ci_low: float
     ci_high: float
     se: float  # bootstrap standard deviation of the difference (NaN without an interval)
+    # The units resampled per side (the clusters, else the samples) and the unit's name.
+    before_units: int = 0
+    after_units: int = 0
+    unit: str = ""
+    lumpy: bool = False  # an interval was left out: its resamples did not contain the estimate
 
 
 def _stat(xs: np.ndarray, w: np.ndarray, kind: str) -> np.ndarray:
@@ -398,25 +406,40 @@ def estimate(name: str, before: np.ndarray, after: np.ndarray, kind: str, *, see
              before_clusters: np.ndarray | None = None, after_clusters: np.ndarray | None = None) -> Estimate:
     """A statistic (``median``, ``p90``, ``p95``, ``sum``, ``max``) of each side, after - before,
     and the percentile-bootstrap 90% interval of the difference. The generator is seeded by
-    ``seed`` and ``name``, so a row's interval does not depend on the other rows."""
+    ``seed`` and ``name``, so a row's interval does not depend on the other rows.
+
+    With ``*_clusters``, the samples of one cluster (the stretches one prefill stalled) are
+    drawn together: the cluster is the unit, and an interval needs :data:`MIN_CLUSTERS` of them
+    per side (plain samples: two). An
+    interval that does not hold its own estimate (a few lumpy clusters) is left out."""
     b_ok, a_ok = np.isfinite(before), np.isfinite(after)
     b, a = before[b_ok], after[a_ok]
     bc = before_clusters[b_ok] if before_clusters is not None else None
     ac = after_clusters[a_ok] if after_clusters is not None else None
+    nb = len(np.unique(bc)) if bc is not None else len(b)
+    na = len(np.unique(ac)) if ac is not None else len(a)
     pb, pa = _point(b, kind), _point(a, kind)
     lo = hi = se = float("nan")
-    if len(b) >= 2 and len(a) >= 2 and n_boot > 0:
+    lumpy = False
+    least = MIN_CLUSTERS if bc is not None or ac is not None else 2
+    if nb >= least and na >= least and n_boot > 0:
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
         d = _resamples(a, ac, kind, rng, n_boot) - _resamples(b, bc, kind, rng, n_boot)
         lo, hi = (float(x) for x in np.quantile(d, [(1 - LEVEL) / 2, (1 + LEVEL) / 2]))
         se = float(np.std(d))
-    return Estimate(pb, pa, len(b), len(a), pa - pb, lo, hi, se)
+        if not lo - 1e-9 <= pa - pb <= hi + 1e-9:
+            lo = hi = float("nan")
+            lumpy = True
+    return Estimate(pb, pa, len(b), len(a), pa - pb, lo, hi, se, nb, na, "clusters" if bc is not None else "", lumpy)
 
 
 def needed_samples(e: Estimate, min_samples: int) -> int | None:
     """About how many samples per side would tell a difference of the observed size from noise
-    (the 90% interval's half-width shrinking like 1/sqrt(n)); None when the spread says nothing."""
-    n = min(e.before_n, e.after_n)
+    (the 90% interval's half-width shrinking like 1/sqrt(n)), counted in the resampled unit;
+    None when the spread says nothing."""
+    n = min(e.before_units, e.after_units) if e.unit else min(e.before_n, e.after_n)
+    if e.unit and n < MIN_CLUSTERS:
+        return None
     if not (n > 0 and math.isfinite(e.se) and e.se > 0 and math.isfinite(e.diff) and e.diff != 0):
         return None
     return max(min_samples, math.ceil(n * (_Z * e.se / abs(e.diff)) ** 2))
@@ -425,23 +448,26 @@ def needed_samples(e: Estimate, min_samples: int) -> int | None:
 _SINGULAR = {"turns": "turn", "tasks": "task", "prefills": "prefill", "stretches of generation": "stretch of generation"}
 
 
-def few_caution(e: Estimate, unit: str, min_samples: int) -> str:
-    """The plain-language caution for a side with fewer than ``min_samples`` samples ('' if none)."""
+def few_caution(e: Estimate, unit: str, min_samples: int, cluster_unit: str = "") -> str:
+    """The plain-language caution for a side with fewer than ``min_samples`` samples ('' if none);
+    ``cluster_unit``: what the samples' clusters are (the unit of the sample-size hint)."""
     small = [(n, s) for n, s in ((e.before_n, "before"), (e.after_n, "after")) if n < min_samples]
+    lumpy = "its resamples did not hold the estimate: no interval" if e.lumpy else ""
     if not small:
-        return ""
+        return lumpy
     empty = [s for n, s in small if n == 0]
     if empty:
         return f"no {unit} {' or '.join(empty)}: nothing to compare"
     what = " and ".join(f"{n} {_SINGULAR.get(unit, unit) if n == 1 else unit} {s}" for n, s in small)
     need = needed_samples(e, min_samples)
+    per = f" {cluster_unit}" if e.unit and cluster_unit else ""
     if need is None or need <= min_samples:
-        tail = f"at least {min_samples} per side would be needed"
+        tail = f"at least {min_samples}{per} per side would be needed"
     elif need > 100_000:
         tail = "far more would be needed to tell a difference this small from noise"
     else:
-        tail = f"about {need:,} per side would be needed for a difference this size"
-    return f"only {what}: too few to call an effect; {tail}"
+        tail = f"about {need:,}{per} per side would be needed for a difference this size"
+    return _join(f"only {what}: too few to call an effect; {tail}", lumpy)
 
 
 def _differs(a: float, b: float, text: str) -> str:
@@ -557,7 +583,9 @@ def _indicators(b: Side, a: Side, opts: Options, seed: int, n_boot: int) -> pd.D
     length = _differs(b.observed_s, a.observed_s, "counted over windows of different length")
     extra = {  # cautions besides too few samples
         "gen_tps_during_long_prefill":
-            f"the stretches come from few long prefills ({few_events}): not independent samples" if few_events else "",
+            f"the stretches come from few long prefills ({few_events}): not independent samples"
+            + (f", too few for an interval (at least {MIN_CLUSTERS} per side)" if any(k < MIN_CLUSTERS for k, _ in events) else "")
+            if few_events else "",
         "waits_over_1s_count": length,
         "waits_over_1s_total_s": length,
     }
@@ -571,7 +599,8 @@ def _indicators(b: Side, a: Side, opts: Options, seed: int, n_boot: int) -> pd.D
         e = estimate(name, samples(b, opts), samples(a, opts), kind, seed=seed, n_boot=n_boot,
                      before_clusters=b.pieces["cluster"].to_numpy() if pieces else None,
                      after_clusters=a.pieces["cluster"].to_numpy() if pieces else None)
-        rows.append(_row(name, e, _join(few_caution(e, unit, ms), extra.get(name, "")), "indicator"))
+        rows.append(_row(name, e, _join(few_caution(e, unit, ms, "long prefills" if pieces else ""), extra.get(name, "")),
+                         "indicator"))
     return _rounded(pd.DataFrame(rows), INDICATOR_COLUMNS)
 
 
