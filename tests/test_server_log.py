@@ -223,3 +223,21 @@ def test_samples_kept_on_disk_build_the_same_tables(scenario, tmp_path, monkeypa
     copy = pickle.loads(pickle.dumps(lazy))  # pickled as tables: the files stay this process'
     assert isinstance(copy.__dict__["_prefill_samples"], pd.DataFrame)
     pd.testing.assert_frame_equal(copy.prefill_samples, logs.prefill_samples)
+
+
+def test_a_task_launched_before_the_log_began_is_cut_at_start_not_cancelled(tmp_path) -> None:
+    """A log that begins mid-task (rotated, or a paste) has the task's release and timings but
+    not its launch. It is `cut_at_start`, counted so, and not a whole task: the statistics that
+    need its launch leave it out."""
+    from .conftest import REAL
+
+    lines = (REAL / "before" / "logs" / "llama-server.log").read_text().splitlines(keepends=True)
+    launch = next(i for i, line in enumerate(lines) if "launch_slot_" in line and "task 0 " in line)
+    log = tmp_path / "llama-server.log"
+    log.write_text("".join(lines[launch + 1:]))
+    logs = read_server_logs([str(log)])
+    t = logs.tasks.set_index("task_id")
+    assert t.loc[0, "status"] == "cut_at_start" and pd.isna(t.loc[0, "launch_s"])
+    assert (t.drop(index=0)["status"] != "cut_at_start").all()
+    assert logs.accounting.tasks_cut_at_start == 1
+    assert any("1 cut at the log's start" in line for line in logs.accounting.summary_lines())

@@ -55,13 +55,15 @@ class Accounting:
     tasks_complete: int = 0
     tasks_incomplete: int = 0
     tasks_cancelled: int = 0
+    tasks_cut_at_start: int = 0  # launched before the log's first line
     sessions: int = 0
 
-    def count_tasks(self, counts: tuple[int, int, int]) -> None:
-        """Add (complete, cancelled, incomplete) task counts, e.g. of one batch of tasks."""
+    def count_tasks(self, counts: tuple[int, int, int, int]) -> None:
+        """Add (complete, cancelled, incomplete, cut at start) task counts, e.g. of one batch."""
         self.tasks_complete += counts[0]
         self.tasks_cancelled += counts[1]
         self.tasks_incomplete += counts[2]
+        self.tasks_cut_at_start += counts[3]
 
     lines = _total("lines")
     used = _total("used")
@@ -83,6 +85,7 @@ class Accounting:
             tasks_complete=self.tasks_complete + other.tasks_complete,
             tasks_incomplete=self.tasks_incomplete + other.tasks_incomplete,
             tasks_cancelled=self.tasks_cancelled + other.tasks_cancelled,
+            tasks_cut_at_start=self.tasks_cut_at_start + other.tasks_cut_at_start,
             sessions=self.sessions + other.sessions,
         )
 
@@ -99,10 +102,12 @@ class Accounting:
                 f"  {f.path} ({f.kind}{extra}): {f.lines:,} lines, used {f.used:,}, "
                 f"ignored {f.ignored:,}, unrecognized {f.unrecognized:,}{err}"
             )
-        if self.tasks_complete or self.tasks_incomplete or self.tasks_cancelled or self.sessions:
+        if self.tasks_complete or self.tasks_incomplete or self.tasks_cancelled or self.tasks_cut_at_start or self.sessions:
             out.append(
                 f"tasks: {self.tasks_complete:,} complete, {self.tasks_cancelled:,} cancelled, "
-                f"{self.tasks_incomplete:,} incomplete; server sessions: {self.sessions}"
+                f"{self.tasks_incomplete:,} incomplete"
+                + (f", {self.tasks_cut_at_start:,} cut at the log's start" if self.tasks_cut_at_start else "")
+                + f"; server sessions: {self.sessions}"
             )
         for ex in self.examples():
             out.append(f"  unrecognized: {ex}")

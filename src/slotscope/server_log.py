@@ -828,7 +828,7 @@ def _sample_batch(job: tuple[SampleBatch | None, int, Callable[[pd.DataFrame, in
     return then(part, i) if then is not None else part
 
 
-def _task_batch(job: tuple[TaskBatch | None, int, bool, Callable[[pd.DataFrame, int], object] | None]) -> tuple[object, tuple[int, int, int]]:
+def _task_batch(job: tuple[TaskBatch | None, int, bool, Callable[[pd.DataFrame, int], object] | None]) -> tuple[object, tuple[int, int, int, int]]:
     """One batch of the task table (in a worker process, or here), and its status counts."""
     batch, i, with_wall, then = job
     part = _task_table(batch, with_wall)
@@ -876,10 +876,10 @@ def _read_all(
     return assemblers, streams, [s for _, s in ends], any(a.has_wall_rows for a, _ in streams), acc
 
 
-def _status_counts(tasks: pd.DataFrame) -> tuple[int, int, int]:
-    """How many tasks are complete, cancelled and incomplete."""
+def _status_counts(tasks: pd.DataFrame) -> tuple[int, int, int, int]:
+    """How many tasks are complete, cancelled, incomplete and cut at the log's start."""
     st = tasks["status"] if len(tasks) else pd.Series([], dtype=str)
-    return int((st == "complete").sum()), int((st == "cancelled").sum()), int((st == "incomplete").sum())
+    return tuple(int((st == s).sum()) for s in ("complete", "cancelled", "incomplete", "cut_at_start"))  # type: ignore[return-value]
 
 
 def _concat(frames: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:

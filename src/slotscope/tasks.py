@@ -552,12 +552,12 @@ def _derive(raw: dict[str, np.ndarray], files: list[str], source: str, sessions:
     flagged = np.nan_to_num(take("cancelled")) > 0
     cancelled = flagged | (has_release & ~has_timings)
     # Complete needs the whole life in the log: a task whose launch came before the log's first
-    # line (a log that starts mid-task) stays incomplete, even with its release and timings.
+    # line (a log that starts mid-task) is cut at its start, even with its release and timings.
     line = take("line")
     launched = ~np.isnan(line)
-    # Taken from the three texts as pandas holds text (no numpy array of str to convert).
-    out["status"] = _STATUS_TEXT.take(np.where(launched & has_release & has_timings & ~flagged, 0,
-                                               np.where(cancelled, 1, 2)))
+    # Taken from the texts as pandas holds text (no numpy array of str to convert).
+    out["status"] = _STATUS_TEXT.take(np.where(~launched, 3, np.where(has_release & has_timings & ~flagged, 0,
+                                                                      np.where(cancelled, 1, 2))))
     out["line"] = pd.array(line, dtype="Int64")
     # Columns beyond the stable set.
     code = take("file")  # one category per file instead of its path repeated on every row
@@ -595,7 +595,7 @@ def _wall_offsets(sessions: pd.DataFrame, port: np.ndarray, session: np.ndarray)
     return np.where(hit, wall[at], np.nan)
 
 
-_STATUS_TEXT = pd.Index(["complete", "cancelled", "incomplete"]).array  # the dtype pandas gives text
+_STATUS_TEXT = pd.Index(["complete", "cancelled", "incomplete", "cut_at_start"]).array  # the dtype pandas gives text
 
 
 def source_column(source: str, n: int) -> pd.Categorical:
