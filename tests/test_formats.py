@@ -114,3 +114,20 @@ def test_journald_months_in_other_locales_give_the_wall_clock(tmp_path, month: s
     assert len(got) == len(want) and got.notna().all()
     assert (got.dt.month == number).all() and (got.dt.day == 28).all()
     assert (got.dt.strftime("%H:%M:%S.%f") == want.dt.strftime("%H:%M:%S.%f")).all()
+
+
+def test_times_from_one_second_stamps_stay_within_what_the_stamps_allow() -> None:
+    """The 2024 JSON format stamps unix seconds: a prefill start derived from the timing line's
+    stamp came out up to 0.2 s before the launch, a wait of -194 ms. Derived times stay after
+    the launch, a wait under the resolution is 0, and each task says its resolution; every
+    wait is within that resolution of the same tasks' waits in the microsecond log."""
+    coarse = read_server_logs([str(FORMATS / "json2024.log")]).tasks.set_index("task_id")
+    fine = read_server_logs([str(FORMATS / "plain.log")]).tasks.set_index("task_id")
+    assert (coarse["time_resolution_s"] == 1.0).all() and (fine["time_resolution_s"] == 1e-6).all()
+    timed = coarse["prefill_start_s"].notna()
+    assert timed.sum() >= 20
+    assert (coarse.loc[timed, "prefill_start_s"] >= coarse.loc[timed, "launch_s"]).all()
+    assert (coarse.loc[timed, "wait_before_prefill_ms"] >= 0).all()
+    both = coarse.index[timed].intersection(fine.index)
+    diff = (coarse.loc[both, "wait_before_prefill_ms"] - fine.loc[both, "wait_before_prefill_ms"]).abs()
+    assert (diff <= 1000 + 1e-6).all()

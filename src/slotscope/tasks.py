@@ -522,10 +522,19 @@ def _derive(raw: dict[str, np.ndarray], files: list[str], source: str, sessions:
     total_ms, prompt_eval_ms, eval_ms = take("total_ms"), take("prompt_eval_ms"), take("eval_ms")
     timing_total = np.where(np.isnan(total_ms), prompt_eval_ms + eval_ms, total_ms)
     prefill_start_s = (anchor - timing_total * 1000) / 1e6
+    # The stamps' resolution: whole seconds where the launch and the timing line's stamps are
+    # (the 2024 JSON and text formats stamp unix seconds), else llama.cpp's microseconds. A
+    # prefill start derived from a stamp cut to the second can come out before the launch;
+    # it cannot have been, and a wait shorter than the resolution is not measured: 0.
+    with np.errstate(invalid="ignore"):
+        coarse = (launch_us % 1_000_000 == 0) & (anchor % 1_000_000 == 0)
+        prefill_start_s = np.where(coarse & (prefill_start_s < launch_s), launch_s, prefill_start_s)
     del anchor, timing_total
     first_token_s = prefill_start_s + prompt_eval_ms / 1000
     release_s = _seconds(release_us)
     wait_ms = (prefill_start_s - launch_s) * 1000
+    with np.errstate(invalid="ignore"):
+        wait_ms = np.where(coarse & (wait_ms < 1000), 0.0, wait_ms)
     new, n_gen, released = take("prompt_tokens_new"), take("n_gen"), take("n_tokens_released")
     cached = released - n_gen + 1 - new
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -573,6 +582,7 @@ def _derive(raw: dict[str, np.ndarray], files: list[str], source: str, sessions:
     out["has_timings"] = has_timings
     out["has_release"] = has_release
     out["cut_by_restart"] = np.nan_to_num(take("cut_by_restart")).astype(bool)
+    out["time_resolution_s"] = np.where(np.isnan(launch_us), np.nan, np.where(coarse, 1.0, 1e-6))
     out["is_child"] = flags(take("is_child"))
     out["error"] = np.nan_to_num(take("error")).astype(bool)
     if with_wall:
