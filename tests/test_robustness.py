@@ -156,3 +156,25 @@ def test_one_nul_byte_near_the_start_leaves_a_text_log_read(tmp_path: Path) -> N
     assert got.accounting.used + got.accounting.ignored + got.accounting.unrecognized == got.accounting.lines
     pd.testing.assert_frame_equal(got.tasks.drop(columns=["source", "file"], errors="ignore"),
                                   want.tasks.drop(columns=["source", "file"], errors="ignore"))
+
+
+@pytest.mark.parametrize("old, new, column", [
+    ("/  2281 tokens", "/  100000000000000000000 tokens", "prompt_tokens_new"),
+    ("n_gen =    148,", "n_gen = 100000000000000000000000000,", None),
+])
+def test_numbers_beyond_what_a_count_can_be_read_as_missing(tmp_path: Path, old: str, new: str, column: str | None) -> None:
+    """A damaged count (``n_tokens`` 1e20, ``n_gen`` 1e26) ended in a TypeError in `tasks` and
+    `samples`. A count a float cannot hold exactly reads as missing; every other value stays."""
+    text = (FORMATS / "plain.log").read_text()
+    assert old in text
+    log = tmp_path / "llama-server.log"
+    log.write_text(text.replace(old, new, 1))
+    want = read_server_logs([str(FORMATS / "plain.log")])
+    got = read_server_logs([str(log)])
+    assert len(got.tasks) == len(want.tasks) and got.accounting.lines == want.accounting.lines
+    if column is not None:
+        t = got.tasks.set_index("task_id")
+        assert pd.isna(t.loc[0, column]) and t.drop(index=0)[column].notna().all()
+    else:
+        g = got.gen_samples
+        assert len(g) == len(want.gen_samples) and int(g["n_gen"].isna().sum()) == 1

@@ -510,7 +510,7 @@ def _derive(raw: dict[str, np.ndarray], files: list[str], source: str, sessions:
     port = np.asarray(raw.pop("port")).astype(np.int64)
     out["session"] = session
     slot_launch, slot_any = take("slot_launch"), take("slot_any")  # the launch's, else any event's
-    out["slot"] = pd.array(np.where(np.isnan(slot_launch), slot_any, slot_launch), dtype="Int64")
+    out["slot"] = _whole(np.where(np.isnan(slot_launch), slot_any, slot_launch))
     out["task_id"] = np.asarray(raw.pop("task")).astype(np.int64)
     launch_us, release_us = take("launch_us"), take("release_us")
     launch_s = _seconds(launch_us)
@@ -548,9 +548,9 @@ def _derive(raw: dict[str, np.ndarray], files: list[str], source: str, sessions:
     out["first_token_s"] = np.round(first_token_s, 6)
     out["release_s"] = np.round(release_s, 6)
     out["wait_before_prefill_ms"] = np.round(wait_ms, 3)
-    out["prompt_tokens_new"] = pd.array(new, dtype="Int64")
-    out["prompt_tokens_cached"] = pd.array(cached, dtype="Int64")
-    out["n_gen"] = pd.array(n_gen, dtype="Int64")
+    out["prompt_tokens_new"] = _whole(new)
+    out["prompt_tokens_cached"] = _whole(cached)
+    out["n_gen"] = _whole(n_gen)
     out["prompt_eval_ms"] = prompt_eval_ms
     out["eval_ms"] = eval_ms
     out["prefill_tps"] = np.round(prefill_tps, 3)
@@ -567,16 +567,16 @@ def _derive(raw: dict[str, np.ndarray], files: list[str], source: str, sessions:
     # Taken from the texts as pandas holds text (no numpy array of str to convert).
     out["status"] = _STATUS_TEXT.take(np.where(~launched, 3, np.where(has_release & has_timings & ~flagged, 0,
                                                                       np.where(cancelled, 1, 2))))
-    out["line"] = pd.array(line, dtype="Int64")
+    out["line"] = _whole(line)
     # Columns beyond the stable set.
     code = take("file")  # one category per file instead of its path repeated on every row
     out["file"] = pd.Categorical.from_codes(np.where(np.isnan(code), -1, code).astype(np.int64),
                                             categories=pd.Index(files, dtype="str"))
     out["port"] = port
-    out["release_line"] = pd.array(take("release_line"), dtype="Int64")
+    out["release_line"] = _whole(take("release_line"))
     out["total_ms"] = total_ms
-    out["n_tokens_released"] = pd.array(released, dtype="Int64")
-    out["prompt_tokens"] = pd.array(cached + new, dtype="Int64")
+    out["n_tokens_released"] = _whole(released)
+    out["prompt_tokens"] = _whole(cached + new)
     out["n_heartbeats"] = np.nan_to_num(take("n_heartbeats")).astype(np.int64)
     out["n_progress"] = np.nan_to_num(take("n_progress")).astype(np.int64)
     out["has_timings"] = has_timings
@@ -603,6 +603,16 @@ def _wall_offsets(sessions: pd.DataFrame, port: np.ndarray, session: np.ndarray)
     at, hit = _place(keys[order], _pair(port, session))
     wall = sessions["wall_offset_us"].to_numpy(dtype="float64", na_value=np.nan)[order]
     return np.where(hit, wall[at], np.nan)
+
+
+def _whole(v: np.ndarray) -> pd.arrays.IntegerArray:
+    """Counts, slots and lines as nullable integers. A value a float cannot hold exactly
+    (beyond 2**53, as a damaged line gives: ``n_tokens = 1e20``) or that is not whole reads as
+    missing, not as a wrong number or an error."""
+    v = np.asarray(v, dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        ok = np.isfinite(v) & (np.abs(v) <= 2.0**53) & (v == np.round(v))
+    return pd.arrays.IntegerArray(np.where(ok, v, 0).astype(np.int64), ~ok)
 
 
 _STATUS_TEXT = pd.Index(["complete", "cancelled", "incomplete", "cut_at_start"]).array  # the dtype pandas gives text
@@ -764,22 +774,22 @@ def _sample_table(kind: int, cols: dict[str, np.ndarray], source: str, files: li
     t_s = _seconds(cols["ts_us"])
     n = cols["v1"].astype(np.float64)
     step_s, step_n = _steps(t_s, new), _steps(n, new)
-    out: dict[str, object] = {"source": None, "session": session, "slot": pd.array(cols["slot"], dtype="Int64"),
+    out: dict[str, object] = {"source": None, "session": session, "slot": _whole(cols["slot"]),
                               "task_id": task, "t_s": t_s}
     if kind == HEARTBEAT:
         assert first_token is not None
         # The first heartbeat's window starts at the task's first token (t_print_last is reset there).
         window = np.round(np.where(np.isnan(step_s), t_s - first_token, step_s), 6)
         out.update({
-            "n_gen": pd.array(n, dtype="Int64"), "tg_tps": cols["v2"].astype(np.float64),
+            "n_gen": _whole(n), "tg_tps": cols["v2"].astype(np.float64),
             "tg_3s_tps": cols["v3"].astype(np.float64), "window_s": window,
-            "tokens": pd.array(np.where(np.isnan(step_n), n, step_n), dtype="Int64"),
+            "tokens": _whole(np.where(np.isnan(step_n), n, step_n)),
             "window_start_s": np.round(t_s - window, 6)})
     else:
         out.update({
-            "n_tokens": pd.array(n, dtype="Int64"), "progress": cols["v2"].astype(np.float64),
+            "n_tokens": _whole(n), "progress": cols["v2"].astype(np.float64),
             "elapsed_s": cols["v3"].astype(np.float64), "tps": cols["v4"].astype(np.float64),
-            "step_tokens": pd.array(step_n, dtype="Int64"), "step_s": np.round(step_s, 6)})
+            "step_tokens": _whole(step_n), "step_s": np.round(step_s, 6)})
     out["line"] = cols["line"].astype(np.int64)
     out["port"] = port
     out["file"] = pd.Categorical.from_codes(cols["file"].astype(np.int64), categories=pd.Index(files, dtype="str"))
