@@ -313,3 +313,17 @@ def test_calls_read_from_disk_and_matched_to_disk_equal_a_match_in_memory(revers
     assert whole.calls["task_id"].notna().sum() > 30
     pd.testing.assert_frame_equal(disk.calls, whole.calls)
     pd.testing.assert_frame_equal(disk.unlogged, whole.unlogged)
+
+
+def test_a_call_cut_off_mid_stream_gets_its_first_token_from_the_heartbeats() -> None:
+    """In `restart` one call failed mid-stream ("stream ended without final chunk"): its task
+    has no timings (cancelled), yet the client saw tokens. The first heartbeat's tg is the
+    speed since the first token: the call's TTFT, from it, is within 10 ms of the client's."""
+    truth = {c["id"]: c for c in load_truth("restart")}
+    calls = load([REAL / "restart" / "logs"]).matches.calls
+    cut = calls[(calls["task_status"] == "cancelled") & calls["task_id"].notna()]
+    assert len(cut) >= 1
+    for r in cut.itertuples(index=False):
+        want = truth[r.call_id]
+        assert want["error"] == "stream ended without final chunk" and want["first_token_ms"] is not None
+        assert abs(r.ttft_ms - want["first_token_ms"]) <= 10

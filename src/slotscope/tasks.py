@@ -43,6 +43,7 @@ _FIRST_OF_KIND: dict[int, list[tuple[str, str]]] = {
     EVAL: [("eval_ms", "v1"), ("n_gen", "v2"), ("eval_us", "ts_us")],
     TOTAL: [("total_ms", "v1"), ("total_us", "ts_us")],
     RELEASE: [("release_us", "ts_us"), ("n_tokens_released", "v1"), ("truncated", "v2"), ("release_line", "line")],
+    HEARTBEAT: [("heartbeat_us", "ts_us"), ("heartbeat_n_gen", "v1"), ("heartbeat_tps", "v2")],
 }
 _MAX = {"cancelled": CANCEL, "error": ERROR}
 _SUM = {"n_heartbeats": HEARTBEAT, "n_progress": PROGRESS}
@@ -531,6 +532,14 @@ def _derive(raw: dict[str, np.ndarray], files: list[str], source: str, sessions:
         prefill_start_s = np.where(coarse & (prefill_start_s < launch_s), launch_s, prefill_start_s)
     del anchor, timing_total
     first_token_s = prefill_start_s + prompt_eval_ms / 1000
+    # A task without timings (cancelled, cut by a restart) whose client saw tokens: its first
+    # heartbeat's tg is the speed since the first token, so that token came (n_gen - 1) / tg
+    # before the heartbeat.
+    hb_s, hb_n, hb_tps = _seconds(take("heartbeat_us")), take("heartbeat_n_gen"), take("heartbeat_tps")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        from_hb = hb_s - (hb_n - 1) / hb_tps
+    first_token_s = np.where(np.isnan(first_token_s) & np.isfinite(from_hb), from_hb, first_token_s)
+    del hb_s, hb_n, hb_tps, from_hb
     release_s = _seconds(release_us)
     wait_ms = (prefill_start_s - launch_s) * 1000
     with np.errstate(invalid="ignore"):
