@@ -178,3 +178,26 @@ def test_numbers_beyond_what_a_count_can_be_read_as_missing(tmp_path: Path, old:
     else:
         g = got.gen_samples
         assert len(g) == len(want.gen_samples) and int(g["n_gen"].isna().sum()) == 1
+
+
+@pytest.mark.parametrize("field, value", [("prompt_tokens", 2**64), ("duration_ms", 1e308)])
+def test_app_numbers_beyond_what_a_count_or_time_can_be_are_flagged_missing(tmp_path: Path, field: str, value: float) -> None:
+    """A real app record with ``prompt_tokens`` 2**64 ended in a TypeError, one with
+    ``duration_ms`` 1e308 (and no end time) in OutOfBoundsDatetime. Such a value reads as
+    missing and is flagged on its line; the record's other fields stay."""
+    import json
+
+    from slotscope.app_log import read_app_logs
+
+    lines = (REAL / "before" / "logs" / "app.jsonl").read_text().splitlines()
+    record = json.loads(lines[0])
+    record[field] = value
+    record.pop("end")
+    lines[0] = json.dumps(record)
+    app = tmp_path / "app.jsonl"
+    app.write_text("\n".join(lines) + "\n")
+    log = read_app_logs([str(app)])
+    first = log.calls.set_index("call_id").loc[record["id"]]
+    assert pd.isna(first[field]) and first["completion_tokens"] == record["completion_tokens"]
+    assert len(log.calls) == len(lines)
+    assert [(p.line, p.reason) for p in log.accounting.problems] == [(1, f"{field} out of range: {value}")]

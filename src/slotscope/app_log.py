@@ -824,6 +824,17 @@ def _frame(
     return _table(name, lines, get, override, zone, tally)
 
 
+def _in_range(value: pd.Series, scale: float, key: str, check: Callable[[str, np.ndarray, str], None]) -> pd.Series:
+    """``value`` with what is beyond an exact integer of a float (2**53, after ``scale``: a
+    count, or a duration's microseconds) as missing, flagged: such a count or time is no
+    reading, and would not fit the table's integer and time columns."""
+    out = value.abs() * scale >= 2.0**53
+    if not out.any():
+        return value
+    check(key, out.to_numpy(), f"{key} out of range")
+    return value.mask(out)
+
+
 def _table(
     name: str, lines: np.ndarray, get: Mapping[str, Sequence[Any]], override: Mapping[str, str], zone: str, tally: _Tally
 ) -> pd.DataFrame:
@@ -856,7 +867,7 @@ def _table(
         if key in get:
             value, mask = _numbers(get[key])
             check(key, mask, f"non-numeric {key}")
-            duration = value * factor
+            duration = _in_range(value * factor, 1000.0, key, check)
     out["start_us"] = start
     out["end_us"] = end.fillna((start + duration * 1000).round())
     out["duration_ms"] = duration.fillna((out["end_us"] - start) / 1000)
@@ -866,7 +877,7 @@ def _table(
             value, mask = _numbers(get[key])
             if key != "status":  # a textual status ("ok", "failed") is read below, not a problem
                 check(key, mask, f"non-numeric {key}")
-            out[key] = value.round() if _DTYPES[key] == "Int64" else value
+            out[key] = _in_range(value.round(), 1.0, key, check) if _DTYPES[key] == "Int64" else value
     for key in ("purpose", "user", "error", "session"):
         if key in get:
             out[key] = _text(get[key])
