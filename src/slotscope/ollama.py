@@ -27,7 +27,7 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 import numpy as np
 import pandas as pd
@@ -194,7 +194,7 @@ def runner_streams(inputs: Inputs, *, tz: str = "UTC", year: int | None = None) 
 
 
 def _read_file(lf: LogFile, inputs: Inputs, state: _State, account: FileAccount,
-               out: "os.PathLike[str] | object") -> tuple[list[pd.DataFrame], list[pd.DataFrame], int]:
+               out: TextIO) -> tuple[list[pd.DataFrame], list[pd.DataFrame], int]:
     """One file: its calls and events (tables per block), its runner lines written to
     ``out`` line for line, and how many of Ollama's lines were left blank there."""
     stream = reopen(lf, inputs)
@@ -209,11 +209,11 @@ def _read_file(lf: LogFile, inputs: Inputs, state: _State, account: FileAccount,
             if text.endswith("\n"):
                 lines.pop()
             done, carry, c, e, b = _read_lines(lines, account.lines + 1, state, account, final=False)
-            out.write("".join(d + "\n" for d in done))  # type: ignore[attr-defined]
+            out.write("".join(d + "\n" for d in done))
             calls, events, blanked = calls + c, events + e, blanked + b
         if carry:
             done, _, c, e, b = _read_lines(carry, account.lines + 1, state, account, final=True)
-            out.write("".join(d + "\n" for d in done))  # type: ignore[attr-defined]
+            out.write("".join(d + "\n" for d in done))
             calls, events, blanked = calls + c, events + e, blanked + b
     except InputError as err:
         account.error = err.reason

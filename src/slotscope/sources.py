@@ -222,6 +222,7 @@ def collect(paths: Sequence[str | os.PathLike[str]]) -> Inputs:
         if kind == "app":
             inputs.app.append(LogFile(f, "app", f, 0))
             continue
+        log_kind: Kind = "ollama" if kind == "ollama" else "server"
         directory, name = os.path.split(f)
         base, n = _rotation_key(name) if f != STDIN else (STDIN, 0)
         group = streams.setdefault((directory, base, kind), [])
@@ -229,11 +230,11 @@ def collect(paths: Sequence[str | os.PathLike[str]]) -> Inputs:
         if clash is not None:
             # x.log beside x.log.gz: one rotation position twice, most likely a compressed copy.
             # Reading both as one stream would double every task; read it as its own source.
-            streams.setdefault((directory, name, kind), []).append(LogFile(f, kind, f, 0))
+            streams.setdefault((directory, name, kind), []).append(LogFile(f, log_kind, f, 0))
             inputs.notes.append(f"{f} and {clash.path} hold the same rotation position; read as separate sources "
                                 "(if one is a copy of the other, give only one)")
             continue
-        group.append(LogFile(f, kind, os.path.join(directory, base) if f != STDIN else STDIN, n))
+        group.append(LogFile(f, log_kind, os.path.join(directory, base) if f != STDIN else STDIN, n))
     for (_, _, kind), files in streams.items():
         files.sort(key=lambda lf: -lf.order)  # x.log.2 (oldest) ... x.log (newest)
         (inputs.ollama if kind == "ollama" else inputs.server).append(
