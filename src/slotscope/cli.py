@@ -176,7 +176,7 @@ def _no_input(unusable: list[tuple[str, str]], message: str) -> NoReturn:
 
 
 def _need_server(acc: Accounting) -> None:
-    if not any(f.kind == "server" for f in acc.files):
+    if not any(f.kind in ("server", "ollama") for f in acc.files):
         _no_input(acc.unusable, "no llama-server log among the inputs")
 
 

@@ -33,6 +33,9 @@ CAPTIONS = {
     "lora-switch": "Prefill time of short prompts right after a LoRA change vs the same setting.",
     "ruled-out": "What wasn't the cause: each hypothesis against its figure.",
     "findings": "What the numbers show.",
+    "ollama": "Ollama: the parallel setting against the concurrency seen, queue times, model loads, 503s, aborts.",
+    "ollama-calls": "Each [GIN] call with its runner task: queue = latency - the task's launch..release (times good to ~1 s).",
+    "ollama-findings": "What Ollama's lines show.",
 }
 # The columns a terminal report shows per table (CSV/JSON exports keep every column).
 REPORT_COLUMNS = {
@@ -110,6 +113,8 @@ def render(ds: Dataset, tables: dict[str, pd.DataFrame], file: IO[str] | None = 
     if not _header(console, ds):
         return
     for name in sorted(tables, key=lambda n: n != "findings"):  # findings first, the rest in order
+        if name.startswith("ollama") and getattr(ds.server, "ollama", None) is None:
+            continue  # (Ollama's sections, for Ollama's logs only)
         console.print()
         console.print(Rule(name, align="left"))
         if name in CAPTIONS:
@@ -149,7 +154,7 @@ def _header(console: Console, ds: Dataset) -> bool:
 
 def _section(console: Console, name: str, df: pd.DataFrame, max_rows: int) -> None:
     """One table of the report: sentences (findings, ruled-out), a note, or the table."""
-    if name == "findings":
+    if name in ("findings", "ollama-findings"):
         for text in df.get("finding", pd.Series(dtype=str)):
             console.print(f"- {text}", markup=False)
     elif name == "ruled-out" and "hypothesis" in df.columns:

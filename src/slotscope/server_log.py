@@ -30,6 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import legacy, prefixes
+from .ollama import OllamaLogs, runner_streams
 from .events import (
     BUILD, CANCEL, CONFIG, ERROR, EVAL, EXIT, HEARTBEAT, INIT, LAUNCH, MODEL, PROGRESS, PROMPT_EVAL, RELEASE,
     TIMING_HEADER, TOTAL,
@@ -88,6 +89,7 @@ _KNOWN_OTHER = re.compile(
     r"^(?:\[ *\d+\] )?(?:\d+\.\d\d\.\d{3}\.\d{3} )?(?:[IWED] )?\s*(?:"
     r"[a-z][a-z0-9_]*(?:\.cpp)?(?::[a-z0-9_]+)?: |"  # llama_model_loader: ..., load_tensors: ..., main: ...
     r"build: |system_info: |system prompt|request: |HTTP server|all slots are idle|"
+    r"[a-z_]+ = [-+0-9.e]+(?:, [a-z_]+ = [-+0-9.e]+)+\s*$|"  # the indented lines of `sampler params:`
     r"\s*- |<\||\{%|\{\{|'|\s*$)"
 )
 _ANSI = re.compile(rb"\x1b?\[[0-9;]*m")
@@ -536,6 +538,7 @@ class ServerLogs:
     prefill_samples: pd.DataFrame = StoredField()  # type: ignore[assignment]
     sessions: pd.DataFrame  # type: ignore[misc]  # (StoredField above is no default: its __get__ raises on the class)
     accounting: Accounting  # type: ignore[misc]
+    ollama: OllamaLogs | None = None  # what Ollama's own lines said, where Ollama logs were read
 
     def on_disk(self, kind: str) -> Samples | None:
         """The :class:`Samples` behind ``gen_samples`` or ``prefill_samples`` (``kind``) while
@@ -609,7 +612,7 @@ def read_stream(
     asm = TaskAssembler(source=source, keep_samples=keep_samples, spill_rows=spill_rows)
     accounts = []
     for lf in files:
-        account = FileAccount(lf.path if lf.path != STDIN else "<stdin>")
+        account = FileAccount(lf.shown or (lf.path if lf.path != STDIN else "<stdin>"))
         accounts.append(account)
         state.wrapper_known = state.wrapper_known and lf.order > 0
         stream = reopen(lf, inputs)
@@ -686,9 +689,10 @@ def read_server_logs(
     memory. (``samples_on_disk`` and ``tasks_on_disk`` are accepted for callers that still
     pass them: both are always so.)
     """
+    found: list[OllamaLogs] = []
     assemblers, streams, sessions, with_wall, acc = _read_all(
         paths, inputs, Pool(jobs), TASK_ROWS, keep_pool=False, keep_samples=keep_samples, tz=tz, year=year,
-        progress=progress, chunk_size=chunk_size)
+        progress=progress, chunk_size=chunk_size, ollama=found)
     # Two or more streams with tasks: each categorical column with one set of categories, as
     # _concat gives them (taken from a one-row batch of each stream).
     cats: dict[str, list[str]] = {}
@@ -715,7 +719,7 @@ def read_server_logs(
         at += asm.n_finished
     return ServerLogs(tasks=tasks, gen_samples=Samples(samples[0], GEN_COLUMNS),
                       prefill_samples=Samples(samples[1], PREFILL_COLUMNS),
-                      sessions=_concat(sessions, SESSION_COLUMNS), accounting=acc)
+                      sessions=_concat(sessions, SESSION_COLUMNS), accounting=acc, ollama=found[0] if found else None)
 
 
 def _first_tokens_of(stored: StoredTable, first: int, n: int) -> Callable[[], FirstTokens]:
@@ -847,16 +851,19 @@ def _task_table(batch: TaskBatch | None, with_wall: bool) -> pd.DataFrame:
 
 def _read_all(
     paths: Sequence[str | os.PathLike[str]], inputs: Inputs | None, pool: Pool, rows: int, *,
-    keep_pool: bool = True, **kw: Any,
+    keep_pool: bool = True, ollama: list[OllamaLogs] | None = None, **kw: Any,
 ) -> tuple[list[TaskAssembler], list[tuple[TaskAssembler, list[TaskBatch]]], list[pd.DataFrame], bool, Accounting]:
     """Read every stream (``pool``: its workers; closed after, unless ``keep_pool``, and on a
     failure) and close its tasks: the assemblers, each stream with tasks and its task batches
     of ``rows`` rows, every stream's sessions, whether a batch has wall-clock columns, and the
-    accounting (its task counts are the caller's to add)."""
+    accounting (its task counts are the caller's to add). ``ollama``: where to put what the
+    Ollama logs among the inputs said (their runner lines are read as llama-server's)."""
     if inputs is None:
         inputs = collect(paths)
     acc = Accounting(skipped=list(inputs.skipped), unusable=list(inputs.unusable), notes=list(inputs.notes))
     assemblers = []
+    # Ollama's logs: their own lines read there, their runner's lines here as llama-server's.
+    inputs, ollama_logs = runner_streams(inputs, tz=kw.get("tz", "UTC"), year=kw.get("year"))
     try:
         for files in inputs.server:
             asm, accounts = read_stream(files, inputs, pool=pool, spill_rows=rows, **kw)
@@ -870,6 +877,11 @@ def _read_all(
         for asm in assemblers:
             asm.discard_samples()
         raise
+    finally:
+        ollama_logs.discard()
+    ollama_logs.settle(acc)
+    if ollama is not None and ollama_logs.found:
+        ollama.append(ollama_logs)
     release_memory()  # the parse's freed blocks (and a .gz's inflate buffers), before the batches
     streams = [(asm, parts) for asm, (parts, _) in zip(assemblers, ends) if asm.n_finished]
     acc.sessions = sum(len(s) for _, s in ends)

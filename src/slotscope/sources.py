@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator, Literal, Sequence, cast
 
 from .app_fields import looks_like_app_log
+from .ollama_hints import looks_like_ollama
 from . import store
 from .errors import InputError
 
@@ -31,7 +32,7 @@ try:  # a faster inflater when installed; the standard library otherwise
 except ImportError:  # pragma: no cover - depends on the environment
     _zlib = zlib
 
-Kind = Literal["server", "app"]
+Kind = Literal["server", "app", "ollama"]
 
 # What a damaged or unreadable stream raises while being read (zstd's error is its own class).
 # (isal's inflater raises its own class, not zlib's)
@@ -61,6 +62,7 @@ class LogFile:
     kind: Kind
     stream: str  # files of one rotated stream share this name (the un-rotated file name)
     order: int  # position inside the stream, oldest first
+    shown: str | None = None  # the name to report, where ``path`` is a file made from it (Ollama's runner lines)
 
 
 @dataclass
@@ -68,6 +70,7 @@ class Inputs:
     """What a set of paths expanded to: readable logs by kind, and what was skipped and why."""
 
     server: list[list[LogFile]] = field(default_factory=list)  # one list per stream
+    ollama: list[list[LogFile]] = field(default_factory=list)  # Ollama server logs, one list per stream
     app: list[LogFile] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
     unusable: list[tuple[str, str]] = field(default_factory=list)  # named explicitly, yet unusable
@@ -158,9 +161,9 @@ _SERVER_HINTS = re.compile(
 
 
 def sniff(head: bytes) -> Kind | str:
-    """Tell a llama-server log from an app call log by content.
+    """Tell a llama-server log from an Ollama log and an app call log by content.
 
-    Returns ``"server"`` or ``"app"``, or a short reason why the data is neither.
+    Returns ``"server"``, ``"ollama"`` or ``"app"``, or a short reason why the data is none.
     """
     if not head.strip():
         return "empty file"
@@ -171,6 +174,8 @@ def sniff(head: bytes) -> Kind | str:
         return "binary data, not a text log"
     if looks_like_app_log(sample):
         return "app"
+    if looks_like_ollama(sample):
+        return "ollama"
     if _SERVER_HINTS.search(sample):
         return "server"
     return "neither a llama-server log nor an app call log"
@@ -195,7 +200,7 @@ def collect(paths: Sequence[str | os.PathLike[str]]) -> Inputs:
             if key not in seen:
                 seen.add(key)
                 found.append((f, explicit))
-    streams: dict[tuple[str, str], list[LogFile]] = {}
+    streams: dict[tuple[str, str, str], list[LogFile]] = {}
     for f, explicit in found:
         try:
             stream = open_binary(f)
@@ -207,7 +212,7 @@ def collect(paths: Sequence[str | os.PathLike[str]]) -> Inputs:
             kind = sniff(head)
         except InputError as e:
             kind = e.reason
-        if kind not in ("server", "app"):
+        if kind not in ("server", "app", "ollama"):
             inputs.skipped.append((f, str(kind)))
             if explicit:
                 inputs.unusable.append((f, str(kind)))
@@ -217,21 +222,23 @@ def collect(paths: Sequence[str | os.PathLike[str]]) -> Inputs:
         if kind == "app":
             inputs.app.append(LogFile(f, "app", f, 0))
             continue
+        log_kind: Kind = "ollama" if kind == "ollama" else "server"
         directory, name = os.path.split(f)
         base, n = _rotation_key(name) if f != STDIN else (STDIN, 0)
-        group = streams.setdefault((directory, base), [])
+        group = streams.setdefault((directory, base, kind), [])
         clash = next((lf for lf in group if lf.order == n), None)
         if clash is not None:
             # x.log beside x.log.gz: one rotation position twice, most likely a compressed copy.
             # Reading both as one stream would double every task; read it as its own source.
-            streams.setdefault((directory, name), []).append(LogFile(f, "server", f, 0))
+            streams.setdefault((directory, name, kind), []).append(LogFile(f, log_kind, f, 0))
             inputs.notes.append(f"{f} and {clash.path} hold the same rotation position; read as separate sources "
                                 "(if one is a copy of the other, give only one)")
             continue
-        group.append(LogFile(f, "server", os.path.join(directory, base) if f != STDIN else STDIN, n))
-    for files in streams.values():
+        group.append(LogFile(f, log_kind, os.path.join(directory, base) if f != STDIN else STDIN, n))
+    for (_, _, kind), files in streams.items():
         files.sort(key=lambda lf: -lf.order)  # x.log.2 (oldest) ... x.log (newest)
-        inputs.server.append([LogFile(lf.path, lf.kind, lf.stream, i) for i, lf in enumerate(files)])
+        (inputs.ollama if kind == "ollama" else inputs.server).append(
+            [LogFile(lf.path, lf.kind, lf.stream, i) for i, lf in enumerate(files)])
     return inputs
 
 

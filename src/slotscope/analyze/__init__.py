@@ -145,7 +145,7 @@ REPORT_ORDER = [
 # Tables made of the others (after them): what each reads (None: every table).
 DERIVED: dict[str, list[str] | None] = {"ruled-out": ["load", "cache", "context"], "findings": None}
 _MODULES = ["turns", "load", "breakdown", "stalls", "waits", "prefills", "prefill_speed", "context", "cache",
-            "lora_switch", "ruled_out", "findings"]
+            "lora_switch", "ruled_out", "findings", "ollama"]
 
 
 def _import_all() -> None:

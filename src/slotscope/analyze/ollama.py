@@ -1,0 +1,358 @@
+"""Ollama: each [GIN] call joined to its runner task; its queue, the loads, the parallel setting.
+
+A call's latency (gin: end - start of the whole handler) holds Ollama's own queue, a model
+load when one came first, and the runner's task. The task is found by the call's end and
+duration, one to one: its release lies within a second or so of the call's end (the [GIN]
+stamp is cut to the second, a borrowed runner time is at most a second late where Ollama
+writes often), and it lasted no longer than the call. A task *begins* at its launch, or at
+its prefill start (release - ``total time``) where the launch line's borrowed time is later
+than that: a runner line's time is an upper bound (see :mod:`slotscope.ollama`). Then
+
+- queue time = latency - (release - begin);
+- load wait = the part of a model load (``llama-server started in N seconds``) between the
+  call's start and its task's begin;
+- prefill and generation = the task's ``prompt eval time`` and ``eval time``.
+
+The parallel setting in force is the runner's (``--parallel N``/``-np N``, the load request's
+``Parallel:N``), else ``OLLAMA_NUM_PARALLEL`` of the config dump. Observed concurrency:
+calls in flight at once (from [GIN]) against tasks running at once (runner lines). Many calls
+at once and tasks one at a time is the NUM_PARALLEL queue.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+
+import numpy as np
+import pandas as pd
+
+from ..dataset import Dataset, tasks_of
+from ..ollama import CALL_COLUMNS, TIME_RESOLUTION_S, OllamaLogs
+from . import Options, register
+
+END_BEFORE_S = 1.5  # a task's release this long before the call's [GIN] stamp (a slog stamp in between)
+END_AFTER_S = 2.5  # ... or after it (the stamp is cut to the second; borrowed times lag)
+QUEUED_S = 1.0  # a queue time worth counting (what the times are good to)
+JOIN_COLUMNS = ["session", "task_id", "slot", "task_line", "match_method", "queue_ms", "load_wait_ms", "prefill_ms",
+                "generation_ms", "task_ms", "overlapped"]
+TASK_COLUMNS = ["source", "session", "task_id", "slot", "line", "status", "launch_at", "prefill_start_at", "release_at",
+                "prompt_eval_ms", "eval_ms"]
+SUMMARY_COLUMNS = ["source", "figure", "value", "samples", "few_samples"]
+
+
+def _us(col: pd.Series) -> np.ndarray:
+    """Datetimes as float µs since the epoch (NaN where missing)."""
+    t = pd.to_datetime(col, utc=True)
+    out = t.astype("datetime64[us, UTC]").astype("int64").to_numpy().astype(float)
+    out[t.isna().to_numpy()] = np.nan
+    return out
+
+
+def loads(ol: OllamaLogs) -> pd.DataFrame:
+    """Model loads: ``source, start_us, end_us, seconds, line`` from the runner-ready lines."""
+    ev = ol.events[ol.events["kind"] == "runner_ready"]
+    secs = ev["text"].str.extract(r"started in ([0-9.]+) seconds")[0].astype(float)
+    end = _us(ev["at"])
+    return pd.DataFrame({"source": ev["source"].to_numpy(), "start_us": end - secs.to_numpy() * 1e6, "end_us": end,
+                         "seconds": secs.to_numpy(), "line": ev["line"].to_numpy()})
+
+
+def join(calls: pd.DataFrame, tasks: pd.DataFrame, load: pd.DataFrame) -> pd.DataFrame:
+    """The calls with their task's columns (:data:`JOIN_COLUMNS`), one task per call at most."""
+    out = calls.reset_index(drop=True).copy()
+    end, lat = _us(out["end_at"]), out["latency_ms"].to_numpy(dtype=float) * 1e3
+    start = end - lat
+    # gin cuts a latency above a minute to whole seconds: the middle of that second, for the queue.
+    cut = (lat > 60e6) & (np.mod(lat, 1e6) == 0)
+    lat_mid = np.where(cut, lat + 0.5e6, lat)
+    t = tasks[tasks["release_at"].notna()].reset_index(drop=True)
+    release = _us(t["release_at"])
+    begin = t["begin_us"].to_numpy(dtype=float)
+    busy = release - begin
+    # Candidate pairs: the task released near the call's end, within the call's duration.
+    ci_parts, ti_parts = [], []
+    for src in pd.unique(out["source"]):
+        cm, tm = np.flatnonzero(out["source"].to_numpy() == src), np.flatnonzero(t["source"].to_numpy() == src)
+        order = tm[np.argsort(release[tm], kind="stable")]
+        lo = np.searchsorted(release[order], end[cm] - END_BEFORE_S * 1e6, side="left")
+        hi = np.searchsorted(release[order], end[cm] + END_AFTER_S * 1e6, side="right")
+        n = np.maximum(hi - lo, 0)
+        ci_parts.append(np.repeat(cm, n))
+        ti_parts.append(order[np.repeat(lo, n) + (np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n))])
+    ci = np.concatenate(ci_parts) if ci_parts else np.zeros(0, np.int64)
+    ti = np.concatenate(ti_parts) if ti_parts else np.zeros(0, np.int64)
+    fits = busy[ti] <= lat[ci] + TIME_RESOLUTION_S * 1e6 + 0.5e6
+    ci, ti = ci[fits], ti[fits]
+    # Closest end first, then the shortest queue; pairs best both ways are kept, round by round.
+    score = np.abs(release[ti] - end[ci] - 0.5e6) + np.maximum(lat[ci] - busy[ti], 0)
+    task_of = np.full(len(out), -1, dtype=np.int64)
+    free_c, free_t = np.ones(len(out), bool), np.ones(len(t), bool)
+    while len(ci):
+        keep = free_c[ci] & free_t[ti]
+        ci, ti, score = ci[keep], ti[keep], score[keep]
+        if not len(ci):
+            break
+        o = np.argsort(score, kind="stable")
+        first_c, first_t = np.zeros(len(o), bool), np.zeros(len(o), bool)
+        first_c[np.unique(ci[o], return_index=True)[1]] = True  # each call's best pair
+        first_t[np.unique(ti[o], return_index=True)[1]] = True  # each task's
+        won = o[first_c & first_t]  # (never none: the best pair of all is both)
+        task_of[ci[won]] = ti[won]
+        free_c[ci[won]] = False
+        free_t[ti[won]] = False
+    has = task_of >= 0
+    k = np.where(has, task_of, 0)
+
+    def pick(col: pd.Series | np.ndarray, dtype: str = "float64") -> pd.Series:
+        vals = pd.Series(np.asarray(col)[k] if len(t) else np.full(len(out), np.nan))
+        return vals.where(has).astype(dtype)
+
+    out["session"] = pick(t["session"], "Int64")
+    out["task_id"] = pick(t["task_id"], "Int64")
+    out["slot"] = pick(t["slot"], "Int64")
+    out["task_line"] = pick(t["line"], "Int64")
+    out["match_method"] = np.where(has, "end+duration", "unmatched:no_task_at_end" if len(t) else "unmatched:no_runner_lines")
+    task_ms = pick(busy / 1e3)
+    out["task_ms"] = task_ms.round(3)
+    out["queue_ms"] = (pd.Series(lat_mid / 1e3) - task_ms).clip(lower=0).round(3)
+    out["prefill_ms"] = pick(t["prompt_eval_ms"])
+    out["generation_ms"] = pick(t["eval_ms"])
+    task_begin = np.where(has, begin[k] if len(t) else np.nan, end)
+    out["load_wait_ms"] = _load_wait(out["source"].to_numpy(), start, task_begin, load)
+    out["overlapped"] = _overlapped(out["source"].to_numpy(), start, end)
+    return out
+
+
+def _load_wait(source: np.ndarray, start: np.ndarray, until: np.ndarray, load: pd.DataFrame) -> np.ndarray:
+    """Per call, ms of a model load between its start and ``until`` (its task's begin, or its end)."""
+    wait = np.zeros(len(start))
+    for r in load.itertuples(index=False):  # (loads are few: one per model start)
+        own = source == r.source
+        part = np.minimum(until, r.end_us) - np.maximum(start, r.start_us)
+        wait = np.where(own & (part > 0), wait + part / 1e3, wait)
+    return wait.round(3)
+
+
+def _overlapped(source: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Whether each call was in flight while another call of the same server was."""
+    out = np.zeros(len(start), bool)
+    for src in pd.unique(source):
+        m = np.flatnonzero(source == src)
+        running = _in_flight_at(start[m], end[m], start[m]) + _in_flight_at(start[m], end[m], end[m] - 1)
+        out[m] = running > 2  # (each counts itself at both points)
+    return out
+
+
+def _in_flight_at(start: np.ndarray, end: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """How many of the intervals [start, end) hold each time of ``at``."""
+    return np.searchsorted(np.sort(start), at, side="right") - np.searchsorted(np.sort(end), at, side="right")
+
+
+def most_at_once(start: np.ndarray, end: np.ndarray) -> int:
+    """The most intervals [start, end) holding one moment, not counting overlaps shorter
+    than the times are good to (one call's end and the next one's start may cross by that)."""
+    half = TIME_RESOLUTION_S * 0.5e6
+    start, end = start + half, np.maximum(end - half, start + half)
+    ok = ~(np.isnan(start) | np.isnan(end))
+    if not ok.any():
+        return 0
+    return int(_in_flight_at(start[ok], end[ok], start[ok]).max())
+
+
+def _ollama(ds: Dataset) -> OllamaLogs | None:
+    return getattr(ds.server, "ollama", None)
+
+
+def _tasks(ds: Dataset) -> pd.DataFrame:
+    """The runner's tasks with ``begin_us``: when each began (:func:`begins`)."""
+    if not ds.n_tasks:
+        t = pd.DataFrame({c: pd.Series(dtype="datetime64[us, UTC]" if c.endswith("_at") else "float64")
+                          for c in TASK_COLUMNS})
+        return t.assign(begin_us=pd.Series(dtype="float64"))
+    t = tasks_of(ds, TASK_COLUMNS)
+    for c in TASK_COLUMNS:
+        if c not in t.columns:  # (no wall clock: no *_at columns)
+            t[c] = pd.Series(pd.NaT, index=t.index, dtype="datetime64[us, UTC]")
+    return t.assign(begin_us=begins(t, ds.server.prefill_samples, ds.server.gen_samples))
+
+
+def anchors(tasks: pd.DataFrame, prefill: pd.DataFrame, gen: pd.DataFrame) -> pd.DataFrame:
+    """Runner lines whose time follows from their task's timings (``source, line, us``): a
+    prefill progress line is ``t`` seconds after its prefill start, a heartbeat
+    ``(n_gen - 1) / tg`` seconds after its first token."""
+    keys = ["source", "session", "task_id"]
+    t = tasks.assign(prefill_us=_us(tasks["prefill_start_at"]),
+                     first_us=_us(tasks["prefill_start_at"]) + tasks["prompt_eval_ms"].to_numpy(dtype=float) * 1e3)
+    t = t[keys + ["prefill_us", "first_us"]].astype({"source": str})
+    parts = []
+    if len(prefill):
+        p = prefill[keys + ["line", "elapsed_s"]].astype({"source": str}).merge(t, on=keys)
+        parts.append(p.assign(us=p["prefill_us"] + p["elapsed_s"].astype(float) * 1e6))
+    if len(gen):
+        g = gen[keys + ["line", "n_gen", "tg_tps"]].astype({"source": str}).merge(t, on=keys)
+        parts.append(g.assign(us=g["first_us"] + (g["n_gen"].astype(float) - 1) / g["tg_tps"].astype(float) * 1e6))
+    if not parts:
+        return pd.DataFrame({"source": [], "line": [], "us": []})
+    a = pd.concat([x[["source", "line", "us"]] for x in parts], ignore_index=True)
+    return a[np.isfinite(a["us"].to_numpy(dtype=float))].sort_values(["source", "line"], kind="stable")
+
+
+def begins(tasks: pd.DataFrame, prefill: pd.DataFrame, gen: pd.DataFrame) -> np.ndarray:
+    """When each task began, µs: at the latest time its launch line allows. That line was
+    written before the next stamped line (its borrowed time), before its own prefill started,
+    and before the next line whose time follows from its own task's timings
+    (:func:`anchors`): behind another slot's long prefill, that is the other slot's next
+    progress line, not this task's prefill start seconds later."""
+    upper = np.fmin(_us(tasks["launch_at"]), _us(tasks["prefill_start_at"]))
+    a = anchors(tasks, prefill, gen)
+    src = tasks["source"].astype(str).to_numpy()
+    line = tasks["line"].to_numpy(dtype=float)
+    for s in pd.unique(src):
+        m = np.flatnonzero(src == s)
+        own = a[a["source"] == s]
+        if not len(own):
+            continue
+        lines = own["line"].to_numpy(dtype=float)
+        us = own["us"].to_numpy(dtype=float)
+        j = np.searchsorted(lines, line[m], side="right")
+        after = np.where(j < len(us), us[np.minimum(j, len(us) - 1)], np.nan)
+        upper[m] = np.fmin(upper[m], after)
+    return upper
+
+
+def joined_calls(ds: Dataset) -> pd.DataFrame:
+    """The [GIN] calls, each joined to its runner task (the ``ollama-calls`` table)."""
+    ol = _ollama(ds)
+    if ol is None:
+        return pd.DataFrame({c: [] for c in CALL_COLUMNS + JOIN_COLUMNS})
+    out = join(ol.calls, _tasks(ds), loads(ol))
+    zones = set(ol.zones.values())
+    if len(zones) == 1:  # the times in the zone Ollama wrote them in
+        zone = zones.pop()
+        for c in ("start_at", "end_at"):
+            out[c] = _in_zone(out[c], zone)
+    return out
+
+
+def _in_zone(col: pd.Series, zone: str) -> pd.Series:
+    """Times shown in a zone given as ``UTC``, a name, or an offset ``+01:00``."""
+    m = re.fullmatch(r"([+-])(\d\d):(\d\d)", zone)
+    if m is None:
+        return col.dt.tz_convert(zone)
+    minutes = (int(m[2]) * 60 + int(m[3])) * (1 if m[1] == "+" else -1)
+    return col.dt.tz_convert(dt.timezone(dt.timedelta(minutes=minutes)))
+
+
+@register("ollama-calls")
+def ollama_calls(ds: Dataset, opts: Options) -> pd.DataFrame:
+    """Every [GIN] inference call with its task, queue time, load wait, prefill and generation."""
+    return joined_calls(ds)
+
+
+def _settings(ev: pd.DataFrame) -> dict[str, str]:
+    """What the config dump, the runner's command line and the load request say."""
+    out: dict[str, str] = {}
+    text = ev["text"].astype(str)
+    for kind, rx, key in (
+        ("config", r"OLLAMA_NUM_PARALLEL:(\d+)", "config_parallel"),
+        ("config", r"OLLAMA_MAX_QUEUE:(\d+)", "max_queue"),
+        ("config", r"OLLAMA_CONTEXT_LENGTH:(\d+)", "context_length"),
+        ("config", r"OLLAMA_KEEP_ALIVE:(\S*?)(?: |\])", "keep_alive"),
+        ("runner_start", r"(?:--parallel|-np) (\d+)", "runner_parallel"),
+        ("runner_start", r"(?:--model|-m) (\S+)", "model"),
+        ("load_request", r"Parallel:(\d+)", "runner_parallel"),
+        ("fit", r"parallel=(\d+)", "runner_parallel"),
+        ("version", r"\(version ([^)]+)\)", "version"),
+    ):
+        hits = text[ev["kind"] == kind].str.extract(rx)[0].dropna()
+        if len(hits):
+            out[key] = str(hits.iloc[-1])  # (the last: the setting in force at the end)
+    return out
+
+
+def _q(x: pd.Series, p: float) -> float:
+    return float(x.quantile(p)) if len(x) else float("nan")
+
+
+def summary(ds: Dataset, opts: Options, calls: pd.DataFrame | None = None) -> tuple[pd.DataFrame, list[str]]:
+    """The ``ollama`` table (one figure a row, with its sample count) and the findings in words."""
+    ol = _ollama(ds)
+    if ol is None:
+        return pd.DataFrame({c: [] for c in SUMMARY_COLUMNS}), []
+    calls = joined_calls(ds) if calls is None else calls
+    tasks = _tasks(ds)
+    load = loads(ol)
+    rows: list[tuple[str, object, int]] = []
+    said: list[str] = []
+    source = ", ".join(sorted(ol.zones)) or ""
+    st = _settings(ol.events)
+    parallel = st.get("runner_parallel") or st.get("config_parallel")
+    for key, label in (("version", "version"), ("model", "model"), ("config_parallel", "OLLAMA_NUM_PARALLEL"),
+                       ("runner_parallel", "runner parallel (-np)"), ("max_queue", "OLLAMA_MAX_QUEUE"),
+                       ("context_length", "OLLAMA_CONTEXT_LENGTH"), ("keep_alive", "OLLAMA_KEEP_ALIVE")):
+        if key in st:
+            rows.append((label, st[key], 1))
+    n = len(calls)
+    rows.append(("calls", n, n))
+    start, end = _us(calls["start_at"]), _us(calls["end_at"])
+    calls_at_once = most_at_once(start, end)
+    t_begin = tasks["begin_us"].to_numpy(dtype=float)
+    tasks_at_once = most_at_once(t_begin, _us(tasks["release_at"]))
+    rows += [("calls in flight at once (most)", calls_at_once, n),
+             ("tasks running at once in the runner (most)", tasks_at_once, int(tasks["release_at"].notna().sum())),
+             ("calls that overlapped another", int(calls["overlapped"].sum()), n)]
+    matched = calls[calls["task_id"].notna()]
+    rows.append(("calls matched to a runner task", len(matched), n))
+    q = matched["queue_ms"] / 1e3
+    for label, v in (("queue time median (s)", q.median()), ("queue time p95 (s)", _q(q, 0.95)),
+                     ("queue time max (s)", q.max())):
+        rows.append((label, round(float(v), 3) if len(q) else float("nan"), len(q)))
+    waited = calls["load_wait_ms"] > 0
+    rows += [("model loads", len(load), len(load)), ("model load seconds (total)", round(float(load["seconds"].sum()), 2), len(load)),
+             ("calls that waited on a load", int(waited.sum()), n)]
+    n503 = int((calls["status"] == 503).sum())
+    aborts = int((ol.events["kind"] == "abort").sum())
+    shifts = int((ol.events["kind"] == "shift").sum())
+    rows += [("503 responses (queue full)", n503, n), ("client aborts", aborts, aborts), ("context shifts", shifts, shifts)]
+
+    # Findings, in words, with counts.
+    overlapped = matched[matched["overlapped"]]
+    queued = overlapped[overlapped["queue_ms"] >= QUEUED_S * 1e3]
+    if len(overlapped) and tasks_at_once == 1 and calls_at_once > 1 and len(queued):
+        setting = f"OLLAMA_NUM_PARALLEL={parallel}" if parallel else "a parallel setting of 1"
+        said.append(f"{len(queued)} of {len(overlapped)} calls that overlapped another waited in Ollama's queue "
+                    f"(median {queued['queue_ms'].median() / 1e3:.0f} s): {setting} lets the runner take one at a time, "
+                    f"while up to {calls_at_once} calls were in flight at once"
+                    + (f" (few samples: {len(overlapped)})" if len(overlapped) < opts.min_samples else ""))
+    elif len(queued):
+        said.append(f"{len(queued)} of {len(overlapped)} calls that overlapped another waited {QUEUED_S:.0f} s or more "
+                    f"outside the runner (median {queued['queue_ms'].median() / 1e3:.1f} s); the runner ran up to "
+                    f"{tasks_at_once} tasks at once")
+    if waited.any():
+        said.append(f"{int(waited.sum())} call(s) waited for a model load ({len(load)} load(s), median "
+                    f"{load['seconds'].median():.1f} s); the first call after an unload waits for the next")
+    if n503:
+        said.append(f"{n503} of {n} calls were refused with 503: Ollama's queue was full"
+                    + (f" (OLLAMA_MAX_QUEUE={st['max_queue']})" if "max_queue" in st else ""))
+    if aborts:
+        said.append(f"{aborts} completion(s) aborted because the client closed the connection")
+    if shifts:
+        said.append(f"{shifts} context shift(s): a prompt outgrew its context and the runner dropped tokens")
+    table = pd.DataFrame(rows, columns=["figure", "value", "samples"])
+    table["value"] = table["value"].astype(str)
+    table.insert(0, "source", source)
+    table["few_samples"] = (table["samples"] < opts.min_samples) & table["figure"].str.startswith("queue")
+    return table[SUMMARY_COLUMNS], said
+
+
+@register("ollama")
+def ollama_summary(ds: Dataset, opts: Options) -> pd.DataFrame:
+    """Ollama's settings against the concurrency seen, queue times, loads, 503s, aborts."""
+    return summary(ds, opts)[0]
+
+
+@register("ollama-findings")
+def ollama_findings(ds: Dataset, opts: Options) -> pd.DataFrame:
+    """What Ollama's lines show, in words with counts."""
+    return pd.DataFrame({"finding": summary(ds, opts)[1]}, dtype=object)
