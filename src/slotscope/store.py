@@ -294,15 +294,26 @@ class StoredTable:
 
     def read(self, columns: Sequence[str] | None = None) -> pd.DataFrame:
         """These columns (all: None) of every row, in the table's column order, as they were."""
-        names = self.columns if columns is None else [c for c in self.columns if c in set(columns)]
-        if self._built is not None:
-            return self._built[names].copy(deep=False)
+        names = self._names(columns)
+        if self._built is not None:  # (a frame of its columns: selecting them is slower)
+            return pd.DataFrame({c: self._built[c] for c in names}, index=self._built.index, copy=False)
         return pd.DataFrame({c: self._column(c) for c in names}, index=pd.RangeIndex(self.n), copy=False)
+
+    def column(self, name: str) -> pd.Series:
+        """One column of every row, as it was."""
+        return self._built[name] if self._built is not None else self._column(name)
+
+    def _names(self, columns: Sequence[str] | None) -> list[str]:
+        """The table's columns among ``columns`` (all: None), in its order."""
+        if columns is None:
+            return self.columns
+        wanted = set(columns)
+        return [c for c in self.columns if c in wanted]
 
     def take(self, rows: np.ndarray, columns: Sequence[str] | None = None) -> pd.DataFrame:
         """These columns (all: None) at these row positions, a column at a time, each read only
         over the stored batches the rows are in (rows close together: a few of them)."""
-        names = self.columns if columns is None else [c for c in self.columns if c in set(columns)]
+        names = self._names(columns)
         index = pd.RangeIndex(len(rows))
         rows = np.asarray(rows, dtype=np.int64)
         if self._built is not None:
@@ -400,7 +411,7 @@ class Columns:
     def __getitem__(self, name: str) -> pd.Series:
         if name not in self.columns:
             raise KeyError(name)
-        return self.table.read([name])[name]
+        return self.table.column(name)
 
     def __contains__(self, name: object) -> bool:
         return name in self.columns
