@@ -45,10 +45,12 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import IO, Iterable, Sequence
 
 import numpy as np
 import pandas as pd
+from rich.console import Console
+from rich.rule import Rule
 
 from . import timeline as tl
 from .analyze import Options
@@ -57,6 +59,7 @@ from .analyze.turns import is_chat_turn
 from .analyze.waits import CAUSES, classify_waits
 from .dataset import Dataset, calls_of, task_view
 from .errors import UsageError
+from .output import print_table
 
 TABLE_NAMES = ["summary", "pass-costs", "pass-fit", "settings", "findings"]
 SUMMARY_COLUMNS = ["setting", "metric", "logged", "replayed", "whatif", "whatif_low", "whatif_high", "samples", "note"]
@@ -124,7 +127,8 @@ def parse_sweep(spec: str, base: Settings) -> list[Settings]:
     out = []
     for v in values.split(","):
         v = v.strip()
-        out.append(dataclasses.replace(base, **{name: v if name == "lora" else _positive(name, v)}))
+        value: object = v if name == "lora" else _positive(name, v)
+        out.append(dataclasses.replace(base, **{name: value}))  # type: ignore[arg-type]
     return out
 
 
@@ -1045,3 +1049,29 @@ def _finding(label: str, rows: list[dict[str, object]], notes: list[str]) -> str
     if notes:
         text += " (extrapolates: " + "; ".join(notes) + ")"
     return text + "."
+
+
+CAPTIONS = {
+    "findings": "In plain words (logged settings replayed, then each what-if).",
+    "summary": "Per metric: as logged, replayed with the logged settings (the model's own error), and the "
+               f"what-if with a {LEVEL:.0%} interval from resampling users' sessions.",
+    "pass-costs": "The pass-cost model fitted on the logged passes (ms per unit of each term).",
+    "pass-fit": "Its error on the logged passes (predicted minus measured, in % of measured).",
+    "settings": "The settings: as the logs show them, and as replayed.",
+}
+
+
+def render(tables: dict[str, pd.DataFrame], file: IO[str] | None = None, width: int | None = None) -> None:
+    """Print the tables with a caption each, the findings first."""
+    console = Console(file=file, width=width, soft_wrap=False, highlight=False)
+    console.print(Rule("slotscope whatif", align="left"))
+    for name in ["findings", "summary", "pass-costs", "pass-fit", "settings"]:
+        df = tables[name]
+        console.print()
+        console.print(Rule(name, align="left"))
+        console.print(CAPTIONS[name], markup=False)
+        if name == "findings":
+            for r in df.itertuples(index=False):
+                console.print(f"- {r.finding}", markup=False)
+            continue
+        print_table(console, df.round(3) if len(df) else df)
