@@ -41,6 +41,7 @@ model run with the logged settings, on every run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import math
 from collections import deque
@@ -57,6 +58,7 @@ from .analyze import Options
 from .analyze.stalls import MIN_PIECE_S, generation_segments, segment_pieces
 from .analyze.turns import is_chat_turn
 from .analyze.waits import CAUSES, classify_waits
+from .compare import _resamples as resamples
 from .dataset import Dataset, calls_of, task_view
 from .errors import UsageError
 from .output import print_table
@@ -266,6 +268,12 @@ class PassCosts:
 
 
 def ubatches(tokens: Sequence[int], n_ubatch: int) -> int:
+    """:func:`_ubatches` (passes repeat: the count is kept per pass shape)."""
+    return _ubatches(tuple(tokens), n_ubatch)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _ubatches(tokens: tuple[int, ...], n_ubatch: int) -> int:
     """How many ubatches llama_decode cuts a pass into, given each slot's tokens in it (index:
     slot id). With one KV stream per slot (``kv_unified = false``) a ubatch holds an equal
     number of tokens of each of its sequences, and only sequences with consecutive ids
@@ -375,9 +383,10 @@ def _sum_in(s: np.ndarray, e: np.ndarray, v: np.ndarray, t: np.ndarray) -> np.nd
 
 
 def pass_observations(ds: Dataset, tv: pd.DataFrame, lora: np.ndarray, group: np.ndarray, n_batch: int,
-                      n_ubatch: int) -> pd.DataFrame:
+                      n_ubatch: int, steps_only: bool = False) -> pd.DataFrame:
     """Stretches of the log whose passes are known: ``kind``, ``seconds``, ``passes``, the
-    features summed over the passes (:data:`TERMS` but the switch), the tokens of one pass."""
+    features summed over the passes (:data:`TERMS` but the switch), the tokens of one pass.
+    ``steps_only``: the progress-line steps alone (what n_batch is read from)."""
     ph = _Phases(tv, lora, group)
     out = []
     cached = np.nan_to_num(tl.floats(tv["prompt_tokens_cached"]))
@@ -413,10 +422,13 @@ def pass_observations(ds: Dataset, tv: pd.DataFrame, lora: np.ndarray, group: np
         has_lines[row[row >= 0]] = True
     else:
         has_lines = np.zeros(len(tv), dtype=bool)
+    if steps_only:
+        items = items[:1]
     eval_ms = tl.floats(tv["prompt_eval_ms"])
     short = np.flatnonzero(~has_lines & (eval_ms < PROGRESS_S * 1000) & (new > 0))
-    items.append(("prefill_whole", short, tl.floats(tv["prefill_start_s"])[short], tl.floats(tv["first_token_s"])[short],
-                  new[short], cached[short]))
+    if not steps_only:
+        items.append(("prefill_whole", short, tl.floats(tv["prefill_start_s"])[short], tl.floats(tv["first_token_s"])[short],
+                      new[short], cached[short]))
     for kind, r, t0, t1, p, p0 in items:
         ok = np.isfinite(t0) & np.isfinite(t1) & (t1 > t0) & (p > 0)
         r, t0, t1, p, p0 = r[ok], t0[ok], t1[ok], p[ok], p0[ok]
@@ -441,7 +453,7 @@ def pass_observations(ds: Dataset, tv: pd.DataFrame, lora: np.ndarray, group: np
             "prompt_attention": _sum_positions(p0, p), "gen_slot": n_gen * passes, "gen_attention": ctx * passes / 1e6,
             "lora_token": np.where(on[r], p + n_gen * passes, 0.0), "pass_tokens": chunk + n_gen, "gen_slots": n_gen}))
     # Generation between heartbeats (and to the release): one token per pass.
-    seg = generation_segments(ds, tv)
+    seg = generation_segments(ds, tv) if not steps_only else pd.DataFrame()
     if len(seg):
         r = rows_of(seg)
         t0, t1, tok = tl.floats(seg["start_s"]), tl.floats(seg["end_s"]), tl.floats(seg["tokens"])
@@ -684,17 +696,15 @@ def _replay_session(w: Workload, r: Resolved, costs: PassCosts, res: Replay, row
             if heap and 0 in s_state:
                 per = base + c_ag * ag
                 k = max(1, min(k, math.ceil((heap[0][0] - t) / max(per, 1e-9))))
-            steps = np.arange(k, dtype=np.float64)
-            dts = base + c_ag * (ag + steps * g / 1e6)
-            dts[0] += c_s * switch
-            ends = t + np.cumsum(dts)
+            # Every pass of the run at the mean of their times (the context grows by a token a pass).
+            dt = base + c_ag * (ag + (k - 1) / 2 * g / 1e6)
+            t_start = t + c_s * switch
             for s in gens:
-                i = s_task[s]
-                _heartbeats(hb, i, ends, gen[s], t_print, n_print, t_first, s)
+                _heartbeats(hb, s_task[s], t_start, dt, k, gen[s], t_print, n_print, t_first, s)
                 gen[s] += k
                 ctx_s[s] += k
             res.passes += k
-            t = float(ends[-1])
+            t = t_start + k * dt
             for s in gens:
                 if gen[s] >= target[s_task[s]]:
                     release(s, t)
@@ -713,7 +723,8 @@ def _replay_session(w: Workload, r: Resolved, costs: PassCosts, res: Replay, row
         for s in gens:
             gen[s] += 1
             ctx_s[s] += 1
-            _heartbeats(hb, s_task[s], np.array([t]), gen[s] - 1, t_print, n_print, t_first, s)
+            if gen[s] >= HEARTBEAT_TOKENS and t - t_print[s] >= HEARTBEAT_S:
+                _heartbeats(hb, s_task[s], t - dt, dt, 1, gen[s] - 1, t_print, n_print, t_first, s)
         for s, take in chunks:
             done_p[s] += take
             ctx_s[s] += take
@@ -751,20 +762,20 @@ def _pick_slot(state: list[int], used: list[float], conv: list[int], user: list[
     return min(idle, key=lambda s: (used[s], -s))
 
 
-def _heartbeats(hb: list[tuple[int, float, int, float, float, float]], i: int, ends: np.ndarray, n0: int,
+def _heartbeats(hb: list[tuple[int, float, int, float, float, float]], i: int, t0: float, dt: float, k: int, n0: int,
                 t_print: list[float], n_print: list[int], t_first: list[float], s: int) -> None:
-    """print_timings_tg after each token sampled at ``ends`` (the slot had ``n0`` before them)."""
-    k = len(ends)
-    j = 0
+    """print_timings_tg after each of ``k`` tokens sampled at ``t0 + (j + 1) * dt`` (the slot
+    had ``n0`` before them): from n_gen >= 100, at least 3 s after the last print."""
+    j = max(0, HEARTBEAT_TOKENS - n0 - 1)
     while j < k:
-        # the first token index >= j that is at least 3 s after the last print and has n_gen >= 100
-        j = max(j, HEARTBEAT_TOKENS - n0 - 1)
+        if dt > 0:
+            j = max(j, math.ceil((t_print[s] + HEARTBEAT_S - t0) / dt - 1 - 1e-9))
         if j >= k:
             return
-        j = max(j, int(np.searchsorted(ends, t_print[s] + HEARTBEAT_S, "left")))
-        if j >= k:
-            return
-        t_now = float(ends[j])
+        t_now = t0 + (j + 1) * dt
+        if t_now - t_print[s] < HEARTBEAT_S:  # (rounding)
+            j += 1
+            continue
         n_now = n0 + j + 1
         window = t_now - t_print[s]
         hb.append((i, t_now, n_now, (n_now - 1) / max(t_now - t_first[s], 1e-9), (n_now - n_print[s]) / window, window))
@@ -895,14 +906,7 @@ def _interval(s: Sample, rng: np.random.Generator, n_boot: int) -> tuple[float, 
     k = int(codes.max()) + 1
     if k < 2:
         return math.nan, math.nan
-    stats = np.empty(n_boot)
-    for b in range(n_boot):
-        w = np.bincount(rng.integers(0, k, size=k), minlength=k)[codes]
-        if s.kind == "sum":
-            stats[b] = float(w @ v)
-            continue
-        rep = np.repeat(v, w)
-        stats[b] = np.quantile(rep, {"median": 0.5, "p90": 0.9, "p95": 0.95}[s.kind]) if len(rep) else np.nan
+    stats = resamples(v, codes, s.kind, rng, n_boot)
     lo, hi = np.nanquantile(stats, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
     return float(lo), float(hi)
 
@@ -968,7 +972,7 @@ def run(ds: Dataset, settings: Settings | Sequence[Settings] | None = None, *, o
     lora = np.array(w.lora, dtype=object)
     # n_batch is read from the passes themselves (a step's tokens plus its generating slots),
     # then the passes are read again with it (a short prefill's passes depend on it).
-    logged = logged_settings(ds, pass_observations(ds, w.tv, lora, w.group, 1 << 30, DEFAULT_N_UBATCH))
+    logged = logged_settings(ds, pass_observations(ds, w.tv, lora, w.group, 1 << 30, DEFAULT_N_UBATCH, steps_only=True))
     obs = pass_observations(ds, w.tv, lora, w.group, logged.n_batch, logged.n_ubatch)
     costs = fit_pass_costs(obs)
     logged_s = samples(ds, w.tv, w.cluster, opts)
