@@ -29,8 +29,10 @@ _HOMES = {"Dataset": "dataset", "load": "dataset", "task_view": "dataset", "Serv
 def __getattr__(name: str) -> Any:
     # The library is imported when first used, not with the package: the command line's
     # `--help` and usage errors answer without pandas.
-    if name in _HOMES:
-        import importlib
+    import importlib
 
+    if name in _HOMES:
         return getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
+    if name == "whatif":  # `slotscope.whatif.run(ds, settings)` after `import slotscope`
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

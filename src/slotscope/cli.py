@@ -439,6 +439,44 @@ def compare_cmd(
     _finish(accounting, strict, quiet)
 
 
+@command("whatif")
+def whatif_cmd(
+    paths: PathsArg = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="A setting to change: n_batch=N, n_ubatch=N, slots=N, lora=unified|as-logged|LABEL, ctx=N (repeat for several).", show_default=False)] = None,
+    sweep: Annotated[Optional[str], typer.Option("--sweep", help="One setting over several values, e.g. n_batch=256,512,1024,2048 (with the --set ones).")] = None,
+    open_loop: Annotated[bool, typer.Option("--open-loop", help="Replay the calls at their logged send times (default: closed loop, users' think times).")] = False,
+    table: Annotated[Optional[str], typer.Option("--table", "-t", help="Only this table: summary | pass-costs | pass-fit | settings | findings.")] = None,
+    fmt: FormatOpt = None, out: OutOpt = None, tz: TzOpt = "UTC",
+    app_columns: AppColumnsOpt = None, server_start: ServerStartOpt = None,
+    long_prefill: LongPrefillOpt = 15_000, wait_threshold: WaitThresholdOpt = 1.0,
+    seed: Annotated[int, typer.Option(help="Seed of the resampling intervals.")] = 0,
+    resamples: Annotated[int, typer.Option(help="Resamples of users' sessions per interval.")] = 1000,
+    quiet: QuietOpt = False, strict: StrictOpt = False,
+) -> None:
+    """What a setting would have changed: the logged workload replayed through a model of
+    llama-server's scheduler, with pass costs fitted from the same logs. Per metric: as logged,
+    replayed with the logged settings (the model's own error) and with the asked ones.
+    """
+    from . import output, whatif
+    from .analyze import Options
+
+    base = whatif.parse_settings(set_ or [])
+    asked = whatif.parse_sweep(sweep, base) if sweep else [base]
+    if table is not None and table not in whatif.TABLE_NAMES:
+        raise UsageError(None, None, f"unknown table {table!r}; tables: {', '.join(whatif.TABLE_NAMES)}")
+    exporting = _exporting(table, fmt, out, whatif.TABLE_NAMES)
+    ds = _load(_paths(paths), tz, app_columns, server_start)
+    _need_server(ds.accounting)
+    opts = Options(long_prefill_tokens=long_prefill, wait_threshold_s=wait_threshold, tz=tz)
+    tables = whatif.run(ds, asked, open_loop=open_loop, opts=opts, seed=seed, n_boot=resamples)
+    if exporting:
+        output.write(tables[table], fmt, out, title=table)  # type: ignore[index]
+    else:
+        with open(out, "w") if out else nullcontext() as target:
+            whatif.render(tables, file=target, width=None if output.is_terminal(sys.stdout) and not out else 100)
+    _finish(ds.accounting, strict, quiet)
+
+
 @command()
 def timeline(
     paths: PathsArg = None,

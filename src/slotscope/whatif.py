@@ -1,0 +1,1081 @@
+"""What a server setting would have changed: the logged workload replayed under other settings.
+
+Three parts, each a model of the mechanism rather than a fit of the outcome:
+
+* **Pass costs** (:func:`fit_pass_costs`). llama-server works in *passes*: one ``llama_decode``
+  of at most ``n_batch`` tokens, cut into ``n_ubatch`` pieces. A pass's time is modelled as
+  ``ubatches * c_ub + P * c_p + A_p * c_att + G * c_g + A_g * c_gatt + L * c_lora`` with P the
+  prompt tokens in the pass, A_p the sum of their positions (attention grows with depth), G
+  the generating slots (one token each), A_g the sum of their context lengths and L the tokens
+  run with an adapter on. The coefficients are fitted by least relative squares on passes the
+  logs show whole: progress-line steps (one pass each), the last chunk of a prefill, short
+  prefills without lines, and generation between heartbeats (``tokens`` passes). Only stretches
+  in which no task changed phase are used, and the batch of such a stretch follows from the
+  rules below. A LoRA switch always coincides with a change of the batch, which those
+  stretches leave out: its cost is not measurable at the default verbosity and is taken as 0.
+* **The scheduler** (:func:`replay`), as ``update_slots`` in tools/server/server-context.cpp
+  does it at b11434: generating slots first, in slot order, one token each; the first one
+  sets the batch's LoRA and slots whose LoRA differs are left out (``can_batch_with``); then
+  prompt slots in slot order, skipped when their LoRA differs, filling the batch up to
+  ``n_batch``. A task arriving while every slot is busy is deferred, first in first out, and
+  launched when a slot is released. An idle slot is picked by prompt similarity (the slot
+  that last served the same conversation, else the same user), else least recently used.
+  Heartbeats and progress lines are printed as the server prints them, so the report's own
+  analyzers read the replay as they read a log.
+* **The workload** (:func:`workload`). Closed loop by default when the app log names users: a
+  user's next call leaves its logged think time after the previous call ended. ``open_loop``
+  replays the logged send times. Tasks no call explains replay at their logged launch.
+
+Prompt-cache rule: every call keeps its logged cached/new split. At b11434 the host prompt
+cache (``--cache-ram``, on by default) restores a conversation's prefix on whichever slot
+takes the call, so slot count and slot choice do not change the split; what does is the
+context: a prompt that no longer fits the per-slot context (``ctx / slots``) is refused, as
+the server refuses it, and a generation that would overflow it stops there.
+
+Intervals come from resampling users' sessions (a call's app session; a task no call explains
+is a unit of its own) over the replay's results: they say how much the figure rests on the
+few sessions behind it, not how wrong the model is. That is the ``replayed`` column's job: the
+model run with the logged settings, on every run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import IO, Iterable, Sequence
+
+import numpy as np
+import pandas as pd
+from rich.console import Console
+from rich.rule import Rule
+
+from . import timeline as tl
+from .analyze import Options
+from .analyze.stalls import MIN_PIECE_S, generation_segments, segment_pieces
+from .analyze.turns import is_chat_turn
+from .analyze.waits import CAUSES, classify_waits
+from .compare import _resamples as resamples
+from .dataset import Dataset, calls_of, task_view
+from .errors import UsageError
+from .output import print_table
+
+TABLE_NAMES = ["summary", "pass-costs", "pass-fit", "settings", "findings"]
+SUMMARY_COLUMNS = ["setting", "metric", "logged", "replayed", "whatif", "whatif_low", "whatif_high", "samples", "note"]
+COST_COLUMNS = ["term", "unit", "coefficient_ms", "observations", "seen_min", "seen_max", "note"]
+FIT_COLUMNS = ["kind", "observations", "passes", "median_error_pct", "p90_abs_error_pct", "bias_pct"]
+SETTING_COLUMNS = ["setting", "name", "logged", "whatif", "note"]
+FINDING_COLUMNS = ["setting", "finding"]
+
+SETTING_NAMES = ("n_batch", "n_ubatch", "slots", "lora", "ctx")
+DEFAULT_N_BATCH = 2048  # llama-server's -b default (used when the logs show no full pass)
+DEFAULT_N_UBATCH = 512  # -ub default: not in the log at verbosity 3
+HEARTBEAT_TOKENS = 100  # print_timings_tg: only from n_gen >= 100 ...
+HEARTBEAT_S = 3.0  # ... and at least this long after the last print
+PROGRESS_S = 3.0  # print_timings_pp: only once the prefill has run this long
+LEVEL = 0.90
+NO_ADAPTER = "none"  # the app log's label of a call without LoRA (scale 0)
+_EPS = 1e-3  # a boundary this close to an interval's end belongs to the end
+TERMS = ["ubatch", "prompt_token", "prompt_attention", "gen_slot", "gen_attention", "lora_token", "lora_switch"]
+_UNITS = {"ubatch": "per ubatch (n_ubatch piece) of a pass", "prompt_token": "per prompt token",
+          "prompt_attention": "per prompt token per 1M positions before it",
+          "gen_slot": "per generating slot (one token)", "gen_attention": "per generated token per 1M tokens of its context",
+          "lora_token": "per token run with an adapter on", "lora_switch": "per change of adapter between passes"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Server settings of a replay; None (and ``lora="as-logged"``) keeps the logged value.
+
+    ``lora``: ``as-logged``, ``unified`` (every call with the setting most calls used) or a
+    label from the app log (``none``: no adapter). ``ctx`` is the whole context (``-c``),
+    shared by the slots as llama-server shares it (``kv_unified = false``).
+    """
+
+    n_batch: int | None = None
+    n_ubatch: int | None = None
+    slots: int | None = None
+    lora: str = "as-logged"
+    ctx: int | None = None
+
+    def label(self) -> str:
+        """``n_batch=512 lora=unified``: the settings that differ from the log, or ``as logged``."""
+        parts = [f"{k}={getattr(self, k)}" for k in SETTING_NAMES
+                 if getattr(self, k) is not None and not (k == "lora" and self.lora == "as-logged")]
+        return " ".join(parts) or "as logged"
+
+
+def parse_settings(items: Iterable[str]) -> Settings:
+    """``["n_batch=512", "lora=unified"]`` -> :class:`Settings` (a usage error names a bad item)."""
+    values: dict[str, object] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        name, value = name.strip(), value.strip()
+        if not sep or name not in SETTING_NAMES or not value:
+            raise UsageError(None, None, f"--set {item!r}: give NAME=VALUE with NAME one of {', '.join(SETTING_NAMES)}")
+        values[name] = value if name == "lora" else _positive(name, value)
+    return Settings(**values)  # type: ignore[arg-type]
+
+
+def parse_sweep(spec: str, base: Settings) -> list[Settings]:
+    """``n_batch=256,512,1024`` -> one :class:`Settings` per value, the others as ``base``."""
+    name, sep, values = spec.partition("=")
+    name = name.strip()
+    if not sep or name not in SETTING_NAMES or not values.strip():
+        raise UsageError(None, None, f"--sweep {spec!r}: give NAME=V1,V2,... with NAME one of {', '.join(SETTING_NAMES)}")
+    out = []
+    for v in values.split(","):
+        v = v.strip()
+        value: object = v if name == "lora" else _positive(name, v)
+        out.append(dataclasses.replace(base, **{name: value}))  # type: ignore[arg-type]
+    return out
+
+
+def _positive(name: str, value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise UsageError(None, None, f"{name} must be a positive whole number, not {value!r}")
+    return n
+
+
+# --------------------------------------------------------------------------------------------
+# The workload
+
+
+@dataclass
+class Workload:
+    """The tasks to replay, one row each, in the task view's order (``tv`` rows ``row``)."""
+
+    tv: pd.DataFrame  # the logged tasks replayed (task view rows, one per task)
+    group: np.ndarray  # session code (tasks of different server sessions never meet)
+    send_s: np.ndarray  # logged send time on the server clock (launch - queue)
+    prev: np.ndarray  # closed loop: the row of the same user's previous call, -1: none
+    think_s: np.ndarray  # closed loop: logged time from the previous call's end to this send
+    end_lag_s: np.ndarray  # logged time from release to the call's end (the client's end)
+    new: np.ndarray  # prompt tokens to process
+    cached: np.ndarray  # prompt tokens reused
+    n_gen: np.ndarray  # tokens to generate
+    lora: list[str]  # the LoRA setting, as a label
+    conv: np.ndarray  # conversation code (app session), -1: none
+    user: np.ndarray  # user code, -1: none
+    cluster: np.ndarray  # resampling unit: the app session, else the task itself
+    closed: bool
+
+
+def _labels(s: pd.Series) -> np.ndarray:
+    return s.astype("object").where(s.notna(), None).to_numpy() if len(s) else np.zeros(0, dtype=object)
+
+
+def workload(ds: Dataset, tv: pd.DataFrame, open_loop: bool = False) -> Workload:
+    """The logged tasks as a workload to replay (see the module's docstring)."""
+    keys = tl.GROUP + ["task_id"]
+    ok = tv["status"].astype("object").isin(["complete"]).to_numpy() & np.isfinite(tl.floats(tv["first_token_s"]))
+    tv = tv[ok].drop_duplicates(keys).reset_index(drop=True)
+    n = len(tv)
+    group = tl.key_codes([tv], tl.GROUP)[0] if n else np.zeros(0, dtype=np.int64)
+    queue = np.nan_to_num(tl.floats(tl.column(tv, "queue_ms")) / 1000) if "queue_ms" in tv.columns else np.zeros(n)
+    launch = tl.floats(tv["launch_s"])
+    send = launch - np.maximum(queue, 0)
+    release = tl.floats(tv["release_s"])
+    total = tl.floats(tv["call_total_ms"]) / 1000 if "call_total_ms" in tv.columns else np.full(n, np.nan)
+    end_lag = np.where(np.isfinite(total), send + total - release, 0.0)
+    end_lag = np.clip(np.nan_to_num(end_lag), 0, None)
+    new = np.nan_to_num(tl.floats(tv["prompt_tokens_new"])).astype(np.int64)
+    cached = np.nan_to_num(tl.floats(tv["prompt_tokens_cached"])).astype(np.int64)
+    n_gen = np.maximum(np.nan_to_num(tl.floats(tv["n_gen"])).astype(np.int64), 1)
+    lora_raw = _labels(tv["lora"]) if "lora" in tv.columns else np.full(n, None, dtype=object)
+    lora = _fill_lora(lora_raw, group)
+    users = _labels(tv["user"]) if "user" in tv.columns else np.full(n, None, dtype=object)
+    conv_labels = _app_sessions(ds, tv)
+    user = _codes(users)
+    conv = _codes(conv_labels)
+    cluster = np.where(conv >= 0, conv, conv.max(initial=-1) + 1 + np.arange(n))
+    prev = np.full(n, -1, dtype=np.int64)
+    think = np.zeros(n)
+    closed = not open_loop and bool((user >= 0).any())
+    if closed:
+        order = np.lexsort((send, user, group))
+        o_user, o_group = user[order], group[order]
+        same = np.r_[False, (o_user[1:] == o_user[:-1]) & (o_group[1:] == o_group[:-1]) & (o_user[1:] >= 0)]
+        p = np.r_[-1, order[:-1]]
+        prev[order[same]] = p[same]
+        has = prev >= 0
+        prev_end = release[prev[has]] + end_lag[prev[has]]
+        gap = send[has] - prev_end
+        # A call sent before the previous one ended (the app ran two at once) is not waiting
+        # for it: it keeps its logged offset from the previous send instead (think < 0 marks it).
+        think[has] = np.where(gap >= 0, gap, -(send[has] - send[prev[has]]) - 1e-9)
+    return Workload(tv=tv, group=group, send_s=send, prev=prev, think_s=think, end_lag_s=end_lag, new=new,
+                    cached=cached, n_gen=n_gen, lora=list(lora), conv=conv, user=user, cluster=cluster, closed=closed)
+
+
+def _codes(labels: np.ndarray) -> np.ndarray:
+    s = pd.Series(labels, dtype="object")
+    codes, _ = pd.factorize(s, use_na_sentinel=True)
+    return codes.astype(np.int64)
+
+
+def _fill_lora(labels: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """A task with no LoRA label (no call explains it) runs with its session's most common one."""
+    out = labels.copy()
+    for g in np.unique(group):
+        rows = group == g
+        known = pd.Series(labels[rows]).dropna()
+        common = known.value_counts().index[0] if len(known) else NO_ADAPTER
+        miss = rows & pd.isna(pd.Series(labels)).to_numpy()
+        out[miss] = common
+    return out
+
+
+def _app_sessions(ds: Dataset, tv: pd.DataFrame) -> np.ndarray:
+    """Each task's app session (conversation) where its call names one, else None."""
+    n = len(tv)
+    if ds.matches is None or "call_id" not in tv.columns:
+        return np.full(n, None, dtype=object)
+    calls = calls_of(ds, ["call_id", "app_session"])
+    if "app_session" not in calls.columns:
+        return np.full(n, None, dtype=object)
+    m = tv[["call_id"]].astype({"call_id": "object"}).merge(
+        calls.astype({"call_id": "object"}).drop_duplicates("call_id"), on="call_id", how="left")
+    return _labels(m["app_session"])
+
+
+# --------------------------------------------------------------------------------------------
+# Pass costs
+
+
+@dataclass(frozen=True)
+class PassCosts:
+    """A pass's time, fitted (seconds per unit of each term, :data:`TERMS`)."""
+
+    coef: dict[str, float]
+    seen: dict[str, tuple[float, float]]  # per feature: the smallest and largest value per pass fitted on
+    observations: dict[str, int]
+    fit: pd.DataFrame  # the error on the logged passes, by kind
+    max_pass_tokens: int
+    max_gen_slots: int
+
+    def seconds(self, ub: float, p: float, ap: float, g: float, ag: float, lora_tokens: float, switch: float) -> float:
+        c = self.coef
+        return (c["ubatch"] * ub + c["prompt_token"] * p + c["prompt_attention"] * ap + c["gen_slot"] * g
+                + c["gen_attention"] * ag + c["lora_token"] * lora_tokens + c["lora_switch"] * switch)
+
+
+def ubatches(tokens: Sequence[int], n_ubatch: int) -> int:
+    """:func:`_ubatches` (passes repeat: the count is kept per pass shape)."""
+    return _ubatches(tuple(tokens), n_ubatch)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _ubatches(tokens: tuple[int, ...], n_ubatch: int) -> int:
+    """How many ubatches llama_decode cuts a pass into, given each slot's tokens in it (index:
+    slot id). With one KV stream per slot (``kv_unified = false``) a ubatch holds an equal
+    number of tokens of each of its sequences, and only sequences with consecutive ids
+    (llama-batch's ``split_equal``, sequential): two generating slots with an idle one between
+    them cost two ubatches, not one."""
+    rem = list(tokens)
+    n = 0
+    start = 0
+    while True:
+        while start < len(rem) and rem[start] <= 0:
+            start += 1
+        if start >= len(rem):
+            return n
+        end = start + 1
+        while end < len(rem) and rem[end] > 0 and end - start < n_ubatch:
+            end += 1
+        per = max(1, min(min(rem[start:end]), n_ubatch // (end - start)))
+        for k in range(start, end):
+            rem[k] -= per
+        n += 1
+
+
+def _mask_tokens(mask: int, n_slots: int) -> list[int]:
+    return [(mask >> k) & 1 for k in range(n_slots)]
+
+
+def _sum_positions(p0: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """Sum of positions p0 .. p0+p-1, in millions (the attention work of a prompt chunk)."""
+    return (p * p0 + p * (p - 1) / 2) / 1e6
+
+
+class _Phases:
+    """Per session and LoRA label: how many tasks prefill or generate at a time, and the summed
+    context of those generating (linear within a stretch between boundaries)."""
+
+    def __init__(self, tv: pd.DataFrame, lora: np.ndarray, group: np.ndarray) -> None:
+        self.ps, self.ft, self.rel = (tl.floats(tv[c]) for c in ("prefill_start_s", "first_token_s", "release_s"))
+        prompt = np.nan_to_num(tl.floats(tv["prompt_tokens_new"]) + tl.floats(tv["prompt_tokens_cached"]))
+        n_gen = np.nan_to_num(tl.floats(tv["n_gen"]))
+        span = np.where(self.rel > self.ft, self.rel - self.ft, np.inf)
+        # context of a generating task at time t: prompt + n_gen * (t - ft) / span = a + b t
+        self.b = n_gen / span
+        self.a = prompt - self.b * self.ft
+        self.lora_code, self.labels = pd.factorize(pd.Series(lora, dtype="object"))
+        self.group = group
+        bounds = np.concatenate([self.ps, self.ft, self.rel])
+        bgroup = np.concatenate([group, group, group])
+        keep = np.isfinite(bounds)
+        order = np.lexsort((bounds[keep], bgroup[keep]))
+        self.b_t, self.b_g = bounds[keep][order], bgroup[keep][order]
+        self.slot = np.nan_to_num(tl.floats(tv["slot"]), nan=-1).astype(np.int64)
+        self._masks: dict[tuple[int, int], tuple[np.ndarray, list[int]]] = {}
+
+    def slots_generating(self, g: int, lc: int, t: float) -> int:
+        """The slots generating with that LoRA at ``t``, as a bit mask."""
+        key = (g, lc)
+        if key not in self._masks:
+            rows = np.flatnonzero((self.group == g) & (self.lora_code == lc) & np.isfinite(self.ft) & np.isfinite(self.rel))
+            times = np.r_[self.ft[rows], self.rel[rows]]
+            bits = np.r_[self.slot[rows], self.slot[rows]]
+            sign = np.r_[np.ones(len(rows), dtype=np.int64), -np.ones(len(rows), dtype=np.int64)]
+            order = np.lexsort((sign, times))
+            mask, masks = 0, []
+            for b, sg in zip(bits[order].tolist(), sign[order].tolist()):
+                if b >= 0:
+                    mask = mask | (1 << b) if sg > 0 else mask & ~(1 << b)
+                masks.append(mask)
+            self._masks[key] = (times[order], masks)
+        times, masks = self._masks[key]
+        i = int(np.searchsorted(times, t, "right")) - 1
+        return masks[i] if i >= 0 else 0
+
+    def crossings(self, g: np.ndarray, t0: np.ndarray, t1: np.ndarray) -> np.ndarray:
+        """Boundaries (a task's prefill start, first token or release) strictly inside each interval."""
+        key = g.astype(np.float64) * 1e7
+        bk = self.b_g.astype(np.float64) * 1e7 + self.b_t
+        return np.searchsorted(bk, key + t1 - _EPS, "left") - np.searchsorted(bk, key + t0 + _EPS, "right")
+
+    def at(self, g: np.ndarray, lora_code: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """At times ``t``: tasks prefilling and generating with that LoRA, and the generating ones' summed context."""
+        pre = np.zeros(len(t))
+        gen = np.zeros(len(t))
+        ctx = np.zeros(len(t))
+        for (gg, lc) in set(zip(g.tolist(), lora_code.tolist())):
+            q = (g == gg) & (lora_code == lc)
+            rows = (self.group == gg) & (self.lora_code == lc)
+            tq = t[q]
+            ps, ft, rel = self.ps[rows], self.ft[rows], self.rel[rows]
+            pre[q] = _count_in(ps, ft, tq)
+            gen[q] = _count_in(ft, rel, tq)
+            ctx[q] = _sum_in(ft, rel, self.a[rows], tq) + tq * _sum_in(ft, rel, self.b[rows], tq)
+        return pre, gen, ctx
+
+
+def _count_in(s: np.ndarray, e: np.ndarray, t: np.ndarray) -> np.ndarray:
+    ok = np.isfinite(s) & np.isfinite(e)
+    return (np.searchsorted(np.sort(s[ok]), t, "right") - np.searchsorted(np.sort(e[ok]), t, "right")).astype(float)
+
+
+def _sum_in(s: np.ndarray, e: np.ndarray, v: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Sum of ``v`` over the intervals [s, e) holding each t (cumulative sums at starts minus at ends)."""
+    ok = np.isfinite(s) & np.isfinite(e) & np.isfinite(v)
+    s, e, v = s[ok], e[ok], v[ok]
+    os_, oe = np.argsort(s), np.argsort(e)
+    cs, ce = np.r_[0, np.cumsum(v[os_])], np.r_[0, np.cumsum(v[oe])]
+    return cs[np.searchsorted(s[os_], t, "right")] - ce[np.searchsorted(e[oe], t, "right")]
+
+
+def pass_observations(ds: Dataset, tv: pd.DataFrame, lora: np.ndarray, group: np.ndarray, n_batch: int,
+                      n_ubatch: int, steps_only: bool = False) -> pd.DataFrame:
+    """Stretches of the log whose passes are known: ``kind``, ``seconds``, ``passes``, the
+    features summed over the passes (:data:`TERMS` but the switch), the tokens of one pass.
+    ``steps_only``: the progress-line steps alone (what n_batch is read from)."""
+    ph = _Phases(tv, lora, group)
+    out = []
+    cached = np.nan_to_num(tl.floats(tv["prompt_tokens_cached"]))
+    new = np.nan_to_num(tl.floats(tv["prompt_tokens_new"]))
+    on = np.array([str(x) != NO_ADAPTER for x in lora], dtype=bool)
+    keys = tl.GROUP + ["task_id"]
+
+    def rows_of(frame: pd.DataFrame) -> np.ndarray:
+        f, r = tl.join_tasks(frame, tv[keys])
+        row = np.full(len(frame), -1)
+        row[f] = r
+        return row
+
+    # Prefill: steps between progress lines (one pass each), the last chunk, short prefills.
+    pre = ds.server.prefill_samples
+    lines = pre[pre["task_id"].notna()] if pre is not None and len(pre) else None
+    items: list[tuple[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+    if lines is not None and len(lines):
+        row = rows_of(lines)
+        t = tl.floats(lines["t_s"])
+        n_tok = tl.floats(lines["n_tokens"])
+        order = np.lexsort((t, row))
+        row, t, n_tok = row[order], t[order], n_tok[order]
+        same = np.r_[False, (row[1:] == row[:-1]) & (row[1:] >= 0)]
+        t_prev, n_prev = np.r_[np.nan, t[:-1]], np.r_[np.nan, n_tok[:-1]]
+        k = same & (n_tok > n_prev)
+        items.append(("prefill_step", row[k], t_prev[k], t[k], n_tok[k] - n_prev[k], cached[row[k]] + n_prev[k]))
+        last = np.r_[row[1:] != row[:-1], True] & (row >= 0)
+        r = row[last]
+        items.append(("prefill_last_chunk", r, t[last], tl.floats(tv["first_token_s"])[r], new[r] - n_tok[last],
+                      cached[r] + n_tok[last]))
+        has_lines = np.zeros(len(tv), dtype=bool)
+        has_lines[row[row >= 0]] = True
+    else:
+        has_lines = np.zeros(len(tv), dtype=bool)
+    if steps_only:
+        items = items[:1]
+    eval_ms = tl.floats(tv["prompt_eval_ms"])
+    short = np.flatnonzero(~has_lines & (eval_ms < PROGRESS_S * 1000) & (new > 0))
+    if not steps_only:
+        items.append(("prefill_whole", short, tl.floats(tv["prefill_start_s"])[short], tl.floats(tv["first_token_s"])[short],
+                      new[short], cached[short]))
+    for kind, r, t0, t1, p, p0 in items:
+        ok = np.isfinite(t0) & np.isfinite(t1) & (t1 > t0) & (p > 0)
+        r, t0, t1, p, p0 = r[ok], t0[ok], t1[ok], p[ok], p0[ok]
+        g = group[r]
+        clean = ph.crossings(g, t0, t1) == 0
+        n_pre, n_gen, ctx = ph.at(g, ph.lora_code[r], (t0 + t1) / 2)
+        clean &= n_pre == 1  # its own prefill only: no other prompt of its LoRA shares the batch
+        room = n_batch - n_gen
+        passes = np.where(kind == "prefill_whole", np.ceil(p / np.maximum(room, 1)), 1.0)
+        clean &= (room > 0) & (p <= room * passes)
+        r, t0, t1, p, p0, n_gen, ctx, passes = (x[clean] for x in (r, t0, t1, p, p0, n_gen, ctx, passes))
+        chunk = np.minimum(p, room[clean])
+        mid = (t0 + t1) / 2
+        ub = np.array([_pass_ubatches(ph, int(group[i]), int(ph.lora_code[i]), float(m), int(ph.slot[i]), int(c), n_ubatch)
+                       for i, m, c in zip(r.tolist(), mid.tolist(), chunk.tolist())], dtype=float)
+        last = p - chunk * (passes - 1)  # (a short prefill's passes: full ones and the rest)
+        ub_last = np.array([_pass_ubatches(ph, int(group[i]), int(ph.lora_code[i]), float(m), int(ph.slot[i]), int(c), n_ubatch)
+                            for i, m, c in zip(r.tolist(), mid.tolist(), last.tolist())], dtype=float)
+        ub = ub * (passes - 1) + ub_last
+        out.append(pd.DataFrame({
+            "kind": kind, "seconds": t1 - t0, "passes": passes, "ubatch": ub, "prompt_token": p,
+            "prompt_attention": _sum_positions(p0, p), "gen_slot": n_gen * passes, "gen_attention": ctx * passes / 1e6,
+            "lora_token": np.where(on[r], p + n_gen * passes, 0.0), "pass_tokens": chunk + n_gen, "gen_slots": n_gen}))
+    # Generation between heartbeats (and to the release): one token per pass.
+    seg = generation_segments(ds, tv) if not steps_only else pd.DataFrame()
+    if len(seg):
+        r = rows_of(seg)
+        t0, t1, tok = tl.floats(seg["start_s"]), tl.floats(seg["end_s"]), tl.floats(seg["tokens"])
+        ok = (r >= 0) & (tok >= 1) & (t1 > t0)
+        r, t0, t1, tok = r[ok], t0[ok], t1[ok], tok[ok]
+        g = group[r]
+        clean = ph.crossings(g, t0, t1) == 0
+        n_pre, n_gen, ctx = ph.at(g, ph.lora_code[r], (t0 + t1) / 2)
+        clean &= (n_pre == 0) & (n_gen >= 1)
+        r, t0, t1, tok, n_gen, ctx = (x[clean] for x in (r, t0, t1, tok, n_gen, ctx))
+        mid = (t0 + t1) / 2
+        ub = np.array([_pass_ubatches(ph, int(group[i]), int(ph.lora_code[i]), float(m), -1, 0, n_ubatch)
+                       for i, m in zip(r.tolist(), mid.tolist())], dtype=float)
+        out.append(pd.DataFrame({
+            "kind": "generation", "seconds": t1 - t0, "passes": tok, "ubatch": tok * ub,
+            "prompt_token": 0.0, "prompt_attention": 0.0, "gen_slot": n_gen * tok, "gen_attention": ctx * tok / 1e6,
+            "lora_token": np.where(on[r], n_gen * tok, 0.0), "pass_tokens": n_gen, "gen_slots": n_gen}))
+    return pd.concat(out, ignore_index=True) if out else pd.DataFrame(columns=["kind", "seconds", "passes", *TERMS[:-1]])
+
+
+def _pass_ubatches(ph: _Phases, g: int, lc: int, t: float, slot: int, chunk: int, n_ubatch: int) -> int:
+    """Ubatches of a pass at ``t``: the slots generating with that LoRA, one token each, and
+    ``chunk`` prompt tokens of ``slot`` (-1: none)."""
+    mask = ph.slots_generating(g, lc, t)
+    width = max(mask.bit_length(), slot + 1, 1)
+    tokens = _mask_tokens(mask, width)
+    if slot >= 0:
+        tokens[slot] += chunk
+    return max(ubatches(tokens, n_ubatch), 1)
+
+
+def fit_pass_costs(obs: pd.DataFrame) -> PassCosts:
+    """Least relative squares of :data:`TERMS` on the observed stretches, coefficients kept
+    non-negative (a term that would come out negative is dropped and the rest fitted again)."""
+    terms = [t for t in TERMS[:-1] if len(obs) and float(obs[t].abs().sum()) > 0]
+    y = obs["seconds"].to_numpy(dtype=float) if len(obs) else np.zeros(0)
+    coef = {t: 0.0 for t in TERMS}
+    active = list(terms)
+    while active and len(y) >= len(active):
+        x = obs[active].to_numpy(dtype=float) / y[:, None]
+        sol, *_ = np.linalg.lstsq(x, np.ones(len(y)), rcond=None)
+        if (sol >= 0).all():
+            coef.update(dict(zip(active, sol.tolist())))
+            break
+        active = [t for t, c in zip(active, sol) if c >= 0] if (sol < 0).any() else active
+    per_pass = {t: (obs[t] / obs["passes"]).to_numpy(dtype=float) for t in TERMS[:-1]} if len(obs) else {}
+    seen = {t: (float(np.min(v)), float(np.max(v))) if len(v) else (math.nan, math.nan) for t, v in per_pass.items()}
+    counts = {t: int((obs[t] > 0).sum()) if len(obs) else 0 for t in TERMS[:-1]}
+    counts["lora_switch"] = 0
+    pred = obs[TERMS[:-1]].to_numpy(dtype=float) @ np.array([coef[t] for t in TERMS[:-1]]) if len(obs) else np.zeros(0)
+    err = (pred - y) / y if len(y) else np.zeros(0)
+    rows = []
+    for kind in list(dict.fromkeys(obs["kind"])) + ["all"] if len(obs) else []:
+        m = (obs["kind"] == kind).to_numpy() if kind != "all" else np.ones(len(obs), dtype=bool)
+        e = err[m]
+        rows.append({"kind": kind, "observations": int(m.sum()), "passes": int(obs["passes"][m].sum()),
+                     "median_error_pct": float(np.median(e) * 100) if len(e) else math.nan,
+                     "p90_abs_error_pct": float(np.quantile(np.abs(e), 0.9) * 100) if len(e) else math.nan,
+                     "bias_pct": float((pred[m].sum() / y[m].sum() - 1) * 100) if len(e) else math.nan})
+    fit = pd.DataFrame(rows, columns=FIT_COLUMNS)
+    max_tok = int(obs["pass_tokens"].max()) if len(obs) else 0
+    max_g = int(obs["gen_slots"].max()) if len(obs) else 0
+    return PassCosts(coef=coef, seen=seen, observations=counts, fit=fit, max_pass_tokens=max_tok, max_gen_slots=max_g)
+
+
+def cost_table(costs: PassCosts) -> pd.DataFrame:
+    """The fitted pass-cost model, one row per term."""
+    rows = []
+    for t in TERMS:
+        lo, hi = costs.seen.get(t, (math.nan, math.nan))
+        n = costs.observations.get(t, 0)
+        note = ""
+        if t == "lora_switch":
+            note = "not measurable at verbosity 3 (a switch always changes the batch too); taken as 0"
+        elif n == 0:
+            note = "not in the logs; taken as 0"
+        rows.append({"term": t, "unit": _UNITS[t], "coefficient_ms": costs.coef[t] * 1000, "observations": n,
+                     "seen_min": lo, "seen_max": hi, "note": note})
+    return pd.DataFrame(rows, columns=COST_COLUMNS)
+
+
+# --------------------------------------------------------------------------------------------
+# The scheduler
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Settings with every value known (logged or asked)."""
+
+    n_batch: int
+    n_ubatch: int
+    slots: int
+    ctx: int
+    unify: str | None  # the one LoRA label every call gets, None: as logged
+
+
+@dataclass
+class Replay:
+    """What the replay did: per task times and slots, heartbeats and progress lines."""
+
+    slot: np.ndarray
+    send: np.ndarray
+    launch: np.ndarray
+    prefill_start: np.ndarray
+    first_token: np.ndarray
+    release: np.ndarray
+    n_gen: np.ndarray
+    refused: np.ndarray
+    lora: list[str]
+    heartbeats: list[tuple[int, float, int, float, float, float]]  # row, t, n_gen, tg, tg_3s, window
+    progress: list[tuple[int, float, int, float, float]]  # row, t, n_tokens, progress, elapsed
+    passes: int
+
+
+def replay(w: Workload, r: Resolved, costs: PassCosts, open_loop: bool = False) -> Replay:
+    """Run the workload through the scheduler (see the module's docstring), session by session."""
+    n = len(w.tv)
+    res = Replay(slot=np.full(n, -1), send=np.full(n, np.nan), launch=np.full(n, np.nan),
+                 prefill_start=np.full(n, np.nan), first_token=np.full(n, np.nan), release=np.full(n, np.nan),
+                 n_gen=np.zeros(n, dtype=np.int64), refused=np.zeros(n, dtype=bool),
+                 lora=[r.unify if r.unify is not None else x for x in w.lora], heartbeats=[], progress=[], passes=0)
+    target = w.n_gen.copy()  # (shortened where a generation would overflow the slot's context)
+    for g in np.unique(w.group):
+        _replay_session(w, r, costs, res, np.flatnonzero(w.group == g), open_loop or not w.closed, target)
+    return res
+
+
+def _replay_session(w: Workload, r: Resolved, costs: PassCosts, res: Replay, rows: np.ndarray, open_loop: bool,
+                    target: np.ndarray) -> None:
+    c = costs.coef
+    c_ub, c_p, c_ap, c_g, c_ag, c_l, c_s = (c[t] for t in TERMS)
+    n_batch, n_ubatch, n_slots = r.n_batch, r.n_ubatch, r.slots
+    n_ctx_slot = r.ctx // n_slots
+    lora = res.lora
+    on = {x: x != NO_ADAPTER for x in set(lora[i] for i in rows)}
+    new, cached = w.new, w.cached
+    nxt: dict[int, int] = {}
+    heap: list[tuple[float, int]] = []
+    for i in rows.tolist():
+        p = int(w.prev[i])
+        if open_loop or p < 0:
+            heapq.heappush(heap, (float(w.send_s[i]), i))
+        else:
+            nxt[p] = i
+    queue: deque[int] = deque()
+    s_task = [-1] * n_slots
+    s_state = [0] * n_slots  # 0 idle, 1 prompt, 2 generating
+    s_used = [-1.0] * n_slots
+    s_conv = [-2] * n_slots
+    s_user = [-2] * n_slots
+    done_p = [0] * n_slots  # prompt tokens processed of the slot's task
+    gen = [0] * n_slots
+    ctx_s = [0] * n_slots  # tokens in the slot's context
+    t_print = [0.0] * n_slots
+    n_print = [0] * n_slots
+    t_first = [0.0] * n_slots
+    cur_lora: str | None = None
+    t = heap[0][0] if heap else 0.0
+    hb, prog = res.heartbeats, res.progress
+
+    def release(s: int, now: float) -> None:
+        i = s_task[s]
+        res.release[i] = now
+        res.n_gen[i] = gen[s]
+        s_state[s], s_task[s], s_used[s] = 0, -1, now
+        j = nxt.get(i)
+        if j is not None:
+            think = float(w.think_s[j])
+            send = now + float(w.end_lag_s[i]) + think if think >= 0 else float(res.send[i]) - think
+            heapq.heappush(heap, (max(send, now), j))
+
+    while True:
+        while heap and heap[0][0] <= t + 1e-12:
+            send, i = heapq.heappop(heap)
+            res.send[i] = send
+            queue.append(i)
+        while queue and 0 in s_state:
+            i = queue.popleft()
+            s = _pick_slot(s_state, s_used, s_conv, s_user, int(w.conv[i]), int(w.user[i]))
+            s_task[s], s_state[s] = i, 1
+            s_conv[s], s_user[s] = int(w.conv[i]), int(w.user[i])
+            res.slot[i], res.launch[i] = s, t
+            done_p[s], gen[s] = 0, 0
+        # The batch: generating slots first (one token each), then prompts, in slot order.
+        batch_lora: str | None = None
+        gens: list[int] = []
+        for s in range(n_slots):
+            if s_state[s] == 2:
+                la = lora[s_task[s]]
+                if batch_lora is None:
+                    batch_lora = la
+                if la == batch_lora:
+                    gens.append(s)
+        size = len(gens)
+        chunks: list[tuple[int, int]] = []
+        for s in range(n_slots):
+            if size >= n_batch:
+                break
+            if s_state[s] != 1:
+                continue
+            i = s_task[s]
+            la = lora[i]
+            if batch_lora is not None and la != batch_lora:
+                continue
+            if done_p[s] == 0 and math.isnan(res.prefill_start[i]):
+                res.prefill_start[i] = t
+                if cached[i] + new[i] >= n_ctx_slot:  # the server refuses a prompt that does not fit
+                    res.refused[i] = True
+                    res.first_token[i] = t
+                    release(s, t)
+                    continue
+                ctx_s[s] = int(cached[i])
+            elif t - res.prefill_start[i] >= PROGRESS_S:
+                prog.append((i, t, done_p[s], (cached[i] + done_p[s]) / max(cached[i] + new[i], 1), t - res.prefill_start[i]))
+            take = min(int(new[i]) - done_p[s], n_batch - size)
+            chunks.append((s, take))
+            size += take
+            if batch_lora is None:
+                batch_lora = la
+        if size == 0:
+            if not heap:
+                if queue:  # (cannot happen: a queued task has a free slot or a busy one will release)
+                    raise RuntimeError("replay stalled with queued tasks")
+                break
+            t = max(t, heap[0][0])
+            continue
+        switch = 1.0 if (cur_lora is not None and batch_lora != cur_lora) else 0.0
+        cur_lora = batch_lora
+        lora_on = on.get(batch_lora, False) if batch_lora is not None else False
+        g = len(gens)
+        ag = sum(ctx_s[s] for s in gens) / 1e6
+        if not chunks:
+            # Only generation: the batch stays as it is until a slot finishes or a task arrives
+            # that an idle slot would take; run those passes at once.
+            k = min(target[s_task[s]] - gen[s] for s in gens)
+            per_slot = [0] * n_slots
+            for s in gens:
+                per_slot[s] = 1
+            base = c_ub * ubatches(per_slot, n_ubatch) + c_g * g + (c_l * g if lora_on else 0.0)
+            if heap and 0 in s_state:
+                per = base + c_ag * ag
+                k = max(1, min(k, math.ceil((heap[0][0] - t) / max(per, 1e-9))))
+            # Every pass of the run at the mean of their times (the context grows by a token a pass).
+            dt = base + c_ag * (ag + (k - 1) / 2 * g / 1e6)
+            t_start = t + c_s * switch
+            for s in gens:
+                _heartbeats(hb, s_task[s], t_start, dt, k, gen[s], t_print, n_print, t_first, s)
+                gen[s] += k
+                ctx_s[s] += k
+            res.passes += k
+            t = t_start + k * dt
+            for s in gens:
+                if gen[s] >= target[s_task[s]]:
+                    release(s, t)
+            continue
+        p = sum(take for _, take in chunks)
+        ap = sum(_positions(ctx_s[s], take) for s, take in chunks)
+        per_slot = [0] * n_slots
+        for s in gens:
+            per_slot[s] = 1
+        for s, take in chunks:
+            per_slot[s] += take
+        dt = (c_ub * ubatches(per_slot, n_ubatch) + c_p * p + c_ap * ap + c_g * g + c_ag * ag
+              + (c_l * size if lora_on else 0.0) + c_s * switch)
+        t += dt
+        res.passes += 1
+        for s in gens:
+            gen[s] += 1
+            ctx_s[s] += 1
+            if gen[s] >= HEARTBEAT_TOKENS and t - t_print[s] >= HEARTBEAT_S:
+                _heartbeats(hb, s_task[s], t - dt, dt, 1, gen[s] - 1, t_print, n_print, t_first, s)
+        for s, take in chunks:
+            done_p[s] += take
+            ctx_s[s] += take
+            i = s_task[s]
+            if done_p[s] >= new[i]:
+                s_state[s] = 2
+                gen[s] = 1
+                res.first_token[i] = t
+                t_print[s], n_print[s], t_first[s] = t, 0, t
+                limit = n_ctx_slot - int(cached[i] + new[i])
+                if limit < target[i]:
+                    target[i] = max(limit, 1)
+        for s in gens + [s for s, _ in chunks]:
+            if s_state[s] == 2 and gen[s] >= target[s_task[s]]:
+                release(s, t)
+
+
+def _positions(p0: int, p: int) -> float:
+    return (p * p0 + p * (p - 1) / 2) / 1e6
+
+
+def _pick_slot(state: list[int], used: list[float], conv: list[int], user: list[int], c: int, u: int) -> int:
+    """get_available_slot: the idle slot holding the same conversation (else the same user's),
+    as prompt similarity finds it; else the least recently used (ties: the highest id, as the
+    logs show llama-server picking them)."""
+    idle = [s for s, st in enumerate(state) if st == 0]
+    if c >= 0:
+        for s in idle:
+            if conv[s] == c:
+                return s
+    if u >= 0:
+        for s in idle:
+            if user[s] == u:
+                return s
+    return min(idle, key=lambda s: (used[s], -s))
+
+
+def _heartbeats(hb: list[tuple[int, float, int, float, float, float]], i: int, t0: float, dt: float, k: int, n0: int,
+                t_print: list[float], n_print: list[int], t_first: list[float], s: int) -> None:
+    """print_timings_tg after each of ``k`` tokens sampled at ``t0 + (j + 1) * dt`` (the slot
+    had ``n0`` before them): from n_gen >= 100, at least 3 s after the last print."""
+    j = max(0, HEARTBEAT_TOKENS - n0 - 1)
+    while j < k:
+        if dt > 0:
+            j = max(j, math.ceil((t_print[s] + HEARTBEAT_S - t0) / dt - 1 - 1e-9))
+        if j >= k:
+            return
+        t_now = t0 + (j + 1) * dt
+        if t_now - t_print[s] < HEARTBEAT_S:  # (rounding)
+            j += 1
+            continue
+        n_now = n0 + j + 1
+        window = t_now - t_print[s]
+        hb.append((i, t_now, n_now, (n_now - 1) / max(t_now - t_first[s], 1e-9), (n_now - n_print[s]) / window, window))
+        t_print[s], n_print[s] = t_now, n_now
+        j += 1
+
+
+# --------------------------------------------------------------------------------------------
+# The replay as a task view and samples, and the metrics of both
+
+
+def replayed_dataset(ds: Dataset, w: Workload, rp: Replay, r: Resolved) -> tuple[Dataset, pd.DataFrame]:
+    """The replay in the log's shapes: a dataset (samples, sessions) and its task view."""
+    tv = w.tv.copy()
+    keys = tl.GROUP + ["task_id"]
+    tv["slot"] = pd.array(rp.slot, dtype=tv["slot"].dtype if rp.slot.size else "Int64")
+    tv["launch_s"] = rp.launch
+    tv["prefill_start_s"] = rp.prefill_start
+    tv["first_token_s"] = rp.first_token
+    tv["release_s"] = rp.release
+    tv["wait_before_prefill_ms"] = (rp.prefill_start - rp.launch) * 1000
+    tv["prompt_eval_ms"] = (rp.first_token - rp.prefill_start) * 1000
+    tv["eval_ms"] = (rp.release - rp.first_token) * 1000
+    tv["n_gen"] = pd.array(rp.n_gen, dtype=tv["n_gen"].dtype)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        tv["prefill_tps"] = w.new / (tv["prompt_eval_ms"].to_numpy() / 1000)
+        tv["gen_tps"] = (rp.n_gen - 1) / (tv["eval_ms"].to_numpy() / 1000)
+    if "lora" in tv.columns:
+        tv["lora"] = pd.Categorical(rp.lora)
+    tv["queue_ms"] = (rp.launch - rp.send) * 1000
+    tv["ttft_ms"] = np.where(rp.refused, np.nan, (rp.first_token - rp.send) * 1000)
+    tv["call_total_ms"] = (rp.release + w.end_lag_s - rp.send) * 1000
+    tv["status"] = np.where(rp.refused, "error", "complete")
+    for c in ("launch_at", "prefill_start_at", "first_token_at", "release_at"):
+        if c in tv.columns:
+            tv = tv.drop(columns=c)
+    base = tv[keys + ["slot"]]
+    hb = pd.DataFrame(rp.heartbeats, columns=["row", "t_s", "n_gen", "tg_tps", "tg_3s_tps", "window_s"])
+    gen = base.iloc[hb["row"].to_numpy(dtype=np.int64)].reset_index(drop=True)
+    gen = gen.assign(t_s=hb["t_s"].to_numpy(), n_gen=hb["n_gen"].to_numpy(), tg_tps=hb["tg_tps"].to_numpy(),
+                     tg_3s_tps=hb["tg_3s_tps"].to_numpy(), window_s=hb["window_s"].to_numpy())
+    gen["tokens"] = np.rint(gen["tg_3s_tps"] * gen["window_s"]).astype(np.int64)
+    gen["window_start_s"] = gen["t_s"] - gen["window_s"]
+    gen = gen.sort_values(keys + ["t_s"], kind="stable").reset_index(drop=True)
+    pr = pd.DataFrame(rp.progress, columns=["row", "t_s", "n_tokens", "progress", "elapsed_s"])
+    pre = base.iloc[pr["row"].to_numpy(dtype=np.int64)].reset_index(drop=True)
+    pre = pre.assign(t_s=pr["t_s"].to_numpy(), n_tokens=pr["n_tokens"].to_numpy(dtype=np.int64),
+                     progress=pr["progress"].to_numpy(), elapsed_s=pr["elapsed_s"].to_numpy())
+    with np.errstate(divide="ignore", invalid="ignore"):
+        pre["tps"] = pre["n_tokens"] / pre["elapsed_s"]
+    pre = pre.sort_values(keys + ["t_s"], kind="stable").reset_index(drop=True)
+    same = (pre[keys].shift().eq(pre[keys])).all(axis=1).to_numpy()
+    pre["step_tokens"] = pd.array(np.where(same, pre["n_tokens"].diff(), np.nan), dtype="float64").astype("Int64")
+    pre["step_s"] = np.where(same, pre["t_s"].diff(), np.nan)
+    sessions = ds.server.sessions.copy()
+    sessions["n_slots"] = r.slots
+    sessions["n_ctx_slot"] = r.ctx // r.slots
+    server = dataclasses.replace(ds.server, tasks=tv, gen_samples=gen, prefill_samples=pre, sessions=sessions)
+    return Dataset(server=server, app=None, matches=None, accounting=ds.accounting), tv
+
+
+@dataclass
+class Sample:
+    """One metric's per-unit values (or a whole-run figure) and the resampling clusters."""
+
+    values: np.ndarray
+    clusters: np.ndarray
+    kind: str  # median | p90 | p95 | sum | share (no interval)
+
+
+def samples(ds: Dataset, tv: pd.DataFrame, cluster: np.ndarray, opts: Options) -> dict[str, Sample]:
+    """The metrics' samples of a dataset and its task view (logged or replayed alike); ``cluster``
+    is each task row's resampling unit."""
+    out: dict[str, Sample] = {}
+    chat = is_chat_turn(tv["purpose"]).to_numpy() if "purpose" in tv.columns else np.zeros(len(tv), dtype=bool)
+    ttft = tl.floats(tv["ttft_ms"]) / 1000 if "ttft_ms" in tv.columns else np.full(len(tv), np.nan)
+    m = chat & np.isfinite(ttft)
+    for kind in ("median", "p90", "p95"):
+        out[f"chat_ttft_{kind}_s"] = Sample(ttft[m], cluster[m], kind)
+    total = tl.floats(tv["call_total_ms"]) / 1000 if "call_total_ms" in tv.columns else np.full(len(tv), np.nan)
+    k = np.isfinite(total) & tv["call_id"].notna().to_numpy() if "call_id" in tv.columns else np.isfinite(total)
+    out["call_total_median_s"] = Sample(total[k], cluster[k], "median")
+    pieces = segment_pieces(ds, opts, tv)
+    pieces = pieces[(pieces["class"] == "long_prefill") & (pieces["seconds"] >= MIN_PIECE_S)]
+    f, rr = tl.join_tasks(pieces, tv[tl.GROUP + ["task_id"]])
+    pc = np.full(len(pieces), -1)
+    pc[f] = cluster[rr]
+    out["gen_tps_during_long_prefill"] = Sample(pieces["tok_per_s"].to_numpy(dtype=float), pc, "median")
+    wait = tl.floats(tv["wait_before_prefill_ms"]) >= opts.wait_threshold_s * 1000
+    out["waits_over_1s_count"] = Sample(wait.astype(float), cluster, "sum")
+    waits = classify_waits(ds, opts, tv)
+    f, rr = tl.join_tasks(waits, tv[tl.GROUP + ["task_id"]])
+    cause = np.full(len(tv), "", dtype=object)
+    cause[rr] = waits["cause"].astype("object").to_numpy()[f]
+    for c in CAUSES:
+        if c != "deferred":
+            out[f"waits_{c}_count"] = Sample((cause == c).astype(float), cluster, "sum")
+    steps = tl.concurrency(tv, ds.server.sessions)
+    secs = (tl.floats(steps["end_s"]) - tl.floats(steps["start_s"])) if len(steps) else np.zeros(0)
+    run = steps["running"].to_numpy() if len(steps) else np.zeros(0)
+    whole = float(secs.sum())
+    for need in (2, 4):
+        share = float(secs[run >= need].sum()) / whole if whole > 0 else math.nan
+        out[f"share_{need}plus_running"] = Sample(np.array([share]), np.zeros(1, dtype=np.int64), "share")
+    refused = (tv["status"].astype("object") == "error").to_numpy() if "status" in tv.columns else np.zeros(len(tv), bool)
+    out["calls_refused_count"] = Sample(refused.astype(float), cluster, "sum")
+    return out
+
+
+def _point(s: Sample) -> float:
+    v = s.values[np.isfinite(s.values)]
+    if not len(v):
+        return math.nan
+    if s.kind in ("sum",):
+        return float(v.sum())
+    if s.kind == "share":
+        return float(v[0])
+    return float(np.quantile(v, {"median": 0.5, "p90": 0.9, "p95": 0.95}[s.kind]))
+
+
+def _interval(s: Sample, rng: np.random.Generator, n_boot: int) -> tuple[float, float]:
+    """Percentile interval of the statistic over resamples of the clusters (users' sessions)."""
+    ok = np.isfinite(s.values)
+    v, c = s.values[ok], s.clusters[ok]
+    if s.kind == "share" or len(v) < 2 or n_boot <= 0:
+        return math.nan, math.nan
+    codes, _ = pd.factorize(pd.Series(c))
+    k = int(codes.max()) + 1
+    if k < 2:
+        return math.nan, math.nan
+    stats = resamples(v, codes, s.kind, rng, n_boot)
+    lo, hi = np.nanquantile(stats, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
+    return float(lo), float(hi)
+
+
+# --------------------------------------------------------------------------------------------
+# The run
+
+
+def logged_settings(ds: Dataset, obs: pd.DataFrame | None = None) -> Resolved:
+    """The settings the logs show: slots and per-slot context from the start-up lines, n_batch
+    from the fullest pass (a progress step plus the generating slots it ran with), n_ubatch the
+    default (it is not logged at verbosity 3)."""
+    s = ds.server.sessions
+    slots = int(pd.to_numeric(s["n_slots"], errors="coerce").max()) if len(s) and s["n_slots"].notna().any() else 1
+    per = int(pd.to_numeric(s["n_ctx_slot"], errors="coerce").max()) if len(s) and s["n_ctx_slot"].notna().any() else 0
+    n_batch = DEFAULT_N_BATCH
+    if obs is not None and len(obs):
+        steps = obs[obs["kind"] == "prefill_step"]
+        if len(steps):
+            n_batch = int(steps["pass_tokens"].max())
+    return Resolved(n_batch=n_batch, n_ubatch=min(DEFAULT_N_UBATCH, n_batch), slots=slots,
+                    ctx=per * slots if per > 0 else 1 << 40, unify=None)
+
+
+def resolve(settings: Settings, logged: Resolved, w: Workload) -> Resolved:
+    """Asked settings over the logged ones."""
+    n_batch = settings.n_batch or logged.n_batch
+    n_ubatch = min(settings.n_ubatch or (min(logged.n_ubatch, n_batch) if settings.n_batch is None else min(DEFAULT_N_UBATCH, n_batch)), n_batch)
+    unify: str | None = None
+    if settings.lora == "unified":
+        counts = pd.Series(w.lora, dtype="object").value_counts()
+        unify = str(counts.index[0]) if len(counts) else NO_ADAPTER
+    elif settings.lora not in ("as-logged", ""):
+        if settings.lora not in set(w.lora) and settings.lora != NO_ADAPTER:
+            raise UsageError(None, None, f"lora={settings.lora!r}: the calls' settings are "
+                             f"{', '.join(sorted(set(w.lora)))} (or give unified, as-logged, {NO_ADAPTER})")
+        unify = settings.lora
+    return Resolved(n_batch=n_batch, n_ubatch=n_ubatch, slots=settings.slots or logged.slots,
+                    ctx=settings.ctx or logged.ctx, unify=unify)
+
+
+def _extrapolates(r: Resolved, costs: PassCosts, w: Workload, unify: str | None) -> list[str]:
+    notes = []
+    if r.n_batch > costs.max_pass_tokens > 0:
+        notes.append(f"passes of up to {r.n_batch} tokens; the logs show at most {costs.max_pass_tokens}")
+    if r.slots > costs.max_gen_slots + 1 and costs.max_gen_slots > 0:
+        notes.append(f"{r.slots} slots; the logs show at most {costs.max_gen_slots} generating at once")
+    labels = {unify} if unify is not None else set(w.lora)
+    if any(x != NO_ADAPTER for x in labels) and costs.observations.get("lora_token", 0) == 0:
+        notes.append("passes with an adapter on, which the logs never show timed: their extra cost is taken as 0")
+    return notes
+
+
+def run(ds: Dataset, settings: Settings | Sequence[Settings] | None = None, *, open_loop: bool = False,
+        opts: Options | None = None, seed: int = 0, n_boot: int = 1000) -> dict[str, pd.DataFrame]:
+    """Replay the logged workload with the logged settings and with each of ``settings``;
+    the tables :data:`TABLE_NAMES` as DataFrames (``summary``: per setting and metric, the
+    logged figure, the replay with the logged settings, the what-if and its interval)."""
+    opts = opts or Options()
+    asked = [Settings()] if settings is None else [settings] if isinstance(settings, Settings) else list(settings)
+    tv_all = task_view(ds)
+    w = workload(ds, tv_all, open_loop)
+    lora = np.array(w.lora, dtype=object)
+    # n_batch is read from the passes themselves (a step's tokens plus its generating slots),
+    # then the passes are read again with it (a short prefill's passes depend on it).
+    logged = logged_settings(ds, pass_observations(ds, w.tv, lora, w.group, 1 << 30, DEFAULT_N_UBATCH, steps_only=True))
+    obs = pass_observations(ds, w.tv, lora, w.group, logged.n_batch, logged.n_ubatch)
+    costs = fit_pass_costs(obs)
+    logged_s = samples(ds, w.tv, w.cluster, opts)
+    base_rp = replay(w, logged, costs, open_loop)
+    base_ds, base_tv = replayed_dataset(ds, w, base_rp, logged)
+    base_s = samples(base_ds, base_tv, w.cluster, opts)
+    rows, set_rows, findings = [], [], []
+    for st in asked:
+        r = resolve(st, logged, w)
+        same = r == logged
+        rp = base_rp if same else replay(w, r, costs, open_loop)
+        what_s = base_s if same else samples(*replayed_dataset(ds, w, rp, r), w.cluster, opts)
+        label = st.label()
+        notes = _extrapolates(r, costs, w, r.unify)
+        for name, s in what_s.items():
+            rng = np.random.default_rng([seed, len(name), sum(map(ord, name + label))])
+            lo, hi = _interval(s, rng, n_boot)
+            rows.append({"setting": label, "metric": name, "logged": _point(logged_s[name]),
+                         "replayed": _point(base_s[name]), "whatif": _point(s), "whatif_low": lo, "whatif_high": hi,
+                         "samples": int(np.isfinite(s.values).sum()) if s.kind != "share" else pd.NA,
+                         "note": _few(s, opts)})
+        for name in ("n_batch", "n_ubatch", "slots", "ctx"):
+            set_rows.append({"setting": label, "name": name, "logged": getattr(logged, name), "whatif": getattr(r, name),
+                             "note": _setting_note(name)})
+        set_rows.append({"setting": label, "name": "lora", "logged": "as logged (" + ", ".join(sorted(set(w.lora))) + ")",
+                         "whatif": r.unify if r.unify is not None else "as logged", "note": ""})
+        set_rows.append({"setting": label, "name": "workload", "logged": "", "whatif":
+                         "closed loop (think times)" if w.closed and not open_loop else "open loop (send times)",
+                         "note": "; ".join(notes) if notes else ""})
+        findings.append({"setting": label, "finding": _finding(label, rows, notes)})
+    summary = pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
+    summary["samples"] = pd.array(summary["samples"], dtype="Int64")
+    return {"summary": summary, "pass-costs": cost_table(costs), "pass-fit": costs.fit,
+            "settings": pd.DataFrame(set_rows, columns=SETTING_COLUMNS).astype({"logged": "string", "whatif": "string"}),
+            "findings": pd.DataFrame(findings, columns=FINDING_COLUMNS)}
+
+
+def _setting_note(name: str) -> str:
+    return {"n_batch": "logged: the fullest pass the progress lines show", "n_ubatch": "logged: the default (not in the log at verbosity 3)",
+            "slots": "from the start-up line", "ctx": "the whole context (-c), shared by the slots"}[name]
+
+
+def _few(s: Sample, opts: Options) -> str:
+    if s.kind == "share":
+        return "a share of the replay's time: no interval"
+    n = int(np.isfinite(s.values).sum()) if s.kind != "sum" else int(len(np.unique(s.clusters)))
+    if s.kind != "sum" and n < opts.min_samples:
+        return f"only {n} samples: too few to rely on"
+    return ""
+
+
+def _finding(label: str, rows: list[dict[str, object]], notes: list[str]) -> str:
+    got = {r["metric"]: r for r in rows if r["setting"] == label}
+
+    def fig(metric: str, col: str) -> float:
+        v = got.get(metric, {}).get(col, math.nan)
+        return float(v) if isinstance(v, (int, float)) and not pd.isna(v) else math.nan
+
+    parts = []
+    g_w, g_r = fig("gen_tps_during_long_prefill", "whatif"), fig("gen_tps_during_long_prefill", "replayed")
+    n_g = got.get("gen_tps_during_long_prefill", {}).get("samples", 0)
+    if math.isfinite(g_w) and math.isfinite(g_r):
+        parts.append(f"generation during long prefills would run at ~{g_w:.2g} tok/s instead of {g_r:.2g} ({n_g} stretches)")
+    t_w, t_r = fig("chat_ttft_p95_s", "whatif"), fig("chat_ttft_p95_s", "replayed")
+    if math.isfinite(t_w) and math.isfinite(t_r):
+        parts.append(f"chat TTFT p95 {t_w:.3g} s instead of {t_r:.3g} s")
+    w_w, w_r = fig("waits_over_1s_count", "whatif"), fig("waits_over_1s_count", "replayed")
+    if math.isfinite(w_w):
+        parts.append(f"{w_w:.0f} waits of 1 s or more before prefill instead of {w_r:.0f}")
+    d_w = fig("waits_different_lora_count", "whatif")
+    if math.isfinite(d_w):
+        parts.append(f"{d_w:.0f} of them behind another LoRA setting")
+    ref = fig("calls_refused_count", "whatif")
+    if math.isfinite(ref) and ref > 0:
+        parts.append(f"{ref:.0f} calls refused (prompt longer than the per-slot context)")
+    head = f"with {label}" if label != "as logged" else "replayed as logged"
+    text = f"{head}: " + ", ".join(parts) if parts else f"{head}: nothing to compare"
+    if notes:
+        text += " (extrapolates: " + "; ".join(notes) + ")"
+    return text + "."
+
+
+CAPTIONS = {
+    "findings": "In plain words (logged settings replayed, then each what-if).",
+    "summary": "Per metric: as logged, replayed with the logged settings (the model's own error), and the "
+               f"what-if with a {LEVEL:.0%} interval from resampling users' sessions.",
+    "pass-costs": "The pass-cost model fitted on the logged passes (ms per unit of each term).",
+    "pass-fit": "Its error on the logged passes (predicted minus measured, in % of measured).",
+    "settings": "The settings: as the logs show them, and as replayed.",
+}
+
+
+def render(tables: dict[str, pd.DataFrame], file: IO[str] | None = None, width: int | None = None) -> None:
+    """Print the tables with a caption each, the findings first."""
+    console = Console(file=file, width=width, soft_wrap=False, highlight=False)
+    console.print(Rule("slotscope whatif", align="left"))
+    for name in ["findings", "summary", "pass-costs", "pass-fit", "settings"]:
+        df = tables[name]
+        console.print()
+        console.print(Rule(name, align="left"))
+        console.print(CAPTIONS[name], markup=False)
+        if name == "findings":
+            for r in df.itertuples(index=False):
+                console.print(f"- {r.finding}", markup=False)
+            continue
+        print_table(console, df.round(3) if len(df) else df)
