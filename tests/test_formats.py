@@ -131,3 +131,53 @@ def test_times_from_one_second_stamps_stay_within_what_the_stamps_allow() -> Non
     both = coarse.index[timed].intersection(fine.index)
     diff = (coarse.loc[both, "wait_before_prefill_ms"] - fine.loc[both, "wait_before_prefill_ms"]).abs()
     assert (diff <= 1000 + 1e-6).all()
+
+
+LMSTUDIO = FORMATS / "lmstudio.log"
+_PLACE = ["source", "file", "line", "release_line"]  # where the rows are read, not what they say
+
+
+def test_lmstudio_reads_the_plain_lines_tasks() -> None:
+    """LM Studio's developer log (a ``YYYY-MM-DD HH:MM:SS [DEBUG]`` header before each line,
+    the line indented by one space, heartbeats as ``n_decoded``/``tg``) reads to the plain
+    lines' tasks, each at twice its plain line number (one header line before each)."""
+    plain = read_server_logs([str(FORMATS / "plain.log")])
+    got = read_server_logs([str(LMSTUDIO)])
+    assert got.accounting.files[0].wrapper == "lmstudio"
+    assert got.accounting.unrecognized == 0
+    assert got.accounting.used == plain.accounting.used  # the headers: known, ignored
+    assert got.accounting.ignored == plain.accounting.ignored + plain.accounting.lines
+    want, tasks = plain.tasks, got.tasks
+    pd.testing.assert_frame_equal(tasks[want.columns].drop(columns=_PLACE), want.drop(columns=_PLACE))
+    assert (tasks["line"] == 2 * want["line"]).all() and (tasks["release_line"] == 2 * want["release_line"]).all()
+    gen = got.gen_samples
+    assert len(gen) == len(plain.gen_samples) > 0 and gen["tg_3s_tps"].isna().all()
+    assert (gen["tg_tps"].to_numpy() == plain.gen_samples["tg_tps"].to_numpy()).all()
+
+
+def test_lmstudio_header_times_give_the_wall_clock() -> None:
+    """The header lines stamp whole seconds: every task's launch and release is within a
+    second of when the server really wrote the line (server start + its relative time)."""
+    start_us = json.loads((FORMATS / "manifest.json").read_text())["source"]["server_start_wall_unix_us"]
+    tasks = read_server_logs([str(LMSTUDIO)]).tasks
+    start = pd.Timestamp(start_us, unit="us", tz="UTC")
+    for rel, at in (("launch_s", "launch_at"), ("release_s", "release_at")):
+        truth = start + pd.to_timedelta(tasks[rel], unit="s")
+        assert tasks[at].notna().all()
+        assert ((tasks[at] - truth).abs() < pd.Timedelta(seconds=1)).all(), at
+    # LM Studio writes local time: read in another zone, the same tasks an hour earlier in UTC.
+    paris = read_server_logs([str(LMSTUDIO)], tz="Europe/Paris").tasks
+    assert ((tasks["launch_at"] - paris["launch_at"]) == pd.Timedelta(hours=1)).all()
+
+
+def test_lmstudio_log_file_stamps_in_brackets_read_the_same(tmp_path) -> None:
+    """LM Studio's log files put the stamp in front of the line: ``[2026-11-29 07:31:43][DEBUG] ...``."""
+    lines = LMSTUDIO.read_text(encoding="utf-8").splitlines()
+    joined = [f"[{head[:19]}][DEBUG] {line[1:]}" for head, line in zip(lines[::2], lines[1::2])]
+    path = tmp_path / "lmstudio-file.log"
+    path.write_text("\n".join(joined) + "\n", encoding="utf-8")
+    want = read_server_logs([str(LMSTUDIO)])
+    got = read_server_logs([str(path)])
+    assert got.accounting.files[0].wrapper == "lmstudio-file" and got.accounting.unrecognized == 0
+    cols = [c for c in want.tasks.columns if c not in _PLACE]
+    pd.testing.assert_frame_equal(got.tasks[cols], want.tasks[cols])
