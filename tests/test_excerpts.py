@@ -115,3 +115,15 @@ def test_match_on_a_file_that_is_no_log_names_the_file(tmp_path: Path) -> None:
     res = runner.invoke(app, ["match", str(log)])
     assert res.exit_code == 1
     assert res.stderr.strip() == f"error: {log}: neither a llama-server log nor an app call log"
+
+
+def test_a_log_without_tasks_says_what_its_lines_were() -> None:
+    """An Ollama excerpt with llama.cpp's start-up JSON and Ollama's own lines: no task, and
+    the report says how its lines were read instead of computing empty sections."""
+    path = EXCERPTS / "ollama" / "13.log"
+    res = runner.invoke(app, ["analyze", str(path)])
+    assert res.exit_code == 0, res.stderr
+    assert "No task in the server log (7 lines: 0 used, 3 known and ignored, 4 unrecognized): it has no " \
+           "`slot launch_slot_` line, so there is nothing to report." in " ".join(res.stdout.split())
+    assert "─ turns" not in res.stdout and "turns ─" not in res.stdout
+    _counted(res.stderr, path)

@@ -162,9 +162,12 @@ def _header(console: Console, ds: Dataset) -> bool:
     if not servers and ds.matches is not None:
         console.print(SERVER_LOG_ADDS, markup=False)
     if servers and not ds.n_tasks:
-        console.print(f"No task in the server log ({sum(f.lines for f in servers):,} lines): it has no `slot launch_slot_` "
-                      "line, only start-up and other lines, so there is nothing to report. A log that began before the "
-                      "first request, or a server that was never asked, looks like this.", markup=False)
+        n = {k: sum(getattr(f, k) for f in servers) for k in ("lines", "used", "ignored", "unrecognized")}
+        console.print(f"No task in the server log ({n['lines']:,} lines: {n['used']:,} used, {n['ignored']:,} known and "
+                      f"ignored, {n['unrecognized']:,} unrecognized): it has no `slot launch_slot_` line, so there is "
+                      "nothing to report. A log that began before the first request, or a server that was never "
+                      "asked, looks like this; unrecognized lines are from another program or format (the summary "
+                      "shows some).", markup=False)
         return False
     return True
 
