@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from datetime import datetime
 
 import pandas as pd
@@ -15,7 +16,7 @@ import pytest
 
 from slotscope.server_log import read_server_logs
 
-from .conftest import FORMATS
+from .conftest import FORMATS, REAL
 
 MANIFEST = json.loads((FORMATS / "manifest.json").read_text())["variants"]
 
@@ -155,19 +156,39 @@ def test_lmstudio_reads_the_plain_lines_tasks() -> None:
     assert (gen["tg_tps"].to_numpy() == plain.gen_samples["tg_tps"].to_numpy()).all()
 
 
-def test_lmstudio_header_times_give_the_wall_clock() -> None:
-    """The header lines stamp whole seconds: every task's launch and release is within a
-    second of when the server really wrote the line (server start + its relative time)."""
-    start_us = json.loads((FORMATS / "manifest.json").read_text())["source"]["server_start_wall_unix_us"]
-    tasks = read_server_logs([str(LMSTUDIO)]).tasks
-    start = pd.Timestamp(start_us, unit="us", tz="UTC")
+SERVER_START_US = json.loads((FORMATS / "manifest.json").read_text())["source"]["server_start_wall_unix_us"]
+
+
+@pytest.mark.parametrize("name", ["lmstudio", "journald_short", "journald_short_iso"])
+def test_whole_second_stamps_give_the_wall_clock_to_a_few_milliseconds(name: str) -> None:
+    """Stamps cut to the whole second (LM Studio's headers, journald's short forms) are up to
+    1 s before the moment a line was written: the offset taken from the smallest stamp - server
+    time put every task up to 1 s early (-998 ms here). From the largest, each launch and
+    release is at most a few ms before when the server really wrote it (server start + its
+    relative time; 299 stamped lines), never after."""
+    tasks = read_server_logs(_paths(MANIFEST[name])).tasks
+    start = pd.Timestamp(SERVER_START_US, unit="us", tz="UTC")
     for rel, at in (("launch_s", "launch_at"), ("release_s", "release_at")):
-        truth = start + pd.to_timedelta(tasks[rel], unit="s")
+        early = start + pd.to_timedelta(tasks[rel], unit="s") - tasks[at]
         assert tasks[at].notna().all()
-        assert ((tasks[at] - truth).abs() < pd.Timedelta(seconds=1)).all(), at
+        assert ((early >= pd.Timedelta(0)) & (early < pd.Timedelta(milliseconds=10))).all(), (at, early.max())
+
+
+def test_lmstudio_header_times_give_the_wall_clock(tmp_path) -> None:
+    """LM Studio's headers are its wall clock: read in --tz, and in agreement with the app's
+    clock (no skew warning when the app log aligns the session)."""
+    tasks = read_server_logs([str(LMSTUDIO)]).tasks
     # LM Studio writes local time: read in another zone, the same tasks an hour earlier in UTC.
     paris = read_server_logs([str(LMSTUDIO)], tz="Europe/Paris").tasks
     assert ((tasks["launch_at"] - paris["launch_at"]) == pd.Timedelta(hours=1)).all()
+    from slotscope.dataset import load
+
+    shutil.copy(LMSTUDIO, tmp_path / "lmstudio.log")
+    calls = (REAL / "before" / "logs" / "app.jsonl").read_text().splitlines(keepends=True)[:25]  # (the 25 tasks' calls)
+    (tmp_path / "app.jsonl").write_text("".join(calls))
+    aligned = load([tmp_path]).matches.aligned.iloc[0]
+    assert aligned["support"] == 25 and aligned["warning"] == ""
+    assert abs(aligned["app_clock_skew_s"]) < 0.05
 
 
 def test_lmstudio_log_file_stamps_in_brackets_read_the_same(tmp_path) -> None:
