@@ -10,6 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 REAL = ROOT / "fixtures" / "real"
 FORMATS = ROOT / "fixtures" / "formats"
+EXCERPTS = ROOT / "fixtures" / "excerpts"  # real vLLM and Ollama lines from public threads
 SCENARIOS = ["before", "after", "b2048-unified", "restart", "wallclock"]
 
 

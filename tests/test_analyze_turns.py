@@ -126,3 +126,32 @@ def test_no_call_measured_gives_empty_rows(tmp_path: Path) -> None:
     assert table["by"].tolist() == ["chat turns"] * 3 + ["left out"]
     assert table["count"].tolist() == [0, 0, 0, 45]
     assert table["total_median_s"].isna().all()
+
+
+@pytest.mark.parametrize("scenario", ["before", "restart"])
+def test_an_app_log_alone_gives_each_purposes_call_duration(scenario: str) -> None:
+    """No server log: every successful call is measured by the app's own times, and the
+    counts, medians and maxima are the client's (truth.jsonl: end_ms of each call). Time to
+    first token and the cache subsets come from the server's tasks: empty, and said so."""
+    from slotscope import analyze
+
+    ds = load([REAL / scenario / "logs" / "app.jsonl"])
+    table = analyze.run(ds, strict=True)
+    assert list(table) == ["turns"]
+    got = _purpose_rows(table["turns"])
+    truth = [t for t in load_truth(scenario) if t["status"] == 200 and t["error"] is None]
+    ends: dict[str, list[float]] = {}
+    for t in truth:
+        ends.setdefault(t["purpose"], []).append(t["end_ms"] / 1000)
+    assert set(got.index) == set(ends)
+    for purpose, values in ends.items():
+        row = got.loc[purpose]
+        assert row["count"] == len(values)
+        assert row["total_median_s"] == pytest.approx(statistics.median(values), abs=0.002)
+        assert row["total_max_s"] == pytest.approx(max(values), abs=0.002)
+        assert row["ttft_count"] == 0
+    chat = table["turns"][table["turns"]["by"] == "chat turns"].set_index("group")
+    assert chat.loc["all", "count"] == sum(len(v) for p, v in ends.items() if p == "chat" or p.startswith("chat_"))
+    assert (chat.drop(index="all")["count"] == 0).all()
+    assert chat.drop(index="all")["note"].str.startswith("needs the server log").all()
+    assert (got["note"] == "call duration from the app log alone; the server log adds time to first token").all()

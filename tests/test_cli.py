@@ -267,3 +267,43 @@ def test_a_server_log_without_tasks_is_an_empty_report_that_says_why(tmp_path: P
     assert list(ds.server.tasks.columns) == list(full.server.tasks.columns) and len(ds.server.tasks) == 0
     tables = analysis.run(ds, strict=True)  # (strict: a table that fails raises)
     assert "note" not in tables["load"].columns
+
+
+APP_ALONE = REAL / "before" / "logs" / "app.jsonl"
+NEEDS_SERVER = (f"error: no llama-server log among the inputs, only the app call log {APP_ALONE} (45 calls): "
+                "{what} needs the server's tasks; an app log alone gives `slotscope analyze` (turns and calls) "
+                "and `slotscope calls`")
+
+
+def test_an_app_log_alone_gives_turns_and_calls_and_says_what_the_server_log_adds() -> None:
+    res = run("analyze", str(APP_ALONE))
+    assert res.exit_code == 0, res.stderr
+    assert "Traceback" not in res.stderr and "could not compute" not in res.stdout
+    out = " ".join(res.stdout.split())
+    assert "No llama-server log was given: only the app's own times are known" in out
+    assert "The server log would add time to first token" in out
+    sections = [line.split(" ")[0] for line in res.stdout.splitlines() if line.endswith("─") and " ─" in line]
+    assert sections == ["slotscope", "turns", "calls"]
+    assert " c-00001 " in res.stdout and "33 more rows" in out
+    csv = run("analyze", str(APP_ALONE), "--table", "turns", "-f", "csv")
+    assert csv.exit_code == 0, csv.stderr
+    turns = pd.read_csv(io.StringIO(csv.stdout)).set_index(["by", "group"])
+    assert turns.loc[("purpose", "chat"), "count"] == 31 and turns.loc[("chat turns", "all"), "count"] == 37
+
+
+@pytest.mark.parametrize("args,what", [(["analyze", "--table", "stalls"], "`stalls`"), (["timeline", "-o", "t.html"], "`timeline`"),
+                                       (["compare", "--before", str(APP_ALONE), "--after"], "`compare`")])
+def test_what_needs_the_server_log_is_one_line_on_an_app_log_alone(args: list[str], what: str) -> None:
+    res = run(*args, str(APP_ALONE))
+    assert res.exit_code == 1
+    assert res.stderr.strip().splitlines()[-1] == NEEDS_SERVER.format(what=what)
+    assert "Traceback" not in res.stderr
+
+
+def test_match_on_an_app_log_alone_lists_every_call_unmatched() -> None:
+    res = run("match", str(APP_ALONE), "-f", "csv")
+    assert res.exit_code == 0, res.stderr
+    calls = pd.read_csv(io.StringIO(res.stdout))
+    assert len(calls) == 45 and (calls["match_method"] == "unmatched:no_server_log").all()
+    assert "matched 0 of 45 calls (45 successful)" in res.stderr
+

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from datetime import datetime
 
 import pandas as pd
@@ -15,7 +16,7 @@ import pytest
 
 from slotscope.server_log import read_server_logs
 
-from .conftest import FORMATS
+from .conftest import FORMATS, REAL
 
 MANIFEST = json.loads((FORMATS / "manifest.json").read_text())["variants"]
 
@@ -131,3 +132,73 @@ def test_times_from_one_second_stamps_stay_within_what_the_stamps_allow() -> Non
     both = coarse.index[timed].intersection(fine.index)
     diff = (coarse.loc[both, "wait_before_prefill_ms"] - fine.loc[both, "wait_before_prefill_ms"]).abs()
     assert (diff <= 1000 + 1e-6).all()
+
+
+LMSTUDIO = FORMATS / "lmstudio.log"
+_PLACE = ["source", "file", "line", "release_line"]  # where the rows are read, not what they say
+
+
+def test_lmstudio_reads_the_plain_lines_tasks() -> None:
+    """LM Studio's developer log (a ``YYYY-MM-DD HH:MM:SS [DEBUG]`` header before each line,
+    the line indented by one space, heartbeats as ``n_decoded``/``tg``) reads to the plain
+    lines' tasks, each at twice its plain line number (one header line before each)."""
+    plain = read_server_logs([str(FORMATS / "plain.log")])
+    got = read_server_logs([str(LMSTUDIO)])
+    assert got.accounting.files[0].wrapper == "lmstudio"
+    assert got.accounting.unrecognized == 0
+    assert got.accounting.used == plain.accounting.used  # the headers: known, ignored
+    assert got.accounting.ignored == plain.accounting.ignored + plain.accounting.lines
+    want, tasks = plain.tasks, got.tasks
+    pd.testing.assert_frame_equal(tasks[want.columns].drop(columns=_PLACE), want.drop(columns=_PLACE))
+    assert (tasks["line"] == 2 * want["line"]).all() and (tasks["release_line"] == 2 * want["release_line"]).all()
+    gen = got.gen_samples
+    assert len(gen) == len(plain.gen_samples) > 0 and gen["tg_3s_tps"].isna().all()
+    assert (gen["tg_tps"].to_numpy() == plain.gen_samples["tg_tps"].to_numpy()).all()
+
+
+SERVER_START_US = json.loads((FORMATS / "manifest.json").read_text())["source"]["server_start_wall_unix_us"]
+
+
+@pytest.mark.parametrize("name", ["lmstudio", "journald_short", "journald_short_iso"])
+def test_whole_second_stamps_give_the_wall_clock_to_a_few_milliseconds(name: str) -> None:
+    """Stamps cut to the whole second (LM Studio's headers, journald's short forms) are up to
+    1 s before the moment a line was written: the offset taken from the smallest stamp - server
+    time put every task up to 1 s early (-998 ms here). From the largest, each launch and
+    release is at most a few ms before when the server really wrote it (server start + its
+    relative time; 299 stamped lines), never after."""
+    tasks = read_server_logs(_paths(MANIFEST[name])).tasks
+    start = pd.Timestamp(SERVER_START_US, unit="us", tz="UTC")
+    for rel, at in (("launch_s", "launch_at"), ("release_s", "release_at")):
+        early = start + pd.to_timedelta(tasks[rel], unit="s") - tasks[at]
+        assert tasks[at].notna().all()
+        assert ((early >= pd.Timedelta(0)) & (early < pd.Timedelta(milliseconds=10))).all(), (at, early.max())
+
+
+def test_lmstudio_header_times_give_the_wall_clock(tmp_path) -> None:
+    """LM Studio's headers are its wall clock: read in --tz, and in agreement with the app's
+    clock (no skew warning when the app log aligns the session)."""
+    tasks = read_server_logs([str(LMSTUDIO)]).tasks
+    # LM Studio writes local time: read in another zone, the same tasks an hour earlier in UTC.
+    paris = read_server_logs([str(LMSTUDIO)], tz="Europe/Paris").tasks
+    assert ((tasks["launch_at"] - paris["launch_at"]) == pd.Timedelta(hours=1)).all()
+    from slotscope.dataset import load
+
+    shutil.copy(LMSTUDIO, tmp_path / "lmstudio.log")
+    calls = (REAL / "before" / "logs" / "app.jsonl").read_text().splitlines(keepends=True)[:25]  # (the 25 tasks' calls)
+    (tmp_path / "app.jsonl").write_text("".join(calls))
+    aligned = load([tmp_path]).matches.aligned.iloc[0]
+    assert aligned["support"] == 25 and aligned["warning"] == ""
+    assert abs(aligned["app_clock_skew_s"]) < 0.05
+
+
+def test_lmstudio_log_file_stamps_in_brackets_read_the_same(tmp_path) -> None:
+    """LM Studio's log files put the stamp in front of the line: ``[2026-11-29 07:31:43][DEBUG] ...``."""
+    lines = LMSTUDIO.read_text(encoding="utf-8").splitlines()
+    joined = [f"[{head[:19]}][DEBUG] {line[1:]}" for head, line in zip(lines[::2], lines[1::2])]
+    path = tmp_path / "lmstudio-file.log"
+    path.write_text("\n".join(joined) + "\n", encoding="utf-8")
+    want = read_server_logs([str(LMSTUDIO)])
+    got = read_server_logs([str(path)])
+    assert got.accounting.files[0].wrapper == "lmstudio-file" and got.accounting.unrecognized == 0
+    cols = [c for c in want.tasks.columns if c not in _PLACE]
+    pd.testing.assert_frame_equal(got.tasks[cols], want.tasks[cols])

@@ -266,3 +266,16 @@ def test_two_servers_with_the_same_task_ids_keep_their_own_stalls_and_waits(tmp_
             got = mine[cols].reset_index(drop=True)
             want = single[cols].head(len(mine)).reset_index(drop=True)
             pd.testing.assert_frame_equal(got, want, check_dtype=False)
+
+
+def test_a_log_that_begins_mid_task_is_drawn_with_its_cut_tasks(tmp_path: Path) -> None:
+    """The newest part of a rotated log begins while 4 tasks run: they have no launch line,
+    so no file to point at. They are drawn, marked ``?`` (this raised a TypeError)."""
+    from .conftest import FORMATS
+
+    data = pic.timeline_data(load([FORMATS / "rotated" / "llama-server.log"]))
+    cut = data.tasks[data.tasks["status"] == "cut_at_start"]
+    assert len(cut) == 4 and (cut["where"] == "?:?").all()
+    assert data.tasks.loc[data.tasks["status"] == "complete", "where"].str.fullmatch(r"llama-server\.log:\d+").all()
+    r = runner.invoke(app, ["timeline", str(FORMATS / "rotated" / "llama-server.log"), "-o", str(tmp_path / "x.html")])
+    assert r.exit_code == 0, r.stderr

@@ -175,9 +175,18 @@ def _no_input(unusable: list[tuple[str, str]], message: str) -> NoReturn:
     raise InputError(None, None, message)
 
 
-def _need_server(acc: Accounting) -> None:
-    if not any(f.kind in ("server", "ollama") for f in acc.files):
-        _no_input(acc.unusable, "no llama-server log among the inputs")
+def _need_server(acc: Accounting, what: str = "") -> None:
+    """Stop with one line unless a llama-server log was read: the unusable file's reason, or
+    what was found instead (app logs: what ``what`` needs, and what they give alone)."""
+    if any(f.kind in ("server", "ollama") for f in acc.files):
+        return
+    apps = [f for f in acc.files if f.kind == "app"]
+    if apps and not acc.unusable:
+        found = ", ".join(f"{f.path} ({f.used:,} calls)" for f in apps)
+        raise InputError(None, None, f"no llama-server log among the inputs, only the app call log {found}: "
+                                     f"{what or 'this command'} needs the server's tasks; an app log alone gives "
+                                     "`slotscope analyze` (turns and calls) and `slotscope calls`")
+    _no_input(acc.unusable, "no llama-server log among the inputs")
 
 
 def _paths(paths: Optional[list[str]]) -> list[str]:
@@ -320,6 +329,8 @@ def match_cmd(
 
     ds = _load(_paths(paths), tz, app_columns, server_start, keep_samples=False)
     if ds.matches is None:
+        if ds.accounting.unusable:  # a file named that is no log: say so, not that a kind is missing
+            _no_input(ds.accounting.unusable, "")
         raise UsageError(None, None, "no app call log among the inputs; `match` joins one to the server log")
     if unlogged:
         output.write(where_rows(ds.matches.unlogged, where), fmt, out, title="tasks no call explains", table_columns=TASK_TABLE + ["busy_s"])
@@ -364,9 +375,8 @@ def analyze(
                             wait_threshold_s=wait_threshold, solo_gen_tps=solo_gen_tps, solo_prefill_tps=solo_prefill_tps,
                             cache_rate=cache_rate, uncached_tokens=uncached_tokens, cache_window_s=cache_window, tz=tz)
     ds = _load(paths, tz, app_columns, server_start)
-    if not len(ds.server.accounting.files):
-        _no_input(ds.accounting.unusable, "no llama-server log among the inputs")
-    _need_server(ds.accounting)
+    if ds.matches is None or table not in (None, *analysis.APP_LOG_ALONE):  # (an app log alone: its own times)
+        _need_server(ds.accounting, f"`{table}`" if table else "")
     if _exporting(table, fmt, out, names):
         output.write(analysis.run(ds, opts, [table], strict=debug)[table], fmt, out, title=table)  # type: ignore[list-item,index]
     else:
@@ -428,7 +438,7 @@ def compare_cmd(
         a_ds = _load(list(sides.after_paths), tz, app_columns, server_start)
         accounting = b_ds.accounting.merge(a_ds.accounting)
     for side_ds in (b_ds, a_ds):
-        _need_server(side_ds.accounting)
+        _need_server(side_ds.accounting, "`compare`")
     tables = cmp.compare(b_ds, a_ds, opts, seed=seed, n_boot=resamples, short_tokens=short_tokens)
     if exporting:
         output.write(tables[table], fmt, out, title=table)  # type: ignore[index]
@@ -496,7 +506,7 @@ def timeline(
     if not out:
         raise UsageError(None, None, "timeline needs -o FILE: incident.html, incident.png or incident.svg")
     ds = _load(_paths(paths), tz, app_columns, server_start)
-    _need_server(ds.accounting)
+    _need_server(ds.accounting, "`timeline`")
     write_timeline(ds, out, since=parse_when(since), until=parse_when(until))
     _say(clock_lines(ds), quiet)
     if not quiet:

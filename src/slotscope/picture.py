@@ -185,8 +185,10 @@ def _lane_of(df: pd.DataFrame, lanes: pd.DataFrame) -> np.ndarray:
 
 def _where(file: pd.Series, line: pd.Series) -> np.ndarray:
     """``name:line`` of each log line (``?`` for a line not known)."""
-    ln = pd.to_numeric(line, errors="coerce").astype("Int64").astype(str).replace("<NA>", "?")
-    return (file.astype(str).map(os.path.basename) + ":" + ln).to_numpy()
+    ln = pd.to_numeric(line, errors="coerce").astype("Int64").astype("string").fillna("?")
+    # (a task cut at the log's start has no launch line, so no file)
+    name = file.map(lambda f: os.path.basename(str(f)), na_action="ignore").astype("string").fillna("?")
+    return (name + ":" + ln).astype(object).to_numpy()
 
 
 def _either(first: pd.Series, other: pd.Series) -> pd.Series:
@@ -406,7 +408,8 @@ def timeline_data(ds: Dataset, since: When = None, until: When = None, opts: Any
     tasks = _task_table(tv, lanes, clock, tl.task_ends(tv, ds.server.sessions))
     speed = _speed_table(ds, tv, lanes, clock)
     xs = np.concatenate([_f(tasks[c]) for c in ("q", "l", "e")] + [_f(speed["b"])]) if len(tasks) else np.zeros(1)
-    lo, hi = float(np.nanmin(xs)), float(np.nanmax(xs))
+    # (tasks with no time at all, e.g. lines without llama's stamps: an empty axis, no warning)
+    lo, hi = (float(np.nanmin(xs)), float(np.nanmax(xs))) if np.isfinite(xs).any() else (0.0, 1.0)
     hi = hi if hi > lo else lo + 1.0
     notes = []
     if len(speed) > MAX_SPEED_ROWS:

@@ -1,4 +1,4 @@
-"""Capture-wrapper prefixes: journald, docker, docker compose, moreutils ``ts``, CRI.
+"""Capture-wrapper prefixes: journald, docker, docker compose, moreutils ``ts``, CRI, LM Studio.
 
 A wrapper puts a wall-clock stamp (and maybe host/identifier) in front of each llama-server
 line. It is detected once per stream from the first lines, then stripped per chunk with one
@@ -29,6 +29,11 @@ _UNIX = r"(?P<wall>\d{9,11}\.\d+)"
 # (``Sep 11 00:04:26   ollama[]:``).
 _HOST_IDENT = r" +(?:\S+ +)?[^\s\[:]+(?:\[\d*\])?: ?"
 _COMPOSE = r"[\w.-]+ *\| "
+# LM Studio's developer log: a header line ``2026-06-05 10:33:08 [DEBUG]`` (local time, whole
+# seconds) before each llama.cpp line, which is indented by one space; its log files put the
+# same stamp in brackets in front of the line (``[2026-05-25 01:28:08][DEBUG] 1.58.806.837 I slot …``).
+_LMS_STAMP = r"(?P<wall>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?)"
+_LMS_LEVEL = r"\[[A-Z]+\]"
 
 
 @dataclass(frozen=True)
@@ -37,7 +42,7 @@ class Wrapper:
 
     name: str
     pattern: str  # anchored at ^, group "wall" is the stamp (absent for compose)
-    stamp: str  # "iso" | "syslog" | "unix" | "none" | "json"
+    stamp: str  # "iso" | "syslog" | "unix" | "none" | "json" | "header" (a line of its own stamps the lines after it)
 
     @property
     def regex(self) -> str:
@@ -52,13 +57,20 @@ WRAPPERS: tuple[Wrapper, ...] = (
     Wrapper("compose-timestamps", "^" + _COMPOSE + _ISO + " ", "iso"),
     Wrapper("timestamps", "^" + _ISO + " ", "iso"),  # docker logs -t, moreutils ts, kubectl
     Wrapper("compose", "^" + _COMPOSE, "none"),
+    Wrapper("lmstudio-file", r"^\[" + _LMS_STAMP + r"\]" + _LMS_LEVEL + " ", "iso"),
 )
+# Its header line (the rest is empty, or LM Studio's own message), or the one space before a
+# line it stamps.
+LMSTUDIO = Wrapper("lmstudio", "^(?:" + _LMS_STAMP + " " + _LMS_LEVEL + " ?| )", "header")
+UNKNOWN_WALL = -2  # a line's header stamp is in an earlier block, not yet known (see strip)
 JOURNALD_JSON = Wrapper("journald-json", "", "json")
 DOCKER_JSON = Wrapper("docker-json", "", "json")
 
 _COMPILED = [(w, re.compile(w.pattern.encode())) for w in WRAPPERS]
 # What a bare llama-server line starts with (so a bare log is never taken for a wrapped one).
 _BARE = re.compile(rb"^(?:\[ *\d+\] )?(?:\d+\.\d\d\.\d{3}\.\d{3} )?(?:[IWED] )?(?:slot|srv |cmn |que |res |spec) ")
+_LMS_HEADER = re.compile(rb"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)? \[[A-Z]+\]\s*$")
+_INDENTED = re.compile(rb"^ \S")
 
 
 def detect(sample_lines: Sequence[bytes]) -> Wrapper | None:
@@ -83,6 +95,11 @@ def detect(sample_lines: Sequence[bytes]) -> Wrapper | None:
         n = sum(1 for ln in lines if rx.match(ln))
         if n > best[0]:
             best = (n, w)
+    headers = sum(1 for ln in lines if _LMS_HEADER.match(ln))
+    if headers:  # (a line that starts with a space alone is no sign of LM Studio)
+        n = headers + sum(1 for ln in lines if _INDENTED.match(ln))
+        if n > best[0]:
+            best = (n, LMSTUDIO)
     return best[1] if best[0] * 2 >= len(lines) else None
 
 
@@ -123,21 +140,42 @@ def decode_json_lines(lines: list[bytes], wrapper: Wrapper) -> tuple[list[bytes]
 
 
 def strip(
-    lines: pa.StringArray, wrapper: Wrapper, year: int, tz: str
+    lines: pa.StringArray, wrapper: Wrapper, year: int, tz: str, before: int = -1
 ) -> tuple[pa.StringArray, np.ndarray]:
-    """Strip a (non-JSON) wrapper prefix; return the bare lines and wall-clock µs (-1 = none)."""
+    """Strip a (non-JSON) wrapper prefix; return the bare lines and wall-clock µs (-1 = none).
+
+    With header lines (LM Studio), each line takes the stamp of the last header at or before
+    it, and the lines before the block's first header take ``before`` (the stamp in force at
+    the end of the previous block, or :data:`UNKNOWN_WALL` where that is not known here).
+    """
     parts = pc.extract_regex(lines, wrapper.regex)
     matched = parts.is_valid()
     rest = pc.if_else(matched, parts.field("rest"), lines)
     wall = np.full(len(lines), -1, dtype=np.int64)
     if wrapper.stamp == "none":
         return rest, wall
+    if wrapper.stamp == "header":
+        return rest, _header_walls(pc.if_else(matched, parts.field("wall"), ""), year, tz, before)
     stamps = parts.field("wall").to_pandas()
     ok = matched.to_numpy(zero_copy_only=False)
     if not ok.any():
         return rest, wall
     wall[ok] = stamps_to_us(stamps[ok], wrapper.stamp, year, tz)
     return rest, wall
+
+
+def _header_walls(stamps: pa.Array, year: int, tz: str, before: int) -> np.ndarray:
+    """Each line's stamp from the header line at or before it (``stamps``: a header's stamp,
+    else empty; ``before``: for the lines before the first header)."""
+    n = len(stamps)
+    at = np.flatnonzero(pc.not_equal(stamps, "").fill_null(False).to_numpy(zero_copy_only=False))
+    if not len(at):
+        return np.full(n, before, dtype=np.int64)
+    own = stamps_to_us(stamps.take(pa.array(at)).to_pandas(), "iso", year, tz)
+    last = np.full(n, -1, dtype=np.int64)
+    last[at] = np.arange(len(at))
+    np.maximum.accumulate(last, out=last)
+    return np.where(last >= 0, own[np.maximum(last, 0)], before).astype(np.int64)
 
 
 def stamps_to_us(stamps: pd.Series, kind: str, year: int, tz: str) -> np.ndarray:

@@ -12,6 +12,7 @@ import pandas as pd
 from rich.console import Console
 from rich.rule import Rule
 
+from .analyze import has_server_log
 from .dataset import Dataset, calls_of, tasks_of
 from .match import Matches
 from .output import print_table
@@ -36,6 +37,7 @@ CAPTIONS = {
     "ollama": "Ollama: the parallel setting against the concurrency seen, queue times, model loads, 503s, aborts.",
     "ollama-calls": "Each [GIN] call with its runner task: queue = latency - the task's launch..release (times good to ~1 s).",
     "ollama-findings": "What Ollama's lines show.",
+    "calls": "The app's calls (`slotscope calls` lists them with every column).",
 }
 # The columns a terminal report shows per table (CSV/JSON exports keep every column).
 REPORT_COLUMNS = {
@@ -56,6 +58,7 @@ REPORT_COLUMNS = {
     "cache-misses": ["user", "call_id", "purpose", "slot", "task_id", "prev_call_id", "prev_slot", "gap_s",
                      "prev_left_tokens", "cached_tokens"],
     "lora-switch": ["setting", "count", "prefill_median_ms", "alone_count", "alone_prefill_median_ms", "few_samples"],
+    "calls": ["call_id", "start_at", "purpose", "prompt_tokens", "completion_tokens", "total_ms", "status"],
 }
 # Columns whose single value is said once under the table instead of on every row.
 FOOTNOTE_COLUMNS = ["note", "basis", "solo_gen_basis", "solo_prefill_basis", "effective_chunk_tokens", "max_running",
@@ -64,6 +67,12 @@ APP_LOG_ADDS = (
     "No app call log was given: purpose, user, LoRA and queue time are unknown, so `turns`, "
     "`prefills`, `cache`, `lora-switch` and the LoRA classes of `waits` are empty. Add the app's "
     "call log (JSONL/CSV with start time and token counts) to the same folder or command line."
+)
+SERVER_LOG_ADDS = (
+    "No llama-server log was given: only the app's own times are known, so `turns` gives each purpose's call "
+    "duration. The server log would add time to first token, the queue and the wait before prefill, prefill and "
+    "generation times, stalls, load and prompt-cache reuse: add llama-server's log (`--log-timestamps "
+    "--log-prefix`) to the same folder or command line."
 )
 
 
@@ -112,6 +121,8 @@ def render(ds: Dataset, tables: dict[str, pd.DataFrame], file: IO[str] | None = 
     console = Console(file=file, width=width, soft_wrap=False, highlight=False)
     if not _header(console, ds):
         return
+    if ds.matches is not None and not has_server_log(ds):  # an app log alone: its calls, as read
+        tables = {**tables, "calls": _calls(ds)}
     for name in sorted(tables, key=lambda n: n != "findings"):  # findings first, the rest in order
         if name.startswith("ollama") and getattr(ds.server, "ollama", None) is None:
             continue  # (Ollama's sections, for Ollama's logs only)
@@ -122,13 +133,22 @@ def render(ds: Dataset, tables: dict[str, pd.DataFrame], file: IO[str] | None = 
         _section(console, name, tables[name], max_rows)
 
 
+def _calls(ds: Dataset) -> pd.DataFrame:
+    """The calls as the report lists them: start times to the millisecond, in UTC (a full ISO
+    stamp would fold over two lines)."""
+    calls = calls_of(ds, REPORT_COLUMNS["calls"])
+    at = pd.to_datetime(calls["start_at"], utc=True)
+    calls["start_at"] = at.dt.strftime("%Y-%m-%d %H:%M:%S.%f").str[:-3] + "Z"
+    return calls
+
+
 def _header(console: Console, ds: Dataset) -> bool:
     """The report's first lines: what was read, the server, the clock alignment. False where
     there is nothing more to report (a server log without tasks)."""
     # Only the column read here (the tables may wait on disk); the distinct sources made text.
     servers = [f for f in ds.server.accounting.files if f.kind == "server"]
     src = ", ".join(sorted(set(map(str, pd.unique(tasks_of(ds, ["source"])["source"]))))) if ds.n_tasks else \
-        ", ".join(f.path for f in servers) or "(no server log)"
+        ", ".join(f.path for f in servers) or ", ".join(f.path for f in ds.accounting.files) or "(no server log)"
     console.print(Rule(f"slotscope report: {src}", align="left"))
     matched = calls_of(ds, ["task_id"])["task_id"] if ds.matches is not None else None
     console.print(f"{ds.n_tasks:,} server tasks in {len(ds.server.sessions)} session(s)"
@@ -144,10 +164,15 @@ def _header(console: Console, ds: Dataset) -> bool:
                           + (f"; {r.warning}" if r.warning else ""), markup=False)
     else:
         console.print(APP_LOG_ADDS, markup=False)
+    if not servers and ds.matches is not None:
+        console.print(SERVER_LOG_ADDS, markup=False)
     if servers and not ds.n_tasks:
-        console.print(f"No task in the server log ({sum(f.lines for f in servers):,} lines): it has no `slot launch_slot_` "
-                      "line, only start-up and other lines, so there is nothing to report. A log that began before the "
-                      "first request, or a server that was never asked, looks like this.", markup=False)
+        n = {k: sum(getattr(f, k) for f in servers) for k in ("lines", "used", "ignored", "unrecognized")}
+        console.print(f"No task in the server log ({n['lines']:,} lines: {n['used']:,} used, {n['ignored']:,} known and "
+                      f"ignored, {n['unrecognized']:,} unrecognized): it has no `slot launch_slot_` line, so there is "
+                      "nothing to report. A log that began before the first request, or a server that was never "
+                      "asked, looks like this; unrecognized lines are from another program or format (the summary "
+                      "shows some).", markup=False)
         return False
     return True
 

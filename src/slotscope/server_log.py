@@ -112,6 +112,7 @@ class StreamState:
     session_has_lines: dict[int, bool] = field(default_factory=dict)
     last_header: tuple[int, int, int, int] | None = None  # (port, slot, task, ts) of a bare print_timing header
     wall_origin: int | None = None  # for logs with wall-clock stamps but no relative ones
+    header_wall: int = -1  # the stamp of the last header line (LM Studio), for the lines after it
 
 
 # --------------------------------------------------------------------------- block -> lines
@@ -276,8 +277,10 @@ def _block_lines(chunk: bytes, state: StreamState, account: FileAccount) -> tupl
     lines = _split(_clean(chunk), chunk.endswith(b"\n"))  # cleaning never adds or removes a newline
     wall = np.full(len(lines), -1, dtype=np.int64)
     if wrapper is not None:
-        bare, wall = prefixes.strip(_without_newline(lines), wrapper, state.year, state.tz)
+        bare, wall = prefixes.strip(_without_newline(lines), wrapper, state.year, state.tz, state.header_wall)
         lines = pc.binary_join_element_wise(bare, "", "\n")
+        if wrapper.stamp == "header" and len(wall):
+            state.header_wall = int(wall[-1])
     return lines, wall
 
 
@@ -333,7 +336,7 @@ def _unknown_lines(lines: pa.Array, read: _Exact, wall: np.ndarray, first_line: 
             continue
         row["line"] = first_line + int(i)
         own_wall = row.pop("wall_stamp_us", -1)
-        row["wall_us"] = int(wall[i]) if wall[i] >= 0 else own_wall
+        row["wall_us"] = int(wall[i]) if wall[i] >= 0 or own_wall < 0 else own_wall
         legacy_rows.append(row)
         if row.get("kind", 0) == 0:
             known_other += 1
@@ -402,6 +405,9 @@ def _fill_times(ev: pd.DataFrame | dict[str, np.ndarray], state: StreamState) ->
     ``ev``: a table or a dict of columns (changed columns are replaced, in either)."""
     ts = np.asarray(ev["ts_us"]).copy()
     wall = np.asarray(ev["wall_us"])
+    if (wall == prefixes.UNKNOWN_WALL).any():  # a header stamp from an earlier block (LM Studio)
+        wall = np.where(wall == prefixes.UNKNOWN_WALL, state.header_wall, wall)
+        ev["wall_us"] = wall
     if (ts < 0).all() and (wall >= 0).any():
         if state.wall_origin is None:
             state.wall_origin = int(wall[wall >= 0][0])
@@ -431,6 +437,8 @@ def _needs_earlier_lines(ev: pd.DataFrame | dict[str, np.ndarray], state: Stream
     """Whether :func:`_fill_times` would need what earlier blocks left in ``state``."""
     ts, wall = np.asarray(ev["ts_us"]), np.asarray(ev["wall_us"])
     if len(ts) and (ts < 0).all() and (wall >= 0).any() and state.wall_origin is None:
+        return True
+    if (wall == prefixes.UNKNOWN_WALL).any():
         return True
     cont = np.asarray(ev["cont"])
     if cont.any():
@@ -559,6 +567,7 @@ class _Parsed:
     ports: list[PortSessions] | None = None
     last_header: tuple[int, int, int, int] | None = None
     events: dict[str, np.ndarray] | None = None
+    header_wall: int = prefixes.UNKNOWN_WALL  # the header stamp in force at its end (UNKNOWN_WALL: none in it)
 
 
 def _parse_block(job: tuple[bytes | Span, StreamState, bool | int]) -> _Parsed:
@@ -568,11 +577,12 @@ def _parse_block(job: tuple[bytes | Span, StreamState, bool | int]) -> _Parsed:
     account = FileAccount("")
     ev = parse_chunk(data, 1, state, account, arrays=True)
     if not len(ev["line"]) or _needs_earlier_lines(ev, state):
-        return _Parsed(account, len(data), events=ev)
+        return _Parsed(account, len(data), events=ev, header_wall=state.header_wall)
     _fill_times(ev, state)
     local, ports = local_sessions(ev)
     ev["session"] = local
-    return _Parsed(account, len(data), block=fold_block(ev, keep_samples), ports=ports, last_header=state.last_header)
+    return _Parsed(account, len(data), block=fold_block(ev, keep_samples), ports=ports, last_header=state.last_header,
+                   header_wall=state.header_wall)
 
 
 def _blocks(stream: BinaryIO, lf: LogFile, size: int, pool: Pool) -> Iterator[bytes | Span]:
@@ -639,6 +649,8 @@ def read_stream(
                 elif got.events is not None:
                     got.events["line"] = got.events["line"] + offset
                     _add(asm, state, account, pd.DataFrame(got.events))
+                if got.header_wall != prefixes.UNKNOWN_WALL:  # (after _add: its lines take the stamp before)
+                    state.header_wall = got.header_wall
                 if progress is not None:
                     progress(got.nbytes)
         except InputError as e:
@@ -655,7 +667,7 @@ def _given(state: StreamState) -> StreamState:
     """What a worker needs of the stream's state (small: no per-port tables), as a new object
     for each block: parsing it may change it."""
     return StreamState(source="", wrapper=state.wrapper, wrapper_known=True, year=state.year, tz=state.tz,
-                       wall_origin=state.wall_origin)
+                       wall_origin=state.wall_origin, header_wall=prefixes.UNKNOWN_WALL)
 
 
 def _add(asm: TaskAssembler, state: StreamState, account: FileAccount, ev: pd.DataFrame) -> None:

@@ -217,8 +217,8 @@ class BlockTasks:
                 part[c] = part[c] + n
 
 
-_SESSION_INFO = ["port", "session", "first_line", "first_us", "last_us", "now_us", "offset_us", "support",
-                 "n_slots", "n_ctx_slot", "model", "build"]
+_SESSION_INFO = ["port", "session", "first_line", "first_us", "last_us", "now_us", "offset_us", "offset_hi_us",
+                 "whole_s", "support", "n_slots", "n_ctx_slot", "model", "build"]
 _SESSION_TEXT = {"model": MODEL, "build": BUILD}  # text per session: its first such line's
 
 
@@ -272,7 +272,9 @@ def _session_info(ev: dict[str, np.ndarray], text: np.ndarray | None = None) -> 
         cfg = idx[kind == CONFIG]
         for c, v in (("port", p), ("session", s), ("first_line", ev["line"][idx[0]]), ("first_us", t[0]),
                      ("last_us", t[-1]), ("now_us", t.max()),
-                     ("offset_us", (wall[w] - t[w]).min() if w.any() else -1), ("support", w.sum()),
+                     ("offset_us", (wall[w] - t[w]).min() if w.any() else -1),
+                     ("offset_hi_us", (wall[w] - t[w]).max() if w.any() else -1),
+                     ("whole_s", int((wall[w] % 1_000_000 == 0).all())), ("support", w.sum()),
                      ("n_slots", ev["v1"][cfg[0]] if len(cfg) else np.nan),
                      ("n_ctx_slot", ev["v2"][cfg[0]] if len(cfg) else np.nan)):
             out[c].append(v)
@@ -397,8 +399,15 @@ class TaskAssembler:
             })
             row["last_s"] = int(info["last_us"][i]) / 1e6
             if info["support"][i]:
-                off = int(info["offset_us"][i])
-                row["wall_offset_us"] = off if row["wall_offset_us"] is None else min(off, row["wall_offset_us"])
+                lo, hi, whole = int(info["offset_us"][i]), int(info["offset_hi_us"][i]), bool(info["whole_s"][i])
+                first = row["wall_offset_us"] is None
+                row["_lo"] = lo if first else min(lo, row["_lo"])
+                row["_hi"] = hi if first else max(hi, row["_hi"])
+                row["_whole"] = whole if first else whole and row["_whole"]
+                # A stamp is at or after the moment the line was written (a wrapper's lag): the
+                # smallest stamp - server time is the offset. Stamps cut to the whole second are
+                # up to 1 s before it: there the largest is (the closest bound from below).
+                row["wall_offset_us"] = row["_hi"] if row["_whole"] else row["_lo"]
                 row["wall_offset_support"] += int(info["support"][i])
             if not np.isnan(info["n_slots"][i]):
                 row["n_slots"] = int(info["n_slots"][i])

@@ -35,6 +35,13 @@ class Options:
 
 Analyzer = Callable[[Dataset, Options], pd.DataFrame]
 TABLES: dict[str, Analyzer] = {}
+# The tables an app call log answers alone, from its own times (no server log given).
+APP_LOG_ALONE = ["turns"]
+
+
+def has_server_log(ds: Dataset) -> bool:
+    """Whether any llama-server log was read (with tasks or not)."""
+    return any(f.kind in ("server", "ollama") for f in ds.accounting.files)
 
 
 @dataclass(frozen=True)
@@ -191,7 +198,8 @@ def _plain_table(name: str, ds: Dataset, opts: Options, strict: bool) -> pd.Data
 
 def run(ds: Dataset, opts: Options | None = None, names: list[str] | None = None, *, strict: bool = False,
         on_table: Callable[[str, int, int], None] | None = None) -> dict[str, pd.DataFrame]:
-    """Compute the report's tables (all, or ``names``) in report order.
+    """Compute the report's tables (all, or ``names``; of an app log alone, by default
+    :data:`APP_LOG_ALONE`) in report order.
 
     The questions of the busy periods are answered together, in one pass over them (two where
     one needs a first); the tables of the per-call table after them. ``findings`` is computed
@@ -202,6 +210,8 @@ def run(ds: Dataset, opts: Options | None = None, names: list[str] | None = None
     """
     opts = opts or Options()
     _import_all()
+    if names is None and ds.matches is not None and not has_server_log(ds):
+        names = APP_LOG_ALONE
     wanted, asked, plain, order = _plan(names)
 
     def said(name: str) -> None:

@@ -13,7 +13,9 @@ cache rate (``prompt_tokens_cached / prompt_tokens``) at or above ``opts.cache_r
 least ``opts.uncached_tokens`` new tokens.
 
 Only calls that succeeded and were matched to a server task are measured; the others are
-counted in ``left out`` rows with the reason.
+counted in ``left out`` rows with the reason. Of an app log given alone (no server log), the
+calls that succeeded are measured by the app's own times: their duration, and no time to
+first token or prompt-cache subset (those come from the server's tasks).
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ import pandas as pd
 
 from .. import timeline as tl
 from ..dataset import Dataset, calls_of
-from . import Options, register
+from . import Options, has_server_log, register
 
 CHAT = "chat"
 NEEDS_APP_LOG = "needs an app log (purpose/user/LoRA)"
+APP_TIMES = "call duration from the app log alone; the server log adds time to first token"
+NEEDS_SERVER_LOG = "needs the server log (each task's cached and new prompt tokens)"
 NO_PURPOSE = "(no purpose)"
 COLUMNS = [
     "by", "group", "count", "total_median_s", "total_p95_s", "total_max_s",
@@ -114,7 +118,8 @@ def turns(ds: Dataset, opts: Options) -> pd.DataFrame:
     if ds.matches is None:
         return needs_app_log(COLUMNS)
     calls = calls_of(ds, CALL_COLUMNS)
-    ok = measured_calls(calls).to_numpy()
+    alone = not has_server_log(ds)
+    ok = (calls["ok"].fillna(False).astype(bool) if alone else measured_calls(calls)).to_numpy()
     used = calls.loc[ok]
     total = tl.floats(used["total_ms"]) / 1000
     ttft = tl.floats(used["ttft_ms"]) / 1000
@@ -134,8 +139,10 @@ def turns(ds: Dataset, opts: Options) -> pd.DataFrame:
     times = [c for c in table.columns if c.endswith("_s")]
     table[times] = table[times].astype("float64").round(3)
     table["few_samples"] = table["count"] < opts.min_samples
-    table["note"] = ""
+    table["note"] = APP_TIMES if alone else ""
     table.loc[(table["by"] == "chat turns") & (table["group"] == "all"), "note"] = "purposes chat and chat_*"
+    if alone:
+        table.loc[(table["by"] == "chat turns") & (table["group"] != "all"), "note"] = NEEDS_SERVER_LOG
     if not ok.all():
         table = pd.concat([table, _left_out(calls.loc[~ok])], ignore_index=True)
     return table[COLUMNS]
