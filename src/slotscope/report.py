@@ -146,7 +146,7 @@ def _header(console: Console, ds: Dataset) -> bool:
     """The report's first lines: what was read, the server, the clock alignment. False where
     there is nothing more to report (a server log without tasks)."""
     # Only the column read here (the tables may wait on disk); the distinct sources made text.
-    servers = [f for f in ds.server.accounting.files if f.kind == "server"]
+    servers = [f for f in ds.server.accounting.files if f.kind in ("server", "ollama")]
     src = ", ".join(sorted(set(map(str, pd.unique(tasks_of(ds, ["source"])["source"]))))) if ds.n_tasks else \
         ", ".join(f.path for f in servers) or ", ".join(f.path for f in ds.accounting.files) or "(no server log)"
     console.print(Rule(f"slotscope report: {src}", align="left"))
