@@ -48,29 +48,25 @@ class Dataset:
         """
         # The calls first (the view reads a few of their columns), the view then (the tasks whole
         # and the calls' columns it adds), the tasks last: no two of them whole at once.
-        if self.matches is not None:
-            store.keep_on_disk(self.matches, "calls", "calls")
-        if self.app is not None:
-            store.keep_on_disk(self.app, "calls", "app calls")
-        store.keep_on_disk(self.server, "tasks", "tasks")
+        moved = [store.keep_on_disk(self.matches, "calls", "calls") if self.matches is not None else False,
+                 store.keep_on_disk(self.app, "calls", "app calls") if self.app is not None else False,
+                 store.keep_on_disk(self.server, "tasks", "tasks")]
         self.unload()
-        gc.collect()  # (pandas objects hold one another in cycles: the tables wait for the collector)
-        release_memory()
+        if any(moved):  # (small tables stay held: nothing was freed)
+            gc.collect()  # (pandas objects hold one another in cycles: the tables wait for the collector)
+            release_memory()
         if self._view is None:
             self._view = _task_view(self)
             self.unload()
-            release_memory()
 
     def unload(self) -> None:
         """Free the tables built from disk by reading a field (built again when read)."""
-        store.unload(self.server, "tasks")
-        if self.matches is not None:
-            store.unload(self.matches, "calls")
-        if self.app is not None:
-            store.unload(self.app, "calls")
-        if self._view is not None:
-            self._view.unload()
-        release_memory()
+        freed = [store.unload(self.server, "tasks"),
+                 self.matches is not None and store.unload(self.matches, "calls"),
+                 self.app is not None and store.unload(self.app, "calls"),
+                 self._view is not None and self._view.unload()]
+        if any(freed):
+            release_memory()
 
     @contextmanager
     def periods(self, part_tasks: int | None = None) -> Iterator[PartStore]:

@@ -383,9 +383,13 @@ class StoredTable:
             self._built = self.read()
         return self._built
 
-    def unload(self) -> None:
-        if self.files:  # (a small table is held: it has nothing else)
+    def unload(self) -> bool:
+        """Free the table built from disk (a small table is held: it has nothing else);
+        whether there was one."""
+        built = self._built is not None and bool(self.files)
+        if built:
             self._built = None
+        return built
 
     def discard(self) -> None:
         """Remove the files (the table is not read again)."""
@@ -454,11 +458,15 @@ def stored(obj: object, name: str) -> StoredTable | None:
     return v if isinstance(v, StoredTable) else None
 
 
-def keep_on_disk(obj: object, name: str, what: str) -> None:
-    """Move field ``name`` of ``obj`` (a DataFrame) to disk."""
+def keep_on_disk(obj: object, name: str, what: str) -> bool:
+    """Move field ``name`` of ``obj`` (a DataFrame) to disk; whether that freed its frame (a
+    small table stays held)."""
     v = raw(obj, name)
-    if isinstance(v, pd.DataFrame):
-        object.__setattr__(obj, name, StoredTable(v.reset_index(drop=True), what))  # (frozen ones too)
+    if not isinstance(v, pd.DataFrame):
+        return False
+    table = StoredTable(v.reset_index(drop=True), what)
+    object.__setattr__(obj, name, table)  # (frozen ones too)
+    return bool(table.files)
 
 
 def columns_of(obj: object, name: str, columns: Sequence[str]) -> pd.DataFrame:
@@ -479,11 +487,11 @@ def rows_of(obj: object, name: str, rows: np.ndarray, columns: Sequence[str]) ->
     return v[[c for c in v.columns if c in set(columns)]].take(rows).reset_index(drop=True)
 
 
-def unload(obj: object, name: str) -> None:
-    """Free the table built from disk for field ``name`` (built again when read)."""
+def unload(obj: object, name: str) -> bool:
+    """Free the table built from disk for field ``name`` (built again when read); whether
+    there was one."""
     v = raw(obj, name)
-    if isinstance(v, StoredTable):
-        v.unload()
+    return isinstance(v, StoredTable) and v.unload()
 
 
 class Buckets:
