@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import re
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -13,7 +14,7 @@ from typer.testing import CliRunner
 from slotscope import analyze as analysis
 from slotscope.cli import app
 
-from .conftest import REAL
+from .conftest import REAL, SCENARIOS
 
 runner = CliRunner()
 
@@ -93,7 +94,77 @@ def test_every_table_exports(table: str, tmp_path) -> None:
 
 def test_export_needs_a_table() -> None:
     res = run("analyze", str(REAL / "before" / "logs"), "-f", "csv")
-    assert res.exit_code == 2 and "--table NAME" in res.stderr
+    assert res.exit_code == 2 and "--table NAME" in res.stderr and "-o DIR/ writes every table" in res.stderr
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_analyze_into_a_directory_writes_every_table_as_table_writes_it(scenario: str, tmp_path: Path) -> None:
+    """`analyze logs/ -o report/`: one CSV per table, each the bytes `--table NAME -f csv`
+    writes (that command computes the table alone: ``run(ds, names=[NAME])``), and findings.md
+    with the findings' sentences."""
+    from slotscope import output
+    from slotscope.dataset import load
+
+    logs = REAL / scenario / "logs"
+    res = run("analyze", str(logs), "-o", f"{tmp_path}/report/", "-q")
+    assert res.exit_code == 0, res.stderr
+    assert res.stdout == "" and res.stderr == ""
+    names = analysis.table_names()
+    report = tmp_path / "report"
+    assert sorted(p.name for p in report.iterdir()) == sorted([f"{n}.csv" for n in names] + ["findings.md"])
+    ds = load([logs])
+    for name in names:
+        alone = analysis.run(ds, names=[name])[name]
+        assert (report / f"{name}.csv").read_bytes() == output.render_text(alone, "csv").encode(), name
+    md = (report / "findings.md").read_text()
+    first = pd.read_csv(report / "findings.csv")["finding"].iloc[0]
+    assert md.startswith("# slotscope report: ") and f"\n- {first}\n" in md and "[`stalls.csv`](stalls.csv)" in md
+
+
+def test_a_directory_export_and_one_table_are_the_same_bytes_through_the_command(tmp_path: Path) -> None:
+    logs = REAL / "before" / "logs"
+    assert run("analyze", str(logs), "-o", str(tmp_path), "-q").exit_code == 0  # an existing directory
+    for name in ("stalls", "findings"):
+        one = run("analyze", str(logs), "--table", name, "-f", "csv", "-q")
+        assert one.exit_code == 0 and (tmp_path / f"{name}.csv").read_text() == one.stdout
+
+
+@pytest.mark.parametrize("fmt", ["json", "parquet"])
+def test_a_directory_export_takes_the_format(fmt: str, tmp_path: Path) -> None:
+    logs = REAL / "restart" / "logs"
+    res = run("analyze", str(logs), "-o", f"{tmp_path}/r/", "-f", fmt)
+    assert res.exit_code == 0, res.stderr
+    names = analysis.table_names()
+    assert f"wrote {len(names)} table(s) and findings.md to {tmp_path}/r/" in res.stderr
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == sorted([f"{n}.{fmt}" for n in names] + ["findings.md"])
+    stalls = run("analyze", str(logs), "--table", "stalls", "-f", "csv", "-q").stdout
+    read = pd.read_json if fmt == "json" else pd.read_parquet
+    got = read(tmp_path / "r" / f"stalls.{fmt}")
+    pd.testing.assert_frame_equal(got, pd.read_csv(io.StringIO(stalls)), check_dtype=False)
+
+
+def test_json_without_a_table_is_every_table_in_one_object(tmp_path: Path) -> None:
+    logs = REAL / "before" / "logs"
+    res = run("analyze", str(logs), "-f", "json", "-q")
+    assert res.exit_code == 0, res.stderr
+    whole = json.loads(res.stdout)
+    assert list(whole) == analysis.table_names()
+    for name in ("waits", "findings"):
+        assert whole[name] == json.loads(run("analyze", str(logs), "--table", name, "-f", "json", "-q").stdout)
+    out = tmp_path / "report.json"
+    assert run("analyze", str(logs), "-o", str(out), "-q").exit_code == 0
+    assert out.read_text() == res.stdout
+
+
+def test_a_directory_export_refuses_a_terminal_table_and_a_file_in_the_way(tmp_path: Path) -> None:
+    logs = REAL / "before" / "logs"
+    res = run("analyze", str(logs), "-o", f"{tmp_path}/r/", "-f", "table")
+    assert res.exit_code == 2
+    assert res.stderr.strip().splitlines()[-1] == "error: a directory of tables is written as csv, json or parquet, not table"
+    (tmp_path / "f").write_text("")
+    res = run("analyze", str(logs), "-o", f"{tmp_path}/f/")
+    assert res.exit_code == 1 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines()[-1] == f"error: {tmp_path}/f/: is not a directory: cannot write the tables into it"
 
 
 def test_without_app_log_the_report_says_what_it_would_add() -> None:

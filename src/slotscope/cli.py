@@ -36,6 +36,7 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 PathsArg = Annotated[Optional[list[str]], typer.Argument(help="Log files, directories, globs, or - for stdin.", show_default=False)]
 FormatOpt = Annotated[Optional[str], typer.Option("--format", "-f", help="table | csv | json | parquet (default: table on a terminal, csv when piped, or from -o's extension).")]
 OutOpt = Annotated[Optional[str], typer.Option("--output", "-o", help="Write to this file instead of stdout.")]
+ReportOutOpt = Annotated[Optional[str], typer.Option("--output", "-o", help="Write to this file instead of stdout; a directory (DIR/): one file per table in --format (csv by default), and findings.md.")]
 SinceOpt = Annotated[Optional[str], typer.Option("--since", help="Keep tasks launched at or after this: server-clock seconds (e.g. 120) or an ISO time (needs a wall clock).")]
 UntilOpt = Annotated[Optional[str], typer.Option("--until", help="Keep tasks launched before this (same forms as --since).")]
 StrictOpt = Annotated[bool, typer.Option("--strict", help="Exit 1 when any input line is unrecognized.")]
@@ -195,13 +196,24 @@ def _paths(paths: Optional[list[str]]) -> list[str]:
     return paths
 
 
-def _exporting(table: str | None, fmt: str | None, out: str | None, names: list[str]) -> bool:
-    """Whether one table is written as data (else the report is rendered as text)."""
+def _exporting(table: str | None, fmt: str | None, out: str | None, names: list[str], every: str = "") -> bool:
+    """Whether one table is written as data (else the report is rendered as text). ``every``:
+    how the command writes every table instead, for the message that asks for one."""
     if table is None and fmt not in ("csv", "json", "parquet") and not (out and not out.endswith(".txt")):
         return False
     if table is None:
-        raise UsageError(None, None, f"exporting needs one table: --table NAME ({', '.join(names)})")
+        raise UsageError(None, None, f"exporting needs one table: --table NAME ({', '.join(names)}){every}")
     return True
+
+
+def _directory(out: str | None) -> bool:
+    """Whether ``-o`` names a directory: one that exists, or a path ending in ``/``."""
+    return out is not None and out != "-" and (out.endswith(("/", os.sep)) or os.path.isdir(out))
+
+
+def _every_table_as_json(table: str | None, fmt: str | None, out: str | None) -> bool:
+    """``analyze -f json`` (or ``-o FILE.json``) without ``--table``: the whole report as one object."""
+    return table is None and (fmt == "json" or (fmt is None and out is not None and out.lower().endswith(".json")))
 
 
 def _rows(read: Callable[..., tuple[Any, Accounting]], paths: Optional[list[str]], fmt: str | None, out: str | None,
@@ -344,7 +356,7 @@ def match_cmd(
 def analyze(
     paths: PathsArg = None,
     table: Annotated[Optional[str], typer.Option("--table", "-t", help="Only this table (see the report's section names).")] = None,
-    fmt: FormatOpt = None, out: OutOpt = None, tz: TzOpt = "UTC",
+    fmt: FormatOpt = None, out: ReportOutOpt = None, tz: TzOpt = "UTC",
     app_columns: AppColumnsOpt = None, server_start: ServerStartOpt = None,
     long_prefill: LongPrefillOpt = 15_000, big_prefill: BigPrefillOpt = 5_000, wait_threshold: WaitThresholdOpt = 1.0,
     cache_rate: Annotated[float, typer.Option(help="turns: the subset of chat turns with at least this prompt-cache rate.")] = 0.95,
@@ -363,7 +375,7 @@ def analyze(
 
     from . import output
     from . import analyze as analysis
-    from .report import clock_lines, render
+    from .report import clock_lines, export, export_format, render
 
     if not paths:
         paths = [str(resources.files("slotscope") / "examples" / "before")]
@@ -374,22 +386,35 @@ def analyze(
     opts = analysis.Options(long_prefill_tokens=long_prefill, big_prefill_tokens=big_prefill,
                             wait_threshold_s=wait_threshold, solo_gen_tps=solo_gen_tps, solo_prefill_tps=solo_prefill_tps,
                             cache_rate=cache_rate, uncached_tokens=uncached_tokens, cache_window_s=cache_window, tz=tz)
+    to_dir = _directory(out)
+    if to_dir:
+        fmt = export_format(fmt)
+    as_json = not to_dir and _every_table_as_json(table, fmt, out)
+    one = not (to_dir or as_json) and _exporting(table, fmt, out, names, every="; -o DIR/ writes every table, -f json all in one object")
     ds = _load(paths, tz, app_columns, server_start)
     if ds.matches is None or table not in (None, *analysis.APP_LOG_ALONE):  # (an app log alone: its own times)
         _need_server(ds.accounting, f"`{table}`" if table else "")
-    if _exporting(table, fmt, out, names):
+    if one:
         output.write(analysis.run(ds, opts, [table], strict=debug)[table], fmt, out, title=table)  # type: ignore[list-item,index]
     else:
         with _status(paths) as say:
-            tables = analysis.run(ds, opts, strict=debug, on_table=lambda name, i, n: say(f"computing {name} ({i}/{n})"))
-        if html_out:
+            tables = analysis.run(ds, opts, None if table is None else [table], strict=debug,
+                                  on_table=lambda name, i, n: say(f"computing {name} ({i}/{n})"))
+        if html_out and table is None:
             from .picture import report_html
 
             report_html(ds, tables, html_out)
             if not quiet:
                 err.print(f"wrote {html_out}", markup=False)
-        with open(out, "w") if out else nullcontext() as target:
-            render(ds, tables, file=target, width=None if output.is_terminal(sys.stdout) and not out else 100)
+        if to_dir:
+            written = export(ds, tables, out, fmt)  # type: ignore[arg-type]
+            if not quiet:
+                err.print(f"wrote {len(written) - 1} table(s) and findings.md to {out}", markup=False)
+        elif as_json:
+            output.write_tables(tables, out)
+        else:
+            with open(out, "w") if out else nullcontext() as target:
+                render(ds, tables, file=target, width=None if output.is_terminal(sys.stdout) and not out else 100)
     _say(clock_lines(ds), quiet)
     _finish(ds.accounting, strict, quiet)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import io
 import itertools
+import json
 import math
 import os
 import sys
@@ -553,6 +554,17 @@ def write(
             text.to_json(buf, orient="records", force_ascii=False)
             buf.write("\n")
     return chosen
+
+
+def write_tables(tables: dict[str, pd.DataFrame], out: str | None = None, *, stdout: IO[str] | None = None) -> None:
+    """Every table in one JSON object, ``{"NAME": [records], ...}`` in the order given: each
+    value is what :func:`write` writes for that table as JSON."""
+    with _opened(out, stdout) as buf:
+        buf.write("{")
+        for i, (name, df) in enumerate(tables.items()):
+            buf.write(("," if i else "") + json.dumps(name, ensure_ascii=False) + ":")
+            for_text(df).to_json(buf, orient="records", force_ascii=False)
+        buf.write("}\n")
 
 
 def write_batches(

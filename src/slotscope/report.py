@@ -6,6 +6,7 @@ terminal or a pipe; any single table can be exported instead with ``--table NAME
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import IO
 
 import pandas as pd
@@ -14,8 +15,9 @@ from rich.rule import Rule
 
 from .analyze import has_server_log
 from .dataset import Dataset, calls_of, tasks_of
+from .errors import InputError, UsageError
 from .match import Matches
-from .output import print_table
+from .output import print_table, write
 
 # One-line explanations printed above each table.
 CAPTIONS = {
@@ -119,13 +121,15 @@ def render(ds: Dataset, tables: dict[str, pd.DataFrame], file: IO[str] | None = 
            max_rows: int = 12) -> None:
     """Print the whole report: alignment, findings first, then every table with its caption."""
     console = Console(file=file, width=width, soft_wrap=False, highlight=False)
-    if not _header(console, ds):
+    title, lines, has_tasks = _header(ds)
+    console.print(Rule(title, align="left"))
+    for line in lines:
+        console.print(line, markup=False)
+    if not has_tasks:
         return
     if ds.matches is not None and not has_server_log(ds):  # an app log alone: its calls, as read
         tables = {**tables, "calls": _calls(ds)}
-    for name in sorted(tables, key=lambda n: n != "findings"):  # findings first, the rest in order
-        if name.startswith("ollama") and getattr(ds.server, "ollama", None) is None:
-            continue  # (Ollama's sections, for Ollama's logs only)
+    for name in _sections(ds, tables):
         console.print()
         console.print(Rule(name, align="left"))
         if name in CAPTIONS:
@@ -142,49 +146,110 @@ def _calls(ds: Dataset) -> pd.DataFrame:
     return calls
 
 
-def _header(console: Console, ds: Dataset) -> bool:
-    """The report's first lines: what was read, the server, the clock alignment. False where
-    there is nothing more to report (a server log without tasks)."""
+def _sections(ds: Dataset, tables: dict[str, pd.DataFrame]) -> list[str]:
+    """The tables the report prints: findings first, the rest in the order they were made
+    (report order); Ollama's for Ollama's logs only."""
+    ollama = getattr(ds.server, "ollama", None) is not None
+    return [n for n in sorted(tables, key=lambda n: n != "findings") if ollama or not n.startswith("ollama")]
+
+
+def markdown(ds: Dataset, tables: dict[str, pd.DataFrame], files: dict[str, str] | None = None) -> str:
+    """The report's header and its sentences (findings, what wasn't the cause) as Markdown, then
+    each table's caption and, with ``files``, the file that holds it (``findings.md`` of
+    ``slotscope analyze -o DIR/``)."""
+    title, lines, _ = _header(ds)
+    out = [f"# {title}", "", *(f"{line}  " for line in lines), ""]
+    for name in _sections(ds, tables):
+        said = _sentences(name, tables[name])
+        if said is not None:
+            out += [f"## {name}", "", CAPTIONS.get(name, ""), "", *(f"- {text}" for text in said), ""]
+    if files:
+        out += ["## tables", ""]
+        out += [f"- [`{files[n]}`]({files[n]}): {CAPTIONS.get(n, '')}" for n in tables if n in files]
+        out.append("")
+    return "\n".join(out)
+
+
+def export_format(fmt: str | None) -> str:
+    """The format of a directory of tables (``--format``; csv when not given), checked."""
+    if fmt not in (None, "csv", "json", "parquet"):
+        raise UsageError(None, None, f"a directory of tables is written as csv, json or parquet, not {fmt}")
+    return fmt or "csv"
+
+
+def export(ds: Dataset, tables: dict[str, pd.DataFrame], directory: str, fmt: str = "csv") -> list[Path]:
+    """Write each table to ``directory/NAME.csv`` (or ``.json``, ``.parquet``: ``fmt``), the
+    bytes ``--table NAME`` writes, and ``findings.md`` (:func:`markdown`); the directory is made
+    if need be. The paths written, ``findings.md`` last."""
+    fmt = export_format(fmt)
+    where = Path(directory)
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise InputError(directory, None, "is not a directory: cannot write the tables into it") from None
+    except OSError as e:
+        raise InputError(directory, None, f"cannot make the directory: {e.strerror}") from None
+    files = {name: f"{name}.{fmt}" for name in tables}
+    written = []
+    try:
+        for name, df in tables.items():
+            write(df, fmt, str(where / files[name]), title=name)
+            written.append(where / files[name])
+        (where / "findings.md").write_text(markdown(ds, tables, files), encoding="utf-8")
+    except OSError as e:
+        raise InputError(e.filename or directory, None, f"cannot write: {e.strerror}") from None
+    return written + [where / "findings.md"]
+
+
+def _header(ds: Dataset) -> tuple[str, list[str], bool]:
+    """The report's title and first lines: what was read, the server, the clock alignment; and
+    whether there is more to report (False: a server log without tasks)."""
     # Only the column read here (the tables may wait on disk); the distinct sources made text.
     servers = [f for f in ds.server.accounting.files if f.kind in ("server", "ollama")]
     src = ", ".join(sorted(set(map(str, pd.unique(tasks_of(ds, ["source"])["source"]))))) if ds.n_tasks else \
         ", ".join(f.path for f in servers) or ", ".join(f.path for f in ds.accounting.files) or "(no server log)"
-    console.print(Rule(f"slotscope report: {src}", align="left"))
+    lines = []
     matched = calls_of(ds, ["task_id"])["task_id"] if ds.matches is not None else None
-    console.print(f"{ds.n_tasks:,} server tasks in {len(ds.server.sessions)} session(s)"
-                  + (f"; {len(matched):,} app calls, {int(matched.notna().sum()):,} matched"
-                     if matched is not None else ""), markup=False)
+    lines.append(f"{ds.n_tasks:,} server tasks in {len(ds.server.sessions)} session(s)"
+                 + (f"; {len(matched):,} app calls, {int(matched.notna().sum()):,} matched"
+                    if matched is not None else ""))
     setup = setup_line(ds.server.sessions)
     if setup:
-        console.print(setup, markup=False)
+        lines.append(setup)
     if ds.matches is not None:
         for r in ds.matches.aligned.itertuples(index=False):
             at = r.server_start_at.isoformat(timespec="seconds") if not pd.isna(r.server_start_at) else "unknown"
-            console.print(f"session {r.session}: server clock zero at {at} ({r.method}, {r.support} supporting calls)"
-                          + (f"; {r.warning}" if r.warning else ""), markup=False)
+            lines.append(f"session {r.session}: server clock zero at {at} ({r.method}, {r.support} supporting calls)"
+                         + (f"; {r.warning}" if r.warning else ""))
     else:
-        console.print(APP_LOG_ADDS, markup=False)
+        lines.append(APP_LOG_ADDS)
     if not servers and ds.matches is not None:
-        console.print(SERVER_LOG_ADDS, markup=False)
+        lines.append(SERVER_LOG_ADDS)
     if servers and not ds.n_tasks:
         n = {k: sum(getattr(f, k) for f in servers) for k in ("lines", "used", "ignored", "unrecognized")}
-        console.print(f"No task in the server log ({n['lines']:,} lines: {n['used']:,} used, {n['ignored']:,} known and "
-                      f"ignored, {n['unrecognized']:,} unrecognized): it has no `slot launch_slot_` line, so there is "
-                      "nothing to report. A log that began before the first request, or a server that was never "
-                      "asked, looks like this; unrecognized lines are from another program or format (the summary "
-                      "shows some).", markup=False)
-        return False
-    return True
+        lines.append(f"No task in the server log ({n['lines']:,} lines: {n['used']:,} used, {n['ignored']:,} known and "
+                     f"ignored, {n['unrecognized']:,} unrecognized): it has no `slot launch_slot_` line, so there is "
+                     "nothing to report. A log that began before the first request, or a server that was never "
+                     "asked, looks like this; unrecognized lines are from another program or format (the summary "
+                     "shows some).")
+        return f"slotscope report: {src}", lines, False
+    return f"slotscope report: {src}", lines, True
+
+def _sentences(name: str, df: pd.DataFrame) -> list[str] | None:
+    """A table the report gives as sentences (findings, ruled-out), as them; None for the others."""
+    if name in ("findings", "ollama-findings"):
+        return [str(text) for text in df.get("finding", pd.Series(dtype=str))]
+    if name == "ruled-out" and "hypothesis" in df.columns:
+        return [f"{r.hypothesis}: {r.verdict}. {r.figure} ({r.samples:,} samples)" for r in df.itertuples(index=False)]
+    return None
 
 
 def _section(console: Console, name: str, df: pd.DataFrame, max_rows: int) -> None:
     """One table of the report: sentences (findings, ruled-out), a note, or the table."""
-    if name in ("findings", "ollama-findings"):
-        for text in df.get("finding", pd.Series(dtype=str)):
+    said = _sentences(name, df)
+    if said is not None:
+        for text in said:
             console.print(f"- {text}", markup=False)
-    elif name == "ruled-out" and "hypothesis" in df.columns:
-        for r in df.itertuples(index=False):
-            console.print(f"- {r.hypothesis}: {r.verdict}. {r.figure} ({r.samples:,} samples)", markup=False)
     elif "note" in df.columns and df.drop(columns=["note"]).dropna(how="all").empty:
         for note in df["note"].dropna().unique():
             console.print(str(note), markup=False)
