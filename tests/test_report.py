@@ -238,3 +238,40 @@ def test_a_table_wider_than_the_page_shows_the_columns_that_fit(name: str) -> No
         cells = [_cell(rec[c]) for c in kept]
         whole = [x for x in cells if x and " " not in x and len(x) <= 24]
         assert any(b[:1] == cells[:1] and all(x in b for x in whole) for b in body), (i, cells)
+
+
+def test_shares_print_as_percentages_on_the_terminal_and_as_fractions_in_csv() -> None:
+    logs = REAL / "before" / "logs"
+    load = pd.read_csv(io.StringIO(run("analyze", str(logs), "--table", "load", "-f", "csv", "-q").stdout))
+    overall = load[load["scope"] == "overall"]
+    assert load["share"].between(0, 1).all() and abs(overall["share"].sum() - 1) < 1e-3
+    report = run("analyze", str(logs), "-q").stdout
+    section = report.split("\nload ─")[1].split("\nbreakdown ─")[0]
+    for r in overall.itertuples():
+        row = next(line.split() for line in section.splitlines() if line.split()[:2] == ["overall", str(r.running)])
+        assert row[-1] == f"{100 * r.share:.3g}%"
+    assert " 100%" in report.split("\nbreakdown ─")[1].split("\nstalls ─")[0]  # the total row
+
+
+def test_the_terminal_shows_short_labels_and_csv_the_stable_names() -> None:
+    """A header wraps between words only, and the long names become short labels: the stalls
+    table's `median_tg_3s_tps` is `median tok/s` on the terminal (four lines of header before)."""
+    logs = REAL / "before" / "logs"
+    section = run("analyze", str(logs), "-q").stdout.split("\nstalls ─")[1].split("\nstalls-worst ─")[0]
+    head = section.splitlines()[2:5]  # the caption, a blank line, then the header
+    words = " ".join(head).split()
+    assert {"median", "p10", "pooled", "tok/s"} <= set(words) and "tg" not in words and "3s" not in words
+    assert len([line for line in head if line.strip()]) == 2
+    csv = run("analyze", str(logs), "--table", "stalls", "-f", "csv", "-q").stdout
+    assert csv.splitlines()[0].startswith("class,samples,median_tg_3s_tps,p10_tg_3s_tps,tokens,seconds,tok_per_s_pooled")
+
+
+def test_a_source_path_longer_than_the_page_is_not_cut(tmp_path: Path) -> None:
+    import shutil
+
+    deep = tmp_path / ("captured-on-the-production-host-" * 3) / "logs"
+    shutil.copytree(REAL / "before" / "logs", deep)
+    res = run("analyze", str(deep), "-q")
+    assert res.exit_code == 0
+    lines = res.stdout.splitlines()
+    assert lines[1] == "slotscope report:" and lines[2] == f"  {deep / 'llama-server.log'}"

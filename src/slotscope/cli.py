@@ -425,6 +425,25 @@ def demo() -> None:
     analyze(paths=None)
 
 
+@command()
+def explain(
+    term: Annotated[Optional[list[str]], typer.Argument(help="A table's name or a term the report prints, e.g. basis, few samples, deferred (none: every entry).", show_default=False)] = None,
+) -> None:
+    """What a table or a term of the report means, one line each: the glossary (a table's
+    entry lists its columns too)."""
+    from . import glossary
+    from .report import REPORT_COLUMNS
+
+    asked = " ".join(term) if term else None
+    said = glossary.explain(asked, REPORT_COLUMNS)
+    if said is None:
+        near = glossary.near(asked or "")
+        raise UsageError(None, None, f"no glossary entry for {asked!r}; "
+                         + (f"did you mean {', '.join(near)}?" if near else "`slotscope explain` lists every entry"))
+    for line in said:
+        typer.echo(line)
+
+
 @command("compare")
 def compare_cmd(
     paths: PathsArg = None, before: SideOpt = None, after: SideOpt = None,

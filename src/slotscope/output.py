@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .errors import UsageError  # noqa: F401 - raised here and by the CLI
+from .glossary import label
 
 Format = Literal["table", "csv", "json", "parquet"]
 FORMATS = ("table", "csv", "json", "parquet")
@@ -470,14 +471,27 @@ def rich_table(df: pd.DataFrame, title: str | None = None, max_rows: int | None 
 
 
 def _header(c: object) -> str:
-    return str(c).replace("_", " ")
+    return label(str(c))
+
+
+def _percent(v: object) -> str:
+    """A share (0-1) as a percentage, three significant digits: 0.488 -> "48.8%"."""
+    if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)):
+        return ""
+    p = 100 * float(v)  # type: ignore[arg-type]
+    return "0%" if p == 0 else f"{p:.3g}%"
+
+
+def _is_share(c: object) -> bool:
+    """A column of shares (0-1), which a terminal shows as percentages (CSV keeps the fractions)."""
+    return str(c) == "share" or str(c).endswith("_share")
 
 
 def _columns(rows: pd.DataFrame) -> dict[object, tuple[list[str], int]]:
     """Each column's cells and width (see :func:`rich_table`)."""
     out = {}
     for c in rows.columns:
-        cells = [_cell(v) for v in rows[c].tolist()]
+        cells = [(_percent if _is_share(c) else _cell)(v) for v in rows[c].tolist()]
         width = min(max((len(x) for x in cells), default=0), 24)
         out[c] = (cells, max([width, *(len(w) for w in _header(c).split())]))
     return out

@@ -16,31 +16,13 @@ from rich.rule import Rule
 from .analyze import has_server_log
 from .dataset import Dataset, calls_of, tasks_of
 from .errors import InputError, UsageError
+from .glossary import TABLES, TERMS, label
 from .match import Matches
 from .output import print_table, write
 
-# One-line explanations printed above each table.
-CAPTIONS = {
-    "turns": "Time per call by purpose: total and time to first token (includes queue and wait before prefill).",
-    "load": "Share of time with 0, 1, 2, ... tasks running.",
-    "breakdown": "Where processing time went: own generation and prefill at solo speed, contention, waits, queue.",
-    "stalls": "Generation speed of a slot by what the other slots did meanwhile (segments between heartbeats).",
-    "stalls-worst": "The slowest generation stretches and the task that caused them.",
-    "waits": "Waits of 1 s or more before a prefill started, by what ran meanwhile.",
-    "waits-worst": "The longest waits before prefill and the task that held the batch.",
-    "prefills": "Long prefills (5,000+ new tokens) by purpose and by cause.",
-    "prefill-speed": "Prefill speed by tokens advanced per step; the common step is the effective batch.",
-    "context": "Generation speed by context length.",
-    "cache": "Prompt-cache misses among consecutive turns of one user.",
-    "cache-misses": "The misses.",
-    "lora-switch": "Prefill time of short prompts right after a LoRA change vs the same setting.",
-    "ruled-out": "What wasn't the cause: each hypothesis against its figure.",
-    "findings": "What the numbers show.",
-    "ollama": "Ollama: the parallel setting against the concurrency seen, queue times, model loads, 503s, aborts.",
-    "ollama-calls": "Each [GIN] call with its runner task: queue = latency - the task's launch..release (times good to ~1 s).",
-    "ollama-findings": "What Ollama's lines show.",
-    "calls": "The app's calls (`slotscope calls` lists them with every column).",
-}
+# One-line explanations printed above each table (the glossary's, which `slotscope explain` prints);
+# `calls` is the section of an app log given alone.
+CAPTIONS = {**TABLES, "calls": TERMS["calls"]}
 # The columns a terminal report shows per table (CSV/JSON exports keep every column).
 REPORT_COLUMNS = {
     "turns": ["by", "group", "count", "total_median_s", "total_p95_s", "total_max_s", "ttft_median_s", "ttft_p95_s",
@@ -122,7 +104,12 @@ def render(ds: Dataset, tables: dict[str, pd.DataFrame], file: IO[str] | None = 
     """Print the whole report: alignment, findings first, then every table with its caption."""
     console = Console(file=file, width=width, soft_wrap=False, highlight=False)
     title, lines, has_tasks = _header(ds)
-    console.print(Rule(title, align="left"))
+    if len(title) + 4 <= console.width:
+        console.print(Rule(title, align="left"))
+    else:  # a rule would cut the paths: each on a line of its own, whole
+        console.print(Rule())
+        for text in _title_lines(title):
+            console.print(text, markup=False, soft_wrap=True)
     for line in lines:
         console.print(line, markup=False)
     if not has_tasks:
@@ -144,6 +131,12 @@ def _calls(ds: Dataset) -> pd.DataFrame:
     at = pd.to_datetime(calls["start_at"], utc=True)
     calls["start_at"] = at.dt.strftime("%Y-%m-%d %H:%M:%S.%f").str[:-3] + "Z"
     return calls
+
+
+def _title_lines(title: str) -> list[str]:
+    """A title too long for the page: its head, then each source it names on a line."""
+    head, _, sources = title.partition(": ")
+    return [f"{head}:", *(f"  {src}" for src in sources.split(", "))]
 
 
 def _sections(ds: Dataset, tables: dict[str, pd.DataFrame]) -> list[str]:
@@ -256,8 +249,9 @@ def _section(console: Console, name: str, df: pd.DataFrame, max_rows: int) -> No
     elif df.empty:
         console.print("(no rows)", markup=False)
     else:
-        print_table(console, _readable(name, df), max_rows=max_rows)
-        for text in _footnotes(df):
+        shown = _readable(name, df)
+        print_table(console, shown, max_rows=max_rows)
+        for text in _footnotes(df, str(shown.columns[0]) if len(shown.columns) else None):
             console.print(f"  {text}", markup=False)
 
 
@@ -274,14 +268,17 @@ def _readable(name: str, df: pd.DataFrame) -> pd.DataFrame:
     return df[[c for c in cols if c in df.columns]]
 
 
-def _footnotes(df: pd.DataFrame) -> list[str]:
-    """``name: value`` for bookkeeping columns that hold one value (or a few) for the whole table."""
+def _footnotes(df: pd.DataFrame, key: str | None = None) -> list[str]:
+    """``name: value`` for bookkeeping columns that hold one value (or a few) for the whole table;
+    where they hold a few and ``key`` names each row once, each value with the rows it is of."""
     out = []
     for c in FOOTNOTE_COLUMNS:
         if c not in df.columns:
             continue
         vals = [v for v in df[c].dropna().unique().tolist() if v != ""]
         if 1 <= len(vals) <= 3:
-            shown = "; ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in vals)
-            out.append(f"{c.replace('_', ' ')}: {shown}")
+            texts = [f"{v:g}" if isinstance(v, float) else str(v) for v in vals]
+            if len(vals) > 1 and key not in (None, c) and key in df.columns and df[key].is_unique:
+                texts = [f"{t} ({', '.join(map(str, df.loc[df[c] == v, key]))})" for t, v in zip(texts, vals)]
+            out.append(f"{label(c)}: {'; '.join(texts)}")
     return out
