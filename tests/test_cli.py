@@ -29,11 +29,42 @@ def run(*args: str):
     return runner.invoke(app, list(args))
 
 
-@pytest.mark.parametrize("cmd", ["tasks", "samples", "calls", "match", "analyze"])
+@pytest.mark.parametrize("cmd", ["tasks", "samples", "calls", "match", "analyze", "demo", "explain", "compare", "timeline", "whatif"])
 def test_every_command_has_help(cmd: str) -> None:
     res = run(cmd, "--help")
     assert res.exit_code == 0
     assert "Usage" in res.stdout
+    assert "<bool>" not in res.stdout  # a flag is shown as a flag: `--strict`, not `--strict <bool>`
+
+
+def test_version() -> None:
+    import tomllib
+
+    import slotscope
+
+    res = run("--version")
+    assert res.exit_code == 0 and res.stdout == f"slotscope {slotscope.__version__}\n"
+    project = tomllib.loads((REAL.parent.parent / "pyproject.toml").read_text())["project"]
+    assert slotscope.__version__ == project["version"]
+
+
+def test_flags_read_as_flags_in_help() -> None:
+    text = run("analyze", "--help").stdout
+    for flag in ("--strict", "--quiet", "--help"):
+        line = next(line for line in text.splitlines() if f" {flag} " in line)
+        assert "<" not in line and "BOOL" not in line.upper(), line
+    assert "<bool>" not in run("--help").stdout
+
+
+def test_analyze_help_lists_the_table_names_and_the_shell_completes_them() -> None:
+    from slotscope import analyze as analysis
+
+    text = " ".join(run("analyze", "--help").stdout.replace("│", " ").split())
+    assert f"Only this table: {', '.join(analysis.table_names())} (`slotscope explain TABLE`" in text
+    assert "--install-completion" in run("--help").stdout
+    env = {"_SLOTSCOPE_COMPLETE": "complete_bash", "COMP_WORDS": "slotscope analyze --table st", "COMP_CWORD": "3"}
+    res = runner.invoke(app, [], env=env, prog_name="slotscope")
+    assert res.stdout.split() == ["stalls", "stalls-worst"]
 
 
 def test_tasks_csv_when_piped_has_the_stable_columns_first() -> None:

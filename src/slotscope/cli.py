@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING, Annotated, Any, Callable, Iterator, NoReturn, 
 
 import typer
 from rich.console import Console
+from typer.core import TyperCommand, TyperGroup
 
 from .errors import InputError, SlotscopeError, UsageError
+from .glossary import TABLES
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -24,8 +26,28 @@ if TYPE_CHECKING:
 # The library (pandas, pyarrow) is imported by the commands that run, not here: `slotscope
 # --help` and a usage error answer without it.
 
+class _FlagsAsFlags:
+    """Help that shows a flag as a flag, ``--strict``: typer 0.2x writes ``--strict <bool>``
+    (``--help <bool>`` too), as if it took a value."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        params = super().get_params(ctx)  # type: ignore[misc]
+        for p in params:
+            if getattr(p, "is_flag", False) and p.metavar is None:
+                p.metavar = ""
+        return params
+
+
+class _Command(_FlagsAsFlags, TyperCommand):
+    pass
+
+
+class _Group(_FlagsAsFlags, TyperGroup):
+    pass
+
+
 app = typer.Typer(
-    add_completion=False,
+    cls=_Group,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     help="Explain why a self-hosted llama-server felt slow: join its log with the app's call log, task by task.",
@@ -47,7 +69,7 @@ WaitThresholdOpt = Annotated[float, typer.Option("--wait-threshold", help="Secon
 WhereOpt = Annotated[Optional[str], typer.Option("--where", "-w", help="Keep rows matching a condition on the columns, e.g. \"wait_before_prefill_ms >= 1000 and slot == 2\".")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No summary on stderr.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks.", hidden=True)]
-AppColumnsOpt = Annotated[Optional[str], typer.Option("--app-columns", help="Map app-log fields explicitly: start=ts,purpose=kind,... or a TOML file with a [columns] table.")]
+AppColumnsOpt = Annotated[Optional[str], typer.Option("--app-columns", help="Map app-log fields explicitly: start=ts,purpose=kind,... or a TOML file with a columns table.")]
 ServerStartOpt = Annotated[Optional[str], typer.Option("--server-start", help="Wall time of the server's clock zero (overrides alignment), ISO-8601.")]
 SideOpt = Annotated[Optional[list[str]], typer.Option(help="START..END: a wall-clock window of PATHS (ISO times or dates; tasks by launch time), or this side's own logs (files or directories; repeat for several).", show_default=False)]
 
@@ -82,7 +104,7 @@ def command(name: str | None = None) -> Callable[[Callable[..., None]], Callable
                 err.print(f"error: {e}", markup=False)
                 raise typer.Exit(2 if isinstance(e, UsageError) else 1) from None
 
-        return app.command(name)(wrapper)
+        return app.command(name, cls=_Command)(wrapper)
 
     return deco
 
@@ -355,7 +377,7 @@ def match_cmd(
 @command()
 def analyze(
     paths: PathsArg = None,
-    table: Annotated[Optional[str], typer.Option("--table", "-t", help="Only this table (see the report's section names).")] = None,
+    table: Annotated[Optional[str], typer.Option("--table", "-t", help=f"Only this table: {', '.join(TABLES)} (`slotscope explain TABLE` says what each holds).", autocompletion=lambda: list(TABLES))] = None,
     fmt: FormatOpt = None, out: ReportOutOpt = None, tz: TzOpt = "UTC",
     app_columns: AppColumnsOpt = None, server_start: ServerStartOpt = None,
     long_prefill: LongPrefillOpt = 15_000, big_prefill: BigPrefillOpt = 5_000, wait_threshold: WaitThresholdOpt = 1.0,
@@ -429,8 +451,10 @@ def demo() -> None:
 def explain(
     term: Annotated[Optional[list[str]], typer.Argument(help="A table's name or a term the report prints, e.g. basis, few samples, deferred (none: every entry).", show_default=False)] = None,
 ) -> None:
-    """What a table or a term of the report means, one line each: the glossary (a table's
-    entry lists its columns too)."""
+    """What a table or a term of the report means, one line each (the glossary).
+
+    A table's entry lists the columns the report shows of it, each with its line.
+    """
     from . import glossary
     from .report import REPORT_COLUMNS
 
@@ -556,6 +580,22 @@ def timeline(
     if not quiet:
         err.print(f"wrote {out}", markup=False)
     _finish(ds.accounting, strict, quiet)
+
+
+def _version(shown: bool) -> None:
+    if shown:
+        from . import __version__
+
+        typer.echo(f"slotscope {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[bool, typer.Option("--version", help="Print slotscope's version and exit.", is_eager=True, callback=_version)] = False,
+) -> None:
+    # No docstring: the app's help (typer.Typer(help=...)) is the one shown.
+    pass
 
 
 def main() -> None:
