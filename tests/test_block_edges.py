@@ -16,7 +16,7 @@ import pytest
 from slotscope import server_log
 from slotscope.server_log import read_server_logs
 
-from .conftest import REAL, SCENARIOS
+from .conftest import FORMATS, REAL, SCENARIOS
 
 SMALL = 3 << 10  # a few KB: 20-40 blocks per capture
 TABLES = ("tasks", "gen_samples", "prefill_samples", "sessions")
@@ -136,6 +136,20 @@ def test_a_task_id_used_again_is_read_as_one_task_whatever_the_blocks(tmp_path: 
     assert one.loc[one["task_id"] == tid, "line"].tolist() == [launch + 1]
     for jobs in (1, 2):
         pd.testing.assert_frame_equal(read_server_logs([path], chunk_size=edge, jobs=jobs).tasks, one, check_exact=True)
+
+
+def test_the_wrapper_is_decided_by_the_first_lines_not_the_first_block(tmp_path: Path) -> None:
+    """journalctl starts its output with a header line of its own (and one at each boot):
+    in blocks of a few lines, the first block was mostly such lines and the stream was read
+    as bare llama-server lines."""
+    text = (FORMATS / "journald_short.log").read_bytes()
+    path = tmp_path / "journal.log"
+    path.write_bytes(b"-- Journal begins at Thu 2026-09-10 22:00:01 UTC, ends at Fri 2026-09-11 00:30:12 UTC. --\n"
+                     b"-- Boot 4f1c2a9e0d6b4e7f9a3c5d8e1f2b4a6c --\n" + text)
+    want = _read(path)
+    assert want["accounting"][0][0][-1] == "journald"  # type: ignore[index]
+    for jobs in (1, 2):
+        _assert_same(_read(path, 200, jobs), want, f"200-byte blocks, {jobs} job(s)")
 
 
 def test_analyze_tables_do_not_depend_on_block_edges_or_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
