@@ -152,6 +152,21 @@ def test_the_wrapper_is_decided_by_the_first_lines_not_the_first_block(tmp_path:
         _assert_same(_read(path, 200, jobs), want, f"200-byte blocks, {jobs} job(s)")
 
 
+def test_a_session_takes_its_first_config_line_in_every_block(tmp_path: Path) -> None:
+    """A second config line in a session (here the 2-slot capture's, stamped as the line
+    before it): the first one counts, whether or not a block edge falls between them."""
+    lines = _lines("before")
+    config = next(ln for ln in _lines("wallclock") if b"n_slots = 2" in ln).split(b" ", 1)[1]
+    at = len(lines) // 2
+    lines.insert(at, lines[at - 1].split(b" ", 1)[0] + b" " + config.split(b" ", 1)[1])
+    path = tmp_path / "llama-server.log"
+    path.write_bytes(b"".join(lines))
+    want = read_server_logs([path]).sessions
+    assert want["n_slots"].tolist() == [4]
+    for jobs in (1, 2):
+        pd.testing.assert_frame_equal(read_server_logs([path], chunk_size=SMALL, jobs=jobs).sessions, want, check_exact=True)
+
+
 def test_analyze_tables_do_not_depend_on_block_edges_or_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The report's tables over a mutated capture and its app log: the same in one block, in
     small blocks with two workers, and with an edge inside the repeated release (stalls-worst

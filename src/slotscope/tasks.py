@@ -390,7 +390,8 @@ class TaskAssembler:
 
     def _track_sessions(self, info: dict[str, np.ndarray], file: str | None) -> None:
         """Each (port, session)'s row of the sessions table, with this block's in it (the
-        first line, file and time are the first block's)."""
+        first line, file, time and config are the first block's that has them, the last time
+        the last block's)."""
         for i in range(len(info["port"])):
             key = (int(info["port"][i]), int(info["session"][i]))
             self._latest[key[0]] = max(self._latest.get(key[0], key[1]), key[1])
@@ -405,7 +406,7 @@ class TaskAssembler:
                 off = int(info["offset_us"][i])
                 row["wall_offset_us"] = off if row["wall_offset_us"] is None else min(off, row["wall_offset_us"])
                 row["wall_offset_support"] += int(info["support"][i])
-            if not np.isnan(info["n_slots"][i]):
+            if row["n_slots"] is None and not np.isnan(info["n_slots"][i]):  # its first config line, as in a block
                 row["n_slots"] = int(info["n_slots"][i])
                 row["n_ctx_slot"] = int(info["n_ctx_slot"][i])
             for c in _SESSION_TEXT:  # the session's first such line (one per start-up)
