@@ -309,7 +309,8 @@ def _framed(blocks: Iterator[bytes | Span], state: StreamState, account: FileAcc
                 break
     except InputError as e:  # (a damaged .gz: its lines before the damage come first)
         failure = e
-    _decide_wrapper(sample, state, account)
+    if read:  # (no lines at all: the stream's next file decides)
+        _decide_wrapper(sample, state, account)
     return itertools.chain(read, _raise(failure) if failure is not None else blocks)
 
 
