@@ -68,7 +68,7 @@ def mutate(lines: list[bytes], rng: random.Random, n: int) -> tuple[list[bytes],
                 lines.insert(k + 1, lines[k])
                 marks.append(k)
         else:  # a launch line again after its task's release: the same task id a second time
-            launches = [k for k, ln in enumerate(lines) if b"processing task" in ln]
+            launches = [k for k, ln in enumerate(lines) if b"processing task" in ln and b"| task " in ln]
             if launches:
                 k = rng.choice(launches)
                 task = lines[k].split(b"| task ")[1].split(b" ")[0]
