@@ -40,8 +40,9 @@ TABLES = ("tasks", "gen_samples", "prefill_samples", "sessions")
 
 
 def mutate(lines: list[bytes], rng: random.Random, n: int) -> tuple[list[bytes], list[int]]:
-    """``n`` mutations of a log's lines (each ends with a newline); also the indexes (in the
-    result) of lines a mutation put or moved, for block edges inside them."""
+    """``n`` mutations of a log's lines (each ends with a newline); also the indexes of lines
+    a mutation put or moved, for block edges inside them (a later mutation may shift them
+    by a line or two: near enough)."""
     lines = list(lines)
     marks: list[int] = []
     for _ in range(n):
@@ -78,7 +79,7 @@ def mutate(lines: list[bytes], rng: random.Random, n: int) -> tuple[list[bytes],
                     at = min(len(lines), rel + rng.randint(1, 30))
                     lines.insert(at, lines[k])
                     marks.append(at)
-    return lines, marks
+    return lines, [k for k in marks if k < len(lines)]
 
 
 def read(path: Path, chunk: int | None, jobs: int, analyze_dir: Path | None) -> dict[str, object]:
