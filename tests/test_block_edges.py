@@ -142,12 +142,13 @@ def test_the_wrapper_is_decided_by_the_first_lines_not_the_first_block(tmp_path:
     """journalctl starts its output with a header line of its own (and one at each boot):
     in blocks of a few lines, the first block was mostly such lines and the stream was read
     as bare llama-server lines."""
-    text = (FORMATS / "journald_short.log").read_bytes()
+    text = b"".join((FORMATS / "journald_short.log").read_bytes().splitlines(keepends=True)[:50])
     path = tmp_path / "journal.log"
     path.write_bytes(b"-- Journal begins at Thu 2026-09-10 22:00:01 UTC, ends at Fri 2026-09-11 00:30:12 UTC. --\n"
                      b"-- Boot 4f1c2a9e0d6b4e7f9a3c5d8e1f2b4a6c --\n" + text)
     want = _read(path)
     assert want["accounting"][0][0][-1] == "journald"  # type: ignore[index]
+    assert len(want["tasks"]) >= 3  # type: ignore[arg-type]
     for jobs in (1, 2):
         _assert_same(_read(path, 200, jobs), want, f"200-byte blocks, {jobs} job(s)")
 
@@ -169,8 +170,9 @@ def test_a_session_takes_its_first_config_line_in_every_block(tmp_path: Path) ->
 
 def test_analyze_tables_do_not_depend_on_block_edges_or_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The report's tables over a mutated capture and its app log: the same in one block, in
-    small blocks with two workers, and with an edge inside the repeated release (stalls-worst
-    raised ValueError on a task twice)."""
+    small blocks in one process, and with an edge inside the repeated release read by two
+    workers (which split the task in two: the ruled-out samples changed; in the fuzz,
+    stalls-worst raised ValueError on such a task)."""
     from slotscope import analyze, load
 
     data, edge = _mutated("before")
@@ -183,7 +185,7 @@ def test_analyze_tables_do_not_depend_on_block_edges_or_workers(tmp_path: Path, 
         return analyze.run(load([tmp_path]), strict=True)
 
     want = tables(server_log.CHUNK_SIZE, 1)
-    for chunk, jobs in ((SMALL, 2), (edge, 1)):
+    for chunk, jobs in ((SMALL, 1), (edge, 2)):
         got = tables(chunk, jobs)
         assert list(got) == list(want)
         for name, table in want.items():
