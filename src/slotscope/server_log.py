@@ -267,11 +267,9 @@ def _block_lines(chunk: bytes, state: StreamState, account: FileAccount) -> tupl
     """The block's lines (each with its newline) with any wrapper prefix removed, and each
     line's wall-clock stamp in µs from that prefix (-1: none). The first block of a stream
     decides the wrapper."""
-    wrapper = state.wrapper
     if not state.wrapper_known:
-        state.wrapper = wrapper = prefixes.detect(chunk.split(b"\n", 400)[:400])
-        state.wrapper_known = True
-        account.wrapper = wrapper.name if wrapper else None
+        _decide_wrapper(_first_lines(chunk, WRAPPER_LINES), state, account)
+    wrapper = state.wrapper
     if wrapper is not None and wrapper.stamp == "json":
         return _json_lines(chunk, wrapper)
     lines = _split(_clean(chunk), chunk.endswith(b"\n"))  # cleaning never adds or removes a newline
@@ -282,6 +280,48 @@ def _block_lines(chunk: bytes, state: StreamState, account: FileAccount) -> tupl
         if wrapper.stamp == "header" and len(wall):
             state.header_wall = int(wall[-1])
     return lines, wall
+
+
+WRAPPER_LINES = 400  # a stream's first lines, which decide its wrapper
+
+
+def _first_lines(chunk: bytes, n: int) -> list[bytes]:
+    """The first ``n`` lines of a block (without their newlines; fewer if it has fewer)."""
+    lines = chunk.split(b"\n", n)[:n]
+    if len(lines) < n and chunk.endswith(b"\n"):
+        lines.pop()  # (the nothing after the last newline)
+    return lines
+
+
+def _decide_wrapper(sample: list[bytes], state: StreamState, account: FileAccount) -> None:
+    state.wrapper = prefixes.detect(sample)
+    state.wrapper_known = True
+    account.wrapper = state.wrapper.name if state.wrapper else None
+
+
+def _framed(blocks: Iterator[bytes | Span], state: StreamState, account: FileAccount) -> Iterator[bytes | Span]:
+    """Decide the stream's wrapper from its first :data:`WRAPPER_LINES` lines, in as many
+    blocks as hold them (small blocks: several); the same blocks, those read for it as bytes
+    (a staged span can be read once)."""
+    read: list[bytes] = []
+    sample: list[bytes] = []
+    failure: InputError | None = None
+    try:
+        for block in blocks:
+            read.append(read_span(block) if isinstance(block, Span) else block)
+            sample += _first_lines(read[-1], WRAPPER_LINES - len(sample))
+            if len(sample) >= WRAPPER_LINES:
+                break
+    except InputError as e:  # (a damaged .gz: its lines before the damage come first)
+        failure = e
+    if read:  # (no lines at all: the stream's next file decides)
+        _decide_wrapper(sample, state, account)
+    return itertools.chain(read, _raise(failure) if failure is not None else blocks)
+
+
+def _raise(e: Exception) -> Iterator[bytes]:
+    raise e
+    yield b""  # (a generator: it raises when its turn comes)
 
 
 def _json_lines(chunk: bytes, wrapper: prefixes.Wrapper) -> tuple[pa.Array, np.ndarray]:
@@ -628,14 +668,16 @@ def read_stream(
         stream = reopen(lf, inputs)
         blocks = _blocks(stream, lf, chunk_size or CHUNK_SIZE, pool)
         try:
-            if not state.wrapper_known:  # the first block, here: it decides how lines are framed
-                first = next(blocks, None)
+            todo: Iterator[bytes | Span] = blocks
+            if not state.wrapper_known:  # the first lines decide how lines are framed; the first block, here
+                todo = _framed(blocks, state, account)
+                first = next(todo, None)
                 if first is not None:
                     chunk = read_span(first) if isinstance(first, Span) else first
                     _add(asm, state, account, parse_chunk(chunk, 1, state, account))
                     if progress is not None:
                         progress(len(chunk))
-            jobs = ((b, _given(state), keep_samples) for b in blocks)
+            jobs = ((b, _given(state), keep_samples) for b in todo)
             for got in pool.map(_parse_block, jobs):
                 offset = account.lines
                 account.absorb(got.account)

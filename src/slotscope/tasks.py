@@ -2,10 +2,16 @@
 
 Each chunk's task events and the partial rows of tasks still open are folded into one
 partial row per task with a single stable sort and a few numpy reductions per column (the
-first value of each kind, sums, maxima). A task is closed when its release and timings (or
-cancellation) have been seen, when its process restarts, or at the end of input. Closed
-rows wait on disk as numeric columns (the file as an index into a short list); the task
-table is derived from them a batch at a time, at the end.
+first value of each kind, sums, maxima). Each of these is associative, so the rows are
+those of one fold over all of a task's events in line order, wherever the blocks were cut.
+
+A task is every line of its (port, session, task id). Closing it is only about memory: a
+row is put aside when its release and timings (or cancellation) have been seen, when its
+process restarts, or at the end of input. A line of a task put aside that comes later (a
+line repeated, an id used again) starts a second row; at the end the rows of one task are
+folded into one, in the order they were put aside, which is their lines' order. Closed rows
+wait on disk as numeric columns (the file as an index into a short list); the task table is
+derived from them a batch at a time, at the end.
 """
 
 from __future__ import annotations
@@ -299,6 +305,7 @@ class TaskAssembler:
     """Folds blocks of one server-log stream, in order, into finished task rows and samples.
 
     Only tasks still open are held as partial rows; finished ones wait on disk (:class:`FinishedRows`).
+    The rows do not depend on where the blocks were cut (see the module's note).
     """
 
     source: str
@@ -380,14 +387,13 @@ class TaskAssembler:
             old_session = session < current
         done = (has_release & (has_total | cancelled)) | stale_release | old_session
         if done.any():
-            finished = _take(rows, done)
-            finished["cut_by_restart"] = old_session[done] & ~has_release[done]
-            self._done.append(finished)
+            self._done.append(_take(rows, done))
         return _take(rows, ~done)
 
     def _track_sessions(self, info: dict[str, np.ndarray], file: str | None) -> None:
         """Each (port, session)'s row of the sessions table, with this block's in it (the
-        first line, file and time are the first block's)."""
+        first line, file, time and config are the first block's that has them, the last time
+        the last block's)."""
         for i in range(len(info["port"])):
             key = (int(info["port"][i]), int(info["session"][i]))
             self._latest[key[0]] = max(self._latest.get(key[0], key[1]), key[1])
@@ -409,7 +415,7 @@ class TaskAssembler:
                 # up to 1 s before it: there the largest is (the closest bound from below).
                 row["wall_offset_us"] = row["_hi"] if row["_whole"] else row["_lo"]
                 row["wall_offset_support"] += int(info["support"][i])
-            if not np.isnan(info["n_slots"][i]):
+            if row["n_slots"] is None and not np.isnan(info["n_slots"][i]):  # its first config line, as in a block
                 row["n_slots"] = int(info["n_slots"][i])
                 row["n_ctx_slot"] = int(info["n_ctx_slot"][i])
             for c in _SESSION_TEXT:  # the session's first such line (one per start-up)
@@ -440,13 +446,16 @@ class TaskAssembler:
         processes); :meth:`discard` removes them after use.
         """
         if self._open is not None:
-            self._open["cut_by_restart"] = np.zeros(len(self._open["task"]), bool)
             self._done.append(self._open)
         self._open = None
         self._done.close()
+        kept = self._fold_repeats()
         port, session = self._done.column("port"), self._done.column("session")
         # Output order: per process, by launch (tasks whose launch was never seen last), then line.
         order = np.lexsort((self._done.column("first_line"), self._done.column("launch_us"), session, port))
+        if kept is not None:
+            order = order[kept[order]]
+            port, session = port[kept], session[kept]
         # A row in a session with wall-clock times: every row has ``*_at`` columns.
         walled = [k for k, row in self.sessions.items() if row["wall_offset_us"] is not None]
         with_wall = bool(walled) and bool(pd.MultiIndex.from_arrays([port, session]).isin(walled).any())
@@ -454,6 +463,24 @@ class TaskAssembler:
         sessions = self._sessions_table()
         return [TaskBatch(self._done, order[i : i + rows], self.source, list(self._files), sessions, with_wall)
                 for i in range(0, len(order), rows)], sessions
+
+    def _fold_repeats(self) -> np.ndarray | None:
+        """Fold the finished rows of one task (a task with lines after it was put aside) into
+        one row, appended to the finished rows; which rows stand (None: every row)."""
+        port, session, task = (self._done.column(c).astype(np.int64) for c in KEY)
+        by_key = np.lexsort((task, session, port))  # stable: per task, the order rows finished in
+        run = np.cumsum(_new_run(port[by_key], session[by_key], task[by_key])) - 1
+        repeated = np.sort(by_key[np.bincount(run)[run] > 1]) if len(run) else by_key
+        if not len(repeated):
+            return None
+        rows = self._done.gather(repeated)
+        firsts = {c: rows[c] for columns in _FIRST_OF_KIND.values() for c, _ in columns}
+        folded = _fold(None, rows, [(np.arange(len(repeated)), firsts)])
+        kept = np.ones(len(task) + len(folded["task"]), bool)
+        kept[repeated] = False
+        self._done.append(folded)
+        self._done.close()
+        return kept
 
     def discard(self) -> None:
         """Drop the finished rows (and their files on disk)."""
@@ -477,7 +504,6 @@ def empty_task_table(source: str, sessions: pd.DataFrame, with_wall: bool) -> pd
     ints = {**dict.fromkeys(KEY + list(_SUM) + ["first_line"], np.int64), **dict.fromkeys(_MAX, np.int8)}
     firsts = [c for cols in _FIRST_OF_KIND.values() for c, _ in cols] + ["slot_any"]
     raw = {c: np.zeros(0, ints.get(c, np.float64)) for c in [*_CORE, *firsts]}
-    raw["cut_by_restart"] = np.zeros(0, bool)
     return _derive(raw, [], source, sessions.iloc[:0], with_wall)
 
 
@@ -599,7 +625,9 @@ def _derive(raw: dict[str, np.ndarray], files: list[str], source: str, sessions:
     out["n_progress"] = np.nan_to_num(take("n_progress")).astype(np.int64)
     out["has_timings"] = has_timings
     out["has_release"] = has_release
-    out["cut_by_restart"] = np.nan_to_num(take("cut_by_restart")).astype(bool)
+    # Cut by a restart: never released, in a session its port's process left (a later one
+    # has lines).
+    out["cut_by_restart"] = ~has_release & (session < _last_sessions(sessions, port))
     out["time_resolution_s"] = np.where(np.isnan(launch_us), np.nan, np.where(coarse, 1.0, 1e-6))
     out["is_child"] = flags(take("is_child"))
     out["error"] = np.nan_to_num(take("error")).astype(bool)
@@ -621,6 +649,16 @@ def _wall_offsets(sessions: pd.DataFrame, port: np.ndarray, session: np.ndarray)
     at, hit = _place(keys[order], _pair(port, session))
     wall = sessions["wall_offset_us"].to_numpy(dtype="float64", na_value=np.nan)[order]
     return np.where(hit, wall[at], np.nan)
+
+
+def _last_sessions(sessions: pd.DataFrame, port: np.ndarray) -> np.ndarray:
+    """Each row's port's last session (-1: none known)."""
+    out = np.full(len(port), -1, np.int64)
+    if len(sessions):
+        last = sessions.groupby("port")["session"].max()
+        for p, s in zip(last.index.to_numpy(np.int64), last.to_numpy(np.int64)):
+            out[port == p] = s
+    return out
 
 
 def _whole(v: np.ndarray) -> pd.arrays.IntegerArray:
