@@ -44,7 +44,7 @@ TzOpt = Annotated[str, typer.Option("--tz", help="Time zone for stamps without o
 LongPrefillOpt = Annotated[int, typer.Option("--long-prefill", help="New tokens that make a prefill 'long' (stalls, indicators).")]
 BigPrefillOpt = Annotated[int, typer.Option("--big-prefill", help="New tokens that make a prefill 'big' (prefills, same-conditions, prefill speed).")]
 WaitThresholdOpt = Annotated[float, typer.Option("--wait-threshold", help="Seconds of wait before prefill worth counting.")]
-WhereOpt = Annotated[Optional[str], typer.Option("--where", "-w", help="Keep rows matching a condition on the columns, e.g. \"wait_before_prefill_ms >= 1000 and slot == 2\".")]
+WhereOpt = Annotated[Optional[str], typer.Option("--where", "-w", help="Keep rows matching a condition of column names, literals and operators, e.g. \"wait_before_prefill_ms >= 1000 and slot == 2\".")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No summary on stderr.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks.", hidden=True)]
 AppColumnsOpt = Annotated[Optional[str], typer.Option("--app-columns", help="Map app-log fields explicitly: start=ts,purpose=kind,... or a TOML file with a [columns] table.")]
