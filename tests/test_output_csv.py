@@ -1,7 +1,9 @@
-"""The column-wise CSV writer writes exactly the bytes of pandas' ``to_csv(index=False)``."""
+"""The column-wise CSV writer writes the bytes of pandas' ``to_csv(index=False)``, but for a
+field holding a bare CR (quoted) and text a spreadsheet would run as a formula (a leading "'")."""
 
 from __future__ import annotations
 
+import csv
 import io
 import os
 from pathlib import Path
@@ -21,16 +23,58 @@ from .conftest import REAL, SCENARIOS
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def ours(df: pd.DataFrame, *batches: pd.DataFrame) -> str:
+def ours(df: pd.DataFrame, *batches: pd.DataFrame, raw: bool = True) -> str:
     buf = io.StringIO()
-    writer = CsvWriter(buf)
+    writer = CsvWriter(buf, raw=raw)
     for b in batches or (df,):
         writer.write(b)
     return buf.getvalue()
 
 
+def _text_cells(df: pd.DataFrame) -> list[str]:
+    return [v for _, col in df.items() for v in col.astype(object) if isinstance(v, str)] + [str(c) for c in df.columns]
+
+
 def pandas_csv(df: pd.DataFrame) -> str:
-    return df.to_csv(index=False)
+    """pandas' bytes, where a field holding a CR is quoted as one holding a line feed is.
+
+    The csv module quotes a field holding a character of the line terminator: with CR in the
+    terminator, each row's bytes are pandas' but for that quoting, and the terminator is cut off.
+    """
+    if not any("\r" in v for v in _text_cells(df)):
+        return df.to_csv(index=False)
+    eol = os.linesep + "\r"
+    rows = [df.iloc[:0].to_csv(index=False, lineterminator=eol)]
+    rows += [df.iloc[k:k + 1].to_csv(index=False, header=False, lineterminator=eol) for k in range(len(df))]
+    return "".join(r[: -len(eol)] + os.linesep for r in rows)
+
+
+def _is_plain_number(v: str) -> bool:
+    if not v or not set(v) <= set("0123456789+-.eE"):
+        return False
+    try:
+        float(v)
+    except ValueError:
+        return False
+    return True
+
+
+def _guard(v: object) -> object:
+    if isinstance(v, str) and v[:1] in ("=", "+", "-", "@", "\t", "\r") and not _is_plain_number(v):
+        return "'" + v
+    return v
+
+
+def guarded(df: pd.DataFrame) -> pd.DataFrame:
+    """What a spreadsheet should be given: text cells that start like a formula behind a "'"."""
+    out = df.copy()
+    for k, (_, col) in enumerate(df.items()):
+        if isinstance(col.dtype, pd.CategoricalDtype) and not (
+                col.dtype.categories.dtype == object or isinstance(col.dtype.categories.dtype, pd.StringDtype)):
+            continue  # numbers, times: never guarded
+        if col.dtype == object or isinstance(col.dtype, (pd.StringDtype, pd.CategoricalDtype)):
+            out.isetitem(k, pd.Series([_guard(v) for v in col.astype(object)], index=col.index, dtype=object))
+    return out
 
 
 # --- values -----------------------------------------------------------------------------------
@@ -55,7 +99,7 @@ floats = st.one_of(
     st.floats(min_value=-1e-3, max_value=1e-3), st.floats(min_value=-1e17, max_value=1e17),
 )
 # Everything the csv module quotes (comma, quote, newline) and what it does not (\r, NUL, unicode).
-text = st.text(alphabet=st.sampled_from(list(',"\n\r\t ab\x00é€😀')) | st.characters(exclude_categories=("Cs",)), max_size=8)
+text = st.text(alphabet=st.sampled_from(list(',"\n\r\t ab\x00é€😀=+-@1.e')) | st.characters(exclude_categories=("Cs",)), max_size=8)
 big_ints = st.integers(-(2**63), 2**63 - 1)
 ints = st.one_of(st.integers(-1000, 1000), big_ints, st.integers(2**53 - 5, 2**53 + 5))
 
@@ -116,6 +160,22 @@ def frames(draw: st.DrawFn, kinds: list[str] = KINDS, max_rows: int = 12, max_co
 @given(frames())
 def test_same_bytes_as_pandas(df: pd.DataFrame) -> None:
     assert ours(df) == pandas_csv(df)
+
+
+@SETTINGS
+@given(frames())
+def test_text_that_starts_like_a_formula_is_guarded(df: pd.DataFrame) -> None:
+    assert ours(df, raw=False) == pandas_csv(guarded(df))
+
+
+@SETTINGS
+@given(frames())
+def test_a_reader_gets_one_record_per_row(df: pd.DataFrame) -> None:
+    """A CR inside a field is quoted: a reader (which ends a record at CR too) splits no row."""
+    records = list(csv.reader(io.StringIO(ours(df, raw=False), newline="")))
+    assert len(records) == 1 + len(df) or (df.shape[1] == 0 and records == [[""]])
+    if df.shape[1]:
+        assert {len(r) for r in records} == {df.shape[1]}
 
 
 @SETTINGS
@@ -259,9 +319,40 @@ def test_rows_are_written_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     pd.DataFrame({1: [1.5], 2.5: ["x"]}),
     pd.DataFrame({"surrogate": pd.Series(["ok", "bad\udc80"], dtype=object), "x": [1, 2]}),
     pd.DataFrame({"cat_dt": pd.Series(pd.to_datetime(["2024-01-01", None]), dtype="category")}),
-], ids=["datetime", "mixed-object", "float32", "timedelta", "multiindex-columns", "non-str-labels", "surrogate", "datetime-category"])
+    pd.DataFrame({"mixed": [-5, "=1+1", "a\rb", "-5", None], "cat": pd.Series(["@x", "y", "@x", "-", None], dtype="category")}),
+], ids=["datetime", "mixed-object", "float32", "timedelta", "multiindex-columns", "non-str-labels", "surrogate", "datetime-category",
+        "mixed-formulas-and-cr"])
 def test_what_it_does_not_format_goes_to_pandas(df: pd.DataFrame) -> None:
     assert ours(df) == pandas_csv(df)
+    assert ours(df, raw=False) == pandas_csv(guarded(df))
+
+
+def test_formula_cells_and_bare_cr_exactly() -> None:
+    """What a user pastes into a spreadsheet: text behind a "'", numbers (and text that is a plain
+    number) as they are, a CR quoted."""
+    df = pd.DataFrame({
+        "purpose": ["=HYPERLINK(\"x\")", "+1+2", "-2+3", "@SUM(A1)", "\tx", "chat", "-5", "+1.5e3", "a\rb", None],
+        "n": [-1, 2, -3, 4, 5, 6, 7, 8, 9, 10],
+        "f": [-1.5, 0.5, np.nan, 1, 2, 3, 4, 5, 6, 7],
+        "cat": pd.Series(["-x", "ok"] * 5, dtype="category"),
+    })
+    eol = os.linesep
+    assert ours(df, raw=False).split(eol) == [
+        "purpose,n,f,cat",
+        "\"'=HYPERLINK(\"\"x\"\")\",-1,-1.5,'-x",
+        "'+1+2,2,0.5,ok",
+        "'-2+3,-3,,'-x",
+        "'@SUM(A1),4,1.0,ok",
+        "'\tx,5,2.0,'-x",
+        "chat,6,3.0,ok",
+        "-5,7,4.0,'-x",
+        "+1.5e3,8,5.0,ok",
+        '"a\rb",9,6.0,\'-x',
+        ",10,7.0,ok",
+        "",
+    ]
+    raw = ours(df, raw=True)
+    assert raw.startswith("purpose,n,f,cat" + eol + '"=HYPERLINK(""x"")",-1,-1.5,-x' + eol) and '"a\rb"' in raw
 
 
 # --- ISO datetimes (for_text) ------------------------------------------------------------------
@@ -352,3 +443,57 @@ def test_batches_write_what_the_whole_table_writes(tmp_path, fmt: str) -> None:
     output.write(whole.iloc[:0], fmt, str(tmp_path / f"empty_whole.{fmt}"))
     if fmt != "parquet":
         assert (tmp_path / f"empty.{fmt}").read_bytes() == (tmp_path / f"empty_whole.{fmt}").read_bytes()
+
+
+# --- the CLI -----------------------------------------------------------------------------------
+
+
+def _app_log_with_formulas(tmp_path: Path) -> Path:
+    """The real `before` logs, three of the app's calls given text a spreadsheet would run."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "llama-server.log").write_bytes((REAL / "before" / "logs" / "llama-server.log").read_bytes())
+    lines = (REAL / "before" / "logs" / "app.jsonl").read_text().splitlines(keepends=True)
+    assert lines[0].startswith('{"id":"c-00001",') and '"purpose":"chat","user":"u02"' in lines[0]
+    lines[0] = lines[0].replace('"purpose":"chat","user":"u02"', '"purpose":"=HYPERLINK(\\"http://x\\")","user":"-u02"')
+    lines[1] = lines[1].replace('"purpose":"chat"', '"purpose":"night\\rshift"')
+    (logs / "app.jsonl").write_text("".join(lines))
+    return logs
+
+
+def _rows(text: str) -> list[list[str]]:
+    return list(csv.reader(io.StringIO(text, newline="")))
+
+
+def test_cli_guards_formula_text_and_quotes_a_bare_cr(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from slotscope.cli import app
+
+    logs = _app_log_with_formulas(tmp_path)
+    runner = CliRunner()
+    for args in (["calls", str(logs / "app.jsonl")], ["match", str(logs)]):
+        safe = runner.invoke(app, [*args, "-f", "csv", "-q"])
+        raw = runner.invoke(app, [*args, "-f", "csv", "-q", "--raw-csv"])
+        assert safe.exit_code == 0 and raw.exit_code == 0, safe.output + raw.output
+        for res, prefix in ((safe, "'"), (raw, "")):
+            header, *rows = _rows(res.stdout)
+            assert len(rows) == 45  # the CR splits no record
+            by_id = {r[0]: dict(zip(header, r)) for r in rows}
+            assert by_id["c-00001"]["purpose"] == prefix + '=HYPERLINK("http://x")'
+            assert by_id["c-00001"]["user"] == prefix + "-u02"
+            assert by_id["c-00004"]["purpose"] == "night\rshift"
+            assert by_id["c-00001"]["prompt_tokens"] == "2281"
+        assert '"night\rshift"' in safe.stdout
+    res = runner.invoke(app, ["match", str(logs), "-f", "csv", "-q"])
+    assert ",-1," in res.stdout  # a number column (port) is never guarded
+
+
+def test_cli_help_names_raw_csv() -> None:
+    from typer.testing import CliRunner
+
+    from slotscope.cli import app
+
+    for cmd in ("tasks", "samples", "calls", "match", "analyze", "compare"):
+        res = CliRunner().invoke(app, [cmd, "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
+        assert res.exit_code == 0 and "--raw-csv" in res.stdout, cmd

@@ -4,6 +4,7 @@ it writes (self-contained HTML, PNG, SVG), the CLI command, and the page in a re
 from __future__ import annotations
 
 import html
+import json
 import os
 import re
 import shutil
@@ -279,3 +280,39 @@ def test_a_log_that_begins_mid_task_is_drawn_with_its_cut_tasks(tmp_path: Path) 
     assert data.tasks.loc[data.tasks["status"] == "complete", "where"].str.fullmatch(r"llama-server\.log:\d+").all()
     r = runner.invoke(app, ["timeline", str(FORMATS / "rotated" / "llama-server.log"), "-o", str(tmp_path / "x.html")])
     assert r.exit_code == 0, r.stderr
+
+
+def _inline_scripts(page: str) -> list[str]:
+    """The contents of the page's inline script elements, cut as an HTML parser cuts them: a
+    script ends at the first ``</script``, and none may hold ``<!--`` or ``<script`` (which
+    would make the parser read on past that ``</script>``)."""
+    return re.findall(r"<script>(.*?)</script", page, flags=re.S | re.I)
+
+
+def test_purposes_with_markup_do_not_end_or_swallow_the_inline_script(tmp_path: Path) -> None:
+    """A purpose (or any string of the logs) enters the page's inline JSON. `<!--<script>` in it
+    once made the browser take the rest of the page as script, and the chart was never drawn."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    shutil.copyfile(REAL / "before" / "logs" / "llama-server.log", logs / "llama-server.log")
+    purposes = ["<!--<script>", "</script><script>alert(1)</script>", "<!-- -->&</SCRIPT >"]
+    lines = (REAL / "before" / "logs" / "app.jsonl").read_text().splitlines(keepends=True)
+    for i, purpose in enumerate(purposes):
+        lines[i] = re.sub(r'"purpose":"[^"]*"', lambda _: '"purpose":' + json.dumps(purpose), lines[i], count=1)
+    (logs / "app.jsonl").write_text("".join(lines))
+    out = tmp_path / "report.html"
+    r = runner.invoke(app, ["analyze", str(logs), "--html", str(out)])
+    assert r.exit_code == 0, r.output
+    page = out.read_text()
+    scripts = _inline_scripts(page)
+    assert len(scripts) == 3 == len(re.findall(r"<script", page, flags=re.I))
+    for body in (scripts[0], scripts[2]):  # the error handler, and the spec with its data
+        assert not re.search(r"<!--|<script|</", body, flags=re.I)
+    assert not re.search(r"<!--|<script", scripts[1], flags=re.I)  # the bundle has none to escape
+    data = json.loads(re.search(r"const data = (\{.*?\});\n", scripts[2], flags=re.S).group(1))  # type: ignore[union-attr]
+    tasks = data["tasks"]
+    seen = {row[tasks["columns"].index("purpose")] for row in tasks["data"]}
+    assert set(purposes) <= seen
+    assert "chat" in seen  # the other calls are untouched
+    # In the tables under the chart, the same text is HTML-escaped.
+    assert html.escape("<!--<script>") in page and "<!--<script>" not in page

@@ -59,6 +59,7 @@ PathsArg = Annotated[Optional[list[str]], typer.Argument(help="Log files, direct
 FormatOpt = Annotated[Optional[str], typer.Option("--format", "-f", help="table | csv | json | parquet (default: table on a terminal, csv when piped, or from -o's extension).")]
 OutOpt = Annotated[Optional[str], typer.Option("--output", "-o", help="Write to this file instead of stdout.")]
 ReportOutOpt = Annotated[Optional[str], typer.Option("--output", "-o", help="Write to this file instead of stdout; a directory (DIR/): one file per table in --format (csv by default), and findings.md.")]
+RawCsvOpt = Annotated[bool, typer.Option("--raw-csv", help="CSV text as it is: no ' before text starting with = + - @ or a tab (a spreadsheet runs such text as a formula).")]
 SinceOpt = Annotated[Optional[str], typer.Option("--since", help="Keep tasks launched at or after this: server-clock seconds (e.g. 120) or an ISO time (needs a wall clock).")]
 UntilOpt = Annotated[Optional[str], typer.Option("--until", help="Keep tasks launched before this (same forms as --since).")]
 StrictOpt = Annotated[bool, typer.Option("--strict", help="Exit 1 when any input line is unrecognized.")]
@@ -66,7 +67,7 @@ TzOpt = Annotated[str, typer.Option("--tz", help="Time zone for stamps without o
 LongPrefillOpt = Annotated[int, typer.Option("--long-prefill", help="New tokens that make a prefill 'long' (stalls, indicators).")]
 BigPrefillOpt = Annotated[int, typer.Option("--big-prefill", help="New tokens that make a prefill 'big' (prefills, same-conditions, prefill speed).")]
 WaitThresholdOpt = Annotated[float, typer.Option("--wait-threshold", help="Seconds of wait before prefill worth counting.")]
-WhereOpt = Annotated[Optional[str], typer.Option("--where", "-w", help="Keep rows matching a condition on the columns, e.g. \"wait_before_prefill_ms >= 1000 and slot == 2\".")]
+WhereOpt = Annotated[Optional[str], typer.Option("--where", "-w", help="Keep rows matching a condition of column names, literals and operators, e.g. \"wait_before_prefill_ms >= 1000 and slot == 2\".")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No summary on stderr.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks.", hidden=True)]
 AppColumnsOpt = Annotated[Optional[str], typer.Option("--app-columns", help="Map app-log fields explicitly: start=ts,purpose=kind,... or a TOML file with a columns table.")]
@@ -240,7 +241,7 @@ def _every_table_as_json(table: str | None, fmt: str | None, out: str | None) ->
 
 def _rows(read: Callable[..., tuple[Any, Accounting]], paths: Optional[list[str]], fmt: str | None, out: str | None,
           since: str | None, until: str | None, where: str | None, time_col: str, title: str, columns: list[str],
-          strict: bool, quiet: bool, **kw: Any) -> None:
+          strict: bool, quiet: bool, raw_csv: bool, **kw: Any) -> None:
     """``tasks`` and ``samples``: the table read in batches (never held whole, whatever the log's
     size), filtered, and for CSV/JSON made text by the worker processes, each batch where it is built."""
     from . import output
@@ -250,37 +251,39 @@ def _rows(read: Callable[..., tuple[Any, Accounting]], paths: Optional[list[str]
     lo, hi = parse_when(since), parse_when(until)
     chosen = output.choose_format(fmt, out, (out is None or out == "-") and output.is_terminal(sys.stdout))
     text = chosen in ("csv", "json")
-    then = functools.partial(_rows_in, since=lo, until=hi, where=where, fmt=chosen if text else None, time_col=time_col)
+    then = functools.partial(_rows_in, since=lo, until=hi, where=where, fmt=chosen if text else None, time_col=time_col,
+                             raw_csv=raw_csv)
     with _progress(ps) as progress:
         batches, acc = read(ps, progress=progress, then=then, **kw)
     _need_server(acc)
     if text:
         output.write_pieces(batches, chosen, out)
     else:
-        output.write_batches(batches, chosen, out, title=title, table_columns=columns)
+        output.write_batches(batches, chosen, out, title=title, table_columns=columns, raw_csv=raw_csv)
     _finish(acc, strict, quiet)
 
 
 def _rows_in(batch: pd.DataFrame, i: int, *, since: object, until: object, where: str | None,
-             fmt: output.Format | None, time_col: str) -> object:
+             fmt: output.Format | None, time_col: str, raw_csv: bool = False) -> object:
     """One batch of ``tasks`` or ``samples``: filtered, and as text for CSV/JSON (runs in a
     worker process)."""
     from . import output
     from .filters import where as where_rows, window
 
     rows = where_rows(window(batch, since, until, time_col=time_col), where)  # type: ignore[arg-type]
-    return output.text_piece(rows, i, fmt) if fmt is not None else rows
+    return output.text_piece(rows, i, fmt, raw_csv=raw_csv) if fmt is not None else rows
 
 
 @command()
 def tasks(
     paths: PathsArg = None, fmt: FormatOpt = None, out: OutOpt = None, since: SinceOpt = None,
     until: UntilOpt = None, where: WhereOpt = None, strict: StrictOpt = False, tz: TzOpt = "UTC", quiet: QuietOpt = False,
+    raw_csv: RawCsvOpt = False,
 ) -> None:
     """One row per server task: launch, wait before prefill, prefill, generation, release."""
     from .server_log import read_task_batches
 
-    _rows(read_task_batches, paths, fmt, out, since, until, where, "launch_s", "tasks", TASK_TABLE, strict, quiet, tz=tz)
+    _rows(read_task_batches, paths, fmt, out, since, until, where, "launch_s", "tasks", TASK_TABLE, strict, quiet, raw_csv, tz=tz)
 
 
 @command()
@@ -289,6 +292,7 @@ def samples(
     kind: Annotated[str, typer.Option("--kind", "-k", help="gen (tg_3s heartbeats) or prefill (progress lines).")] = "gen",
     fmt: FormatOpt = None, out: OutOpt = None, since: SinceOpt = None, until: UntilOpt = None,
     where: WhereOpt = None, strict: StrictOpt = False, tz: TzOpt = "UTC", quiet: QuietOpt = False,
+    raw_csv: RawCsvOpt = False,
 ) -> None:
     """Generation heartbeats (n_gen, tg, tg_3s and the window each covers) or prefill progress."""
     from .server_log import read_sample_batches
@@ -296,7 +300,7 @@ def samples(
     if kind not in ("gen", "prefill"):
         raise UsageError(None, None, f"--kind must be gen or prefill, not {kind!r}")
     _rows(read_sample_batches, paths, fmt, out, since, until, where, "t_s", f"samples ({kind})",
-          GEN_TABLE if kind == "gen" else PREFILL_TABLE, strict, quiet, kind=kind, tz=tz)
+          GEN_TABLE if kind == "gen" else PREFILL_TABLE, strict, quiet, raw_csv, kind=kind, tz=tz)
 
 
 def _app_columns(spec: Optional[str]) -> Optional[dict[str, str]]:
@@ -332,7 +336,7 @@ def _say(lines: list[str], quiet: bool) -> None:
 @command()
 def calls(
     paths: PathsArg = None, fmt: FormatOpt = None, out: OutOpt = None, tz: TzOpt = "UTC",
-    app_columns: AppColumnsOpt = None, quiet: QuietOpt = False, strict: StrictOpt = False,
+    app_columns: AppColumnsOpt = None, quiet: QuietOpt = False, strict: StrictOpt = False, raw_csv: RawCsvOpt = False,
 ) -> None:
     """The app's call log as a table (one row per call), columns found by common names."""
     from . import output
@@ -345,7 +349,7 @@ def calls(
     app_log, accounts = read_app(inputs, columns=_app_columns(app_columns), tz=tz)
     if app_log is None:
         _no_input(inputs.unusable, "no app call log among the inputs (JSONL or CSV with a start-time column)")
-    output.write(app_log.calls, fmt, out, title="calls", table_columns=CALLS_TABLE)
+    output.write(app_log.calls, fmt, out, title="calls", table_columns=CALLS_TABLE, raw_csv=raw_csv)
     _finish(Accounting(files=accounts, skipped=inputs.skipped, unusable=inputs.unusable), strict, quiet)
 
 
@@ -354,7 +358,7 @@ def match_cmd(
     paths: PathsArg = None, fmt: FormatOpt = None, out: OutOpt = None, tz: TzOpt = "UTC",
     app_columns: AppColumnsOpt = None, server_start: ServerStartOpt = None,
     unlogged: Annotated[bool, typer.Option("--unlogged", help="List the server tasks no call explains instead.")] = False,
-    where: WhereOpt = None, quiet: QuietOpt = False, strict: StrictOpt = False,
+    where: WhereOpt = None, quiet: QuietOpt = False, strict: StrictOpt = False, raw_csv: RawCsvOpt = False,
 ) -> None:
     """Every app call joined to its server task: queue, wait, prefill, generation, TTFT."""
     from . import output
@@ -367,9 +371,10 @@ def match_cmd(
             _no_input(ds.accounting.unusable, "")
         raise UsageError(None, None, "no app call log among the inputs; `match` joins one to the server log")
     if unlogged:
-        output.write(where_rows(ds.matches.unlogged, where), fmt, out, title="tasks no call explains", table_columns=TASK_TABLE + ["busy_s"])
+        output.write(where_rows(ds.matches.unlogged, where), fmt, out, title="tasks no call explains", table_columns=TASK_TABLE + ["busy_s"],
+                     raw_csv=raw_csv)
     else:
-        output.write(where_rows(ds.matches.calls, where), fmt, out, title="calls matched to tasks", table_columns=MATCH_TABLE)
+        output.write(where_rows(ds.matches.calls, where), fmt, out, title="calls matched to tasks", table_columns=MATCH_TABLE, raw_csv=raw_csv)
     _say(clock_lines(ds) + match_lines(ds.matches), quiet)
     _finish(ds.accounting, strict, quiet)
 
@@ -387,7 +392,7 @@ def analyze(
     solo_gen_tps: Annotated[Optional[float], typer.Option(help="Solo generation speed (default: estimated).")] = None,
     solo_prefill_tps: Annotated[Optional[float], typer.Option(help="Solo prefill speed (default: estimated).")] = None,
     html_out: Annotated[Optional[str], typer.Option("--html", help="Also write the report and the timeline to this self-contained HTML file.")] = None,
-    quiet: QuietOpt = False, strict: StrictOpt = False, debug: DebugOpt = False,
+    quiet: QuietOpt = False, strict: StrictOpt = False, debug: DebugOpt = False, raw_csv: RawCsvOpt = False,
 ) -> None:
     """The incident report: every table of the field report, computed from raw logs, with findings.
 
@@ -417,7 +422,8 @@ def analyze(
     if ds.matches is None or table not in (None, *analysis.APP_LOG_ALONE):  # (an app log alone: its own times)
         _need_server(ds.accounting, f"`{table}`" if table else "")
     if one:
-        output.write(analysis.run(ds, opts, [table], strict=debug)[table], fmt, out, title=table)  # type: ignore[list-item,index]
+        output.write(analysis.run(ds, opts, [table], strict=debug)[table], fmt, out, title=table,  # type: ignore[list-item,index]
+                     raw_csv=raw_csv)
     else:
         with _status(paths) as say:
             tables = analysis.run(ds, opts, None if table is None else [table], strict=debug,
@@ -429,7 +435,7 @@ def analyze(
             if not quiet:
                 err.print(f"wrote {html_out}", markup=False)
         if to_dir:
-            written = export(ds, tables, out, fmt)  # type: ignore[arg-type]
+            written = export(ds, tables, out, fmt, raw_csv)  # type: ignore[arg-type]
             if not quiet:
                 err.print(f"wrote {len(written) - 1} table(s) and findings.md to {out}", markup=False)
         elif as_json:
@@ -478,7 +484,7 @@ def compare_cmd(
     long_prefill: LongPrefillOpt = 15_000, big_prefill: BigPrefillOpt = 5_000, wait_threshold: WaitThresholdOpt = 1.0,
     seed: Annotated[int, typer.Option(help="Seed of the bootstrap intervals.")] = 0,
     resamples: Annotated[int, typer.Option(help="Bootstrap resamples per interval.")] = 2000,
-    quiet: QuietOpt = False, strict: StrictOpt = False, debug: DebugOpt = False,
+    quiet: QuietOpt = False, strict: StrictOpt = False, debug: DebugOpt = False, raw_csv: RawCsvOpt = False,
 ) -> None:
     """Before/after a change, in a way that survives changing traffic: load, TTFT under the same
     conditions, the mechanisms (stalls, waits, speeds) and the settings that changed.
@@ -509,7 +515,7 @@ def compare_cmd(
         _need_server(side_ds.accounting, "`compare`")
     tables = cmp.compare(b_ds, a_ds, opts, seed=seed, n_boot=resamples, short_tokens=short_tokens)
     if exporting:
-        output.write(tables[table], fmt, out, title=table)  # type: ignore[index]
+        output.write(tables[table], fmt, out, title=table, raw_csv=raw_csv)  # type: ignore[index]
     else:
         with open(out, "w") if out else nullcontext() as target:
             cmp.render(tables, file=target, width=None if output.is_terminal(sys.stdout) and not out else 100,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import re
+from typing import NoReturn
 
 import pandas as pd
 
@@ -70,11 +72,45 @@ def window(
     return df[keep.fillna(False).astype(bool)]
 
 
+# What a --where condition may hold: column names, literals, and operators. Anything else
+# (attribute access, calls, subscripts, lambdas ...) would let the condition run code.
+_ALLOWED = (
+    ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.USub, ast.UAdd, ast.Invert,
+    ast.BinOp, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow, ast.BitAnd, ast.BitOr,
+    ast.Compare, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.In, ast.NotIn,
+    ast.Name, ast.Load, ast.Constant, ast.List, ast.Tuple,
+)
+_REFUSED = {ast.Attribute: "attribute access", ast.Call: "a call", ast.Subscript: "a subscript"}
+WHERE_USAGE = ("a condition holds column names, numbers, quoted strings, lists of them, and the operators "
+               "== != < <= > >= in, not in, and or not, & | ~, + - * / // % **")
+
+
+def _check_where(expr: str, columns: pd.Index) -> None:
+    """Refuse a --where condition that holds more than column names, literals and operators."""
+    def refuse(what: str) -> NoReturn:
+        raise WindowError(None, None, f"--where {expr!r}: {what}; {WHERE_USAGE}")
+
+    try:
+        tree = ast.parse(expr.strip(), mode="eval")
+    except SyntaxError as e:
+        refuse(f"not a condition ({e.msg})")
+    for node in ast.walk(tree):
+        if not isinstance(node, _ALLOWED):
+            what = _REFUSED.get(type(node), type(node).__name__)
+            refuse(f"{what} ({ast.get_source_segment(expr.strip(), node) or type(node).__name__}) is not allowed")
+        if isinstance(node, ast.Constant) and not isinstance(node.value, (str, int, float, bool, type(None))):
+            refuse(f"{node.value!r} is not a number or a string")
+        if isinstance(node, ast.Name) and node.id not in columns:
+            raise WindowError(None, None, f"--where {expr!r}: no column {node.id!r}; columns: {', '.join(map(str, columns))}")
+
+
 def where(df: pd.DataFrame, expr: str | None) -> pd.DataFrame:
-    """Rows matching a pandas query over the table's columns, e.g. ``wait_before_prefill_ms >= 1000``."""
+    """Rows matching a condition over the table's columns, e.g. ``wait_before_prefill_ms >= 1000``:
+    column names, literals and operators only (see ``WHERE_USAGE``), evaluated by ``DataFrame.query``."""
     if not expr:
         return df
+    _check_where(expr, df.columns)
     try:
-        return df.query(expr, engine="python")
+        return df.query(expr.strip(), engine="python")
     except Exception as e:  # noqa: BLE001 - any bad expression is the user's to fix
         raise WindowError(None, None, f"--where {expr!r}: {type(e).__name__}: {e}; columns: {', '.join(map(str, df.columns))}") from None

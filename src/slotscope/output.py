@@ -13,6 +13,7 @@ import itertools
 import json
 import math
 import os
+import re
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -110,10 +111,11 @@ def for_text(df: pd.DataFrame) -> pd.DataFrame:
 
 # --- CSV --------------------------------------------------------------------------------------
 #
-# ``CsvWriter`` writes exactly the bytes of ``df.to_csv(index=False)`` (pandas' defaults: ",",
-# '"' doubled inside quotes, csv.QUOTE_MINIMAL, os.linesep, NaN/NA as ""), but formats column
-# by column into pyarrow string arrays and joins them into rows in C: no Python per row or
-# value. What pandas writes, per dtype (pandas.core.indexes.base.get_values_for_csv, then the
+# ``CsvWriter`` writes the bytes of ``df.to_csv(index=False)`` (pandas' defaults: ",",
+# '"' doubled inside quotes, csv.QUOTE_MINIMAL, os.linesep, NaN/NA as ""), with two changes
+# below (a bare CR quoted; text a spreadsheet would run as a formula guarded), but formats
+# column by column into pyarrow string arrays and joins them into rows in C: no Python per
+# row or value. What pandas writes, per dtype (pandas.core.indexes.base.get_values_for_csv, then the
 # stdlib csv writer, which str()s every value and repr()s Python floats):
 #
 #   float64           numpy's str(): shortest round-trip digits like repr(float); positional for
@@ -129,7 +131,14 @@ def for_text(df: pd.DataFrame) -> pd.DataFrame:
 # The header is pandas' own (to_csv of no rows). Anything else (datetimes not made text by
 # for_text, float32, mixed objects, MultiIndex columns ...) goes to pandas for the whole batch,
 # and a chunk pyarrow cannot take (e.g. lone surrogates) to pandas for that chunk, so the bytes
-# are always pandas' own.
+# are always pandas' own, but for the two changes:
+#
+#   a bare CR         quoted like a line feed: readers end a record at either. The csv module
+#                     before Python 3.12 quotes only the characters of its line terminator.
+#   formula text      a text cell starting with = + - @ a tab or a CR, unless it is a plain
+#                     number ("-5", "+1.5e3"), gets a leading "'" so that a spreadsheet shows
+#                     it instead of running it. Number columns are never touched. ``raw=True``
+#                     (the CLI's --raw-csv) writes text as it is.
 
 _EOL = os.linesep
 _CHUNK_CELLS = 1 << 18  # cells formatted and joined at a time: the writer's memory stays the same whatever the batch
@@ -152,7 +161,13 @@ def _csv_dialect() -> tuple[list[int], str]:
     return special, buf.getvalue()[: -len(_EOL)]
 
 
-_QUOTE_CODES, _LONE_EMPTY = _csv_dialect()
+_MODULE_QUOTE_CODES, _LONE_EMPTY = _csv_dialect()
+_QUOTE_CODES = sorted({*_MODULE_QUOTE_CODES, ord("\n"), ord("\r")})
+_FORMULA_CHARS = "=+-@\t\r"  # what a spreadsheet's formula (or a field split in two) starts with
+_FORMULA_BYTES = np.frombuffer(_FORMULA_CHARS.encode("ascii"), dtype=np.uint8)
+# One pattern text for both engines (RE2 in pyarrow, re for what pandas writes): ASCII digits only.
+_PLAIN_NUMBER = r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
+_PLAIN_NUMBER_RE = re.compile(_PLAIN_NUMBER)
 _QUOTE_BYTES = [bytes([c]) for c in _QUOTE_CODES]
 _QUOTE_RE = "[" + "".join(f"\\x{c:02x}" for c in _QUOTE_CODES) + "]"  # RE2
 _BOOL_TEXT = pa.array(["False", "True", ""])
@@ -195,6 +210,95 @@ def _quoted(text: pa.Array) -> pa.Array:
     sub = text.filter(need)
     sub = pc.binary_join_element_wise('"', pc.replace_substring(sub, '"', '""'), '"', "")
     return pc.replace_with_mask(text, need, sub)
+
+
+def _guarded(text: pa.Array) -> pa.Array:
+    """Text a spreadsheet would run as a formula with a leading "'"; the rest as it is."""
+    text = _no_nulls(text)
+    _, offsets, data = text.buffers()
+    if data is None or not len(text):
+        return text
+    bounds = np.frombuffer(offsets, dtype=np.int32)[text.offset:text.offset + len(text) + 1]
+    chars = np.frombuffer(data, dtype=np.uint8)
+    if not len(chars):
+        return text
+    starts = bounds[:-1]
+    # The first byte of each value, read from the buffers: most cells (ids, ISO times) hold a
+    # "-" but do not start with one, and are passed over without a regex.
+    first = chars.take(np.minimum(starts, len(chars) - 1))
+    need = np.isin(first, _FORMULA_BYTES) & (bounds[1:] > starts)
+    if not need.any():
+        return text
+    mask = pa.array(need)
+    number = pc.match_substring_regex(text.filter(mask), "^(?:" + _PLAIN_NUMBER + ")$").to_numpy(zero_copy_only=False)
+    need[need] = ~number
+    if not need.any():
+        return text
+    mask = pa.array(need)
+    return pc.replace_with_mask(text, mask, pc.binary_join_element_wise("'", text.filter(mask), ""))
+
+
+def _guard_cell(v: object) -> object:
+    """:func:`_guarded` for one value (for what pandas writes)."""
+    if isinstance(v, str) and v[:1] and v[0] in _FORMULA_CHARS and not _PLAIN_NUMBER_RE.fullmatch(v):
+        return "'" + v
+    return v
+
+
+def _guard_frame(df: pd.DataFrame) -> pd.DataFrame:
+    """:func:`_guarded` for a batch that pandas writes: its text cells, number cells untouched."""
+    fixed = {}
+    for k, (_, col) in enumerate(df.items()):
+        dtype = col.dtype
+        if isinstance(dtype, pd.CategoricalDtype):
+            cats = dtype.categories
+            if cats.dtype != object and not isinstance(cats.dtype, pd.StringDtype):
+                continue
+            new = cats.map(_guard_cell)
+            if not new.equals(cats):
+                fixed[k] = col.cat.rename_categories(new) if new.is_unique else col.astype(object).map(_guard_cell)
+        elif dtype == object or isinstance(dtype, pd.StringDtype):
+            values = col.to_numpy(dtype=object)
+            new_values = [_guard_cell(v) for v in values]
+            if any(a is not b for a, b in zip(values, new_values)):
+                fixed[k] = pd.Series(new_values, index=col.index, dtype=dtype)
+    if not fixed:
+        return df
+    out = df.copy(deep=False)
+    for k, col in fixed.items():
+        out.isetitem(k, col)  # by position: names may repeat
+    return out
+
+
+def _has_bare_cr(df: pd.DataFrame) -> bool:
+    """Whether a text cell or a column name of a batch that pandas writes holds a CR."""
+    if any("\r" in str(c) for c in df.columns):
+        return True
+    for _, col in df.items():
+        dtype = col.dtype
+        if isinstance(dtype, pd.CategoricalDtype):
+            col = pd.Series(dtype.categories)
+            dtype = col.dtype
+        if (dtype == object or isinstance(dtype, pd.StringDtype)) and any(
+                isinstance(v, str) and "\r" in v for v in col.to_numpy(dtype=object)):
+            return True
+    return False
+
+
+def _pandas_csv(df: pd.DataFrame, stream: IO[str], header: bool) -> None:
+    """``df.to_csv(stream, index=False, header=header)``, a field holding a bare CR quoted.
+
+    The csv module quotes a field that holds any character of its line terminator, so such a
+    batch is written a row at a time with CR added to the terminator, and the terminator put back.
+    """
+    if ord("\r") in _MODULE_QUOTE_CODES or not _has_bare_cr(df):
+        df.to_csv(stream, index=False, header=header)
+        return
+    eol = _EOL + "\r"
+    if header:
+        stream.write(df.iloc[:0].to_csv(index=False, lineterminator=eol)[: -len(eol)] + _EOL)
+    for k in range(len(df)):
+        stream.write(df.iloc[k : k + 1].to_csv(index=False, header=False, lineterminator=eol)[: -len(eol)] + _EOL)
 
 
 def _replace(text: pa.Array, mask: np.ndarray, fix) -> pa.Array:  # type: ignore[no-untyped-def]
@@ -342,9 +446,10 @@ def _any_float_text(x: np.ndarray) -> pa.Array:
     return pc.replace_with_mask(text, pa.array(fix), sub)
 
 
-def _column_formatter(col: pd.Series):  # type: ignore[no-untyped-def]
-    """``f(start, stop) -> pa.StringArray`` writing rows [start, stop) of ``col`` as pandas would;
-    None for a dtype not handled exactly here."""
+def _column_formatter(col: pd.Series, raw: bool = False):  # type: ignore[no-untyped-def]
+    """``f(start, stop) -> pa.StringArray`` writing rows [start, stop) of ``col`` as pandas would
+    (text guarded unless ``raw``, see above); None for a dtype not handled exactly here."""
+    text = _quoted if raw else (lambda t: _quoted(_guarded(t)))
     dtype = col.dtype
     if isinstance(dtype, np.dtype):
         values = col.to_numpy()
@@ -358,7 +463,7 @@ def _column_formatter(col: pd.Series):  # type: ignore[no-untyped-def]
             kind = pd.api.types.infer_dtype(values, skipna=True)
             if kind not in ("string", "empty"):
                 return None
-            return lambda i, j: _quoted(pa.array(np.where(pd.isna(values[i:j]), "", values[i:j]), type=pa.string()))
+            return lambda i, j: text(pa.array(np.where(pd.isna(values[i:j]), "", values[i:j]), type=pa.string()))
         return None
     arr = col.array
     if dtype.name in _MASKED_INTS:
@@ -368,10 +473,10 @@ def _column_formatter(col: pd.Series):  # type: ignore[no-untyped-def]
     if isinstance(dtype, pd.BooleanDtype):
         return lambda i, j: _BOOL_TEXT.take(pa.array(arr[i:j].to_numpy(dtype=np.int8, na_value=2)))
     if isinstance(dtype, pd.StringDtype):
-        return lambda i, j: _quoted(_no_nulls(_as_string(pa.array(arr[i:j]))))
+        return lambda i, j: text(_no_nulls(_as_string(pa.array(arr[i:j]))))
     if isinstance(dtype, pd.CategoricalDtype):
         # Categories are written as their values' str(), like a column of that dtype would be.
-        fmt = _column_formatter(pd.Series(dtype.categories))
+        fmt = _column_formatter(pd.Series(dtype.categories), raw)
         if fmt is None:
             return None
         cats = pa.concat_arrays([fmt(0, len(dtype.categories)), pa.array([""])])
@@ -399,16 +504,19 @@ def _csv_chunk(formatters: list, start: int, stop: int) -> str:  # type: ignore[
 
 
 class CsvWriter:
-    """CSV of one table written in batches: the bytes of ``pd.concat(batches).to_csv(stream, index=False)``.
+    """CSV of one table written in batches: the bytes of ``pd.concat(batches).to_csv(stream, index=False)``
+    but for a bare CR, quoted, and text a spreadsheet would run as a formula, guarded with "'"
+    unless ``raw`` (see above).
 
     ``write(df)`` appends a batch; the header (pandas' own) comes with the first batch, even an
     empty one, so any split of a table into batches writes the same bytes. Batches must have the
     same columns. Each batch is formatted column-wise and written a chunk of rows at a time.
     """
 
-    def __init__(self, stream: IO[str], *, header: bool = True) -> None:
+    def __init__(self, stream: IO[str], *, header: bool = True, raw: bool = False) -> None:
         self.stream = stream
         self._header = header
+        self._raw = raw
         self._columns: pd.Index | None = None
 
     def write(self, df: pd.DataFrame) -> None:
@@ -421,19 +529,20 @@ class CsvWriter:
         ncols = len(df.columns)
         formatters = None
         if ncols and not isinstance(df.columns, pd.MultiIndex):
-            formatters = [_column_formatter(col) for _, col in df.items()]  # by position: names may repeat
+            formatters = [_column_formatter(col, self._raw) for _, col in df.items()]  # by position: names may repeat
         if formatters is None or any(f is None for f in formatters):
-            df.to_csv(self.stream, index=False, header=header)
+            _pandas_csv(df if self._raw else _guard_frame(df), self.stream, header)
             return
         if header:
-            self.stream.write(df.iloc[:0].to_csv(index=False))
+            _pandas_csv(df.iloc[:0], self.stream, True)
         step = max(1, _CHUNK_CELLS // ncols)
         for start in range(0, len(df), step):
             stop = min(start + step, len(df))
             try:
                 text = _csv_chunk(formatters, start, stop)
             except (_Fallback, pa.ArrowException, UnicodeError):
-                df.iloc[start:stop].to_csv(self.stream, index=False, header=False)
+                chunk = df.iloc[start:stop]
+                _pandas_csv(chunk if self._raw else _guard_frame(chunk), self.stream, False)
                 continue
             self.stream.write(text)
 
@@ -534,10 +643,12 @@ def write(
     title: str | None = None,
     stdout: IO[str] | None = None,
     table_columns: list[str] | None = None,
+    raw_csv: bool = False,
 ) -> Format:
     """Write one table to ``out`` (a path, ``-`` or None = stdout) in the chosen format.
 
-    ``table_columns`` narrows what a terminal table shows (every format else has all columns).
+    ``table_columns`` narrows what a terminal table shows (every format else has all columns);
+    ``raw_csv`` writes CSV text cells as they are (see :class:`CsvWriter`).
     """
     stream = stdout if stdout is not None else sys.stdout
     to_stdout = out is None or out == "-"
@@ -563,7 +674,7 @@ def write(
     text = for_text(df)
     with _opened(out, stream) as buf:
         if chosen == "csv":
-            CsvWriter(buf).write(text)
+            CsvWriter(buf, raw=raw_csv).write(text)
         else:
             text.to_json(buf, orient="records", force_ascii=False)
             buf.write("\n")
@@ -589,6 +700,7 @@ def write_batches(
     title: str | None = None,
     stdout: IO[str] | None = None,
     table_columns: list[str] | None = None,
+    raw_csv: bool = False,
 ) -> Format:
     """Write a table that comes in batches (same columns in each), as :func:`write` would
     write the batches joined: the same bytes for CSV and JSON, the same rows for Parquet.
@@ -601,7 +713,7 @@ def write_batches(
     it = iter(batches)
     if chosen == "table":
         return write(pd.concat(list(it), ignore_index=True), chosen, out, title=title, stdout=stdout,
-                     table_columns=table_columns)
+                     table_columns=table_columns, raw_csv=raw_csv)
     first = next(it, None)
     if first is None:
         raise ValueError("write_batches needs at least one batch (an empty one gives the header)")
@@ -615,17 +727,17 @@ def write_batches(
                 writer.write_table(pa.Table.from_pandas(df, schema=schema, preserve_index=False))
         return chosen
     # CSV, JSON: the batches' text pieces, joined as write_pieces joins them.
-    pieces = (text_piece(df, i, chosen) for i, df in enumerate(itertools.chain([first], it)))
+    pieces = (text_piece(df, i, chosen, raw_csv=raw_csv) for i, df in enumerate(itertools.chain([first], it)))
     write_pieces(pieces, chosen, out, stdout=stdout)
     return chosen
 
 
-def text_piece(df: pd.DataFrame, i: int, fmt: Format) -> str:
+def text_piece(df: pd.DataFrame, i: int, fmt: Format, *, raw_csv: bool = False) -> str:
     """Batch ``i`` of a table as CSV or JSON text, to be joined by :func:`write_pieces`
     (CSV: the header comes with batch 0; JSON: the records without the array's brackets)."""
     if fmt == "csv":
         buf = io.StringIO()
-        CsvWriter(buf, header=i == 0).write(for_text(df))
+        CsvWriter(buf, header=i == 0, raw=raw_csv).write(for_text(df))
         return buf.getvalue()
     if fmt == "json":
         return for_text(df).to_json(orient="records", force_ascii=False)[1:-1] if len(df) else ""
@@ -648,11 +760,11 @@ def write_pieces(pieces: Iterable[str], fmt: Format, out: str | None = None, *, 
                 buf.write(p)
 
 
-def render_text(df: pd.DataFrame, fmt: Format) -> str:
+def render_text(df: pd.DataFrame, fmt: Format, *, raw_csv: bool = False) -> str:
     """The table as a string in a text format (for tests and fixtures/golden)."""
     buf = io.StringIO()
     if fmt == "csv":
-        CsvWriter(buf).write(for_text(df))
+        CsvWriter(buf, raw=raw_csv).write(for_text(df))
     elif fmt == "json":
         for_text(df).to_json(buf, orient="records", force_ascii=False)
     else:

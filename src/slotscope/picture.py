@@ -730,10 +730,19 @@ def page_html(data: TimelineData, after: str = "") -> str:
     spec, datasets = _spec_and_datasets_json(data, "split")
     renderer = "svg" if data.overview is None and data.marks() <= SVG_MAX_MARKS else "canvas"
     bundle = vlc.javascript_bundle(vl_version=_vl_version())
-    # "</" inside inline JSON or JS would end the <script> element early.
+    # "</script" inside inline JS would end the <script> element early (the bundle holds no
+    # "<!--" or "<script", which tests check).
     return _PAGE.format(title=html.escape(data.title), bundle=bundle.replace("</script", "<\\/script"),
-                        spec=spec.replace("</", "<\\/"), data=datasets.replace("</", "<\\/"), renderer=renderer,
+                        spec=script_json(spec), data=script_json(datasets), renderer=renderer,
                         after=after + "\n" + _lists_html(data))
+
+
+def script_json(text: str) -> str:
+    """JSON text made safe to place inside an inline ``<script>``: every ``<`` written as
+    ``\\u003c``. In a script element, ``</`` can end it and ``<!--`` followed by ``<script`` makes
+    the parser take the rest of the page as script; JSON holds ``<`` only inside strings, where
+    ``\\u003c`` reads back as the same character."""
+    return text.replace("<", "\\u003c")
 
 
 def timeline_html(ds: Dataset, path: PathArg, since: When = None, until: When = None) -> Path:

@@ -170,7 +170,7 @@ def export_format(fmt: str | None) -> str:
     return fmt or "csv"
 
 
-def export(ds: Dataset, tables: dict[str, pd.DataFrame], directory: str, fmt: str = "csv") -> list[Path]:
+def export(ds: Dataset, tables: dict[str, pd.DataFrame], directory: str, fmt: str = "csv", raw_csv: bool = False) -> list[Path]:
     """Write each table to ``directory/NAME.csv`` (or ``.json``, ``.parquet``: ``fmt``), the
     bytes ``--table NAME`` writes, and ``findings.md`` (:func:`markdown`); the directory is made
     if need be. The paths written, ``findings.md`` last."""
@@ -186,7 +186,7 @@ def export(ds: Dataset, tables: dict[str, pd.DataFrame], directory: str, fmt: st
     written = []
     try:
         for name, df in tables.items():
-            write(df, fmt, str(where / files[name]), title=name)
+            write(df, fmt, str(where / files[name]), title=name, raw_csv=raw_csv)
             written.append(where / files[name])
         (where / "findings.md").write_text(markdown(ds, tables, files), encoding="utf-8")
     except OSError as e:
