@@ -4,13 +4,12 @@ A call's latency (gin: end - start of the whole handler) holds Ollama's own queu
 load when one came first, and the runner's task. The task is found by the call's end and
 duration, one to one: its release lies within a second or so of the call's end (the [GIN]
 stamp is cut to the second, a borrowed runner time is at most a second late where Ollama
-writes often), and it lasted no longer than the call. A task *begins* at its launch, or at
-its prefill start (release - ``total time``) where the launch line's borrowed time is later
-than that: a runner line's time is an upper bound (see :mod:`slotscope.ollama`). Then
+writes often), and it lasted no longer than the call. A task's launch is the latest time its
+launch line allows (the reader derives it: :func:`slotscope.ollama.retime`). Then
 
-- queue time = latency - (release - begin);
+- queue time = latency - (release - launch);
 - load wait = the part of a model load (``llama-server started in N seconds``) between the
-  call's start and its task's begin;
+  call's start and its task's launch;
 - prefill and generation = the task's ``prompt eval time`` and ``eval time``.
 
 The parallel setting in force is the runner's (``--parallel N``/``-np N``, the load request's
@@ -165,7 +164,7 @@ def _ollama(ds: Dataset) -> OllamaLogs | None:
 
 
 def _tasks(ds: Dataset) -> pd.DataFrame:
-    """The runner's tasks with ``begin_us``: when each began (:func:`begins`)."""
+    """The runner's tasks with ``begin_us``: their launch (µs since the epoch)."""
     if not ds.n_tasks:
         t = pd.DataFrame({c: pd.Series(dtype="datetime64[us, UTC]" if c.endswith("_at") else "float64")
                           for c in TASK_COLUMNS})
@@ -174,51 +173,7 @@ def _tasks(ds: Dataset) -> pd.DataFrame:
     for c in TASK_COLUMNS:
         if c not in t.columns:  # (no wall clock: no *_at columns)
             t[c] = pd.Series(pd.NaT, index=t.index, dtype="datetime64[us, UTC]")
-    return t.assign(begin_us=begins(t, ds.server.prefill_samples, ds.server.gen_samples))
-
-
-def anchors(tasks: pd.DataFrame, prefill: pd.DataFrame, gen: pd.DataFrame) -> pd.DataFrame:
-    """Runner lines whose time follows from their task's timings (``source, line, us``): a
-    prefill progress line is ``t`` seconds after its prefill start, a heartbeat
-    ``(n_gen - 1) / tg`` seconds after its first token."""
-    keys = ["source", "session", "task_id"]
-    t = tasks.assign(prefill_us=_us(tasks["prefill_start_at"]),
-                     first_us=_us(tasks["prefill_start_at"]) + tasks["prompt_eval_ms"].to_numpy(dtype=float) * 1e3)
-    t = t[keys + ["prefill_us", "first_us"]].astype({"source": str})
-    parts = []
-    if len(prefill):
-        p = prefill[keys + ["line", "elapsed_s"]].astype({"source": str}).merge(t, on=keys)
-        parts.append(p.assign(us=p["prefill_us"] + p["elapsed_s"].astype(float) * 1e6))
-    if len(gen):
-        g = gen[keys + ["line", "n_gen", "tg_tps"]].astype({"source": str}).merge(t, on=keys)
-        parts.append(g.assign(us=g["first_us"] + (g["n_gen"].astype(float) - 1) / g["tg_tps"].astype(float) * 1e6))
-    if not parts:
-        return pd.DataFrame({"source": [], "line": [], "us": []})
-    a = pd.concat([x[["source", "line", "us"]] for x in parts], ignore_index=True)
-    return a[np.isfinite(a["us"].to_numpy(dtype=float))].sort_values(["source", "line"], kind="stable")
-
-
-def begins(tasks: pd.DataFrame, prefill: pd.DataFrame, gen: pd.DataFrame) -> np.ndarray:
-    """When each task began, µs: at the latest time its launch line allows. That line was
-    written before the next stamped line (its borrowed time), before its own prefill started,
-    and before the next line whose time follows from its own task's timings
-    (:func:`anchors`): behind another slot's long prefill, that is the other slot's next
-    progress line, not this task's prefill start seconds later."""
-    upper = np.fmin(_us(tasks["launch_at"]), _us(tasks["prefill_start_at"]))
-    a = anchors(tasks, prefill, gen)
-    src = tasks["source"].astype(str).to_numpy()
-    line = tasks["line"].to_numpy(dtype=float)
-    for s in pd.unique(src):
-        m = np.flatnonzero(src == s)
-        own = a[a["source"] == s]
-        if not len(own):
-            continue
-        lines = own["line"].to_numpy(dtype=float)
-        us = own["us"].to_numpy(dtype=float)
-        j = np.searchsorted(lines, line[m], side="right")
-        after = np.where(j < len(us), us[np.minimum(j, len(us) - 1)], np.nan)
-        upper[m] = np.fmin(upper[m], after)
-    return upper
+    return t.assign(begin_us=_us(t["launch_at"]))
 
 
 def joined_calls(ds: Dataset) -> pd.DataFrame:
