@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import pandas as pd
 import pytest
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 import slotscope
 from slotscope.analyze import Options
 from slotscope.analyze import ollama as ao
 from slotscope.cli import app
+from slotscope.match import MATCH_COLUMNS
 from slotscope.ollama import parse_duration_ms
 
 FIX = Path(__file__).resolve().parent.parent / "fixtures" / "ollama"
@@ -149,3 +151,54 @@ def test_load_is_the_runners_busy_time(variant: str) -> None:
         covered += max(0.0, b - max(a, reach))
         reach = max(reach, b)
     assert busy == pytest.approx(covered / (t["release"].max() - t["launch"].min()), abs=0.01)
+
+
+def run(*args: str) -> Result:
+    r = CliRunner().invoke(app, list(args), env={"COLUMNS": "100", "NO_COLOR": "1"})
+    assert "Traceback" not in r.output and (r.exception is None or isinstance(r.exception, SystemExit)), r.output
+    return r
+
+
+def test_calls_are_the_gin_lines_without_an_app_log() -> None:
+    r = run("calls", str(FIX / "serialized" / "logs"), "-f", "csv")
+    assert r.exit_code == 0, r.output
+    rows = pd.read_csv(io.StringIO(r.stdout))
+    assert list(rows.columns[:10]) == ["source", "call_id", "start_at", "end_at", "latency_ms", "status", "method",
+                                       "path", "client", "line"]
+    assert len(rows) == 49 and set(rows["path"]) == {"/api/chat"}  # (/api/tags and /api/show: known, ignored)
+    log = (FIX / "serialized" / "logs" / "server.log").read_text().splitlines()
+    first = rows.iloc[0]
+    # [GIN] 2026/11/29 - 08:43:07 | 200 |         1m11s |       127.0.0.1 | POST    "/api/chat"
+    assert "[GIN] 2026/11/29 - 08:43:07 | 200 |         1m11s |" in log[first["line"] - 1]
+    assert (first["end_at"], first["start_at"], first["latency_ms"]) == (
+        "2026-11-29T08:43:07+01:00", "2026-11-29T08:41:56+01:00", 71000.0)
+    assert "887 lines, used 827, ignored 60, unrecognized 0" in r.stderr
+
+
+def test_match_joins_the_gin_calls_with_an_ollama_log_alone() -> None:
+    r = run("match", str(FIX / "parallel" / "logs"), "-f", "csv")
+    assert r.exit_code == 0, r.output
+    rows = pd.read_csv(io.StringIO(r.stdout))
+    assert list(rows.columns[:19]) == MATCH_COLUMNS  # the match table's columns, where [GIN] says them
+    assert len(rows) == 49 and (rows["match_method"] == "end+duration").all() and rows["task_id"].is_unique
+    m = rows.merge(truth("parallel"), on="task_id", suffixes=("", "_truth"))
+    assert ((m["queue_ms"] - m["queue_ms_truth"]).abs() < 1500).all()
+    assert rows["purpose"].isna().all() and (rows["prompt_tokens"] > 0).all()
+    assert "matched 49 of 49 [GIN] calls to runner tasks" in r.stderr
+    r = run("match", str(FIX / "parallel" / "logs"), "--unlogged", "-f", "csv")
+    assert r.exit_code == 0 and len(r.stdout.splitlines()) == 1  # (the header: every task has its call)
+
+
+def test_compare_and_timeline_run_on_ollama_logs(tmp_path: Path) -> None:
+    ser, par = str(FIX / "serialized" / "logs"), str(FIX / "parallel" / "logs")
+    r = run("compare", "--before", ser, "--after", par, "--table", "overall", "-f", "csv")
+    assert r.exit_code == 0, r.output
+    overall = pd.read_csv(io.StringIO(r.stdout)).set_index("metric")
+    assert overall.loc["observed_s", "before"] > overall.loc["observed_s", "after"]  # (one call at a time takes longer)
+    r = run("compare", ser, "--before", "2026-11-29T07:40..2026-11-29T07:55", "--after", "2026-11-29T07:55..2026-11-29T08:20")
+    assert r.exit_code == 0, r.output
+    assert "overall" in r.stdout
+    pytest.importorskip("altair")
+    r = run("timeline", par, "-o", str(tmp_path / "t.html"))
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "t.html").stat().st_size > 10_000

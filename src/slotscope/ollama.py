@@ -24,6 +24,7 @@ own timings tell (a runner stream's tasks are all good to 1 s, ``time_resolution
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import os
 import re
 from dataclasses import dataclass, field
@@ -141,6 +142,14 @@ class OllamaLogs:
             acc.notes.append(f"Ollama's runner (llama-server) lines carry no time of their own: each is timed by "
                              f"the next stamped line and its task's timings, good to about {TIME_RESOLUTION_S:.0f} s")
 
+    def in_zone(self, calls: pd.DataFrame) -> pd.DataFrame:
+        """The calls' times in the zone Ollama wrote them in (where all its logs have one)."""
+        zones = set(self.zones.values())
+        if len(zones) != 1:
+            return calls
+        zone = zones.pop()
+        return calls.assign(**{c: _in_zone(calls[c], zone) for c in ("start_at", "end_at")})
+
     def is_runner(self, files: list[LogFile]) -> bool:
         """Whether a server-log stream is one of the runner lines' (:func:`runner_streams`)."""
         return any(files is r for r in self.runner)
@@ -149,6 +158,15 @@ class OllamaLogs:
         if self.tmp is not None:
             self.tmp.cleanup()
             self.tmp = None
+
+
+def _in_zone(col: pd.Series, zone: str) -> pd.Series:
+    """Times shown in a zone given as ``UTC``, a name, or an offset ``+01:00``."""
+    m = re.fullmatch(r"([+-])(\d\d):(\d\d)", zone)
+    if m is None:
+        return col.dt.tz_convert(zone)
+    minutes = (int(m[2]) * 60 + int(m[3])) * (1 if m[1] == "+" else -1)
+    return col.dt.tz_convert(dt.timezone(dt.timedelta(minutes=minutes)))
 
 
 def _empty_calls() -> pd.DataFrame:

@@ -20,13 +20,12 @@ at once and tasks one at a time is the NUM_PARALLEL queue.
 
 from __future__ import annotations
 
-import datetime as dt
-import re
-
 import numpy as np
 import pandas as pd
 
 from ..dataset import Dataset, tasks_of
+from ..match import MATCH_COLUMNS
+from ..tasks import TASK_COLUMNS as STABLE_TASK_COLUMNS
 from ..ollama import CALL_COLUMNS, TIME_RESOLUTION_S, OllamaLogs
 from . import Options, register
 
@@ -34,9 +33,10 @@ END_BEFORE_S = 1.5  # a task's release this long before the call's [GIN] stamp (
 END_AFTER_S = 2.5  # ... or after it (the stamp is cut to the second; borrowed times lag)
 QUEUED_S = 1.0  # a queue time worth counting (what the times are good to)
 JOIN_COLUMNS = ["session", "task_id", "slot", "task_line", "match_method", "queue_ms", "load_wait_ms", "prefill_ms",
-                "generation_ms", "task_ms", "overlapped"]
+                "generation_ms", "task_ms", "overlapped", "wait_before_prefill_ms", "ttft_ms", "prompt_tokens",
+                "completion_tokens"]
 TASK_COLUMNS = ["source", "session", "task_id", "slot", "line", "status", "launch_at", "prefill_start_at", "release_at",
-                "prompt_eval_ms", "eval_ms"]
+                "prompt_eval_ms", "eval_ms", "first_token_at", "wait_before_prefill_ms", "prompt_tokens", "n_gen"]
 SUMMARY_COLUMNS = ["source", "figure", "value", "samples", "few_samples"]
 
 
@@ -120,6 +120,10 @@ def join(calls: pd.DataFrame, tasks: pd.DataFrame, load: pd.DataFrame) -> pd.Dat
     task_begin = np.where(has, begin[k] if len(t) else np.nan, end)
     out["load_wait_ms"] = _load_wait(out["source"].to_numpy(), start, task_begin, load)
     out["overlapped"] = _overlapped(out["source"].to_numpy(), start, end)
+    out["wait_before_prefill_ms"] = pick(t["wait_before_prefill_ms"])
+    out["ttft_ms"] = ((pick(_us(t["first_token_at"])) - start) / 1e3).round(3)
+    out["prompt_tokens"] = pick(t["prompt_tokens"], "Int64")
+    out["completion_tokens"] = pick(t["n_gen"], "Int64")
     return out
 
 
@@ -173,7 +177,7 @@ def _tasks(ds: Dataset) -> pd.DataFrame:
     for c in TASK_COLUMNS:
         if c not in t.columns:  # (no wall clock: no *_at columns)
             t[c] = pd.Series(pd.NaT, index=t.index, dtype="datetime64[us, UTC]")
-    return t.assign(begin_us=_us(t["launch_at"]))
+    return t.assign(begin_us=np.fmin(_us(t["launch_at"]), _us(t["prefill_start_at"])))  # (no launch line: its prefill)
 
 
 def joined_calls(ds: Dataset) -> pd.DataFrame:
@@ -181,22 +185,32 @@ def joined_calls(ds: Dataset) -> pd.DataFrame:
     ol = _ollama(ds)
     if ol is None:
         return pd.DataFrame({c: [] for c in CALL_COLUMNS + JOIN_COLUMNS})
-    out = join(ol.calls, _tasks(ds), loads(ol))
-    zones = set(ol.zones.values())
-    if len(zones) == 1:  # the times in the zone Ollama wrote them in
-        zone = zones.pop()
-        for c in ("start_at", "end_at"):
-            out[c] = _in_zone(out[c], zone)
-    return out
+    return ol.in_zone(join(ol.calls, _tasks(ds), loads(ol)))
 
 
-def _in_zone(col: pd.Series, zone: str) -> pd.Series:
-    """Times shown in a zone given as ``UTC``, a name, or an offset ``+01:00``."""
-    m = re.fullmatch(r"([+-])(\d\d):(\d\d)", zone)
-    if m is None:
-        return col.dt.tz_convert(zone)
-    minutes = (int(m[2]) * 60 + int(m[3])) * (1 if m[1] == "+" else -1)
-    return col.dt.tz_convert(dt.timezone(dt.timedelta(minutes=minutes)))
+def matched_calls(ds: Dataset) -> pd.DataFrame:
+    """The [GIN] calls as ``match`` gives an app's: the match table's columns first (what a
+    [GIN] line cannot say, NA: purpose, user, LoRA, confidence; the tokens are the task's),
+    then the ``ollama-calls`` table's other columns."""
+    calls = joined_calls(ds).rename(columns={"latency_ms": "total_ms"})
+    calls["total_ms"] = calls["total_ms"].round(3)
+    for c in ("purpose", "user", "lora"):
+        calls[c] = pd.Series(pd.NA, index=calls.index, dtype="string")
+    calls["confidence"] = pd.Series(np.nan, index=calls.index)
+    return calls[MATCH_COLUMNS + [c for c in calls.columns if c not in MATCH_COLUMNS]]
+
+
+def unmatched_tasks(ds: Dataset) -> pd.DataFrame:
+    """The runner's tasks no [GIN] call was joined to (``match --unlogged``)."""
+    calls = joined_calls(ds)
+    t = tasks_of(ds, STABLE_TASK_COLUMNS + ["file", "port", "launch_at", "release_at", "time_resolution_s"])
+    if not len(t):
+        return t
+    joined = pd.MultiIndex.from_frame(calls.loc[calls["task_id"].notna(), ["source", "session", "task_id"]]
+                                      .astype({"source": str, "session": "int64", "task_id": "int64"}))
+    keys = pd.MultiIndex.from_frame(t[["source", "session", "task_id"]].astype({"source": str, "session": "int64",
+                                                                                "task_id": "int64"}))
+    return t[~keys.isin(joined)].reset_index(drop=True)
 
 
 @register("ollama-calls")
