@@ -64,14 +64,20 @@ def test_go_durations() -> None:
     assert pd.isna(got.iloc[6])
 
 
+def figures(path: Path) -> dict[str, str]:
+    """The ``ollama`` table of a log, figure -> value."""
+    table = slotscope.analyze.run(slotscope.load([str(path)]), names=["ollama"], strict=True)["ollama"]
+    return dict(zip(table["figure"], table["value"]))
+
+
 def test_events_aborts_config_and_runner_start() -> None:
     ev = slotscope.read_server_logs([str(FIX / "excerpts" / "07.log")]).ollama.events
     assert (ev["kind"] == "abort").sum() == 5
-    ev5 = slotscope.read_server_logs([str(FIX / "excerpts" / "05.log")]).ollama.events
-    st = ao._settings(ev5)
-    assert st["config_parallel"] == "1" and st["max_queue"] == "512" and st["version"] == "0.1.39"
-    ev19 = slotscope.read_server_logs([str(FIX / "excerpts" / "19.log")]).ollama.events
-    assert ao._settings(ev19)["runner_parallel"] == "4"
+    assert figures(FIX / "excerpts" / "07.log")["client aborts"] == "5"
+    # 2024/05/27 12:32:31 routes.go:1028: INFO server config env="map[... OLLAMA_MAX_QUEUE:512 ... OLLAMA_NUM_PARALLEL:1 ...
+    fig5 = figures(FIX / "excerpts" / "05.log")
+    assert (fig5["OLLAMA_NUM_PARALLEL"], fig5["OLLAMA_MAX_QUEUE"], fig5["version"]) == ("1", "512", "0.1.39")
+    assert figures(FIX / "excerpts" / "19.log")["runner parallel (-np)"] == "4"  # starting llama server ... --parallel 4
 
 
 @pytest.mark.parametrize("variant", ["parallel", "serialized"])
@@ -172,7 +178,8 @@ def test_calls_are_the_gin_lines_without_an_app_log() -> None:
     assert "[GIN] 2026/11/29 - 08:43:07 | 200 |         1m11s |" in log[first["line"] - 1]
     assert (first["end_at"], first["start_at"], first["latency_ms"]) == (
         "2026-11-29T08:43:07+01:00", "2026-11-29T08:41:56+01:00", 71000.0)
-    assert "887 lines, used 827, ignored 60, unrecognized 0" in r.stderr
+    # Every line counted: the 49 [GIN] calls, the slog lines the report reads and the runner's are used.
+    assert f"{len(log)} lines, used 828, ignored 65, unrecognized 0" in r.stderr
 
 
 def test_match_joins_the_gin_calls_with_an_ollama_log_alone() -> None:
@@ -202,3 +209,27 @@ def test_compare_and_timeline_run_on_ollama_logs(tmp_path: Path) -> None:
     r = run("timeline", par, "-o", str(tmp_path / "t.html"))
     assert r.exit_code == 0, r.output
     assert (tmp_path / "t.html").stat().st_size > 10_000
+
+
+def test_the_first_call_after_an_unload_waits_for_the_reload() -> None:
+    """reload: the parallel capture with a 7-minute quiet spell; the keep-alive (5m0s) unloads
+    the model, and the first call after it waits 8.62 s for a new runner."""
+    ds = slotscope.load([str(FIX / "reload" / "logs")])
+    calls = ao.joined_calls(ds)
+    t = truth("reload")
+    assert ds.server.sessions["session"].tolist() == [1, 2]  # (a runner process each)
+    m = calls.merge(t, on=["session", "task_id"], suffixes=("", "_truth"))
+    assert len(m) == len(calls) == 49 and calls["task_id"].notna().all()
+    waited = m[m["load_wait_ms"] > 0]
+    first = t[t["load_wait_ms"] > 0]
+    assert waited["call"].tolist() == first["call"].tolist() == [t.sort_values("t_send")["call"].iloc[25]]
+    assert abs(waited["load_wait_ms"].iloc[0] - first["load_wait_ms"].iloc[0]) < 1000
+    assert ((m["queue_ms"] - m["queue_ms_truth"]).abs() < 1500).all()
+    fig = figures(FIX / "reload" / "logs")
+    # Two loads (at start, after the gap), each said twice ("llama-server started in"): one counted.
+    assert (fig["model loads"], fig["cold loads (a call waited on them)"], fig["calls that waited on a load"]) == ("2", "1", "1")
+    assert float(fig["cold load seconds (total)"]) == pytest.approx(8.62)
+    assert fig["model unloads (keep-alive ran out; DEBUG lines)"] == "1"
+    said = slotscope.analyze.run(ds, names=["ollama-findings"], strict=True)["ollama-findings"]["finding"].tolist()
+    assert any(s.startswith("1 call(s) waited for a model load after 1 unload(s) of the model (keep-alive 5m0s)")
+               for s in said)

@@ -71,6 +71,7 @@ _EVENTS = [
     ("runner_ready", re.compile(r"^(?:llama runner|llama-server) started in [0-9.]+ seconds")),
     ("load_request", re.compile(r"^load$")),
     ("fit", re.compile(r"^new model will fit")),
+    ("unload", re.compile(r"^(?:timer expired|runner with zero duration has gone idle), expiring to unload")),
     ("abort", re.compile(r"^aborting completion request due to client closing the connection")),
     ("shift", re.compile(r"^context limit hit - shifting")),
 ]

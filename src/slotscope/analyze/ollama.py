@@ -49,12 +49,25 @@ def _us(col: pd.Series) -> np.ndarray:
 
 
 def loads(ol: OllamaLogs) -> pd.DataFrame:
-    """Model loads: ``source, start_us, end_us, seconds, line`` from the runner-ready lines."""
-    ev = ol.events[ol.events["kind"] == "runner_ready"]
-    secs = ev["text"].str.extract(r"started in ([0-9.]+) seconds")[0].astype(float)
+    """Model loads: ``source, start_us, end_us, seconds, line`` from the runner-ready lines.
+    One load may say it twice (v0.30+ waits for the runner twice, and each wait ends with
+    ``llama-server started in``, both timed from the process start): spans that overlap are
+    one load, the first line's."""
+    ev = ol.events[ol.events["kind"] == "runner_ready"].sort_values(["source", "at"], kind="stable")
+    secs = ev["text"].str.extract(r"started in ([0-9.]+) seconds")[0].astype(float).to_numpy()
     end = _us(ev["at"])
-    return pd.DataFrame({"source": ev["source"].to_numpy(), "start_us": end - secs.to_numpy() * 1e6, "end_us": end,
-                         "seconds": secs.to_numpy(), "line": ev["line"].to_numpy()})
+    start = end - secs * 1e6
+    src = ev["source"].astype(str).to_numpy()
+    reach = np.full(len(end), -np.inf)  # the latest end of the same source's earlier loads
+    for s in pd.unique(src):
+        m = np.flatnonzero(src == s)
+        reach[m[1:]] = np.maximum.accumulate(end[m])[:-1]
+    new = start > reach
+    group = np.cumsum(new) - 1
+    ends = pd.Series(end).groupby(group).max().to_numpy()
+    first = np.flatnonzero(new)
+    return pd.DataFrame({"source": src[first], "start_us": start[first], "end_us": ends,
+                         "seconds": (ends - start[first]) / 1e6, "line": ev["line"].to_numpy()[first]})
 
 
 def join(calls: pd.DataFrame, tasks: pd.DataFrame, load: pd.DataFrame) -> pd.DataFrame:
@@ -135,6 +148,16 @@ def _load_wait(source: np.ndarray, start: np.ndarray, until: np.ndarray, load: p
         part = np.minimum(until, r.end_us) - np.maximum(start, r.start_us)
         wait = np.where(own & (part > 0), wait + part / 1e3, wait)
     return wait.round(3)
+
+
+def _cold(load: pd.DataFrame, waited: pd.DataFrame) -> pd.DataFrame:
+    """The loads some call waited on: those whose span holds a waiting call's start or lies
+    within its wait."""
+    start, end = _us(waited["start_at"]), _us(waited["start_at"]) + waited["load_wait_ms"].to_numpy(dtype=float) * 1e3
+    hit = np.zeros(len(load), bool)
+    for i, (a, b) in enumerate(zip(load["start_us"].to_numpy(), load["end_us"].to_numpy())):  # (loads are few)
+        hit[i] = bool(((start < b) & (end > a)).any())
+    return load[hit]
 
 
 def _overlapped(source: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
@@ -278,8 +301,15 @@ def summary(ds: Dataset, opts: Options, calls: pd.DataFrame | None = None) -> tu
                      ("queue time max (s)", q.max())):
         rows.append((label, round(float(v), 3) if len(q) else float("nan"), len(q)))
     waited = calls["load_wait_ms"] > 0
+    cold = _cold(load, calls[waited])
+    wait_s = calls.loc[waited, "load_wait_ms"] / 1e3
+    unloads = int((ol.events["kind"] == "unload").sum())
     rows += [("model loads", len(load), len(load)), ("model load seconds (total)", round(float(load["seconds"].sum()), 2), len(load)),
-             ("calls that waited on a load", int(waited.sum()), n)]
+             ("cold loads (a call waited on them)", len(cold), len(load)),
+             ("cold load seconds (total)", round(float(cold["seconds"].sum()), 2), len(cold)),
+             ("calls that waited on a load", int(waited.sum()), n),
+             ("load wait median (s)", round(float(wait_s.median()), 3) if len(wait_s) else float("nan"), len(wait_s)),
+             ("model unloads (keep-alive ran out; DEBUG lines)", unloads, unloads)]
     n503 = int((calls["status"] == 503).sum())
     aborts = int((ol.events["kind"] == "abort").sum())
     shifts = int((ol.events["kind"] == "shift").sum())
@@ -299,8 +329,10 @@ def summary(ds: Dataset, opts: Options, calls: pd.DataFrame | None = None) -> tu
                     f"outside the runner (median {queued['queue_ms'].median() / 1e3:.1f} s); the runner ran up to "
                     f"{tasks_at_once} tasks at once")
     if waited.any():
-        said.append(f"{int(waited.sum())} call(s) waited for a model load ({len(load)} load(s), median "
-                    f"{load['seconds'].median():.1f} s); the first call after an unload waits for the next")
+        after = f" after {unloads} unload(s) of the model (keep-alive {st['keep_alive']})" if unloads and "keep_alive" in st else ""
+        said.append(f"{int(waited.sum())} call(s) waited for a model load{after}: {len(cold)} cold load(s) of "
+                    f"{cold['seconds'].sum():.1f} s, median wait {wait_s.median():.1f} s; the first call after an "
+                    f"unload waits for the next load")
     if n503:
         said.append(f"{n503} of {n} calls were refused with 503: Ollama's queue was full"
                     + (f" (OLLAMA_MAX_QUEUE={st['max_queue']})" if "max_queue" in st else ""))
@@ -308,8 +340,10 @@ def summary(ds: Dataset, opts: Options, calls: pd.DataFrame | None = None) -> tu
         said.append(f"{aborts} completion(s) aborted because the client closed the connection")
     if shifts:
         said.append(f"{shifts} context shift(s): a prompt outgrew its context and the runner dropped tokens")
-    table = pd.DataFrame(rows, columns=["figure", "value", "samples"])
-    table["value"] = table["value"].astype(str)
+    # (Each value as its own text: a column of numbers alone would print every count as a float.)
+    text = ["" if isinstance(v, float) and np.isnan(v) else str(v) for _, v, _ in rows]
+    table = pd.DataFrame({"figure": [r[0] for r in rows], "value": pd.Series(text, dtype=object),
+                          "samples": [r[2] for r in rows]})
     table.insert(0, "source", source)
     table["few_samples"] = (table["samples"] < opts.min_samples) & table["figure"].str.startswith("queue")
     return table[SUMMARY_COLUMNS], said
