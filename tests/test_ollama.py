@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import pandas as pd
 import pytest
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 import slotscope
 from slotscope.analyze import Options
 from slotscope.analyze import ollama as ao
 from slotscope.cli import app
+from slotscope.match import MATCH_COLUMNS
 from slotscope.ollama import parse_duration_ms
 
 FIX = Path(__file__).resolve().parent.parent / "fixtures" / "ollama"
@@ -62,14 +64,20 @@ def test_go_durations() -> None:
     assert pd.isna(got.iloc[6])
 
 
+def figures(path: Path) -> dict[str, str]:
+    """The ``ollama`` table of a log, figure -> value."""
+    table = slotscope.analyze.run(slotscope.load([str(path)]), names=["ollama"], strict=True)["ollama"]
+    return dict(zip(table["figure"], table["value"]))
+
+
 def test_events_aborts_config_and_runner_start() -> None:
     ev = slotscope.read_server_logs([str(FIX / "excerpts" / "07.log")]).ollama.events
     assert (ev["kind"] == "abort").sum() == 5
-    ev5 = slotscope.read_server_logs([str(FIX / "excerpts" / "05.log")]).ollama.events
-    st = ao._settings(ev5)
-    assert st["config_parallel"] == "1" and st["max_queue"] == "512" and st["version"] == "0.1.39"
-    ev19 = slotscope.read_server_logs([str(FIX / "excerpts" / "19.log")]).ollama.events
-    assert ao._settings(ev19)["runner_parallel"] == "4"
+    assert figures(FIX / "excerpts" / "07.log")["client aborts"] == "5"
+    # 2024/05/27 12:32:31 routes.go:1028: INFO server config env="map[... OLLAMA_MAX_QUEUE:512 ... OLLAMA_NUM_PARALLEL:1 ...
+    fig5 = figures(FIX / "excerpts" / "05.log")
+    assert (fig5["OLLAMA_NUM_PARALLEL"], fig5["OLLAMA_MAX_QUEUE"], fig5["version"]) == ("1", "512", "0.1.39")
+    assert figures(FIX / "excerpts" / "19.log")["runner parallel (-np)"] == "4"  # starting llama server ... --parallel 4
 
 
 @pytest.mark.parametrize("variant", ["parallel", "serialized"])
@@ -119,3 +127,109 @@ def test_analyze_shows_ollamas_section() -> None:
     header = r.stdout.splitlines()[0].split(",")
     assert header[:10] == ["source", "call_id", "start_at", "end_at", "latency_ms", "status", "method", "path", "client", "line"]
     assert "+01:00" in r.stdout.splitlines()[1]  # the zone of Ollama's slog lines
+
+
+@pytest.mark.parametrize("variant", ["parallel", "serialized"])
+def test_runner_tasks_begin_where_their_lines_allow(variant: str) -> None:
+    """A runner line is untimed: the task table itself gives each launch the latest time its
+    lines allow, so no table reads a launch after its prefill or a negative wait."""
+    tasks = slotscope.read_server_logs([str(FIX / variant / "logs")]).tasks
+    assert len(tasks) == 49 and (tasks["time_resolution_s"] == 1.0).all()
+    assert (tasks["wait_before_prefill_ms"] >= 0).all()
+    assert (tasks["prefill_start_s"] >= tasks["launch_s"]).all()
+    m = tasks.merge(truth(variant), on="task_id")
+    late = m["launch_at"].astype("int64") / 1e6 - m["launch"]  # (the launch_at's unit: µs)
+    # Upper bounds: never early; late by under the 1 s resolution but for the one task whose
+    # prefill waited 1.46 s with no runner line in between (its wait is not seen).
+    assert late.min() > -0.01 and (late < 1).sum() >= 48 and late.max() < 2
+
+
+@pytest.mark.parametrize("variant", ["parallel", "serialized"])
+def test_load_is_the_runners_busy_time(variant: str) -> None:
+    ds = slotscope.load([str(FIX / variant / "logs")])
+    load = slotscope.analyze.run(ds, names=["load"], strict=True)["load"]
+    overall = load[load["scope"] == "overall"]
+    busy = 1 - float(overall.loc[overall["running"] == 0, "share"].sum())
+    t = truth(variant)
+    spans = t.sort_values("launch")[["launch", "release"]].to_numpy()
+    covered, reach = 0.0, -float("inf")  # the union of launch..release, as the load generator saw it
+    for a, b in spans:
+        covered += max(0.0, b - max(a, reach))
+        reach = max(reach, b)
+    assert busy == pytest.approx(covered / (t["release"].max() - t["launch"].min()), abs=0.01)
+
+
+def run(*args: str) -> Result:
+    r = CliRunner().invoke(app, list(args), env={"COLUMNS": "100", "NO_COLOR": "1"})
+    assert "Traceback" not in r.output and (r.exception is None or isinstance(r.exception, SystemExit)), r.output
+    return r
+
+
+def test_calls_are_the_gin_lines_without_an_app_log() -> None:
+    r = run("calls", str(FIX / "serialized" / "logs"), "-f", "csv")
+    assert r.exit_code == 0, r.output
+    rows = pd.read_csv(io.StringIO(r.stdout))
+    assert list(rows.columns[:10]) == ["source", "call_id", "start_at", "end_at", "latency_ms", "status", "method",
+                                       "path", "client", "line"]
+    assert len(rows) == 49 and set(rows["path"]) == {"/api/chat"}  # (/api/tags and /api/show: known, ignored)
+    log = (FIX / "serialized" / "logs" / "server.log").read_text().splitlines()
+    first = rows.iloc[0]
+    # [GIN] 2026/11/29 - 08:43:07 | 200 |         1m11s |       127.0.0.1 | POST    "/api/chat"
+    assert "[GIN] 2026/11/29 - 08:43:07 | 200 |         1m11s |" in log[first["line"] - 1]
+    assert (first["end_at"], first["start_at"], first["latency_ms"]) == (
+        "2026-11-29T08:43:07+01:00", "2026-11-29T08:41:56+01:00", 71000.0)
+    # Every line counted: the 49 [GIN] calls, the slog lines the report reads and the runner's are used.
+    assert f"{len(log)} lines, used 828, ignored 65, unrecognized 0" in r.stderr
+
+
+def test_match_joins_the_gin_calls_with_an_ollama_log_alone() -> None:
+    r = run("match", str(FIX / "parallel" / "logs"), "-f", "csv")
+    assert r.exit_code == 0, r.output
+    rows = pd.read_csv(io.StringIO(r.stdout))
+    assert list(rows.columns[:19]) == MATCH_COLUMNS  # the match table's columns, where [GIN] says them
+    assert len(rows) == 49 and (rows["match_method"] == "end+duration").all() and rows["task_id"].is_unique
+    m = rows.merge(truth("parallel"), on="task_id", suffixes=("", "_truth"))
+    assert ((m["queue_ms"] - m["queue_ms_truth"]).abs() < 1500).all()
+    assert rows["purpose"].isna().all() and (rows["prompt_tokens"] > 0).all()
+    assert "matched 49 of 49 [GIN] calls to runner tasks" in r.stderr
+    r = run("match", str(FIX / "parallel" / "logs"), "--unlogged", "-f", "csv")
+    assert r.exit_code == 0 and len(r.stdout.splitlines()) == 1  # (the header: every task has its call)
+
+
+def test_compare_and_timeline_run_on_ollama_logs(tmp_path: Path) -> None:
+    ser, par = str(FIX / "serialized" / "logs"), str(FIX / "parallel" / "logs")
+    r = run("compare", "--before", ser, "--after", par, "--table", "overall", "-f", "csv")
+    assert r.exit_code == 0, r.output
+    overall = pd.read_csv(io.StringIO(r.stdout)).set_index("metric")
+    assert overall.loc["observed_s", "before"] > overall.loc["observed_s", "after"]  # (one call at a time takes longer)
+    r = run("compare", ser, "--before", "2026-11-29T07:40..2026-11-29T07:55", "--after", "2026-11-29T07:55..2026-11-29T08:20")
+    assert r.exit_code == 0, r.output
+    assert "overall" in r.stdout
+    pytest.importorskip("altair")
+    r = run("timeline", par, "-o", str(tmp_path / "t.html"))
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "t.html").stat().st_size > 10_000
+
+
+def test_the_first_call_after_an_unload_waits_for_the_reload() -> None:
+    """reload: the parallel capture with a 7-minute quiet spell; the keep-alive (5m0s) unloads
+    the model, and the first call after it waits 8.62 s for a new runner."""
+    ds = slotscope.load([str(FIX / "reload" / "logs")])
+    calls = ao.joined_calls(ds)
+    t = truth("reload")
+    assert ds.server.sessions["session"].tolist() == [1, 2]  # (a runner process each)
+    m = calls.merge(t, on=["session", "task_id"], suffixes=("", "_truth"))
+    assert len(m) == len(calls) == 49 and calls["task_id"].notna().all()
+    waited = m[m["load_wait_ms"] > 0]
+    first = t[t["load_wait_ms"] > 0]
+    assert waited["call"].tolist() == first["call"].tolist() == [t.sort_values("t_send")["call"].iloc[25]]
+    assert abs(waited["load_wait_ms"].iloc[0] - first["load_wait_ms"].iloc[0]) < 1000
+    assert ((m["queue_ms"] - m["queue_ms_truth"]).abs() < 1500).all()
+    fig = figures(FIX / "reload" / "logs")
+    # Two loads (at start, after the gap), each said twice ("llama-server started in"): one counted.
+    assert (fig["model loads"], fig["cold loads (a call waited on them)"], fig["calls that waited on a load"]) == ("2", "1", "1")
+    assert float(fig["cold load seconds (total)"]) == pytest.approx(8.62)
+    assert fig["model unloads (keep-alive ran out; DEBUG lines)"] == "1"
+    said = slotscope.analyze.run(ds, names=["ollama-findings"], strict=True)["ollama-findings"]["finding"].tolist()
+    assert any(s.startswith("1 call(s) waited for a model load after 1 unload(s) of the model (keep-alive 5m0s)")
+               for s in said)

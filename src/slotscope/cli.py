@@ -83,6 +83,9 @@ GEN_TABLE = ["session", "slot", "task_id", "t_s", "n_gen", "tg_tps", "tg_3s_tps"
 PREFILL_TABLE = ["session", "slot", "task_id", "t_s", "n_tokens", "progress", "elapsed_s", "tps", "step_tokens", "line"]
 MATCH_TABLE = ["call_id", "purpose", "user", "lora", "prompt_tokens", "task_id", "match_method", "queue_ms",
                "wait_before_prefill_ms", "prefill_ms", "generation_ms", "ttft_ms", "total_ms"]
+GIN_CALLS_TABLE = ["call_id", "start_at", "end_at", "latency_ms", "status", "method", "path", "client", "line"]
+GIN_MATCH_TABLE = ["call_id", "start_at", "task_id", "match_method", "queue_ms", "load_wait_ms", "wait_before_prefill_ms",
+                   "prefill_ms", "generation_ms", "ttft_ms", "total_ms", "status"]
 CALLS_TABLE = ["call_id", "start_at", "purpose", "user", "lora", "prompt_tokens", "completion_tokens", "duration_ms", "status", "line"]
 
 
@@ -341,14 +344,19 @@ def calls(
     """The app's call log as a table (one row per call), columns found by common names."""
     from . import output
     from .accounting import Accounting
-    from .dataset import read_app
+    from .dataset import read_app, read_ollama_calls
     from .sources import collect
 
     ps = _paths(paths)
     inputs = collect(ps)
     app_log, accounts = read_app(inputs, columns=_app_columns(app_columns), tz=tz)
     if app_log is None:
-        _no_input(inputs.unusable, "no app call log among the inputs (JSONL or CSV with a start-time column)")
+        gin = read_ollama_calls(inputs, tz=tz)  # (no app log: Ollama's [GIN] lines are the calls)
+        if gin is None:
+            _no_input(inputs.unusable, "no app call log among the inputs (JSONL or CSV with a start-time column)")
+        output.write(gin[0], fmt, out, title="calls ([GIN] lines)", table_columns=GIN_CALLS_TABLE, raw_csv=raw_csv)
+        _finish(gin[1], strict, quiet)
+        return
     output.write(app_log.calls, fmt, out, title="calls", table_columns=CALLS_TABLE, raw_csv=raw_csv)
     _finish(Accounting(files=accounts, skipped=inputs.skipped, unusable=inputs.unusable), strict, quiet)
 
@@ -363,9 +371,21 @@ def match_cmd(
     """Every app call joined to its server task: queue, wait, prefill, generation, TTFT."""
     from . import output
     from .filters import where as where_rows
-    from .report import clock_lines, match_lines
+    from .report import clock_lines, gin_match_lines, match_lines
 
     ds = _load(_paths(paths), tz, app_columns, server_start, keep_samples=False)
+    if ds.matches is None and ds.server.ollama is not None:  # Ollama's [GIN] calls, joined to its runner's tasks
+        from .analyze.ollama import matched_calls, unmatched_tasks
+
+        calls, alone = matched_calls(ds), unmatched_tasks(ds)
+        if unlogged:
+            output.write(where_rows(alone, where), fmt, out, title="runner tasks no call explains", table_columns=TASK_TABLE)
+        else:
+            output.write(where_rows(calls, where), fmt, out, title="[GIN] calls matched to runner tasks",
+                         table_columns=GIN_MATCH_TABLE)
+        _say(gin_match_lines(calls, len(alone)), quiet)
+        _finish(ds.accounting, strict, quiet)
+        return
     if ds.matches is None:
         if ds.accounting.unusable:  # a file named that is no log: say so, not that a kind is missing
             _no_input(ds.accounting.unusable, "")

@@ -6,6 +6,7 @@ the same. Each stage stays importable on its own.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 from contextlib import contextmanager
@@ -132,6 +133,16 @@ def read_app(inputs: Inputs, *, columns: dict[str, str] | None = None, tz: str =
         if c in calls:
             calls[c] = calls[c].astype("category")
     return AppLog(calls=calls.reset_index(drop=True), accounting=logs[0].accounting), accounts
+
+
+def read_ollama_calls(inputs: Inputs, *, tz: str = "UTC") -> tuple[pd.DataFrame, Accounting] | None:
+    """The [GIN] calls of the Ollama logs among the inputs (in Ollama's zone), with the line
+    accounting of all their lines (the runner's are read too); None: no Ollama log."""
+    if not inputs.ollama:
+        return None
+    server = read_server_logs([], keep_samples=False, tz=tz, inputs=dataclasses.replace(inputs, server=[], app=[]))
+    assert server.ollama is not None
+    return server.ollama.in_zone(server.ollama.calls), server.accounting
 
 
 def load(

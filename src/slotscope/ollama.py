@@ -17,13 +17,14 @@ own lines are left blank there). From v0.30 Ollama starts llama-server with
 its own wrapper (journald stamps every line, to the second) or else that of the next line
 of Ollama's that has one: a line is written before the next stamped line, so its time is at
 most that stamp, and where Ollama writes often (a [GIN] line at each call's end) it is
-good to about a second. A task's start is then taken from its own timings where it has
-them (the analysis does: :mod:`slotscope.analyze.ollama`).
+good to about a second. Once the runner lines are read, :func:`retime` takes what the tasks'
+own timings tell (a runner stream's tasks are all good to 1 s, ``time_resolution_s``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import os
 import re
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from . import prefixes, store
 from .accounting import Accounting, FileAccount
 from .errors import InputError
 from .sources import STDIN, Inputs, LogFile, iter_chunks, reopen
+from .tasks import TaskAssembler, prefill_start_us, timing_anchor_us
 
 if TYPE_CHECKING:
     import tempfile
@@ -69,6 +71,7 @@ _EVENTS = [
     ("runner_ready", re.compile(r"^(?:llama runner|llama-server) started in [0-9.]+ seconds")),
     ("load_request", re.compile(r"^load$")),
     ("fit", re.compile(r"^new model will fit")),
+    ("unload", re.compile(r"^(?:timer expired|runner with zero duration has gone idle), expiring to unload")),
     ("abort", re.compile(r"^aborting completion request due to client closing the connection")),
     ("shift", re.compile(r"^context limit hit - shifting")),
 ]
@@ -138,12 +141,33 @@ class OllamaLogs:
                 acc.files.append(own)
         if self.found:
             acc.notes.append(f"Ollama's runner (llama-server) lines carry no time of their own: each is timed by "
-                             f"the next stamped line, good to about {TIME_RESOLUTION_S:.0f} s")
+                             f"the next stamped line and its task's timings, good to about {TIME_RESOLUTION_S:.0f} s")
+
+    def in_zone(self, calls: pd.DataFrame) -> pd.DataFrame:
+        """The calls' times in the zone Ollama wrote them in (where all its logs have one)."""
+        zones = set(self.zones.values())
+        if len(zones) != 1:
+            return calls
+        zone = zones.pop()
+        return calls.assign(**{c: _in_zone(calls[c], zone) for c in ("start_at", "end_at")})
+
+    def is_runner(self, files: list[LogFile]) -> bool:
+        """Whether a server-log stream is one of the runner lines' (:func:`runner_streams`)."""
+        return any(files is r for r in self.runner)
 
     def discard(self) -> None:
         if self.tmp is not None:
             self.tmp.cleanup()
             self.tmp = None
+
+
+def _in_zone(col: pd.Series, zone: str) -> pd.Series:
+    """Times shown in a zone given as ``UTC``, a name, or an offset ``+01:00``."""
+    m = re.fullmatch(r"([+-])(\d\d):(\d\d)", zone)
+    if m is None:
+        return col.dt.tz_convert(zone)
+    minutes = (int(m[2]) * 60 + int(m[3])) * (1 if m[1] == "+" else -1)
+    return col.dt.tz_convert(dt.timezone(dt.timedelta(minutes=minutes)))
 
 
 def _empty_calls() -> pd.DataFrame:
@@ -275,13 +299,18 @@ def _read_lines(lines: list[str], first: int, state: _State, account: FileAccoun
             naive = pd.to_datetime(f[col][mask], format=fmt, errors="coerce")
             own[mask] = _local_to_utc_us(naive, wall[mask], state)
     stamp = np.where(own >= 0, own, wall)
-    # A line's time: its own stamp, else the next stamped line's (a line is written before it).
+    # A line's time: its own stamp, else the latest the stamped lines after it allow (a line
+    # is written before them): a stamp cut to the second ([GIN], Go's log, journald's short
+    # format) allows up to the end of its second.
     known = stamp >= 0
     if final or not known.any():
         cut = n if final or n > 100_000 else 0
     else:
         cut = int(np.flatnonzero(known)[-1]) + 1
-    nxt = pd.Series(np.where(known, stamp, np.nan)).bfill()
+    latest = np.where(known & ~slog & (stamp % 1_000_000 == 0), stamp + 999_999, stamp).astype(np.float64)
+    latest[~known] = np.inf
+    latest = np.minimum.accumulate(latest[::-1])[::-1]
+    nxt = pd.Series(np.where(np.isinf(latest), np.nan, latest))
     if final:
         nxt = nxt.ffill()  # (after the last stamp of the file: the last one)
     borrowed = nxt.fillna(-1).to_numpy().astype(np.int64)
@@ -368,3 +397,67 @@ def _events(f: dict[str, pd.Series], mask: np.ndarray, at_us: np.ndarray, first:
         "text": (msg[keep] + attrs[keep]).reset_index(drop=True),
     })
     return out, len(out)
+
+
+_TASK_KEY = ["port", "session", "task"]
+
+
+def retime(asm: TaskAssembler) -> None:
+    """Give a runner stream's tasks and samples (read, closed) the times their own timings
+    tell, where those are earlier than the borrowed ones (a line's borrowed time is an upper
+    bound):
+
+    - a prefill progress line is ``elapsed`` seconds after its task's prefill start (timing
+      lines' time - ``total time``), a heartbeat ``(n_gen - 1) / tg`` seconds after its
+      first token (prefill start + ``prompt eval time``);
+    - a task was launched at the latest time its launch line allows: before its borrowed
+      time, before its own prefill start, and before the next sample line of any task
+      (behind another slot's long prefill, that is the other slot's next progress line, not
+      this task's prefill start seconds later);
+    - and none before the stream's first line (its clock's zero: a derived time may come out
+      up to a second early, as a [GIN] stamp is cut to the second).
+
+    Every task's ``time_resolution_s`` is then 1 s: a wait before prefill under it reads 0.
+    """
+    t, t_files = asm.rows_of("tasks", _TASK_KEY + ["file", "line", "launch_us", "eval_us", "total_us", "total_ms",
+                                                   "prompt_eval_ms", "eval_ms"])
+    prefill = prefill_start_us(timing_anchor_us(t["eval_us"], t["total_us"]), t["total_ms"], t["prompt_eval_ms"],
+                               t["eval_ms"])
+    first = prefill + t["prompt_eval_ms"] * 1000
+    lines: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (file names, lines, times) of the samples
+    for which, names in (("prefill", ["v3"]), ("gen", ["v1", "v2"])):
+        s, s_files = asm.rows_of(which, _TASK_KEY + ["file", "line", "ts_us"] + names)
+        if not len(s["line"]):
+            continue
+        at = _row_of(t, s)
+        own = np.where(at >= 0, (prefill if which == "prefill" else first)[at], np.nan)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            after = s["v3"] * 1e6 if which == "prefill" else (s["v1"] - 1) / s["v2"] * 1e6
+            told = own + after
+        told = np.maximum(told, 0)  # (not before the clock's zero, the stream's first line)
+        ts = np.where(np.isfinite(told) & (told < s["ts_us"]), np.round(told), s["ts_us"]).astype(s["ts_us"].dtype)
+        asm.update(which, {"ts_us": ts})
+        lines.append((np.asarray(s_files, dtype=object)[s["file"].astype(np.int64)], s["line"], ts))
+    launch = t["launch_us"].copy()
+    with np.errstate(invalid="ignore"):
+        launch = np.where(prefill < launch, np.round(np.maximum(prefill, 0)), launch)  # (NaN: no launch, or no timings)
+    if lines:
+        file = np.concatenate([x[0] for x in lines])
+        line, ts = np.concatenate([x[1] for x in lines]), np.concatenate([x[2] for x in lines])
+        t_file = np.asarray(t_files, dtype=object)[np.nan_to_num(t["file"]).astype(np.int64)] if t_files else file[:0]
+        for name in pd.unique(file):  # (line numbers count per file)
+            m, tm = np.flatnonzero(file == name), np.flatnonzero(t_file == name)
+            order = m[np.argsort(line[m], kind="stable")]
+            j = np.searchsorted(line[order], t["line"][tm], side="right")
+            nxt = np.where(j < len(order), ts[order[np.minimum(j, len(order) - 1)]], np.nan)
+            with np.errstate(invalid="ignore"):
+                launch[tm] = np.where(nxt < launch[tm], nxt, launch[tm])
+    asm.update("tasks", {"launch_us": launch, "resolution_us": np.full(len(launch), TIME_RESOLUTION_S * 1e6)})
+
+
+def _row_of(tasks: dict[str, np.ndarray], rows: dict[str, np.ndarray]) -> np.ndarray:
+    """Each row's task's place among ``tasks`` (its first row, for a task id seen twice; -1: none)."""
+    t = pd.DataFrame({c: tasks[c].astype(np.int64) for c in _TASK_KEY}).assign(at=np.arange(len(tasks["task"])))
+    r = pd.DataFrame({c: rows[c].astype(np.int64) for c in _TASK_KEY})
+    got = r.merge(t.drop_duplicates(_TASK_KEY), on=_TASK_KEY, how="left")["at"]
+    return got.fillna(-1).to_numpy().astype(np.int64)

@@ -99,6 +99,14 @@ def match_lines(matches: Matches) -> list[str]:
     return lines + [f"  {reason}: {n}" for reason, n in reasons.items()]
 
 
+def gin_match_lines(calls: pd.DataFrame, unmatched_tasks: int) -> list[str]:
+    """The same for Ollama's [GIN] calls, joined to the runner's tasks."""
+    lines = [f"matched {int(calls['task_id'].notna().sum()):,} of {len(calls):,} [GIN] calls to runner tasks by end "
+             f"time and duration (times good to about 1 s); {unmatched_tasks:,} runner tasks no call explains"]
+    reasons = calls.loc[calls["task_id"].isna(), "match_method"].astype(str).value_counts()
+    return lines + [f"  {reason}: {n}" for reason, n in reasons.items()]
+
+
 def render(ds: Dataset, tables: dict[str, pd.DataFrame], file: IO[str] | None = None, width: int | None = None,
            max_rows: int = 12) -> None:
     """Print the whole report: alignment, findings first, then every table with its caption."""

@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import legacy, prefixes
-from .ollama import OllamaLogs, runner_streams
+from .ollama import OllamaLogs, retime, runner_streams
 from .events import (
     BUILD, CANCEL, CONFIG, ERROR, EVAL, EXIT, HEARTBEAT, INIT, LAUNCH, MODEL, PROGRESS, PROMPT_EVAL, RELEASE,
     TIMING_HEADER, TOTAL,
@@ -920,7 +920,15 @@ def _read_all(
     inputs, ollama_logs = runner_streams(inputs, tz=kw.get("tz", "UTC"), year=kw.get("year"))
     try:
         for files in inputs.server:
-            asm, accounts = read_stream(files, inputs, pool=pool, spill_rows=rows, **kw)
+            runner = ollama_logs.is_runner(files)
+            # (A runner's samples are kept: their lines time its tasks; see slotscope.ollama.retime.)
+            asm, accounts = read_stream(files, inputs, pool=pool, spill_rows=rows,
+                                        **({**kw, "keep_samples": True} if runner else kw))
+            if runner:
+                asm.close()
+                retime(asm)
+                if not kw.get("keep_samples", True):
+                    asm.discard_samples()
             assemblers.append(asm)
             acc.files.extend(accounts)
         if not keep_pool:

@@ -676,14 +676,24 @@ class Chunks:
         if self._tmp is None:
             self._tmp = temp_dir(self.what)
         path = os.path.join(self._tmp.name, str(len(self.paths)))
+        self._write(path, cols)
+        self.paths.append(path)
+        return path
+
+    def rewrite(self, k: int, cols: dict[str, np.ndarray]) -> None:
+        """Chunk ``k`` holds ``cols`` instead (a new file put in its place: a copy that still
+        maps the old one reads it whole)."""
+        path = self.paths[k]
+        self._write(path + ".new", cols)
+        os.replace(path + ".new", path)
+
+    def _write(self, path: str, cols: dict[str, np.ndarray]) -> None:
         table = pa.table({c: np.ascontiguousarray(v) for c, v in cols.items()})
         try:
             with new_file(path) as sink, pa.ipc.new_file(sink, table.schema) as writer:
                 writer.write_table(table)
         except OSError as e:
             raise _disk_error(e, self.what) from None
-        self.paths.append(path)
-        return path
 
     @staticmethod
     def read(path: str, names: Sequence[str]) -> list[np.ndarray]:

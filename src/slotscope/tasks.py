@@ -200,6 +200,17 @@ class FinishedRows:
                 out[c][at] = v[src]
         return out
 
+    def update(self, cols: dict[str, np.ndarray]) -> None:
+        """Set these columns (a value per row, in the order the rows finished) on disk, in
+        place of those of the same name or beside them."""
+        self.close()
+        starts = np.cumsum([0] + self._sizes)
+        for k, path in enumerate(self._disk.paths):
+            rows = dict(zip(self._names, store.Chunks.read(path, self._names)))
+            rows.update({c: v[starts[k]:starts[k + 1]] for c, v in cols.items()})
+            self._disk.rewrite(k, rows)
+        self._names += [c for c in cols if c not in self._names]
+
     def discard(self) -> None:
         self._pending, self._sizes = [], []
         self._disk.discard()
@@ -439,16 +450,33 @@ class TaskAssembler:
         self._gen.discard()
         self._prefill.discard()
 
+    def close(self) -> None:
+        """Close every task still open (the input has ended)."""
+        if self._open is not None:
+            self._done.append(self._open)
+        self._open = None
+        self._done.close()
+
+    def rows_of(self, which: str, names: list[str]) -> tuple[dict[str, np.ndarray], list[str]]:
+        """Columns of every finished task row (``which`` "tasks", after :meth:`close`) or
+        sample row ("gen", "prefill"), in the order they finished, and the files their
+        ``file`` codes name."""
+        rows = {"tasks": self._done, "gen": self._gen, "prefill": self._prefill}[which]
+        rows.close()
+        files = list(self._files if which == "tasks" else self._sample_files)
+        return {c: rows.column(c) for c in names}, files
+
+    def update(self, which: str, cols: dict[str, np.ndarray]) -> None:
+        """Set columns of the rows :meth:`rows_of` gives (as :meth:`FinishedRows.update`)."""
+        {"tasks": self._done, "gen": self._gen, "prefill": self._prefill}[which].update(cols)
+
     def finish_in_batches(self, rows: int = 1 << 15) -> tuple[list["TaskBatch"], pd.DataFrame]:
         """Close every task still open; return the task table as batches of ``rows`` rows in
         output order (none: no tasks), each built when asked (:meth:`TaskBatch.table`), and the
         sessions. Every finished row is on disk, so that a batch pickles small (for worker
         processes); :meth:`discard` removes them after use.
         """
-        if self._open is not None:
-            self._done.append(self._open)
-        self._open = None
-        self._done.close()
+        self.close()
         kept = self._fold_repeats()
         port, session = self._done.column("port"), self._done.column("session")
         # Output order: per process, by launch (tasks whose launch was never seen last), then line.
@@ -550,22 +578,19 @@ def _derive(raw: dict[str, np.ndarray], files: list[str], source: str, sessions:
     out["task_id"] = np.asarray(raw.pop("task")).astype(np.int64)
     launch_us, release_us = take("launch_us"), take("release_us")
     launch_s = _seconds(launch_us)
-    eval_us, total_us = take("eval_us"), take("total_us")
-    with np.errstate(invalid="ignore"):
-        anchor = np.where(eval_us >= 0, eval_us, total_us)
-        anchor = np.where(anchor >= 0, anchor, np.nan)
-    del eval_us, total_us
+    anchor = timing_anchor_us(take("eval_us"), take("total_us"))
     total_ms, prompt_eval_ms, eval_ms = take("total_ms"), take("prompt_eval_ms"), take("eval_ms")
-    timing_total = np.where(np.isnan(total_ms), prompt_eval_ms + eval_ms, total_ms)
-    prefill_start_s = (anchor - timing_total * 1000) / 1e6
+    prefill_start_s = prefill_start_us(anchor, total_ms, prompt_eval_ms, eval_ms) / 1e6
     # The stamps' resolution: whole seconds where the launch and the timing line's stamps are
-    # (the 2024 JSON and text formats stamp unix seconds), else llama.cpp's microseconds. A
-    # prefill start derived from a stamp cut to the second can come out before the launch;
-    # it cannot have been, and a wait shorter than the resolution is not measured: 0.
+    # (the 2024 JSON and text formats stamp unix seconds) or where the reader says so
+    # (``resolution_us``: Ollama's runner lines), else llama.cpp's microseconds. A prefill
+    # start derived from a stamp cut to the second can come out before the launch; it cannot
+    # have been, and a wait shorter than the resolution is not measured: 0.
+    said = np.asarray(raw.pop("resolution_us", np.zeros(len(launch_us))), dtype=np.float64)
     with np.errstate(invalid="ignore"):
-        coarse = (launch_us % 1_000_000 == 0) & (anchor % 1_000_000 == 0)
+        coarse = ((launch_us % 1_000_000 == 0) & (anchor % 1_000_000 == 0)) | (said >= 1_000_000)
         prefill_start_s = np.where(coarse & (prefill_start_s < launch_s), launch_s, prefill_start_s)
-    del anchor, timing_total
+    del anchor
     first_token_s = prefill_start_s + prompt_eval_ms / 1000
     # A task without timings (cancelled, cut by a restart) whose client saw tokens: its first
     # heartbeat's tg is the speed since the first token, so that token came (n_gen - 1) / tg
@@ -637,6 +662,19 @@ def _derive(raw: dict[str, np.ndarray], files: list[str], source: str, sessions:
                          ("prefill_start_at", off + prefill_start_s * 1e6), ("first_token_at", off + first_token_s * 1e6)):
             out[name] = pd.to_datetime(pd.array(np.round(us), dtype="Int64"), unit="us", utc=True)
     return pd.DataFrame(out, copy=False)
+
+
+def timing_anchor_us(eval_us: np.ndarray, total_us: np.ndarray) -> np.ndarray:
+    """The time of a task's timing lines (its eval line's, else its total line's; NaN: none)."""
+    with np.errstate(invalid="ignore"):
+        anchor = np.where(eval_us >= 0, eval_us, total_us)
+        return np.where(anchor >= 0, anchor, np.nan)
+
+
+def prefill_start_us(anchor_us: np.ndarray, total_ms: np.ndarray, prompt_eval_ms: np.ndarray,
+                     eval_ms: np.ndarray) -> np.ndarray:
+    """A task's prefill start: its timing lines' time - ``total time`` (or prompt eval + eval)."""
+    return anchor_us - np.where(np.isnan(total_ms), prompt_eval_ms + eval_ms, total_ms) * 1000
 
 
 def _wall_offsets(sessions: pd.DataFrame, port: np.ndarray, session: np.ndarray) -> np.ndarray:

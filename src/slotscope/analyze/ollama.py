@@ -4,13 +4,12 @@ A call's latency (gin: end - start of the whole handler) holds Ollama's own queu
 load when one came first, and the runner's task. The task is found by the call's end and
 duration, one to one: its release lies within a second or so of the call's end (the [GIN]
 stamp is cut to the second, a borrowed runner time is at most a second late where Ollama
-writes often), and it lasted no longer than the call. A task *begins* at its launch, or at
-its prefill start (release - ``total time``) where the launch line's borrowed time is later
-than that: a runner line's time is an upper bound (see :mod:`slotscope.ollama`). Then
+writes often), and it lasted no longer than the call. A task's launch is the latest time its
+launch line allows (the reader derives it: :func:`slotscope.ollama.retime`). Then
 
-- queue time = latency - (release - begin);
+- queue time = latency - (release - launch);
 - load wait = the part of a model load (``llama-server started in N seconds``) between the
-  call's start and its task's begin;
+  call's start and its task's launch;
 - prefill and generation = the task's ``prompt eval time`` and ``eval time``.
 
 The parallel setting in force is the runner's (``--parallel N``/``-np N``, the load request's
@@ -21,13 +20,12 @@ at once and tasks one at a time is the NUM_PARALLEL queue.
 
 from __future__ import annotations
 
-import datetime as dt
-import re
-
 import numpy as np
 import pandas as pd
 
 from ..dataset import Dataset, tasks_of
+from ..match import MATCH_COLUMNS
+from ..tasks import TASK_COLUMNS as STABLE_TASK_COLUMNS
 from ..ollama import CALL_COLUMNS, TIME_RESOLUTION_S, OllamaLogs
 from . import Options, register
 
@@ -35,9 +33,10 @@ END_BEFORE_S = 1.5  # a task's release this long before the call's [GIN] stamp (
 END_AFTER_S = 2.5  # ... or after it (the stamp is cut to the second; borrowed times lag)
 QUEUED_S = 1.0  # a queue time worth counting (what the times are good to)
 JOIN_COLUMNS = ["session", "task_id", "slot", "task_line", "match_method", "queue_ms", "load_wait_ms", "prefill_ms",
-                "generation_ms", "task_ms", "overlapped"]
+                "generation_ms", "task_ms", "overlapped", "wait_before_prefill_ms", "ttft_ms", "prompt_tokens",
+                "completion_tokens"]
 TASK_COLUMNS = ["source", "session", "task_id", "slot", "line", "status", "launch_at", "prefill_start_at", "release_at",
-                "prompt_eval_ms", "eval_ms"]
+                "prompt_eval_ms", "eval_ms", "first_token_at", "wait_before_prefill_ms", "prompt_tokens", "n_gen"]
 SUMMARY_COLUMNS = ["source", "figure", "value", "samples", "few_samples"]
 
 
@@ -50,12 +49,25 @@ def _us(col: pd.Series) -> np.ndarray:
 
 
 def loads(ol: OllamaLogs) -> pd.DataFrame:
-    """Model loads: ``source, start_us, end_us, seconds, line`` from the runner-ready lines."""
-    ev = ol.events[ol.events["kind"] == "runner_ready"]
-    secs = ev["text"].str.extract(r"started in ([0-9.]+) seconds")[0].astype(float)
+    """Model loads: ``source, start_us, end_us, seconds, line`` from the runner-ready lines.
+    One load may say it twice (v0.30+ waits for the runner twice, and each wait ends with
+    ``llama-server started in``, both timed from the process start): spans that overlap are
+    one load, the first line's."""
+    ev = ol.events[ol.events["kind"] == "runner_ready"].sort_values(["source", "at"], kind="stable")
+    secs = ev["text"].str.extract(r"started in ([0-9.]+) seconds")[0].astype(float).to_numpy()
     end = _us(ev["at"])
-    return pd.DataFrame({"source": ev["source"].to_numpy(), "start_us": end - secs.to_numpy() * 1e6, "end_us": end,
-                         "seconds": secs.to_numpy(), "line": ev["line"].to_numpy()})
+    start = end - secs * 1e6
+    src = ev["source"].astype(str).to_numpy()
+    reach = np.full(len(end), -np.inf)  # the latest end of the same source's earlier loads
+    for s in pd.unique(src):
+        m = np.flatnonzero(src == s)
+        reach[m[1:]] = np.maximum.accumulate(end[m])[:-1]
+    new = start > reach
+    group = np.cumsum(new) - 1
+    ends = pd.Series(end).groupby(group).max().to_numpy()
+    first = np.flatnonzero(new)
+    return pd.DataFrame({"source": src[first], "start_us": start[first], "end_us": ends,
+                         "seconds": (ends - start[first]) / 1e6, "line": ev["line"].to_numpy()[first]})
 
 
 def join(calls: pd.DataFrame, tasks: pd.DataFrame, load: pd.DataFrame) -> pd.DataFrame:
@@ -121,6 +133,10 @@ def join(calls: pd.DataFrame, tasks: pd.DataFrame, load: pd.DataFrame) -> pd.Dat
     task_begin = np.where(has, begin[k] if len(t) else np.nan, end)
     out["load_wait_ms"] = _load_wait(out["source"].to_numpy(), start, task_begin, load)
     out["overlapped"] = _overlapped(out["source"].to_numpy(), start, end)
+    out["wait_before_prefill_ms"] = pick(t["wait_before_prefill_ms"])
+    out["ttft_ms"] = ((pick(_us(t["first_token_at"])) - start) / 1e3).round(3)
+    out["prompt_tokens"] = pick(t["prompt_tokens"], "Int64")
+    out["completion_tokens"] = pick(t["n_gen"], "Int64")
     return out
 
 
@@ -132,6 +148,16 @@ def _load_wait(source: np.ndarray, start: np.ndarray, until: np.ndarray, load: p
         part = np.minimum(until, r.end_us) - np.maximum(start, r.start_us)
         wait = np.where(own & (part > 0), wait + part / 1e3, wait)
     return wait.round(3)
+
+
+def _cold(load: pd.DataFrame, waited: pd.DataFrame) -> pd.DataFrame:
+    """The loads some call waited on: those whose span holds a waiting call's start or lies
+    within its wait."""
+    start, end = _us(waited["start_at"]), _us(waited["start_at"]) + waited["load_wait_ms"].to_numpy(dtype=float) * 1e3
+    hit = np.zeros(len(load), bool)
+    for i, (a, b) in enumerate(zip(load["start_us"].to_numpy(), load["end_us"].to_numpy())):  # (loads are few)
+        hit[i] = bool(((start < b) & (end > a)).any())
+    return load[hit]
 
 
 def _overlapped(source: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
@@ -165,7 +191,7 @@ def _ollama(ds: Dataset) -> OllamaLogs | None:
 
 
 def _tasks(ds: Dataset) -> pd.DataFrame:
-    """The runner's tasks with ``begin_us``: when each began (:func:`begins`)."""
+    """The runner's tasks with ``begin_us``: their launch (µs since the epoch)."""
     if not ds.n_tasks:
         t = pd.DataFrame({c: pd.Series(dtype="datetime64[us, UTC]" if c.endswith("_at") else "float64")
                           for c in TASK_COLUMNS})
@@ -174,51 +200,7 @@ def _tasks(ds: Dataset) -> pd.DataFrame:
     for c in TASK_COLUMNS:
         if c not in t.columns:  # (no wall clock: no *_at columns)
             t[c] = pd.Series(pd.NaT, index=t.index, dtype="datetime64[us, UTC]")
-    return t.assign(begin_us=begins(t, ds.server.prefill_samples, ds.server.gen_samples))
-
-
-def anchors(tasks: pd.DataFrame, prefill: pd.DataFrame, gen: pd.DataFrame) -> pd.DataFrame:
-    """Runner lines whose time follows from their task's timings (``source, line, us``): a
-    prefill progress line is ``t`` seconds after its prefill start, a heartbeat
-    ``(n_gen - 1) / tg`` seconds after its first token."""
-    keys = ["source", "session", "task_id"]
-    t = tasks.assign(prefill_us=_us(tasks["prefill_start_at"]),
-                     first_us=_us(tasks["prefill_start_at"]) + tasks["prompt_eval_ms"].to_numpy(dtype=float) * 1e3)
-    t = t[keys + ["prefill_us", "first_us"]].astype({"source": str})
-    parts = []
-    if len(prefill):
-        p = prefill[keys + ["line", "elapsed_s"]].astype({"source": str}).merge(t, on=keys)
-        parts.append(p.assign(us=p["prefill_us"] + p["elapsed_s"].astype(float) * 1e6))
-    if len(gen):
-        g = gen[keys + ["line", "n_gen", "tg_tps"]].astype({"source": str}).merge(t, on=keys)
-        parts.append(g.assign(us=g["first_us"] + (g["n_gen"].astype(float) - 1) / g["tg_tps"].astype(float) * 1e6))
-    if not parts:
-        return pd.DataFrame({"source": [], "line": [], "us": []})
-    a = pd.concat([x[["source", "line", "us"]] for x in parts], ignore_index=True)
-    return a[np.isfinite(a["us"].to_numpy(dtype=float))].sort_values(["source", "line"], kind="stable")
-
-
-def begins(tasks: pd.DataFrame, prefill: pd.DataFrame, gen: pd.DataFrame) -> np.ndarray:
-    """When each task began, µs: at the latest time its launch line allows. That line was
-    written before the next stamped line (its borrowed time), before its own prefill started,
-    and before the next line whose time follows from its own task's timings
-    (:func:`anchors`): behind another slot's long prefill, that is the other slot's next
-    progress line, not this task's prefill start seconds later."""
-    upper = np.fmin(_us(tasks["launch_at"]), _us(tasks["prefill_start_at"]))
-    a = anchors(tasks, prefill, gen)
-    src = tasks["source"].astype(str).to_numpy()
-    line = tasks["line"].to_numpy(dtype=float)
-    for s in pd.unique(src):
-        m = np.flatnonzero(src == s)
-        own = a[a["source"] == s]
-        if not len(own):
-            continue
-        lines = own["line"].to_numpy(dtype=float)
-        us = own["us"].to_numpy(dtype=float)
-        j = np.searchsorted(lines, line[m], side="right")
-        after = np.where(j < len(us), us[np.minimum(j, len(us) - 1)], np.nan)
-        upper[m] = np.fmin(upper[m], after)
-    return upper
+    return t.assign(begin_us=np.fmin(_us(t["launch_at"]), _us(t["prefill_start_at"])))  # (no launch line: its prefill)
 
 
 def joined_calls(ds: Dataset) -> pd.DataFrame:
@@ -226,22 +208,32 @@ def joined_calls(ds: Dataset) -> pd.DataFrame:
     ol = _ollama(ds)
     if ol is None:
         return pd.DataFrame({c: [] for c in CALL_COLUMNS + JOIN_COLUMNS})
-    out = join(ol.calls, _tasks(ds), loads(ol))
-    zones = set(ol.zones.values())
-    if len(zones) == 1:  # the times in the zone Ollama wrote them in
-        zone = zones.pop()
-        for c in ("start_at", "end_at"):
-            out[c] = _in_zone(out[c], zone)
-    return out
+    return ol.in_zone(join(ol.calls, _tasks(ds), loads(ol)))
 
 
-def _in_zone(col: pd.Series, zone: str) -> pd.Series:
-    """Times shown in a zone given as ``UTC``, a name, or an offset ``+01:00``."""
-    m = re.fullmatch(r"([+-])(\d\d):(\d\d)", zone)
-    if m is None:
-        return col.dt.tz_convert(zone)
-    minutes = (int(m[2]) * 60 + int(m[3])) * (1 if m[1] == "+" else -1)
-    return col.dt.tz_convert(dt.timezone(dt.timedelta(minutes=minutes)))
+def matched_calls(ds: Dataset) -> pd.DataFrame:
+    """The [GIN] calls as ``match`` gives an app's: the match table's columns first (what a
+    [GIN] line cannot say, NA: purpose, user, LoRA, confidence; the tokens are the task's),
+    then the ``ollama-calls`` table's other columns."""
+    calls = joined_calls(ds).rename(columns={"latency_ms": "total_ms"})
+    calls["total_ms"] = calls["total_ms"].round(3)
+    for c in ("purpose", "user", "lora"):
+        calls[c] = pd.Series(pd.NA, index=calls.index, dtype="string")
+    calls["confidence"] = pd.Series(np.nan, index=calls.index)
+    return calls[MATCH_COLUMNS + [c for c in calls.columns if c not in MATCH_COLUMNS]]
+
+
+def unmatched_tasks(ds: Dataset) -> pd.DataFrame:
+    """The runner's tasks no [GIN] call was joined to (``match --unlogged``)."""
+    calls = joined_calls(ds)
+    t = tasks_of(ds, STABLE_TASK_COLUMNS + ["file", "port", "launch_at", "release_at", "time_resolution_s"])
+    if not len(t):
+        return t
+    joined = pd.MultiIndex.from_frame(calls.loc[calls["task_id"].notna(), ["source", "session", "task_id"]]
+                                      .astype({"source": str, "session": "int64", "task_id": "int64"}))
+    keys = pd.MultiIndex.from_frame(t[["source", "session", "task_id"]].astype({"source": str, "session": "int64",
+                                                                                "task_id": "int64"}))
+    return t[~keys.isin(joined)].reset_index(drop=True)
 
 
 @register("ollama-calls")
@@ -309,8 +301,15 @@ def summary(ds: Dataset, opts: Options, calls: pd.DataFrame | None = None) -> tu
                      ("queue time max (s)", q.max())):
         rows.append((label, round(float(v), 3) if len(q) else float("nan"), len(q)))
     waited = calls["load_wait_ms"] > 0
+    cold = _cold(load, calls[waited])
+    wait_s = calls.loc[waited, "load_wait_ms"] / 1e3
+    unloads = int((ol.events["kind"] == "unload").sum())
     rows += [("model loads", len(load), len(load)), ("model load seconds (total)", round(float(load["seconds"].sum()), 2), len(load)),
-             ("calls that waited on a load", int(waited.sum()), n)]
+             ("cold loads (a call waited on them)", len(cold), len(load)),
+             ("cold load seconds (total)", round(float(cold["seconds"].sum()), 2), len(cold)),
+             ("calls that waited on a load", int(waited.sum()), n),
+             ("load wait median (s)", round(float(wait_s.median()), 3) if len(wait_s) else float("nan"), len(wait_s)),
+             ("model unloads (keep-alive ran out; DEBUG lines)", unloads, unloads)]
     n503 = int((calls["status"] == 503).sum())
     aborts = int((ol.events["kind"] == "abort").sum())
     shifts = int((ol.events["kind"] == "shift").sum())
@@ -330,8 +329,10 @@ def summary(ds: Dataset, opts: Options, calls: pd.DataFrame | None = None) -> tu
                     f"outside the runner (median {queued['queue_ms'].median() / 1e3:.1f} s); the runner ran up to "
                     f"{tasks_at_once} tasks at once")
     if waited.any():
-        said.append(f"{int(waited.sum())} call(s) waited for a model load ({len(load)} load(s), median "
-                    f"{load['seconds'].median():.1f} s); the first call after an unload waits for the next")
+        after = f" after {unloads} unload(s) of the model (keep-alive {st['keep_alive']})" if unloads and "keep_alive" in st else ""
+        said.append(f"{int(waited.sum())} call(s) waited for a model load{after}: {len(cold)} cold load(s) of "
+                    f"{cold['seconds'].sum():.1f} s, median wait {wait_s.median():.1f} s; the first call after an "
+                    f"unload waits for the next load")
     if n503:
         said.append(f"{n503} of {n} calls were refused with 503: Ollama's queue was full"
                     + (f" (OLLAMA_MAX_QUEUE={st['max_queue']})" if "max_queue" in st else ""))
@@ -339,8 +340,10 @@ def summary(ds: Dataset, opts: Options, calls: pd.DataFrame | None = None) -> tu
         said.append(f"{aborts} completion(s) aborted because the client closed the connection")
     if shifts:
         said.append(f"{shifts} context shift(s): a prompt outgrew its context and the runner dropped tokens")
-    table = pd.DataFrame(rows, columns=["figure", "value", "samples"])
-    table["value"] = table["value"].astype(str)
+    # (Each value as its own text: a column of numbers alone would print every count as a float.)
+    text = ["" if isinstance(v, float) and np.isnan(v) else str(v) for _, v, _ in rows]
+    table = pd.DataFrame({"figure": [r[0] for r in rows], "value": pd.Series(text, dtype=object),
+                          "samples": [r[2] for r in rows]})
     table.insert(0, "source", source)
     table["few_samples"] = (table["samples"] < opts.min_samples) & table["figure"].str.startswith("queue")
     return table[SUMMARY_COLUMNS], said
