@@ -18,8 +18,8 @@ Three parts, each a model of the mechanism rather than a fit of the outcome:
   sets the batch's LoRA and slots whose LoRA differs are left out (``can_batch_with``); then
   prompt slots in slot order, skipped when their LoRA differs, filling the batch up to
   ``n_batch``. A task arriving while every slot is busy is deferred, first in first out, and
-  launched when a slot is released. An idle slot is picked by prompt similarity (the slot
-  that last served the same conversation, else the same user), else least recently used.
+  launched when a slot is released. An idle slot is picked by prompt similarity (the share
+  of the prompt it already holds, above 0.1), else least recently released.
   Heartbeats and progress lines are printed as the server prints them, so the report's own
   analyzers read the replay as they read a log.
 * **The workload** (:func:`workload`). Closed loop by default when the app log names users: a
@@ -76,6 +76,7 @@ DEFAULT_N_UBATCH = 512  # -ub default: not in the log at verbosity 3
 HEARTBEAT_TOKENS = 100  # print_timings_tg: only from n_gen >= 100 ...
 HEARTBEAT_S = 3.0  # ... and at least this long after the last print
 PROGRESS_S = 3.0  # print_timings_pp: only once the prefill has run this long
+SLOT_PROMPT_SIMILARITY = 0.10  # -sps default: the share of the prompt a slot must hold to be picked for it
 LEVEL = 0.90
 NO_ADAPTER = "none"  # the app log's label of a call without LoRA (scale 0)
 _EPS = 1e-3  # a boundary this close to an interval's end belongs to the end
@@ -158,12 +159,14 @@ class Workload:
     prev: np.ndarray  # closed loop: the row of the same user's previous call, -1: none
     think_s: np.ndarray  # closed loop: logged time from the previous call's end to this send
     end_lag_s: np.ndarray  # logged time from release to the call's end (the client's end)
-    new: np.ndarray  # prompt tokens to process
-    cached: np.ndarray  # prompt tokens reused
+    new: np.ndarray  # prompt tokens processed, as logged
+    cached: np.ndarray  # prompt tokens reused, as logged
+    reuse: np.ndarray  # prompt tokens it would reuse on a slot of its own LoRA setting (see _reusable)
     n_gen: np.ndarray  # tokens to generate
     lora: list[str]  # the LoRA setting, as a label
     conv: np.ndarray  # conversation code (app session), -1: none
     user: np.ndarray  # user code, -1: none
+    shared: np.ndarray  # prompt tokens the conversation shares with its user's others (its first call's cached)
     cluster: np.ndarray  # resampling unit: the app session, else the task itself
     closed: bool
 
@@ -196,6 +199,14 @@ def workload(ds: Dataset, tv: pd.DataFrame, open_loop: bool = False) -> Workload
     user = _codes(users)
     conv = _codes(conv_labels)
     cluster = np.where(conv >= 0, conv, conv.max(initial=-1) + 1 + np.arange(n))
+    shared = np.zeros(n, dtype=np.int64)
+    if n and (conv >= 0).any():
+        first = pd.DataFrame({"conv": conv, "send": send, "cached": cached}).sort_values("send", kind="stable")
+        first = first[first["conv"] >= 0].drop_duplicates("conv").set_index("conv")["cached"]
+        has = conv >= 0
+        shared[has] = first.reindex(conv[has]).to_numpy(dtype=np.int64)
+    chat = is_chat_turn(tv["purpose"]).to_numpy() if "purpose" in tv.columns else np.zeros(n, dtype=bool)
+    reuse = _reusable(tv, group, send, new, cached, n_gen, lora, conv, chat)
     prev = np.full(n, -1, dtype=np.int64)
     think = np.zeros(n)
     closed = not open_loop and bool((user >= 0).any())
@@ -212,7 +223,40 @@ def workload(ds: Dataset, tv: pd.DataFrame, open_loop: bool = False) -> Workload
         # for it: it keeps its logged offset from the previous send instead (think < 0 marks it).
         think[has] = np.where(gap >= 0, gap, -(send[has] - send[prev[has]]) - 1e-9)
     return Workload(tv=tv, group=group, send_s=send, prev=prev, think_s=think, end_lag_s=end_lag, new=new,
-                    cached=cached, n_gen=n_gen, lora=list(lora), conv=conv, user=user, cluster=cluster, closed=closed)
+                    cached=cached, reuse=reuse, n_gen=n_gen, lora=list(lora), conv=conv, user=user, shared=shared, cluster=cluster,
+                    closed=closed)
+
+
+def _reusable(tv: pd.DataFrame, group: np.ndarray, send: np.ndarray, new: np.ndarray, cached: np.ndarray,
+              n_gen: np.ndarray, lora: np.ndarray, conv: np.ndarray, chat: np.ndarray) -> np.ndarray:
+    """The prompt tokens each call would reuse on a slot last used with its own LoRA setting.
+
+    launch_slot_with_task drops a slot's tokens when the task's LoRA setting differs from the
+    one the slot last ran with (and so what the prompt cache had just restored into it): such a
+    call processed its whole prompt. What it would have reused otherwise is not in the log; a
+    chat turn reuses its conversation's previous chat turn, whose prompt is the start of its own
+    when that prompt and its reply fit in it (a folded history is shorter: it keeps what the log
+    shows). Every other call keeps its logged split."""
+    n = len(tv)
+    reuse = cached.copy()
+    if not n:
+        return reuse
+    slot = np.nan_to_num(tl.floats(tv["slot"]), nan=-1).astype(np.int64)
+    launch = tl.floats(tv["launch_s"])
+    order = np.lexsort((launch, slot, group))
+    same = np.r_[False, (slot[order][1:] == slot[order][:-1]) & (group[order][1:] == group[order][:-1])]
+    cleared = np.zeros(n, dtype=bool)
+    o_lora = lora[order]
+    cleared[order[1:]] = same[1:] & (o_lora[1:] != o_lora[:-1]) & (slot[order][1:] >= 0)
+    cleared &= cached == 0
+    prompt = new + cached
+    turns = np.flatnonzero(chat & (conv >= 0))
+    turns = turns[np.lexsort((send[turns], conv[turns], group[turns]))]
+    follows = np.r_[False, (conv[turns][1:] == conv[turns][:-1]) & (group[turns][1:] == group[turns][:-1])]
+    j, i = turns[1:][follows[1:]], turns[:-1][follows[1:]]
+    fits = cleared[j] & (prompt[i] + n_gen[i] <= prompt[j])
+    reuse[j[fits]] = np.minimum(prompt[i[fits]], prompt[j[fits]] - 1)
+    return reuse
 
 
 def _codes(labels: np.ndarray) -> np.ndarray:
@@ -561,6 +605,8 @@ class Replay:
     first_token: np.ndarray
     release: np.ndarray
     n_gen: np.ndarray
+    new: np.ndarray  # prompt tokens processed
+    cached: np.ndarray  # prompt tokens reused (0 where the slot's LoRA setting changed)
     refused: np.ndarray
     lora: list[str]
     heartbeats: list[tuple[int, float, int, float, float, float]]  # row, t, n_gen, tg, tg_3s, window
@@ -573,7 +619,7 @@ def replay(w: Workload, r: Resolved, costs: PassCosts, open_loop: bool = False) 
     n = len(w.tv)
     res = Replay(slot=np.full(n, -1), send=np.full(n, np.nan), launch=np.full(n, np.nan),
                  prefill_start=np.full(n, np.nan), first_token=np.full(n, np.nan), release=np.full(n, np.nan),
-                 n_gen=np.zeros(n, dtype=np.int64), refused=np.zeros(n, dtype=bool),
+                 n_gen=np.zeros(n, dtype=np.int64), new=w.new.copy(), cached=w.cached.copy(), refused=np.zeros(n, dtype=bool),
                  lora=[r.unify if r.unify is not None else x for x in w.lora], heartbeats=[], progress=[], passes=0)
     target = w.n_gen.copy()  # (shortened where a generation would overflow the slot's context)
     for g in np.unique(w.group):
@@ -589,7 +635,8 @@ def _replay_session(w: Workload, r: Resolved, costs: PassCosts, res: Replay, row
     n_ctx_slot = r.ctx // n_slots
     lora = res.lora
     on = {x: x != NO_ADAPTER for x in set(lora[i] for i in rows)}
-    new, cached = w.new, w.cached
+    new, cached = res.new, res.cached
+    prompt = w.new + w.cached
     nxt: dict[int, int] = {}
     heap: list[tuple[float, int]] = []
     for i in rows.tolist():
@@ -602,8 +649,8 @@ def _replay_session(w: Workload, r: Resolved, costs: PassCosts, res: Replay, row
     s_task = [-1] * n_slots
     s_state = [0] * n_slots  # 0 idle, 1 prompt, 2 generating
     s_used = [-1.0] * n_slots
-    s_conv = [-2] * n_slots
-    s_user = [-2] * n_slots
+    s_last = [-1] * n_slots  # the row whose tokens the slot holds (its prompt and reply)
+    s_lora: list[str | None] = [None] * n_slots  # the LoRA setting the slot last ran with
     done_p = [0] * n_slots  # prompt tokens processed of the slot's task
     gen = [0] * n_slots
     ctx_s = [0] * n_slots  # tokens in the slot's context
@@ -632,9 +679,12 @@ def _replay_session(w: Workload, r: Resolved, costs: PassCosts, res: Replay, row
             queue.append(i)
         while queue and 0 in s_state:
             i = queue.popleft()
-            s = _pick_slot(s_state, s_used, s_conv, s_user, int(w.conv[i]), int(w.user[i]))
-            s_task[s], s_state[s] = i, 1
-            s_conv[s], s_user[s] = int(w.conv[i]), int(w.user[i])
+            s = _pick_slot(w, res, i, s_state, s_used, s_last)
+            # launch_slot_with_task: a change of LoRA setting drops the slot's tokens.
+            keep = s_lora[s] is None or s_lora[s] == lora[i]
+            cached[i] = w.reuse[i] if keep else 0
+            new[i] = prompt[i] - cached[i]
+            s_task[s], s_state[s], s_last[s], s_lora[s] = i, 1, i, lora[i]
             res.slot[i], res.launch[i] = s, t
             done_p[s], gen[s] = 0, 0
         # The batch: generating slots first (one token each), then prompts, in slot order.
@@ -746,19 +796,33 @@ def _positions(p0: int, p: int) -> float:
     return (p * p0 + p * (p - 1) / 2) / 1e6
 
 
-def _pick_slot(state: list[int], used: list[float], conv: list[int], user: list[int], c: int, u: int) -> int:
-    """get_available_slot: the idle slot holding the same conversation (else the same user's),
-    as prompt similarity finds it; else the least recently used (ties: the highest id, as the
-    logs show llama-server picking them)."""
+def _pick_slot(w: Workload, res: Replay, i: int, state: list[int], used: list[float], last: list[int]) -> int:
+    """get_available_slot: among the idle slots that hold tokens, the one whose longest common
+    prefix with the prompt is the largest share of it, above ``--slot-prompt-similarity``
+    (0.1); else the least recently released (ties: the highest id, as the ``<=`` of its loop
+    gives). The common prefix is not in the log but follows from it: a call shares its logged
+    cached tokens with what its own conversation left in a slot, and with another conversation
+    of its user what that conversation's first call had cached (the prefix they share)."""
     idle = [s for s, st in enumerate(state) if st == 0]
-    if c >= 0:
-        for s in idle:
-            if conv[s] == c:
-                return s
-    if u >= 0:
-        for s in idle:
-            if user[s] == u:
-                return s
+    prompt = int(w.new[i] + w.cached[i])
+    reuse = int(w.reuse[i])
+    best, pick = SLOT_PROMPT_SIMILARITY, -1
+    c, u = int(w.conv[i]), int(w.user[i])
+    for s in idle:
+        j = last[s]
+        if j < 0 or prompt <= 0:
+            continue
+        held = int(w.new[j] + w.cached[j] + res.n_gen[j] - 1)
+        if c >= 0 and int(w.conv[j]) == c:
+            lcp = min(reuse, held)
+        elif u >= 0 and int(w.user[j]) == u:
+            lcp = min(int(w.shared[i]), reuse, held)
+        else:
+            continue
+        if lcp / prompt > best:
+            best, pick = lcp / prompt, s
+    if pick >= 0:
+        return pick
     return min(idle, key=lambda s: (used[s], -s))
 
 
@@ -800,8 +864,10 @@ def replayed_dataset(ds: Dataset, w: Workload, rp: Replay, r: Resolved) -> tuple
     tv["prompt_eval_ms"] = (rp.first_token - rp.prefill_start) * 1000
     tv["eval_ms"] = (rp.release - rp.first_token) * 1000
     tv["n_gen"] = pd.array(rp.n_gen, dtype=tv["n_gen"].dtype)
+    tv["prompt_tokens_new"] = pd.array(rp.new, dtype=tv["prompt_tokens_new"].dtype)
+    tv["prompt_tokens_cached"] = pd.array(rp.cached, dtype=tv["prompt_tokens_cached"].dtype)
     with np.errstate(divide="ignore", invalid="ignore"):
-        tv["prefill_tps"] = w.new / (tv["prompt_eval_ms"].to_numpy() / 1000)
+        tv["prefill_tps"] = rp.new / (tv["prompt_eval_ms"].to_numpy() / 1000)
         tv["gen_tps"] = (rp.n_gen - 1) / (tv["eval_ms"].to_numpy() / 1000)
     if "lora" in tv.columns:
         tv["lora"] = pd.Categorical(rp.lora)
