@@ -123,6 +123,8 @@ TERMS: dict[str, str] = {
     "load_wait_ms": "The part of a model load that fell between the call's start and its task's start (ms).",
     "prefill_ms": "The task's prompt eval time (ms).",
     "generation_ms": "The task's eval time (ms).",
+    "wait_before_prefill_ms": "Time from the task's launch to the start of its prefill: the wait behind other slots' work, which prompt eval time does not include (ms).",
+    "ttft_ms": "Time to first token: from the call's start to the task's first generated token (ms).",
     "overlapped": "True when another call was in flight during this one.",
     # the calls section (an app log given alone)
     "calls": "The app's calls (`slotscope calls` lists them with every column).",

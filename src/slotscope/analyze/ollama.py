@@ -54,7 +54,7 @@ def loads(ol: OllamaLogs) -> pd.DataFrame:
     ``llama-server started in``, both timed from the process start): spans that overlap are
     one load, the first line's."""
     ev = ol.events[ol.events["kind"] == "runner_ready"].sort_values(["source", "at"], kind="stable")
-    secs = ev["text"].str.extract(r"started in ([0-9.]+) seconds")[0].astype(float).to_numpy()
+    secs = ev["text"].astype("string").str.extract(r"started in ([0-9.]+) seconds")[0].astype(float).to_numpy()
     end = _us(ev["at"])
     start = end - secs * 1e6
     src = ev["source"].astype(str).to_numpy()
