@@ -616,7 +616,7 @@ def _derive(raw: dict[str, np.ndarray], files: list[str], source: str, sessions:
     out["has_timings"] = has_timings
     out["has_release"] = has_release
     out["cut_by_restart"] = np.nan_to_num(take("cut_by_restart")).astype(bool)
-    out["time_resolution_s"] = np.where(np.isnan(launch_us), np.nan, np.where(coarse, 1.0, 1e-6))
+    out["time_resolution_s"] = np.where(np.isnan(launch_s), np.nan, np.where(coarse, 1.0, 1e-6))  # (no time: none)
     out["is_child"] = flags(take("is_child"))
     out["error"] = np.nan_to_num(take("error")).astype(bool)
     if with_wall:
