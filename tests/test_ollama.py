@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -233,3 +234,40 @@ def test_the_first_call_after_an_unload_waits_for_the_reload() -> None:
     said = slotscope.analyze.run(ds, names=["ollama-findings"], strict=True)["ollama-findings"]["finding"].tolist()
     assert any(s.startswith("1 call(s) waited for a model load after 1 unload(s) of the model (keep-alive 5m0s)")
                for s in said)
+
+
+_LAUNCH = re.compile(r"id +(\d+) \| task (\d+) \| processing task")
+_PROGRESS = re.compile(r"id +(\d+) \| task (\d+) \| prompt processing, n_tokens = +(\d+), progress = ([0-9.]+), "
+                       r"t = +([0-9.]+) s / ([0-9.]+) tokens per second")
+_HEARTBEAT = re.compile(r"id +(\d+) \| task (\d+) \| n_gen = +(\d+), tg = +([0-9.]+) t/s, tg_3s = +([0-9.]+) t/s")
+_TIMING = re.compile(r"\| task (\d+) \| +(prompt eval|eval|total) time = +([0-9.]+) ms")
+RUNNER_LOGS = EXCERPTS + [FIX / v / "logs" / "server.log" for v in ("parallel", "serialized", "reload")]
+
+
+@pytest.mark.parametrize("path", RUNNER_LOGS, ids=lambda p: p.name if p.parent.name == "excerpts" else p.parent.parent.name)
+def test_runner_lines_become_tasks_and_samples_as_the_lines_say(path: Path) -> None:
+    """Each llama-server line inside an Ollama log is read as the line says: a launch is a
+    task at that line, a progress line or heartbeat a sample with the line's figures, and a
+    task's timings are those its timing lines print."""
+    logs = slotscope.read_server_logs([str(path)])
+    text = path.read_text().splitlines()
+    launches = [(i + 1, int(m[1]), int(m[2])) for i, ln in enumerate(text) if (m := _LAUNCH.search(ln))]
+    tasks = logs.tasks
+    assert sorted(zip(tasks["line"], tasks["slot"], tasks["task_id"])) == sorted(launches)
+    pre = logs.prefill_samples
+    want = [(i + 1, int(m[1]), int(m[2]), int(m[3]), float(m[4]), float(m[5]), float(m[6]))
+            for i, ln in enumerate(text) if (m := _PROGRESS.search(ln))]
+    got = list(zip(pre["line"], pre["slot"], pre["task_id"], pre["n_tokens"], pre["progress"], pre["elapsed_s"], pre["tps"]))
+    assert sorted(got) == sorted(want)
+    gen = logs.gen_samples
+    want = [(i + 1, int(m[1]), int(m[2]), int(m[3]), float(m[4]), float(m[5]))
+            for i, ln in enumerate(text) if (m := _HEARTBEAT.search(ln))]
+    assert sorted(zip(gen["line"], gen["slot"], gen["task_id"], gen["n_gen"], gen["tg_tps"], gen["tg_3s_tps"])) == sorted(want)
+    # (Task ids repeat across runner processes: a task's timing lines follow its launch.)
+    column = {"prompt eval": "prompt_eval_ms", "eval": "eval_ms", "total": "total_ms"}
+    for i, ln in enumerate(text):
+        if m := _TIMING.search(ln):
+            own = tasks[(tasks["task_id"] == int(m[1])) & (tasks["line"] < i + 1)].sort_values("line").iloc[-1]
+            assert own[column[m[2]]] == float(m[3]), (i + 1, ln)
+    if path.name == "11.log":  # (a task caught mid-prefill: launched, one progress line, no timings)
+        assert (len(tasks), tasks["status"].iloc[0], len(pre)) == (1, "incomplete", 1)

@@ -45,7 +45,7 @@ from .workers import Pool
 from .scanner import COMP_BUILD, SRV_EVENT, Reading, Scan, scan
 from .tasks import (
     GEN_COLUMNS, PREFILL_COLUMNS, SESSION_COLUMNS, TASK_COLUMNS, BlockTasks, SampleBatch, SampleSource, TaskAssembler,
-    TaskBatch, FirstTokens, empty_task_table, fold_block, shifted_sessions,
+    TaskBatch, FirstTokens, empty_samples, empty_task_table, fold_block, shifted_sessions,
 )
 
 T = TypeVar("T")
@@ -562,7 +562,10 @@ class Samples:
 
     def table(self) -> pd.DataFrame:
         if self._table is None:
-            self._table = _concat([p.table() for p in self.parts], self.columns)
+            tables = [p.table() for p in self.parts]
+            # (None at all: the empty table with every column a table with rows has.)
+            self._table = (_concat(tables, self.columns) if any(len(t) for t in tables)
+                           else empty_samples(HEARTBEAT if self.columns == GEN_COLUMNS else PROGRESS))
         return self._table
 
     @property

@@ -653,7 +653,7 @@ def _derive(raw: dict[str, np.ndarray], files: list[str], source: str, sessions:
     # Cut by a restart: never released, in a session its port's process left (a later one
     # has lines).
     out["cut_by_restart"] = ~has_release & (session < _last_sessions(sessions, port))
-    out["time_resolution_s"] = np.where(np.isnan(launch_us), np.nan, np.where(coarse, 1.0, 1e-6))
+    out["time_resolution_s"] = np.where(np.isnan(launch_s), np.nan, np.where(coarse, 1.0, 1e-6))  # (no time: none)
     out["is_child"] = flags(take("is_child"))
     out["error"] = np.nan_to_num(take("error")).astype(bool)
     if with_wall:
