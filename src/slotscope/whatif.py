@@ -58,7 +58,7 @@ from .analyze import Options
 from .analyze.stalls import MIN_PIECE_S, generation_segments, segment_pieces
 from .analyze.turns import is_chat_turn
 from .analyze.waits import CAUSES, classify_waits
-from .compare import _resamples as resamples
+from .compare import resampled_stats
 from .dataset import Dataset, calls_of, task_view
 from .periods import PART_TASKS, Part
 from .errors import UsageError
@@ -1074,7 +1074,7 @@ def _interval(s: Sample, rng: np.random.Generator, n_boot: int) -> tuple[float, 
     k = int(codes.max()) + 1
     if k < 2:
         return math.nan, math.nan
-    stats = resamples(v, codes, s.kind, rng, n_boot)
+    stats = resampled_stats(v, codes, s.kind, rng, n_boot)
     lo, hi = np.nanquantile(stats, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
     return float(lo), float(hi)
 
