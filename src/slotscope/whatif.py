@@ -26,11 +26,19 @@ Three parts, each a model of the mechanism rather than a fit of the outcome:
   user's next call leaves its logged think time after the previous call ended. ``open_loop``
   replays the logged send times. Tasks no call explains replay at their logged launch.
 
-Prompt-cache rule: every call keeps its logged cached/new split. At b11434 the host prompt
-cache (``--cache-ram``, on by default) restores a conversation's prefix on whichever slot
-takes the call, so slot count and slot choice do not change the split; what does is the
-context: a prompt that no longer fits the per-slot context (``ctx / slots``) is refused, as
-the server refuses it, and a generation that would overflow it stops there.
+Prompt-cache rule: a call keeps its logged cached/new split, but for one change: a slot whose
+last LoRA setting differs from the call's drops its tokens (launch_slot_with_task), so such a
+call processes its whole prompt; a call the log shows so cleared reuses, on a slot of its own
+setting, its conversation's previous chat turn where that prompt and its reply fit in its own.
+At b11434 the host prompt cache (``--cache-ram``, on by default) restores a conversation's
+prefix on whichever slot takes the call, so slot count and slot choice do not change the split
+otherwise (that cache's own limits are not modelled); what does is the context: a prompt that
+no longer fits the per-slot context (``ctx / slots``) is refused, as the server refuses it, and
+a generation that would overflow it stops there.
+
+Memory: the logs are read a part of the busy periods at a time (:mod:`slotscope.periods`), and
+a replay is measured a stretch between its idle moments at a time (:func:`measure`); what
+grows with the log is a few numbers per task. A replay that never idles is measured whole.
 
 Intervals come from resampling users' sessions (a call's app session; a task no call explains
 is a unit of its own) over the replay's results: they say how much the figure rests on the
