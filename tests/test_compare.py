@@ -213,7 +213,7 @@ def test_clusters_are_resampled_whole() -> None:
     # Two prefills: one stalled its neighbour (0.3 tok/s three times), one did not (40 tok/s once).
     values = np.array([0.3, 0.3, 0.3, 40.0])
     clusters = np.array([0, 0, 0, 1])
-    out = cmp._resamples(values, clusters, "median", np.random.default_rng(0), 500)
+    out = cmp.resampled_stats(values, clusters, "median", np.random.default_rng(0), 500)
     assert set(np.round(out, 6)) <= {0.3, 20.15, 40.0}  # only whole-cluster mixes
     assert (out == 40.0).any()
 

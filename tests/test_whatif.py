@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from slotscope import whatif as W
 from slotscope.cli import app
-from slotscope.dataset import Dataset, load, task_view
+from slotscope.dataset import Dataset, load
 from slotscope.errors import UsageError
 
 from .conftest import REAL
@@ -195,12 +195,9 @@ def test_prediction_generation_and_lora_waits(data: dict[str, Dataset], src: str
 
 
 def _replayed(ds: Dataset, setting: str = "") -> tuple[W.Workload, W.Replay]:
-    w = W.workload(ds, task_view(ds))
-    lora = np.array(w.lora, dtype=object)
-    steps = W.pass_observations(ds, w.tv, lora, w.group, 1 << 30, W.DEFAULT_N_UBATCH, steps_only=True)
-    logged = W.logged_settings(ds, steps)
-    costs = W.fit_pass_costs(W.pass_observations(ds, w.tv, lora, w.group, logged.n_batch, logged.n_ubatch))
-    return w, W.replay(w, W.resolve(W.parse_settings(setting.split()), logged, w), costs)
+    lg = W.prepare(ds)
+    w = lg.workload
+    return w, W.replay(w, W.resolve(W.parse_settings(setting.split()), lg.settings, w), lg.costs)
 
 
 def test_slot_choice_follows_prompt_similarity(data: dict[str, Dataset]) -> None:

@@ -377,8 +377,8 @@ def _stat(xs: np.ndarray, w: np.ndarray, kind: str) -> np.ndarray:
     return xs[i_lo] + (h - lo) * (xs[i_hi] - xs[i_lo])
 
 
-def _resamples(values: np.ndarray, clusters: np.ndarray | None, kind: str, rng: np.random.Generator,
-               n_boot: int) -> np.ndarray:
+def resampled_stats(values: np.ndarray, clusters: np.ndarray | None, kind: str, rng: np.random.Generator,
+                    n_boot: int) -> np.ndarray:
     """``n_boot`` bootstrap values of the statistic; units (clusters, else values) are drawn with
     replacement as one 2-D array of indices per block."""
     order = np.argsort(values, kind="stable")
@@ -424,7 +424,7 @@ def estimate(name: str, before: np.ndarray, after: np.ndarray, kind: str, *, see
     least = MIN_CLUSTERS if bc is not None or ac is not None else 2
     if nb >= least and na >= least and n_boot > 0:
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-        d = _resamples(a, ac, kind, rng, n_boot) - _resamples(b, bc, kind, rng, n_boot)
+        d = resampled_stats(a, ac, kind, rng, n_boot) - resampled_stats(b, bc, kind, rng, n_boot)
         lo, hi = (float(x) for x in np.quantile(d, [(1 - LEVEL) / 2, (1 + LEVEL) / 2]))
         se = float(np.std(d))
         if not lo - 1e-9 <= pa - pb <= hi + 1e-9:

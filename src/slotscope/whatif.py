@@ -26,11 +26,19 @@ Three parts, each a model of the mechanism rather than a fit of the outcome:
   user's next call leaves its logged think time after the previous call ended. ``open_loop``
   replays the logged send times. Tasks no call explains replay at their logged launch.
 
-Prompt-cache rule: every call keeps its logged cached/new split. At b11434 the host prompt
-cache (``--cache-ram``, on by default) restores a conversation's prefix on whichever slot
-takes the call, so slot count and slot choice do not change the split; what does is the
-context: a prompt that no longer fits the per-slot context (``ctx / slots``) is refused, as
-the server refuses it, and a generation that would overflow it stops there.
+Prompt-cache rule: a call keeps its logged cached/new split, but for one change: a slot whose
+last LoRA setting differs from the call's drops its tokens (launch_slot_with_task), so such a
+call processes its whole prompt; a call the log shows so cleared reuses, on a slot of its own
+setting, its conversation's previous chat turn where that prompt and its reply fit in its own.
+At b11434 the host prompt cache (``--cache-ram``, on by default) restores a conversation's
+prefix on whichever slot takes the call, so slot count and slot choice do not change the split
+otherwise (that cache's own limits are not modelled); what does is the context: a prompt that
+no longer fits the per-slot context (``ctx / slots``) is refused, as the server refuses it, and
+a generation that would overflow it stops there.
+
+Memory: the logs are read a part of the busy periods at a time (:mod:`slotscope.periods`), and
+a replay is measured a stretch between its idle moments at a time (:func:`measure`); what
+grows with the log is a few numbers per task. A replay that never idles is measured whole.
 
 Intervals come from resampling users' sessions (a call's app session; a task no call explains
 is a unit of its own) over the replay's results: they say how much the figure rests on the
@@ -46,7 +54,7 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import IO, Iterable, Sequence
+from typing import IO, Callable, Iterable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -58,8 +66,9 @@ from .analyze import Options
 from .analyze.stalls import MIN_PIECE_S, generation_segments, segment_pieces
 from .analyze.turns import is_chat_turn
 from .analyze.waits import CAUSES, classify_waits
-from .compare import _resamples as resamples
+from .compare import resampled_stats
 from .dataset import Dataset, calls_of, task_view
+from .periods import PART_TASKS, Part
 from .errors import UsageError
 from .output import print_table
 
@@ -70,6 +79,13 @@ FIT_COLUMNS = ["kind", "observations", "passes", "median_error_pct", "p90_abs_er
 SETTING_COLUMNS = ["setting", "name", "logged", "whatif", "note"]
 FINDING_COLUMNS = ["setting", "finding"]
 
+# What the workload and the replay's metrics read of the task view.
+WORKLOAD_COLUMNS = tl.GROUP + [
+    "task_id", "slot", "launch_s", "prefill_start_s", "first_token_s", "release_s", "wait_before_prefill_ms",
+    "prompt_tokens_new", "prompt_tokens_cached", "n_gen", "prompt_eval_ms", "eval_ms", "prefill_tps", "gen_tps",
+    "truncated", "status", "line", "file", "release_line", "total_ms", "n_tokens_released", "prompt_tokens",
+    "has_timings", "has_release", "time_resolution_s", "call_id", "purpose", "user", "lora", "queue_ms", "ttft_ms",
+    "call_total_ms"]
 SETTING_NAMES = ("n_batch", "n_ubatch", "slots", "lora", "ctx")
 DEFAULT_N_BATCH = 2048  # llama-server's -b default (used when the logs show no full pass)
 DEFAULT_N_UBATCH = 512  # -ub default: not in the log at verbosity 3
@@ -78,8 +94,11 @@ HEARTBEAT_S = 3.0  # ... and at least this long after the last print
 PROGRESS_S = 3.0  # print_timings_pp: only once the prefill has run this long
 SLOT_PROMPT_SIMILARITY = 0.10  # -sps default: the share of the prompt a slot must hold to be picked for it
 LEVEL = 0.90
+FIT_OBSERVATIONS = 1 << 15  # stretches the pass costs are fitted on: an even draw of all the logs show
 NO_ADAPTER = "none"  # the app log's label of a call without LoRA (scale 0)
 _EPS = 1e-3  # a boundary this close to an interval's end belongs to the end
+OBS_COLUMNS = ["kind", "seconds", "passes", "ubatch", "prompt_token", "prompt_attention", "gen_slot", "gen_attention",
+               "lora_token", "pass_tokens", "gen_slots", "row"]
 TERMS = ["ubatch", "prompt_token", "prompt_attention", "gen_slot", "gen_attention", "lora_token", "lora_switch"]
 _UNITS = {"ubatch": "per ubatch (n_ubatch piece) of a pass", "prompt_token": "per prompt token",
           "prompt_attention": "per prompt token per 1M positions before it",
@@ -154,6 +173,7 @@ class Workload:
     """The tasks to replay, one row each, in the task view's order (``tv`` rows ``row``)."""
 
     tv: pd.DataFrame  # the logged tasks replayed (task view rows, one per task)
+    view_row: np.ndarray  # each one's position in the task view
     group: np.ndarray  # session code (tasks of different server sessions never meet)
     send_s: np.ndarray  # logged send time on the server clock (launch - queue)
     prev: np.ndarray  # closed loop: the row of the same user's previous call, -1: none
@@ -178,8 +198,11 @@ def _labels(s: pd.Series) -> np.ndarray:
 def workload(ds: Dataset, tv: pd.DataFrame, open_loop: bool = False) -> Workload:
     """The logged tasks as a workload to replay (see the module's docstring)."""
     keys = tl.GROUP + ["task_id"]
+    tv = tv.reset_index(drop=True)
     ok = tv["status"].astype("object").isin(["complete"]).to_numpy() & np.isfinite(tl.floats(tv["first_token_s"]))
-    tv = tv[ok].drop_duplicates(keys).reset_index(drop=True)
+    tv = tv[ok].drop_duplicates(keys)
+    view_row = tv.index.to_numpy(dtype=np.int64)
+    tv = tv.reset_index(drop=True)
     n = len(tv)
     group = tl.key_codes([tv], tl.GROUP)[0] if n else np.zeros(0, dtype=np.int64)
     queue = np.nan_to_num(tl.floats(tl.column(tv, "queue_ms")) / 1000) if "queue_ms" in tv.columns else np.zeros(n)
@@ -222,7 +245,7 @@ def workload(ds: Dataset, tv: pd.DataFrame, open_loop: bool = False) -> Workload
         # A call sent before the previous one ended (the app ran two at once) is not waiting
         # for it: it keeps its logged offset from the previous send instead (think < 0 marks it).
         think[has] = np.where(gap >= 0, gap, -(send[has] - send[prev[has]]) - 1e-9)
-    return Workload(tv=tv, group=group, send_s=send, prev=prev, think_s=think, end_lag_s=end_lag, new=new,
+    return Workload(tv=tv, view_row=view_row, group=group, send_s=send, prev=prev, think_s=think, end_lag_s=end_lag, new=new,
                     cached=cached, reuse=reuse, n_gen=n_gen, lora=list(lora), conv=conv, user=user, shared=shared, cluster=cluster,
                     closed=closed)
 
@@ -369,10 +392,19 @@ class _Phases:
         order = np.lexsort((bounds[keep], bgroup[keep]))
         self.b_t, self.b_g = bounds[keep][order], bgroup[keep][order]
         self.slot = np.nan_to_num(tl.floats(tv["slot"]), nan=-1).astype(np.int64)
-        self._masks: dict[tuple[int, int], tuple[np.ndarray, list[int]]] = {}
+        self._masks: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
-    def slots_generating(self, g: int, lc: int, t: float) -> int:
-        """The slots generating with that LoRA at ``t``, as a bit mask."""
+    def masks_at(self, g: np.ndarray, lc: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """The slots generating with that LoRA at each ``t``, as bit masks."""
+        out = np.zeros(len(t), dtype=np.int64)
+        for gg, ll in set(zip(g.tolist(), lc.tolist())):
+            q = (g == gg) & (lc == ll)
+            times, masks = self._mask_steps(gg, ll)
+            i = np.searchsorted(times, t[q], "right") - 1
+            out[q] = np.where(i >= 0, masks[np.maximum(i, 0)] if len(masks) else 0, 0)
+        return out
+
+    def _mask_steps(self, g: int, lc: int) -> tuple[np.ndarray, np.ndarray]:
         key = (g, lc)
         if key not in self._masks:
             rows = np.flatnonzero((self.group == g) & (self.lora_code == lc) & np.isfinite(self.ft) & np.isfinite(self.rel))
@@ -385,10 +417,8 @@ class _Phases:
                 if b >= 0:
                     mask = mask | (1 << b) if sg > 0 else mask & ~(1 << b)
                 masks.append(mask)
-            self._masks[key] = (times[order], masks)
-        times, masks = self._masks[key]
-        i = int(np.searchsorted(times, t, "right")) - 1
-        return masks[i] if i >= 0 else 0
+            self._masks[key] = (times[order], np.array(masks, dtype=np.int64))
+        return self._masks[key]
 
     def crossings(self, g: np.ndarray, t0: np.ndarray, t1: np.ndarray) -> np.ndarray:
         """Boundaries (a task's prefill start, first token or release) strictly inside each interval."""
@@ -486,16 +516,15 @@ def pass_observations(ds: Dataset, tv: pd.DataFrame, lora: np.ndarray, group: np
         r, t0, t1, p, p0, n_gen, ctx, passes = (x[clean] for x in (r, t0, t1, p, p0, n_gen, ctx, passes))
         chunk = np.minimum(p, room[clean])
         mid = (t0 + t1) / 2
-        ub = np.array([_pass_ubatches(ph, int(group[i]), int(ph.lora_code[i]), float(m), int(ph.slot[i]), int(c), n_ubatch)
-                       for i, m, c in zip(r.tolist(), mid.tolist(), chunk.tolist())], dtype=float)
+        masks = ph.masks_at(group[r], ph.lora_code[r], mid)
         last = p - chunk * (passes - 1)  # (a short prefill's passes: full ones and the rest)
-        ub_last = np.array([_pass_ubatches(ph, int(group[i]), int(ph.lora_code[i]), float(m), int(ph.slot[i]), int(c), n_ubatch)
-                            for i, m, c in zip(r.tolist(), mid.tolist(), last.tolist())], dtype=float)
-        ub = ub * (passes - 1) + ub_last
+        ub = (_pass_ubatches(masks, ph.slot[r], chunk, n_ubatch) * (passes - 1)
+              + _pass_ubatches(masks, ph.slot[r], last, n_ubatch))
         out.append(pd.DataFrame({
             "kind": kind, "seconds": t1 - t0, "passes": passes, "ubatch": ub, "prompt_token": p,
             "prompt_attention": _sum_positions(p0, p), "gen_slot": n_gen * passes, "gen_attention": ctx * passes / 1e6,
-            "lora_token": np.where(on[r], p + n_gen * passes, 0.0), "pass_tokens": chunk + n_gen, "gen_slots": n_gen}))
+            "lora_token": np.where(on[r], p + n_gen * passes, 0.0), "pass_tokens": chunk + n_gen, "gen_slots": n_gen,
+            "row": r}))
     # Generation between heartbeats (and to the release): one token per pass.
     seg = generation_segments(ds, tv) if not steps_only else pd.DataFrame()
     if len(seg):
@@ -509,24 +538,30 @@ def pass_observations(ds: Dataset, tv: pd.DataFrame, lora: np.ndarray, group: np
         clean &= (n_pre == 0) & (n_gen >= 1)
         r, t0, t1, tok, n_gen, ctx = (x[clean] for x in (r, t0, t1, tok, n_gen, ctx))
         mid = (t0 + t1) / 2
-        ub = np.array([_pass_ubatches(ph, int(group[i]), int(ph.lora_code[i]), float(m), -1, 0, n_ubatch)
-                       for i, m in zip(r.tolist(), mid.tolist())], dtype=float)
+        masks = ph.masks_at(group[r], ph.lora_code[r], mid)
+        ub = _pass_ubatches(masks, np.full(len(r), -1), np.zeros(len(r)), n_ubatch)
         out.append(pd.DataFrame({
             "kind": "generation", "seconds": t1 - t0, "passes": tok, "ubatch": tok * ub,
             "prompt_token": 0.0, "prompt_attention": 0.0, "gen_slot": n_gen * tok, "gen_attention": ctx * tok / 1e6,
-            "lora_token": np.where(on[r], n_gen * tok, 0.0), "pass_tokens": n_gen, "gen_slots": n_gen}))
-    return pd.concat(out, ignore_index=True) if out else pd.DataFrame(columns=["kind", "seconds", "passes", *TERMS[:-1]])
+            "lora_token": np.where(on[r], n_gen * tok, 0.0), "pass_tokens": n_gen, "gen_slots": n_gen, "row": r}))
+    return pd.concat(out, ignore_index=True) if out else pd.DataFrame(columns=OBS_COLUMNS)
 
 
-def _pass_ubatches(ph: _Phases, g: int, lc: int, t: float, slot: int, chunk: int, n_ubatch: int) -> int:
-    """Ubatches of a pass at ``t``: the slots generating with that LoRA, one token each, and
-    ``chunk`` prompt tokens of ``slot`` (-1: none)."""
-    mask = ph.slots_generating(g, lc, t)
-    width = max(mask.bit_length(), slot + 1, 1)
-    tokens = _mask_tokens(mask, width)
-    if slot >= 0:
-        tokens[slot] += chunk
-    return max(ubatches(tokens, n_ubatch), 1)
+def _pass_ubatches(masks: np.ndarray, slot: np.ndarray, chunk: np.ndarray, n_ubatch: int) -> np.ndarray:
+    """Ubatches of passes: the slots generating (a bit mask each), one token each, and
+    ``chunk`` prompt tokens of ``slot`` (-1: none); counted once per distinct pass."""
+    out = np.ones(len(masks))
+    if not len(masks):
+        return out
+    combos, inv = np.unique(np.c_[masks, slot, np.asarray(chunk, dtype=np.int64)], axis=0, return_inverse=True)
+    counts = np.empty(len(combos))
+    for k, (mask, sl, c) in enumerate(combos.tolist()):
+        width = max(int(mask).bit_length(), sl + 1, 1)
+        tokens = _mask_tokens(int(mask), width)
+        if sl >= 0:
+            tokens[sl] += c
+        counts[k] = max(ubatches(tokens, n_ubatch), 1)
+    return counts[np.asarray(inv).reshape(-1)]
 
 
 def fit_pass_costs(obs: pd.DataFrame) -> PassCosts:
@@ -612,10 +647,16 @@ class Replay:
     heartbeats: list[tuple[int, float, int, float, float, float]]  # row, t, n_gen, tg, tg_3s, window
     progress: list[tuple[int, float, int, float, float]]  # row, t, n_tokens, progress, elapsed
     passes: int
+    finished: list[int] = dataclasses.field(default_factory=list)  # rows released since the last flush
 
 
-def replay(w: Workload, r: Resolved, costs: PassCosts, open_loop: bool = False) -> Replay:
-    """Run the workload through the scheduler (see the module's docstring), session by session."""
+def replay(w: Workload, r: Resolved, costs: PassCosts, open_loop: bool = False,
+           on_idle: Callable[[Replay], None] | None = None) -> Replay:
+    """Run the workload through the scheduler (see the module's docstring), session by session.
+
+    ``on_idle(replay)``: called whenever no slot is busy (and at the end): every task in
+    ``finished`` is done, with its heartbeats and progress lines; the callee may take them
+    (and empty the three lists) to measure the replay a stretch at a time."""
     n = len(w.tv)
     res = Replay(slot=np.full(n, -1), send=np.full(n, np.nan), launch=np.full(n, np.nan),
                  prefill_start=np.full(n, np.nan), first_token=np.full(n, np.nan), release=np.full(n, np.nan),
@@ -623,12 +664,14 @@ def replay(w: Workload, r: Resolved, costs: PassCosts, open_loop: bool = False) 
                  lora=[r.unify if r.unify is not None else x for x in w.lora], heartbeats=[], progress=[], passes=0)
     target = w.n_gen.copy()  # (shortened where a generation would overflow the slot's context)
     for g in np.unique(w.group):
-        _replay_session(w, r, costs, res, np.flatnonzero(w.group == g), open_loop or not w.closed, target)
+        _replay_session(w, r, costs, res, np.flatnonzero(w.group == g), open_loop or not w.closed, target, on_idle)
+    if on_idle is not None:
+        on_idle(res)
     return res
 
 
 def _replay_session(w: Workload, r: Resolved, costs: PassCosts, res: Replay, rows: np.ndarray, open_loop: bool,
-                    target: np.ndarray) -> None:
+                    target: np.ndarray, on_idle: Callable[[Replay], None] | None) -> None:
     c = costs.coef
     c_ub, c_p, c_ap, c_g, c_ag, c_l, c_s = (c[t] for t in TERMS)
     n_batch, n_ubatch, n_slots = r.n_batch, r.n_ubatch, r.slots
@@ -665,6 +708,7 @@ def _replay_session(w: Workload, r: Resolved, costs: PassCosts, res: Replay, row
         i = s_task[s]
         res.release[i] = now
         res.n_gen[i] = gen[s]
+        res.finished.append(i)
         s_state[s], s_task[s], s_used[s] = 0, -1, now
         j = nxt.get(i)
         if j is not None:
@@ -724,6 +768,9 @@ def _replay_session(w: Workload, r: Resolved, costs: PassCosts, res: Replay, row
             if batch_lora is None:
                 batch_lora = la
         if size == 0:
+            if on_idle is not None:
+                on_idle(res)
+                hb, prog = res.heartbeats, res.progress
             if not heap:
                 if queue:  # (cannot happen: a queued task has a free slot or a busy one will release)
                     raise RuntimeError("replay stalled with queued tasks")
@@ -851,9 +898,18 @@ def _heartbeats(hb: list[tuple[int, float, int, float, float, float]], i: int, t
 # The replay as a task view and samples, and the metrics of both
 
 
-def replayed_dataset(ds: Dataset, w: Workload, rp: Replay, r: Resolved) -> tuple[Dataset, pd.DataFrame]:
-    """The replay in the log's shapes: a dataset (samples, sessions) and its task view."""
-    tv = w.tv.copy()
+def replayed_dataset(ds: Dataset, w: Workload, rp: Replay, r: Resolved,
+                     rows: np.ndarray | None = None) -> tuple[Dataset, pd.DataFrame]:
+    """The replay in the log's shapes: a dataset (samples, sessions) and its task view; of the
+    tasks ``rows`` (default: all) and the heartbeats and progress lines ``rp`` holds."""
+    rows = np.arange(len(w.tv)) if rows is None else np.asarray(rows, dtype=np.int64)
+    at = np.full(len(w.tv), -1, dtype=np.int64)
+    at[rows] = np.arange(len(rows))
+    tv = w.tv.iloc[rows].reset_index(drop=True)
+    rp = dataclasses.replace(rp, **{f: getattr(rp, f)[rows] for f in (
+        "slot", "send", "launch", "prefill_start", "first_token", "release", "n_gen", "new", "cached", "refused")},
+        lora=[rp.lora[i] for i in rows.tolist()])
+    end_lag = w.end_lag_s[rows]
     keys = tl.GROUP + ["task_id"]
     tv["slot"] = pd.array(rp.slot, dtype=tv["slot"].dtype if rp.slot.size else "Int64")
     tv["launch_s"] = rp.launch
@@ -873,21 +929,23 @@ def replayed_dataset(ds: Dataset, w: Workload, rp: Replay, r: Resolved) -> tuple
         tv["lora"] = pd.Categorical(rp.lora)
     tv["queue_ms"] = (rp.launch - rp.send) * 1000
     tv["ttft_ms"] = np.where(rp.refused, np.nan, (rp.first_token - rp.send) * 1000)
-    tv["call_total_ms"] = (rp.release + w.end_lag_s - rp.send) * 1000
+    tv["call_total_ms"] = (rp.release + end_lag - rp.send) * 1000
     tv["status"] = np.where(rp.refused, "error", "complete")
     for c in ("launch_at", "prefill_start_at", "first_token_at", "release_at"):
         if c in tv.columns:
             tv = tv.drop(columns=c)
     base = tv[keys + ["slot"]]
     hb = pd.DataFrame(rp.heartbeats, columns=["row", "t_s", "n_gen", "tg_tps", "tg_3s_tps", "window_s"])
-    gen = base.iloc[hb["row"].to_numpy(dtype=np.int64)].reset_index(drop=True)
+    hb = hb[at[hb["row"].to_numpy(dtype=np.int64)] >= 0]
+    gen = base.iloc[at[hb["row"].to_numpy(dtype=np.int64)]].reset_index(drop=True)
     gen = gen.assign(t_s=hb["t_s"].to_numpy(), n_gen=hb["n_gen"].to_numpy(), tg_tps=hb["tg_tps"].to_numpy(),
                      tg_3s_tps=hb["tg_3s_tps"].to_numpy(), window_s=hb["window_s"].to_numpy())
     gen["tokens"] = np.rint(gen["tg_3s_tps"] * gen["window_s"]).astype(np.int64)
     gen["window_start_s"] = gen["t_s"] - gen["window_s"]
     gen = gen.sort_values(keys + ["t_s"], kind="stable").reset_index(drop=True)
     pr = pd.DataFrame(rp.progress, columns=["row", "t_s", "n_tokens", "progress", "elapsed_s"])
-    pre = base.iloc[pr["row"].to_numpy(dtype=np.int64)].reset_index(drop=True)
+    pr = pr[at[pr["row"].to_numpy(dtype=np.int64)] >= 0]
+    pre = base.iloc[at[pr["row"].to_numpy(dtype=np.int64)]].reset_index(drop=True)
     pre = pre.assign(t_s=pr["t_s"].to_numpy(), n_tokens=pr["n_tokens"].to_numpy(dtype=np.int64),
                      progress=pr["progress"].to_numpy(), elapsed_s=pr["elapsed_s"].to_numpy())
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -912,43 +970,95 @@ class Sample:
     kind: str  # median | p90 | p95 | sum | share (no interval)
 
 
+class Gather:
+    """The metrics' samples, gathered a stretch of the log (or of a replay) at a time: each
+    :meth:`add` measures one stretch's tasks; :meth:`result` gives the whole run's samples."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, list[np.ndarray]] = {}
+        self.clusters: dict[str, list[np.ndarray]] = {}
+        self.kinds: dict[str, str] = {}
+        self.busy = {2: 0.0, 4: 0.0}
+        self.spans: dict[tuple[object, ...], list[float]] = {}  # per session: first and last step
+
+    def _put(self, name: str, values: np.ndarray, clusters: np.ndarray, kind: str) -> None:
+        self.values.setdefault(name, []).append(np.asarray(values, dtype=float))
+        self.clusters.setdefault(name, []).append(np.asarray(clusters, dtype=np.int64))
+        self.kinds[name] = kind
+
+    def add(self, ds: Dataset, tv: pd.DataFrame, cluster: np.ndarray, opts: Options,
+            counted: np.ndarray | None = None, span: tuple[float, float] | None = None) -> None:
+        """Measure the tasks ``tv`` (of the dataset ``ds``: their samples and sessions), of which
+        those ``counted`` (default: all; the others are context) count; ``cluster``: each row's
+        resampling unit; ``span``: the stretch of the session clock the tasks are a piece of."""
+        tv = tv.reset_index(drop=True)
+        n = len(tv)
+        counted = np.ones(n, dtype=bool) if counted is None else np.asarray(counted, dtype=bool)
+        chat = is_chat_turn(tv["purpose"]).to_numpy() if "purpose" in tv.columns else np.zeros(n, dtype=bool)
+        ttft = tl.floats(tv["ttft_ms"]) / 1000 if "ttft_ms" in tv.columns else np.full(n, np.nan)
+        m = chat & np.isfinite(ttft) & counted
+        for kind in ("median", "p90", "p95"):
+            self._put(f"chat_ttft_{kind}_s", ttft[m], cluster[m], kind)
+        total = tl.floats(tv["call_total_ms"]) / 1000 if "call_total_ms" in tv.columns else np.full(n, np.nan)
+        k = np.isfinite(total) & counted
+        if "call_id" in tv.columns:
+            k &= tv["call_id"].notna().to_numpy()
+        self._put("call_total_median_s", total[k], cluster[k], "median")
+        keys = tv[tl.GROUP + ["task_id"]]
+        pieces = segment_pieces(ds, opts, tv)
+        pieces = pieces[(pieces["class"] == "long_prefill") & (pieces["seconds"] >= MIN_PIECE_S)]
+        f, rr = tl.join_tasks(pieces, keys)
+        own = np.zeros(len(pieces), dtype=bool)
+        own[f] = counted[rr]
+        pc = np.full(len(pieces), -1)
+        pc[f] = cluster[rr]
+        self._put("gen_tps_during_long_prefill", pieces["tok_per_s"].to_numpy(dtype=float)[own], pc[own], "median")
+        wait = tl.floats(tv["wait_before_prefill_ms"]) >= opts.wait_threshold_s * 1000
+        self._put("waits_over_1s_count", wait[counted].astype(float), cluster[counted], "sum")
+        waits = classify_waits(ds, opts, tv)
+        f, rr = tl.join_tasks(waits, keys)
+        cause = np.full(n, "", dtype=object)
+        cause[rr] = waits["cause"].astype("object").to_numpy()[f]
+        for c in CAUSES:
+            if c != "deferred":
+                self._put(f"waits_{c}_count", (cause == c)[counted].astype(float), cluster[counted], "sum")
+        refused = (tv["status"].astype("object") == "error").to_numpy() if "status" in tv.columns else np.zeros(n, bool)
+        self._put("calls_refused_count", refused[counted].astype(float), cluster[counted], "sum")
+        steps = tl.concurrency(tv, ds.server.sessions)
+        if len(steps):
+            t0, t1 = tl.floats(steps["start_s"]), tl.floats(steps["end_s"])
+            if span is not None:  # (a piece of a cut period measures its own stretch)
+                lo, hi = span
+                t0 = np.maximum(t0, lo) if np.isfinite(lo) else t0
+                t1 = np.minimum(t1, hi) if np.isfinite(hi) else t1
+            secs = np.clip(t1 - t0, 0, None)
+            run = steps["running"].to_numpy()
+            for need in self.busy:
+                self.busy[need] += float(secs[run >= need].sum())
+            for key, grp in steps.groupby(tl.GROUP, observed=True, sort=False).indices.items():
+                first, last = float(np.min(t0[grp])), float(np.max(t1[grp]))
+                have = self.spans.setdefault(key if isinstance(key, tuple) else (key,), [first, last])
+                have[0], have[1] = min(have[0], first), max(have[1], last)
+
+    def result(self) -> dict[str, Sample]:
+        """Every metric's samples (the shares of time as whole-run figures)."""
+        out: dict[str, Sample] = {}
+        whole = sum(last - first for first, last in self.spans.values())
+        for name in self.values:
+            if name == "calls_refused_count":
+                for need, secs in self.busy.items():
+                    share = secs / whole if whole > 0 else math.nan
+                    out[f"share_{need}plus_running"] = Sample(np.array([share]), np.zeros(1, dtype=np.int64), "share")
+            out[name] = Sample(np.concatenate(self.values[name]), np.concatenate(self.clusters[name]), self.kinds[name])
+        return out
+
+
 def samples(ds: Dataset, tv: pd.DataFrame, cluster: np.ndarray, opts: Options) -> dict[str, Sample]:
-    """The metrics' samples of a dataset and its task view (logged or replayed alike); ``cluster``
-    is each task row's resampling unit."""
-    out: dict[str, Sample] = {}
-    chat = is_chat_turn(tv["purpose"]).to_numpy() if "purpose" in tv.columns else np.zeros(len(tv), dtype=bool)
-    ttft = tl.floats(tv["ttft_ms"]) / 1000 if "ttft_ms" in tv.columns else np.full(len(tv), np.nan)
-    m = chat & np.isfinite(ttft)
-    for kind in ("median", "p90", "p95"):
-        out[f"chat_ttft_{kind}_s"] = Sample(ttft[m], cluster[m], kind)
-    total = tl.floats(tv["call_total_ms"]) / 1000 if "call_total_ms" in tv.columns else np.full(len(tv), np.nan)
-    k = np.isfinite(total) & tv["call_id"].notna().to_numpy() if "call_id" in tv.columns else np.isfinite(total)
-    out["call_total_median_s"] = Sample(total[k], cluster[k], "median")
-    pieces = segment_pieces(ds, opts, tv)
-    pieces = pieces[(pieces["class"] == "long_prefill") & (pieces["seconds"] >= MIN_PIECE_S)]
-    f, rr = tl.join_tasks(pieces, tv[tl.GROUP + ["task_id"]])
-    pc = np.full(len(pieces), -1)
-    pc[f] = cluster[rr]
-    out["gen_tps_during_long_prefill"] = Sample(pieces["tok_per_s"].to_numpy(dtype=float), pc, "median")
-    wait = tl.floats(tv["wait_before_prefill_ms"]) >= opts.wait_threshold_s * 1000
-    out["waits_over_1s_count"] = Sample(wait.astype(float), cluster, "sum")
-    waits = classify_waits(ds, opts, tv)
-    f, rr = tl.join_tasks(waits, tv[tl.GROUP + ["task_id"]])
-    cause = np.full(len(tv), "", dtype=object)
-    cause[rr] = waits["cause"].astype("object").to_numpy()[f]
-    for c in CAUSES:
-        if c != "deferred":
-            out[f"waits_{c}_count"] = Sample((cause == c).astype(float), cluster, "sum")
-    steps = tl.concurrency(tv, ds.server.sessions)
-    secs = (tl.floats(steps["end_s"]) - tl.floats(steps["start_s"])) if len(steps) else np.zeros(0)
-    run = steps["running"].to_numpy() if len(steps) else np.zeros(0)
-    whole = float(secs.sum())
-    for need in (2, 4):
-        share = float(secs[run >= need].sum()) / whole if whole > 0 else math.nan
-        out[f"share_{need}plus_running"] = Sample(np.array([share]), np.zeros(1, dtype=np.int64), "share")
-    refused = (tv["status"].astype("object") == "error").to_numpy() if "status" in tv.columns else np.zeros(len(tv), bool)
-    out["calls_refused_count"] = Sample(refused.astype(float), cluster, "sum")
-    return out
+    """The metrics' samples of a dataset and its task view (logged or replayed alike) in one
+    piece; ``cluster`` is each task row's resampling unit."""
+    g = Gather()
+    g.add(ds, tv, cluster, opts)
+    return g.result()
 
 
 def _point(s: Sample) -> float:
@@ -972,7 +1082,7 @@ def _interval(s: Sample, rng: np.random.Generator, n_boot: int) -> tuple[float, 
     k = int(codes.max()) + 1
     if k < 2:
         return math.nan, math.nan
-    stats = resamples(v, codes, s.kind, rng, n_boot)
+    stats = resampled_stats(v, codes, s.kind, rng, n_boot)
     lo, hi = np.nanquantile(stats, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
     return float(lo), float(hi)
 
@@ -981,7 +1091,7 @@ def _interval(s: Sample, rng: np.random.Generator, n_boot: int) -> tuple[float, 
 # The run
 
 
-def logged_settings(ds: Dataset, obs: pd.DataFrame | None = None) -> Resolved:
+def logged_settings(ds: Dataset, fullest_step: int | None = None) -> Resolved:
     """The settings the logs show: slots and per-slot context from the start-up lines, n_batch
     from the fullest pass (a progress step plus the generating slots it ran with), n_ubatch the
     default (it is not logged at verbosity 3)."""
@@ -989,10 +1099,8 @@ def logged_settings(ds: Dataset, obs: pd.DataFrame | None = None) -> Resolved:
     slots = int(pd.to_numeric(s["n_slots"], errors="coerce").max()) if len(s) and s["n_slots"].notna().any() else 1
     per = int(pd.to_numeric(s["n_ctx_slot"], errors="coerce").max()) if len(s) and s["n_ctx_slot"].notna().any() else 0
     n_batch = DEFAULT_N_BATCH
-    if obs is not None and len(obs):
-        steps = obs[obs["kind"] == "prefill_step"]
-        if len(steps):
-            n_batch = int(steps["pass_tokens"].max())
+    if fullest_step:
+        n_batch = int(fullest_step)
     return Resolved(n_batch=n_batch, n_ubatch=min(DEFAULT_N_UBATCH, n_batch), slots=slots,
                     ctx=per * slots if per > 0 else 1 << 40, unify=None)
 
@@ -1026,6 +1134,105 @@ def _extrapolates(r: Resolved, costs: PassCosts, w: Workload, unify: str | None)
     return notes
 
 
+@dataclass
+class Logged:
+    """What the replays start from: the workload, the settings and pass costs the logs show,
+    and the logged run's metric samples."""
+
+    workload: Workload
+    settings: Resolved
+    costs: PassCosts
+    samples: dict[str, Sample]
+
+
+def _part_dataset(ds: Dataset, tasks: pd.DataFrame, gen: pd.DataFrame, prefill: pd.DataFrame) -> Dataset:
+    server = dataclasses.replace(ds.server, tasks=tasks, gen_samples=gen, prefill_samples=prefill)
+    return Dataset(server=server, app=None, matches=None, accounting=ds.accounting)
+
+
+def _kept(obs: list[pd.DataFrame], keys: list[np.ndarray], fresh: pd.DataFrame, rng: np.random.Generator) -> None:
+    """Add ``fresh`` to the observations kept: at most :data:`FIT_OBSERVATIONS`, an even draw
+    of all seen (each has a random key; the smallest keys stay)."""
+    obs.append(fresh)
+    keys.append(rng.random(len(fresh)))
+    if sum(len(k) for k in keys) > 2 * FIT_OBSERVATIONS:
+        whole, key = pd.concat(obs, ignore_index=True), np.concatenate(keys)
+        keep = np.sort(np.argpartition(key, FIT_OBSERVATIONS)[:FIT_OBSERVATIONS])
+        obs[:], keys[:] = [whole.iloc[keep].reset_index(drop=True)], [key[keep]]
+
+
+def _draw(obs: list[pd.DataFrame], keys: list[np.ndarray]) -> pd.DataFrame:
+    if not obs:
+        return pd.DataFrame(columns=OBS_COLUMNS)
+    whole, key = pd.concat(obs, ignore_index=True), np.concatenate(keys)
+    if len(whole) > FIT_OBSERVATIONS:
+        whole = whole.iloc[np.sort(np.argpartition(key, FIT_OBSERVATIONS)[:FIT_OBSERVATIONS])].reset_index(drop=True)
+    return whole
+
+
+def prepare(ds: Dataset, open_loop: bool = False, opts: Options | None = None) -> Logged:
+    """Read the logs for the replays: the workload, then the busy periods twice (the fullest
+    progress-line pass gives n_batch; then the passes for the cost fit and the logged
+    metrics), a part at a time as the report reads them."""
+    opts = opts or Options()
+    ds.keep_on_disk()
+    w = workload(ds, task_view(ds, WORKLOAD_COLUMNS), open_loop)
+    lora = np.array(w.lora, dtype=object)
+    n_view = int(w.view_row.max(initial=-1)) + 1
+    at = np.full(n_view, -1, dtype=np.int64)
+    at[w.view_row] = np.arange(len(w.view_row))
+
+    def rows_of(part: Part) -> tuple[np.ndarray, pd.DataFrame, np.ndarray]:
+        wr = np.where(part.rows < n_view, at[np.minimum(part.rows, max(n_view - 1, 0))], -1) if n_view else \
+            np.full(len(part.rows), -1)
+        keep = wr >= 0
+        return wr[keep], part.tasks[keep].reset_index(drop=True), part.counted[keep]
+
+    most = 0
+    with ds.periods() as periods:
+        # n_batch is read from the passes themselves (a step's tokens plus its generating slots),
+        # then the passes are read again with it (a short prefill's passes depend on it).
+        for part in periods.parts(heartbeats=False):
+            wr, tasks, counted = rows_of(part)
+            steps = pass_observations(_part_dataset(ds, tasks, part.gen, part.prefill), tasks, lora[wr], w.group[wr],
+                                      1 << 30, DEFAULT_N_UBATCH, steps_only=True)
+            steps = steps[counted[steps["row"].to_numpy(dtype=np.int64)]] if len(steps) else steps
+            if len(steps):
+                most = max(most, int(steps["pass_tokens"].max()))
+        logged = logged_settings(ds, most or None)
+        obs: list[pd.DataFrame] = []
+        keys: list[np.ndarray] = []
+        rng = np.random.default_rng(0)
+        gather = Gather()
+        for part in periods.parts():
+            wr, tasks, counted = rows_of(part)
+            pds = _part_dataset(ds, tasks, part.gen, part.prefill)
+            o = pass_observations(pds, tasks, lora[wr], w.group[wr], logged.n_batch, logged.n_ubatch)
+            if len(o):
+                _kept(obs, keys, o[counted[o["row"].to_numpy(dtype=np.int64)]].reset_index(drop=True), rng)
+            gather.add(pds, tasks, w.cluster[wr], opts, counted, part.span)
+    return Logged(w, logged, fit_pass_costs(_draw(obs, keys)), gather.result())
+
+
+def measure(ds: Dataset, lg: Logged, r: Resolved, open_loop: bool = False, opts: Options | None = None) -> dict[str, Sample]:
+    """Replay the workload with the settings ``r`` and measure it as the log is measured, a
+    stretch between idle moments of at least :data:`slotscope.periods.PART_TASKS` tasks at a
+    time: memory holds one stretch's heartbeats and rows."""
+    opts = opts or Options()
+    w, gather = lg.workload, Gather()
+
+    def flush(rp: Replay, last: bool = False) -> None:
+        if not rp.finished or (len(rp.finished) < PART_TASKS and not last):
+            return
+        rows = np.array(sorted(rp.finished), dtype=np.int64)
+        gather.add(*replayed_dataset(ds, w, rp, r, rows), w.cluster[rows], opts)
+        del rp.finished[:], rp.heartbeats[:], rp.progress[:]
+
+    rp = replay(w, r, lg.costs, open_loop, on_idle=flush)
+    flush(rp, last=True)
+    return gather.result()
+
+
 def run(ds: Dataset, settings: Settings | Sequence[Settings] | None = None, *, open_loop: bool = False,
         opts: Options | None = None, seed: int = 0, n_boot: int = 1000) -> dict[str, pd.DataFrame]:
     """Replay the logged workload with the logged settings and with each of ``settings``;
@@ -1033,24 +1240,14 @@ def run(ds: Dataset, settings: Settings | Sequence[Settings] | None = None, *, o
     logged figure, the replay with the logged settings, the what-if and its interval)."""
     opts = opts or Options()
     asked = [Settings()] if settings is None else [settings] if isinstance(settings, Settings) else list(settings)
-    tv_all = task_view(ds)
-    w = workload(ds, tv_all, open_loop)
-    lora = np.array(w.lora, dtype=object)
-    # n_batch is read from the passes themselves (a step's tokens plus its generating slots),
-    # then the passes are read again with it (a short prefill's passes depend on it).
-    logged = logged_settings(ds, pass_observations(ds, w.tv, lora, w.group, 1 << 30, DEFAULT_N_UBATCH, steps_only=True))
-    obs = pass_observations(ds, w.tv, lora, w.group, logged.n_batch, logged.n_ubatch)
-    costs = fit_pass_costs(obs)
-    logged_s = samples(ds, w.tv, w.cluster, opts)
-    base_rp = replay(w, logged, costs, open_loop)
-    base_ds, base_tv = replayed_dataset(ds, w, base_rp, logged)
-    base_s = samples(base_ds, base_tv, w.cluster, opts)
+    lg = prepare(ds, open_loop, opts)
+    w, logged, costs, logged_s = lg.workload, lg.settings, lg.costs, lg.samples
+    base_s = measure(ds, lg, logged, open_loop, opts)
     rows, set_rows, findings = [], [], []
     for st in asked:
         r = resolve(st, logged, w)
         same = r == logged
-        rp = base_rp if same else replay(w, r, costs, open_loop)
-        what_s = base_s if same else samples(*replayed_dataset(ds, w, rp, r), w.cluster, opts)
+        what_s = base_s if same else measure(ds, lg, r, open_loop, opts)
         label = st.label()
         notes = _extrapolates(r, costs, w, r.unify)
         for name, s in what_s.items():
