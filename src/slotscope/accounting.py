@@ -21,6 +21,11 @@ class FileAccount:
     wrapper: str | None = None
     error: str | None = None  # why the file could not be (fully) read
 
+    @property
+    def is_server_log(self) -> bool:
+        """A server's own log: llama-server's, or Ollama's (its runner's lines inside)."""
+        return self.kind in ("server", "ollama")
+
     def add_unrecognized(self, line: int, text: str) -> None:
         """Count one unrecognized line, and keep it as an example while there are few."""
         self.unrecognized += 1

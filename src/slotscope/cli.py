@@ -205,7 +205,7 @@ def _no_input(unusable: list[tuple[str, str]], message: str) -> NoReturn:
 def _need_server(acc: Accounting, what: str = "") -> None:
     """Stop with one line unless a llama-server log was read: the unusable file's reason, or
     what was found instead (app logs: what ``what`` needs, and what they give alone)."""
-    if any(f.kind in ("server", "ollama") for f in acc.files):
+    if any(f.is_server_log for f in acc.files):
         return
     apps = [f for f in acc.files if f.kind == "app"]
     if apps and not acc.unusable:

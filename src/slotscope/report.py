@@ -206,7 +206,7 @@ def _header(ds: Dataset) -> tuple[str, list[str], bool]:
     """The report's title and first lines: what was read, the server, the clock alignment; and
     whether there is more to report (False: a server log without tasks)."""
     # Only the column read here (the tables may wait on disk); the distinct sources made text.
-    servers = [f for f in ds.server.accounting.files if f.kind in ("server", "ollama")]
+    servers = [f for f in ds.server.accounting.files if f.is_server_log]
     src = ", ".join(sorted(set(map(str, pd.unique(tasks_of(ds, ["source"])["source"]))))) if ds.n_tasks else \
         ", ".join(f.path for f in servers) or ", ".join(f.path for f in ds.accounting.files) or "(no server log)"
     lines = []

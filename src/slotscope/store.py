@@ -305,10 +305,7 @@ class StoredTable:
 
     def _names(self, columns: Sequence[str] | None) -> list[str]:
         """The table's columns among ``columns`` (all: None), in its order."""
-        if columns is None:
-            return self.columns
-        wanted = set(columns)
-        return [c for c in self.columns if c in wanted]
+        return self.columns if columns is None else among(self.columns, columns)
 
     def take(self, rows: np.ndarray, columns: Sequence[str] | None = None) -> pd.DataFrame:
         """These columns (all: None) at these row positions, a column at a time, each read only
@@ -469,13 +466,19 @@ def keep_on_disk(obj: object, name: str, what: str) -> bool:
     return bool(table.files)
 
 
+def among(names: Iterable[str], wanted: Iterable[str]) -> list[str]:
+    """Those of ``names`` that are in ``wanted``, in the order of ``names``."""
+    keep = set(wanted)
+    return [c for c in names if c in keep]
+
+
 def columns_of(obj: object, name: str, columns: Sequence[str]) -> pd.DataFrame:
     """Those of ``columns`` that field ``name`` of ``obj`` has (in its order), without reading
     the others from disk."""
     v = raw(obj, name)
     if isinstance(v, StoredTable):
         return v.read(columns)
-    return v[[c for c in v.columns if c in set(columns)]]
+    return v[among(v.columns, columns)]
 
 
 def rows_of(obj: object, name: str, rows: np.ndarray, columns: Sequence[str]) -> pd.DataFrame:
@@ -484,7 +487,7 @@ def rows_of(obj: object, name: str, rows: np.ndarray, columns: Sequence[str]) ->
     v = raw(obj, name)
     if isinstance(v, StoredTable):
         return v.take(rows, columns)
-    return v[[c for c in v.columns if c in set(columns)]].take(rows).reset_index(drop=True)
+    return v[among(v.columns, columns)].take(rows).reset_index(drop=True)
 
 
 def unload(obj: object, name: str) -> bool:

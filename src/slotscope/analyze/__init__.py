@@ -41,7 +41,7 @@ APP_LOG_ALONE = ["turns"]
 
 def has_server_log(ds: Dataset) -> bool:
     """Whether any llama-server log was read (with tasks or not)."""
-    return any(f.kind in ("server", "ollama") for f in ds.accounting.files)
+    return any(f.is_server_log for f in ds.accounting.files)
 
 
 @dataclass(frozen=True)
