@@ -15,11 +15,14 @@ import slotscope
 from slotscope.analyze import Options
 from slotscope.analyze import ollama as ao
 from slotscope.cli import app
+
+from . import conftest
 from slotscope.match import MATCH_COLUMNS
 from slotscope.ollama import parse_duration_ms
 
 FIX = Path(__file__).resolve().parent.parent / "fixtures" / "ollama"
-EXCERPTS = sorted((FIX / "excerpts").glob("*.log"))
+SHOWN = conftest.EXCERPTS / "ollama"  # the excerpts of public threads, shared with test_excerpts
+EXCERPTS = sorted(SHOWN.glob("*.log"))
 
 
 def truth(variant: str) -> pd.DataFrame:
@@ -38,7 +41,7 @@ def test_every_excerpt_is_read_with_every_line_counted(path: Path) -> None:
 
 
 def test_gin_lines_become_calls_with_what_the_line_shows() -> None:
-    calls = slotscope.read_server_logs([str(FIX / "excerpts" / "01.log")]).ollama.calls
+    calls = slotscope.read_server_logs([str(SHOWN / "01.log")]).ollama.calls
     assert len(calls) == 9
     first = calls.iloc[0]
     # [GIN] 2025/12/23 - 10:34:40 | 200 | 57.956598944s |   192.168.0.131 | POST     "/api/chat"
@@ -51,9 +54,9 @@ def test_gin_lines_become_calls_with_what_the_line_shows() -> None:
 
 
 def test_gin_times_take_the_slog_zone_and_journald_the_tz() -> None:
-    calls = slotscope.read_server_logs([str(FIX / "excerpts" / "09.log")]).ollama.calls
+    calls = slotscope.read_server_logs([str(SHOWN / "09.log")]).ollama.calls
     assert calls.iloc[0]["end_at"] == pd.Timestamp("2024-12-06T11:14:13+08:00")
-    j = slotscope.read_server_logs([str(FIX / "excerpts" / "03.log")], tz="Europe/Berlin").ollama.calls
+    j = slotscope.read_server_logs([str(SHOWN / "03.log")], tz="Europe/Berlin").ollama.calls
     assert list(j["status"].unique()) == [500] and len(j) == 10  # (line 1 pasted with a backtick)
     assert j.iloc[0]["end_at"] == pd.Timestamp("2024-12-11T09:58:58+01:00")
     assert j.iloc[0]["latency_ms"] == 1_799_000  # 29m59s
@@ -72,13 +75,13 @@ def figures(path: Path) -> dict[str, str]:
 
 
 def test_events_aborts_config_and_runner_start() -> None:
-    ev = slotscope.read_server_logs([str(FIX / "excerpts" / "07.log")]).ollama.events
+    ev = slotscope.read_server_logs([str(SHOWN / "07.log")]).ollama.events
     assert (ev["kind"] == "abort").sum() == 5
-    assert figures(FIX / "excerpts" / "07.log")["client aborts"] == "5"
+    assert figures(SHOWN / "07.log")["client aborts"] == "5"
     # 2024/05/27 12:32:31 routes.go:1028: INFO server config env="map[... OLLAMA_MAX_QUEUE:512 ... OLLAMA_NUM_PARALLEL:1 ...
-    fig5 = figures(FIX / "excerpts" / "05.log")
+    fig5 = figures(SHOWN / "05.log")
     assert (fig5["OLLAMA_NUM_PARALLEL"], fig5["OLLAMA_MAX_QUEUE"], fig5["version"]) == ("1", "512", "0.1.39")
-    assert figures(FIX / "excerpts" / "19.log")["runner parallel (-np)"] == "4"  # starting llama server ... --parallel 4
+    assert figures(SHOWN / "19.log")["runner parallel (-np)"] == "4"  # starting llama server ... --parallel 4
 
 
 @pytest.mark.parametrize("variant", ["parallel", "serialized"])
@@ -244,7 +247,7 @@ _TIMING = re.compile(r"\| task (\d+) \| +(prompt eval|eval|total) time = +([0-9.
 RUNNER_LOGS = EXCERPTS + [FIX / v / "logs" / "server.log" for v in ("parallel", "serialized", "reload")]
 
 
-@pytest.mark.parametrize("path", RUNNER_LOGS, ids=lambda p: p.name if p.parent.name == "excerpts" else p.parent.parent.name)
+@pytest.mark.parametrize("path", RUNNER_LOGS, ids=lambda p: p.name if p.parent == SHOWN else p.parent.parent.name)
 def test_runner_lines_become_tasks_and_samples_as_the_lines_say(path: Path) -> None:
     """Each llama-server line inside an Ollama log is read as the line says: a launch is a
     task at that line, a progress line or heartbeat a sample with the line's figures, and a
