@@ -130,6 +130,14 @@ bent_lines = st.lists(
             b"    51.16 tokens per second) | tid=\"140137934626816\" timestamp=1795937534 id_slot=0 id_task=311 "
             b"t_token_generation=2580.24 n_decoded=133 t_token=19.55 n_tokens_second=51.16\n", 1, 3591, 0)],
     cut_last=False)
+@example(  # (found 2026-12-03: zoned and naive stamps in one block, a zoned one with ns digits)
+    parts=[(b"2026-11-29 07:31:43 [DEBUG]\n", 3, 0, 0),
+           (b"2026-11-29T07:32:08.882144000Z 0.25.664.427 I slot launch_slot_: id  0 | task 311 | processing "
+            b"task, is_child = 0\n", 3, 125, 1),
+           (b"\x1b[34m0.00.001.260\x1b[0m \x1b[32mI \x1b[0msrv  llama_server: initializing ...\n", 0, 0, 0),
+           (b"2026-11-29T07:31:43+0000 host llama-server[22304]: 0.00.001.260 I srv  llama_server: "
+            b"initializing ...\n", 0, 18, 0)],
+    cut_last=False)
 def test_bent_real_lines_read_the_same(parts, cut_last: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     data = b"".join(_bend(line, op, at, arg) if op < 8 else line for line, op, at, arg in parts)
     if cut_last:

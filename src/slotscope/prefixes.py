@@ -199,12 +199,17 @@ def stamps_to_us(stamps: pd.Series, kind: str, year: int, tz: str) -> np.ndarray
         elif not zoned.any():
             ts = pd.to_datetime(s, format="ISO8601", errors="coerce").dt.tz_localize(tz, ambiguous="NaT", nonexistent="NaT")
         else:  # both kinds in one block (a damaged or spliced log): each read on its own
-            ts = pd.Series(pd.NaT, index=s.index, dtype="datetime64[us, UTC]")
-            ts[zoned] = pd.to_datetime(s[zoned], format="ISO8601", errors="coerce", utc=True).dt.tz_convert("UTC")
+            us = np.full(len(s), -1, dtype=np.int64)
+            us[zoned] = _epoch_us(pd.to_datetime(s[zoned], format="ISO8601", errors="coerce", utc=True))
             naive = pd.to_datetime(s[~zoned], format="ISO8601", errors="coerce")
-            ts[~zoned] = naive.dt.tz_localize(tz, ambiguous="NaT", nonexistent="NaT").dt.tz_convert("UTC")
-    ts = ts.dt.tz_convert("UTC")
-    us = ts.astype("datetime64[us, UTC]").astype("int64").to_numpy().copy()
+            us[~zoned] = _epoch_us(naive.dt.tz_localize(tz, ambiguous="NaT", nonexistent="NaT"))
+            return us
+    return _epoch_us(ts)
+
+
+def _epoch_us(ts: pd.Series) -> np.ndarray:
+    """Zoned times as epoch µs, NaT as -1, whatever unit pandas chose for them."""
+    us = ts.dt.tz_convert("UTC").astype("datetime64[us, UTC]").astype("int64").to_numpy().copy()
     us[ts.isna().to_numpy()] = -1
     return us
 
