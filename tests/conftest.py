@@ -6,6 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# CI must say the same of the same commit: the property tests draw the same cases every run.
+# `pytest --hypothesis-profile=explore` draws new ones, to look for bugs (and keep each one
+# found as an @example).
+settings.register_profile("ci", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile("ci")
 
 ROOT = Path(__file__).resolve().parent.parent
 REAL = ROOT / "fixtures" / "real"
