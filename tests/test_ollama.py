@@ -149,6 +149,21 @@ def test_runner_tasks_begin_where_their_lines_allow(variant: str) -> None:
 
 
 @pytest.mark.parametrize("variant", ["parallel", "serialized"])
+def test_a_slot_runs_one_task_at_a_time(variant: str) -> None:
+    """A release line is timed by the next stamped line, which may come after the slot's next
+    launch: each release is bounded by that launch, so the one slot of the serialized runner
+    never shows two tasks, and every release stays an upper bound within the resolution."""
+    ds = slotscope.load([str(FIX / variant / "logs")])
+    load = slotscope.analyze.run(ds, names=["load"], strict=True)["load"]
+    assert int(load["max_running"].max()) <= int(load["n_slots"].max())
+    m = ds.tasks.merge(truth(variant), on="task_id")
+    late = m["release_at"].astype("int64") / 1e6 - m["release"]
+    assert late.min() > -0.01 and late.max() < 1
+    for _, slot in ds.tasks.sort_values("launch_s").groupby("slot"):
+        assert (slot["launch_s"].to_numpy()[1:] >= slot["release_s"].to_numpy()[:-1]).all()
+
+
+@pytest.mark.parametrize("variant", ["parallel", "serialized"])
 def test_load_is_the_runners_busy_time(variant: str) -> None:
     ds = slotscope.load([str(FIX / variant / "logs")])
     load = slotscope.analyze.run(ds, names=["load"], strict=True)["load"]
@@ -237,6 +252,7 @@ def test_the_first_call_after_an_unload_waits_for_the_reload() -> None:
     said = slotscope.analyze.run(ds, names=["ollama-findings"], strict=True)["ollama-findings"]["finding"].tolist()
     assert any(s.startswith("1 call(s) waited for a model load after 1 unload(s) of the model (keep-alive 5m0s)")
                for s in said)
+
 
 
 _LAUNCH = re.compile(r"id +(\d+) \| task (\d+) \| processing task")

@@ -414,13 +414,14 @@ def retime(asm: TaskAssembler) -> None:
       time, before its own prefill start, and before the next sample line of any task
       (behind another slot's long prefill, that is the other slot's next progress line, not
       this task's prefill start seconds later);
+    - a task was released no later than the next launch on its slot;
     - and none before the stream's first line (its clock's zero: a derived time may come out
       up to a second early, as a [GIN] stamp is cut to the second).
 
     Every task's ``time_resolution_s`` is then 1 s: a wait before prefill under it reads 0.
     """
-    t, t_files = asm.rows_of("tasks", _TASK_KEY + ["file", "line", "launch_us", "eval_us", "total_us", "total_ms",
-                                                   "prompt_eval_ms", "eval_ms"])
+    t, t_files = asm.rows_of("tasks", _TASK_KEY + ["file", "line", "slot_launch", "launch_us", "release_us", "eval_us",
+                                                   "total_us", "total_ms", "prompt_eval_ms", "eval_ms"])
     prefill = prefill_start_us(timing_anchor_us(t["eval_us"], t["total_us"]), t["total_ms"], t["prompt_eval_ms"],
                                t["eval_ms"])
     first = prefill + t["prompt_eval_ms"] * 1000
@@ -452,7 +453,23 @@ def retime(asm: TaskAssembler) -> None:
             nxt = np.where(j < len(order), ts[order[np.minimum(j, len(order) - 1)]], np.nan)
             with np.errstate(invalid="ignore"):
                 launch[tm] = np.where(nxt < launch[tm], nxt, launch[tm])
-    asm.update("tasks", {"launch_us": launch, "resolution_us": np.full(len(launch), TIME_RESOLUTION_S * 1e6)})
+    release = _released_before_next_launch(t, launch)
+    asm.update("tasks", {"launch_us": launch, "release_us": release,
+                         "resolution_us": np.full(len(launch), TIME_RESOLUTION_S * 1e6)})
+
+
+def _released_before_next_launch(t: dict[str, np.ndarray], launch: np.ndarray) -> np.ndarray:
+    """Each task's release, no later than the next launch on its slot: a slot runs one task at a
+    time, and its release line comes before that launch line (both times are upper bounds)."""
+    release = t["release_us"].astype(np.float64).copy()
+    key = pd.DataFrame({c: t[c] for c in ("port", "session", "slot_launch")}).assign(line=t["line"], launch=launch)
+    key = key.dropna(subset=["slot_launch", "line"]).sort_values(["port", "session", "slot_launch", "line"], kind="stable")
+    same = key[["port", "session", "slot_launch"]].eq(key[["port", "session", "slot_launch"]].shift(-1)).all(axis=1)
+    nxt = key["launch"].shift(-1).where(same)
+    rows = key.index.to_numpy()
+    with np.errstate(invalid="ignore"):
+        release[rows] = np.fmin(release[rows], nxt.to_numpy(dtype=np.float64))
+    return release
 
 
 def _row_of(tasks: dict[str, np.ndarray], rows: dict[str, np.ndarray]) -> np.ndarray:
