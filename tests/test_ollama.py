@@ -255,6 +255,14 @@ def test_the_first_call_after_an_unload_waits_for_the_reload() -> None:
 
 
 
+def test_a_load_that_began_after_the_calls_start_is_cold() -> None:
+    """serialized: the runner starts when the first call comes, 2 ms after it; the [GIN] line
+    puts that call's start up to a second early (its end is cut to the second, its latency is
+    whole seconds above a minute), so the load lies inside the call's wait, not at its start."""
+    fig = figures(FIX / "serialized" / "logs")
+    assert (fig["model loads"], fig["cold loads (a call waited on them)"], fig["calls that waited on a load"]) == ("1", "1", "1")
+    assert float(fig["cold load seconds (total)"]) == pytest.approx(0.51)
+
 _LAUNCH = re.compile(r"id +(\d+) \| task (\d+) \| processing task")
 _PROGRESS = re.compile(r"id +(\d+) \| task (\d+) \| prompt processing, n_tokens = +(\d+), progress = ([0-9.]+), "
                        r"t = +([0-9.]+) s / ([0-9.]+) tokens per second")

@@ -151,9 +151,10 @@ def _load_wait(source: np.ndarray, start: np.ndarray, until: np.ndarray, load: p
 
 
 def _cold(load: pd.DataFrame, waited: pd.DataFrame) -> pd.DataFrame:
-    """The loads some call waited on: those whose span holds a waiting call's start or lies
-    within its wait."""
-    start, end = _us(waited["start_at"]), _us(waited["start_at"]) + waited["load_wait_ms"].to_numpy(dtype=float) * 1e3
+    """The loads some call waited on: those that overlap a waiting call's span. (Its wait lies
+    between its start and its task's begin, not from its start: the start is cut to the second,
+    and a load may begin after it. No load overlaps the task itself, which the runner ran.)"""
+    start, end = _us(waited["start_at"]), _us(waited["end_at"])
     hit = np.zeros(len(load), bool)
     for i, (a, b) in enumerate(zip(load["start_us"].to_numpy(), load["end_us"].to_numpy())):  # (loads are few)
         hit[i] = bool(((start < b) & (end > a)).any())
