@@ -82,3 +82,17 @@ def test_without_an_app_log_the_hypotheses_it_needs_are_unknown() -> None:
     assert t.loc["users fighting over slots", "verdict"] == "unknown"
     assert t.loc["background work", "verdict"] == "unknown"
     assert t.loc["not enough capacity", "verdict"] in ("ruled out", "not ruled out")
+
+
+@pytest.mark.parametrize("scenario", ["before", "after"])
+def test_the_findings_and_ruled_out_say_the_same_idle_share(scenario: str) -> None:
+    """Both the finding and the ruled-out figure print the idle share a sweep over the tasks
+    gives; before was idle a fraction of a percent, which reads as such, never "idle 0%"."""
+    ds = load([REAL / scenario / "logs"])
+    idle = 1 - _busy_share(ds.tasks, 1)
+    said = re.search(r"idle ([0-9.]+)%", _row(scenario, "not enough capacity")["figure"])
+    finding = analyze.run(ds, names=["findings"], strict=True)["findings"]["finding"]
+    told = [float(m.group(1)) for m in (re.search(r"was idle ([0-9.]+)%", f) for f in finding) if m]
+    assert said and told == [float(said.group(1))]
+    assert told[0] == pytest.approx(100 * idle, abs=0.05 if idle < 0.01 else 0.5)
+    assert told[0] > 0

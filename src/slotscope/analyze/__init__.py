@@ -39,6 +39,13 @@ TABLES: dict[str, Analyzer] = {}
 APP_LOG_ALONE = ["turns"]
 
 
+def percent(share: float) -> str:
+    """A share (0-1) as the findings' prose prints it: whole percents, but one decimal near 0 and
+    100%, so that "idle 0%" means none, as the tables' three digits do."""
+    p = 100 * share
+    return f"{p:.0f}%" if p in (0, 100) or 1 <= p <= 99 else f"{p:.1f}%"
+
+
 def has_server_log(ds: Dataset) -> bool:
     """Whether any llama-server log was read (with tasks or not)."""
     return any(f.is_server_log for f in ds.accounting.files)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pandas as pd
 
 from ..dataset import Dataset
-from . import Options
+from . import Options, percent
 
 FINDING_COLUMNS = ["finding", "table", "samples", "supported"]
 
@@ -122,8 +122,8 @@ def _load(tables: dict[str, pd.DataFrame], ds: Dataset, opts: Options) -> list[F
     two = float(share[running >= 2].sum())
     secs = pd.to_numeric(overall.get("seconds", pd.Series(dtype=float)), errors="coerce").sum()
     most = int(running[share > 0].max()) if (share > 0).any() else 0
-    return [_finding(f"The server was idle {idle:.0%} of the observed {secs / 3600:.2f} h; two or more tasks ran together "
-                     f"{two:.0%} of the time (max {most} at once).", "load", ds.n_tasks, ds.n_tasks >= opts.min_samples)]
+    return [_finding(f"The server was idle {percent(idle)} of the observed {secs / 3600:.2f} h; two or more tasks ran "
+                     f"together {percent(two)} of the time (max {most} at once).", "load", ds.n_tasks, ds.n_tasks >= opts.min_samples)]
 
 
 def _breakdown(tables: dict[str, pd.DataFrame], ds: Dataset, opts: Options) -> list[Finding]:
@@ -138,8 +138,8 @@ def _breakdown(tables: dict[str, pd.DataFrame], ds: Dataset, opts: Options) -> l
     if tot <= 0 or cont is None:
         return []
     gen = _num(comp.get("own_generation")) or 0
-    return [_finding(f"Of {tot:,.0f} s of task time, {gen / tot:.0%} was each task's own generation at solo speed and "
-                     f"{cont / tot:.0%} was added by contention with other slots.", "breakdown", ds.n_tasks,
+    return [_finding(f"Of {tot:,.0f} s of task time, {percent(gen / tot)} was each task's own generation at solo speed and "
+                     f"{percent(cont / tot)} was added by contention with other slots.", "breakdown", ds.n_tasks,
                      ds.n_tasks >= opts.min_samples)]
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from ..dataset import Dataset, task_view
-from . import Options
+from . import Options, percent
 
 RULED_OUT_COLUMNS = ["hypothesis", "figure", "samples", "verdict"]
 # Below these shares a hypothesis cannot explain a slow server.
@@ -21,10 +21,6 @@ ALL_BUSY_SHARE = 0.05  # time with every slot taken
 MISS_SHARE = 0.10  # cache misses among a user's consecutive turns
 BACKGROUND_SHARE = 0.10  # unlogged tasks and summaries, of all task time
 CONTEXT_RATIO = 0.8  # generation speed at the longest contexts against the shortest
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:.0f}%" if x >= 0.01 or x == 0 else f"{100 * x:.1f}%"
 
 
 def _verdict(out: bool, samples: int, opts: Options) -> str:
@@ -43,8 +39,8 @@ def _capacity(load: pd.DataFrame | None, ds: Dataset, opts: Options) -> dict:
     slots = int(o["n_slots"].max()) if o["n_slots"].notna().any() else int(o["max_running"].max())
     full = sum(v for k, v in share.items() if k >= slots)
     hours = float(o["scope_seconds"].iloc[0]) / 3600
-    figure = (f"idle {_pct(share.get(0, 0.0))}, 2+ tasks running {_pct(sum(v for k, v in share.items() if k >= 2))}, "
-              f"all {slots} slots taken {_pct(full)} of {hours:.2f} h")
+    figure = (f"idle {percent(share.get(0, 0.0))}, 2+ tasks running {percent(sum(v for k, v in share.items() if k >= 2))}, "
+              f"all {slots} slots taken {percent(full)} of {hours:.2f} h")
     return {"hypothesis": hyp, "figure": figure, "samples": ds.n_tasks, "verdict": _verdict(full < ALL_BUSY_SHARE, ds.n_tasks, opts)}
 
 
@@ -74,7 +70,7 @@ def _background(ds: Dataset, opts: Options) -> dict:
     total = float(seconds.sum())
     share = float(seconds[unlogged | summary].sum()) / total if total else 0.0
     figure = (f"{int(unlogged.sum())} unlogged tasks took {seconds[unlogged].sum():,.0f} s; summaries took "
-              f"{seconds[summary].sum():,.0f} s; together {_pct(share)} of {total:,.0f} s of task time")
+              f"{seconds[summary].sum():,.0f} s; together {percent(share)} of {total:,.0f} s of task time")
     return {"hypothesis": hyp, "figure": figure, "samples": len(tv), "verdict": _verdict(share < BACKGROUND_SHARE, len(tv), opts)}
 
 
