@@ -56,11 +56,39 @@ def test_flags_read_as_flags_in_help() -> None:
     assert "<bool>" not in run("--help").stdout
 
 
+def test_help_summaries_read_as_one_paragraph() -> None:
+    """Each command's summary in `slotscope --help` is the first paragraph of its docstring,
+    reflowed: a line break in the source does not break the summary's line."""
+    import inspect
+    import textwrap
+
+    rows: dict[str, list[str]] = {}
+    name = None
+    for line in run("--help").stdout.splitlines():
+        cells = line.strip().strip("│").strip()
+        if not line.startswith("│") or not cells:
+            continue
+        first, _, rest = cells.partition(" ")
+        if not line.startswith("│ " + " " * 3):  # (a command's first line; its others are indented)
+            name = first
+            rows[name] = [rest.strip()]
+        elif name is not None:
+            rows[name].append(cells)
+    width = max(len(line) for lines in rows.values() for line in lines)  # (the summaries' column)
+    for info in app.registered_commands:
+        cmd = info.name or info.callback.__name__
+        if cmd not in rows:
+            continue
+        want = " ".join(inspect.cleandoc(info.callback.__doc__).split("\n\n")[0].replace("`", "").split())
+        got = [line.replace("`", "") for line in rows[cmd]]
+        assert got == textwrap.wrap(want, width, break_on_hyphens=False), cmd
+
+
 def test_analyze_help_lists_the_table_names_and_the_shell_completes_them() -> None:
     from slotscope import analyze as analysis
 
     text = " ".join(run("analyze", "--help").stdout.replace("│", " ").split())
-    assert f"Only this table: {', '.join(analysis.table_names())} (`slotscope explain TABLE`" in text
+    assert f"Only this table: {', '.join(analysis.table_names())} (slotscope explain TABLE says" in text
     assert "--install-completion" in run("--help").stdout
     env = {"_SLOTSCOPE_COMPLETE": "complete_bash", "COMP_WORDS": "slotscope analyze --table st", "COMP_CWORD": "3"}
     res = runner.invoke(app, [], env=env, prog_name="slotscope")

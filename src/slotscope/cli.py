@@ -50,6 +50,7 @@ app = typer.Typer(
     cls=_Group,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
     help="Explain why a self-hosted llama-server felt slow: join its log with the app's call log, task by task.",
 )
 err = Console(stderr=True, highlight=False, soft_wrap=True)
