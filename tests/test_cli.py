@@ -366,3 +366,13 @@ def test_match_on_an_app_log_alone_lists_every_call_unmatched() -> None:
     assert len(calls) == 45 and (calls["match_method"] == "unmatched:no_server_log").all()
     assert "matched 0 of 45 calls (45 successful)" in res.stderr
 
+
+
+@pytest.mark.parametrize("args", [["--help"], ["explain", "basis"], ["explain"]])
+def test_help_and_the_glossary_import_no_pandas(args: list[str]) -> None:
+    """Commands that read no log start without pandas (the import is most of a run's time)."""
+    code = ("import sys; from slotscope.cli import app; from typer.testing import CliRunner; "
+            f"r = CliRunner().invoke(app, {args!r}); assert r.exit_code == 0, r.output; "
+            "print(sorted(m for m in ('pandas', 'pyarrow', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

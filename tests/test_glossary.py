@@ -12,7 +12,8 @@ from slotscope import analyze as analysis
 from slotscope import glossary
 from slotscope.cli import app
 from slotscope.analyze import has_server_log
-from slotscope.report import FOOTNOTE_COLUMNS, REPORT_COLUMNS, _readable, _sections, _sentences
+from slotscope.glossary import REPORT_COLUMNS
+from slotscope.report import FOOTNOTE_COLUMNS, _readable, _sections, _sentences
 
 from .conftest import REAL, ROOT, SCENARIOS
 

@@ -483,10 +483,9 @@ def explain(
     A table's entry lists the columns the report shows of it, each with its line.
     """
     from . import glossary
-    from .report import REPORT_COLUMNS
 
     asked = " ".join(term) if term else None
-    said = glossary.explain(asked, REPORT_COLUMNS)
+    said = glossary.explain(asked, glossary.REPORT_COLUMNS)
     if said is None:
         near = glossary.near(asked or "")
         raise UsageError(None, None, f"no glossary entry for {asked!r}; "

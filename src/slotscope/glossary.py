@@ -10,6 +10,29 @@ from __future__ import annotations
 import difflib
 from typing import Iterable
 
+# The columns the report's terminal tables show (CSV and JSON have them all); a table's entry
+# lists them.
+REPORT_COLUMNS = {
+    "turns": ["by", "group", "count", "total_median_s", "total_p95_s", "total_max_s", "ttft_median_s", "ttft_p95_s",
+              "ttft_max_s", "few_samples"],
+    "load": ["scope", "running", "seconds", "share"],
+    "breakdown": ["purpose", "component", "seconds", "share", "tasks", "few_samples"],
+    "stalls": ["class", "samples", "median_tg_3s_tps", "p10_tg_3s_tps", "tokens", "seconds", "tok_per_s_pooled", "few_samples"],
+    "stalls-worst": ["class", "tok_per_s", "tokens", "seconds", "task_id", "purpose", "user", "line", "cause_task_id",
+                     "cause_purpose", "cause_prompt_tokens_new", "cause_line"],
+    "waits": ["cause", "count", "total_s", "max_s", "median_s", "few_samples"],
+    "waits-worst": ["wait_s", "cause", "task_id", "purpose", "lora", "line", "holder_task_id", "holder_purpose",
+                    "holder_lora", "holder_line"],
+    "prefills": ["by", "value", "count", "new_tokens_total", "seconds_total", "few_samples"],
+    "prefill-speed": ["step_tokens", "steps", "median_tps", "median_step_tokens", "few_samples"],
+    "context": ["basis", "context_tokens", "samples", "tasks", "median_tg_3s_tps", "few_samples"],
+    "cache": ["user", "consecutive_turns", "misses", "miss_share", "misses_on_other_slot", "few_samples"],
+    "cache-misses": ["user", "call_id", "purpose", "slot", "task_id", "prev_call_id", "prev_slot", "gap_s",
+                     "prev_left_tokens", "cached_tokens"],
+    "lora-switch": ["setting", "count", "prefill_median_ms", "alone_count", "alone_prefill_median_ms", "few_samples"],
+    "calls": ["call_id", "start_at", "purpose", "prompt_tokens", "completion_tokens", "total_ms", "status"],
+}
+
 # One line per report table, in report order (analyze.table_names()): the caption printed above it.
 TABLES: dict[str, str] = {
     "turns": "Time per call by purpose: total and time to first token (includes queue and wait before prefill).",
