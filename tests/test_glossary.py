@@ -100,3 +100,24 @@ def test_explain_without_a_term_prints_every_entry_and_an_unknown_one_is_a_usage
     res = runner.invoke(app, ["explain", "defered"])
     assert res.exit_code == 2 and res.stdout == ""
     assert res.stderr == "error: no glossary entry for 'defered'; did you mean deferred?\n"
+
+
+def test_captions_name_the_thresholds_the_tables_were_made_with(tmp_path: Path) -> None:
+    """`--wait-threshold 5 --big-prefill 8000`: the waits and prefills captions say 5 s and
+    8,000, as the tables' own rows and basis do; explain names the defaults."""
+    import dataclasses
+
+    defaults = {f.name: f.default for f in dataclasses.fields(analysis.Options)}
+    assert all(defaults[k] == v for k, v in glossary.THRESHOLDS.items())
+    logs = str(REAL / "before" / "logs")
+    r = CliRunner().invoke(app, ["analyze", logs, "--wait-threshold", "5", "--big-prefill", "8000", "-f", "table"],
+                           env={"COLUMNS": "100", "NO_COLOR": "1"})
+    assert r.exit_code == 0, r.output
+    assert "Waits of 5 s or more before a prefill started" in r.stdout and ">= 5 s" in r.stdout
+    assert "Long prefills (8,000+ new tokens)" in r.stdout and ">= 8,000 new tokens" in r.stdout
+    assert "Waits of 1 s or more" not in r.stdout and "5,000+" not in r.stdout
+    r = CliRunner().invoke(app, ["analyze", logs, "--wait-threshold", "5", "-o", str(tmp_path / "out") + "/"])
+    assert r.exit_code == 0, r.output
+    assert "Waits of 5 s or more" in (tmp_path / "out" / "findings.md").read_text()
+    said = CliRunner().invoke(app, ["explain", "waits"]).stdout
+    assert "Waits of 1 s or more" in said

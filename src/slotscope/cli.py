@@ -456,14 +456,14 @@ def analyze(
             if not quiet:
                 err.print(f"wrote {html_out}", markup=False)
         if to_dir:
-            written = export(ds, tables, out, fmt, raw_csv)  # type: ignore[arg-type]
+            written = export(ds, tables, out, fmt, raw_csv, opts)  # type: ignore[arg-type]
             if not quiet:
                 err.print(f"wrote {len(written) - 1} table(s) and findings.md to {out}", markup=False)
         elif as_json:
             output.write_tables(tables, out)
         else:
             with open(out, "w") if out else nullcontext() as target:
-                render(ds, tables, file=target, width=None if output.is_terminal(sys.stdout) and not out else 100)
+                render(ds, tables, file=target, width=None if output.is_terminal(sys.stdout) and not out else 100, opts=opts)
     _say(clock_lines(ds), quiet)
     _finish(ds.accounting, strict, quiet)
 

@@ -40,9 +40,9 @@ TABLES: dict[str, str] = {
     "breakdown": "Where processing time went: own generation and prefill at solo speed, contention, waits, queue.",
     "stalls": "Generation speed of a slot by what the other slots did meanwhile (segments between heartbeats).",
     "stalls-worst": "The slowest generation stretches and the task that caused them.",
-    "waits": "Waits of 1 s or more before a prefill started, by what ran meanwhile.",
+    "waits": "Waits of {wait_threshold_s:g} s or more before a prefill started, by what ran meanwhile.",
     "waits-worst": "The longest waits before prefill and the task that held the batch.",
-    "prefills": "Long prefills (5,000+ new tokens) by purpose and by cause.",
+    "prefills": "Long prefills ({big_prefill_tokens:,}+ new tokens) by purpose and by cause.",
     "prefill-speed": "Prefill speed by tokens advanced per step; the common step is the effective batch.",
     "context": "Generation speed by context length.",
     "cache": "Prompt-cache misses among consecutive turns of one user.",
@@ -57,6 +57,16 @@ TABLES: dict[str, str] = {
 
 # One line per term: the report's columns (by their stable names), the values its tables
 # classify by, the words of its footnotes and of its header.
+# The report's thresholds a caption names, as analyze.Options has them by default (explain
+# prints these; the report, the values it was made with).
+THRESHOLDS: dict[str, float] = {"wait_threshold_s": 1.0, "big_prefill_tokens": 5_000}
+
+
+def caption(name: str, values: dict[str, object] | None = None) -> str:
+    """A table's caption with the thresholds it names (``values``: analyze.Options' fields)."""
+    return TABLES[name].format(**{**THRESHOLDS, **{k: v for k, v in (values or {}).items() if k in THRESHOLDS}})
+
+
 TERMS: dict[str, str] = {
     # columns
     "by": "What a row groups by: purpose, chat turns (a subset of them), cause, or all; left out rows count the calls not measured.",
@@ -254,7 +264,7 @@ def lookup(term: str) -> list[tuple[str, str]]:
     or by a column's terminal label (``median tok/s``)."""
     key = _key(term)
     named = {_key(c): c for c, lab in LABELS.items() if _key(lab) == key}
-    hits = [(n, line) for n, line in TABLES.items() if _key(n) == key]
+    hits = [(n, caption(n)) for n in TABLES if _key(n) == key]
     hits += [(n, line) for n, line in TERMS.items() if _key(n) == key or n in named.values()]
     return list(dict.fromkeys(hits))
 
@@ -271,7 +281,7 @@ def explain(term: str | None, columns: dict[str, list[str]] | None = None) -> li
     (a table's followed by its ``columns``' entries), each ``name  line``; None when the
     glossary has no entry for it."""
     if term is None:
-        return ["tables:", *_aligned(TABLES.items()), "terms:", *_aligned(TERMS.items())]
+        return ["tables:", *_aligned((n, caption(n)) for n in TABLES), "terms:", *_aligned(TERMS.items())]
     hits = lookup(term)
     if not hits:
         return None

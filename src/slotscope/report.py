@@ -13,16 +13,22 @@ import pandas as pd
 from rich.console import Console
 from rich.rule import Rule
 
-from .analyze import has_server_log
+from .analyze import Options, has_server_log
 from .dataset import Dataset, calls_of, tasks_of
 from .errors import InputError, UsageError
-from .glossary import REPORT_COLUMNS, TABLES, TERMS, label
+from .glossary import REPORT_COLUMNS, TABLES, TERMS, caption, label
 from .match import Matches
 from .output import print_table, write
 
 # One-line explanations printed above each table (the glossary's, which `slotscope explain` prints);
 # `calls` is the section of an app log given alone.
-CAPTIONS = {**TABLES, "calls": TERMS["calls"]}
+def captions(opts: Options | None = None) -> dict[str, str]:
+    """Each table's caption, with the thresholds of ``opts`` (default: Options' own)."""
+    values = dict(vars(opts)) if opts is not None else None
+    return {**{n: caption(n, values) for n in TABLES}, "calls": TERMS["calls"]}
+
+
+CAPTIONS = captions()
 # The columns a terminal report shows per table (CSV/JSON exports keep every column).
 # Columns whose single value is said once under the table instead of on every row.
 FOOTNOTE_COLUMNS = ["note", "basis", "solo_gen_basis", "solo_prefill_basis", "effective_chunk_tokens", "max_running",
@@ -88,8 +94,10 @@ def gin_match_lines(calls: pd.DataFrame, unmatched_tasks: int) -> list[str]:
 
 
 def render(ds: Dataset, tables: dict[str, pd.DataFrame], file: IO[str] | None = None, width: int | None = None,
-           max_rows: int = 12) -> None:
-    """Print the whole report: alignment, findings first, then every table with its caption."""
+           max_rows: int = 12, opts: Options | None = None) -> None:
+    """Print the whole report: alignment, findings first, then every table with its caption
+    (naming the thresholds of ``opts``, the options the tables were made with)."""
+    said_as = captions(opts)
     console = Console(file=file, width=width, soft_wrap=False, highlight=False)
     title, lines, has_tasks = _header(ds)
     if len(title) + 4 <= console.width:
@@ -107,8 +115,8 @@ def render(ds: Dataset, tables: dict[str, pd.DataFrame], file: IO[str] | None = 
     for name in _sections(ds, tables):
         console.print()
         console.print(Rule(name, align="left"))
-        if name in CAPTIONS:
-            console.print(CAPTIONS[name], markup=False)
+        if name in said_as:
+            console.print(said_as[name], markup=False)
         _section(console, name, tables[name], max_rows)
 
 
@@ -134,19 +142,21 @@ def _sections(ds: Dataset, tables: dict[str, pd.DataFrame]) -> list[str]:
     return [n for n in sorted(tables, key=lambda n: n != "findings") if ollama or not n.startswith("ollama")]
 
 
-def markdown(ds: Dataset, tables: dict[str, pd.DataFrame], files: dict[str, str] | None = None) -> str:
+def markdown(ds: Dataset, tables: dict[str, pd.DataFrame], files: dict[str, str] | None = None,
+             opts: Options | None = None) -> str:
     """The report's header and its sentences (findings, what wasn't the cause) as Markdown, then
     each table's caption and, with ``files``, the file that holds it (``findings.md`` of
     ``slotscope analyze -o DIR/``)."""
     title, lines, _ = _header(ds)
+    said_as = captions(opts)
     out = [f"# {title}", "", *(f"{line}  " for line in lines), ""]
     for name in _sections(ds, tables):
         said = _sentences(name, tables[name])
         if said is not None:
-            out += [f"## {name}", "", CAPTIONS.get(name, ""), "", *(f"- {text}" for text in said), ""]
+            out += [f"## {name}", "", said_as.get(name, ""), "", *(f"- {text}" for text in said), ""]
     if files:
         out += ["## tables", ""]
-        out += [f"- [`{files[n]}`]({files[n]}): {CAPTIONS.get(n, '')}" for n in tables if n in files]
+        out += [f"- [`{files[n]}`]({files[n]}): {said_as.get(n, '')}" for n in tables if n in files]
         out.append("")
     return "\n".join(out)
 
@@ -158,7 +168,8 @@ def export_format(fmt: str | None) -> str:
     return fmt or "csv"
 
 
-def export(ds: Dataset, tables: dict[str, pd.DataFrame], directory: str, fmt: str = "csv", raw_csv: bool = False) -> list[Path]:
+def export(ds: Dataset, tables: dict[str, pd.DataFrame], directory: str, fmt: str = "csv", raw_csv: bool = False,
+           opts: Options | None = None) -> list[Path]:
     """Write each table to ``directory/NAME.csv`` (or ``.json``, ``.parquet``: ``fmt``), the
     bytes ``--table NAME`` writes, and ``findings.md`` (:func:`markdown`); the directory is made
     if need be. The paths written, ``findings.md`` last."""
@@ -176,7 +187,7 @@ def export(ds: Dataset, tables: dict[str, pd.DataFrame], directory: str, fmt: st
         for name, df in tables.items():
             write(df, fmt, str(where / files[name]), title=name, raw_csv=raw_csv)
             written.append(where / files[name])
-        (where / "findings.md").write_text(markdown(ds, tables, files), encoding="utf-8")
+        (where / "findings.md").write_text(markdown(ds, tables, files, opts), encoding="utf-8")
     except OSError as e:
         raise InputError(e.filename or directory, None, f"cannot write: {e.strerror}") from None
     return written + [where / "findings.md"]
