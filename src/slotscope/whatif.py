@@ -567,10 +567,20 @@ def _pass_ubatches(masks: np.ndarray, slot: np.ndarray, chunk: np.ndarray, n_uba
 def fit_pass_costs(obs: pd.DataFrame) -> PassCosts:
     """Least relative squares of :data:`TERMS` on the observed stretches, coefficients kept
     non-negative (a term that would come out negative is dropped and the rest fitted again)."""
-    terms = [t for t in TERMS[:-1] if len(obs) and float(obs[t].abs().sum()) > 0]
     y = obs["seconds"].to_numpy(dtype=float) if len(obs) else np.zeros(0)
+    coef = _nonnegative_fit(obs, y)
+    seen, counts = _term_ranges(obs)
+    return PassCosts(coef=coef, seen=seen, observations=counts, fit=_fit_errors(obs, y, coef),
+                     max_pass_tokens=int(obs["pass_tokens"].max()) if len(obs) else 0,
+                     max_gen_slots=int(obs["gen_slots"].max()) if len(obs) else 0)
+
+
+def _nonnegative_fit(obs: pd.DataFrame, y: np.ndarray) -> dict[str, float]:
+    """Each term's seconds per unit, fitted on the stretches' times ``y`` (relative errors):
+    terms the stretches never show are 0, and so is one that comes out negative (the others
+    fitted again without it)."""
     coef = {t: 0.0 for t in TERMS}
-    active = list(terms)
+    active = [t for t in TERMS[:-1] if len(obs) and float(obs[t].abs().sum()) > 0]
     while active and len(y) >= len(active):
         x = obs[active].to_numpy(dtype=float) / y[:, None]
         sol, *_ = np.linalg.lstsq(x, np.ones(len(y)), rcond=None)
@@ -578,24 +588,36 @@ def fit_pass_costs(obs: pd.DataFrame) -> PassCosts:
             coef.update(dict(zip(active, sol.tolist())))
             break
         active = [t for t, c in zip(active, sol) if c >= 0] if (sol < 0).any() else active
-    per_pass = {t: (obs[t] / obs["passes"]).to_numpy(dtype=float) for t in TERMS[:-1]} if len(obs) else {}
+    return coef
+
+
+def _term_ranges(obs: pd.DataFrame) -> tuple[dict[str, tuple[float, float]], dict[str, int]]:
+    """Per term: the smallest and largest value per pass fitted on, and the stretches that
+    show it (none show a LoRA switch)."""
+    if not len(obs):
+        return {}, {t: 0 for t in TERMS}
+    per_pass = {t: (obs[t] / obs["passes"]).to_numpy(dtype=float) for t in TERMS[:-1]}
     seen = {t: (float(np.min(v)), float(np.max(v))) if len(v) else (math.nan, math.nan) for t, v in per_pass.items()}
-    counts = {t: int((obs[t] > 0).sum()) if len(obs) else 0 for t in TERMS[:-1]}
+    counts = {t: int((obs[t] > 0).sum()) for t in TERMS[:-1]}
     counts["lora_switch"] = 0
-    pred = obs[TERMS[:-1]].to_numpy(dtype=float) @ np.array([coef[t] for t in TERMS[:-1]]) if len(obs) else np.zeros(0)
-    err = (pred - y) / y if len(y) else np.zeros(0)
+    return seen, counts
+
+
+def _fit_errors(obs: pd.DataFrame, y: np.ndarray, coef: dict[str, float]) -> pd.DataFrame:
+    """The fit's error on the stretches' times ``y``, per kind of stretch and over all."""
+    if not len(obs):
+        return pd.DataFrame([], columns=FIT_COLUMNS)
+    pred = obs[TERMS[:-1]].to_numpy(dtype=float) @ np.array([coef[t] for t in TERMS[:-1]])
+    err = (pred - y) / y
     rows = []
-    for kind in list(dict.fromkeys(obs["kind"])) + ["all"] if len(obs) else []:
+    for kind in list(dict.fromkeys(obs["kind"])) + ["all"]:
         m = (obs["kind"] == kind).to_numpy() if kind != "all" else np.ones(len(obs), dtype=bool)
         e = err[m]
         rows.append({"kind": kind, "observations": int(m.sum()), "passes": int(obs["passes"][m].sum()),
                      "median_error_pct": float(np.median(e) * 100) if len(e) else math.nan,
                      "p90_abs_error_pct": float(np.quantile(np.abs(e), 0.9) * 100) if len(e) else math.nan,
                      "bias_pct": float((pred[m].sum() / y[m].sum() - 1) * 100) if len(e) else math.nan})
-    fit = pd.DataFrame(rows, columns=FIT_COLUMNS)
-    max_tok = int(obs["pass_tokens"].max()) if len(obs) else 0
-    max_g = int(obs["gen_slots"].max()) if len(obs) else 0
-    return PassCosts(coef=coef, seen=seen, observations=counts, fit=fit, max_pass_tokens=max_tok, max_gen_slots=max_g)
+    return pd.DataFrame(rows, columns=FIT_COLUMNS)
 
 
 def cost_table(costs: PassCosts) -> pd.DataFrame:
