@@ -293,6 +293,44 @@ def test_candidate_pairs_made_from_codes_a_block_at_a_time_are_those_of_merges(
         np.testing.assert_array_equal(by_session[0], sessions[want[0]])
 
 
+def test_a_complete_task_missing_a_count_has_no_token_key(tmp_path: Path) -> None:
+    """The before capture without task 3370's eval line (no n_gen, so no prompt total either)
+    and task 5851's prompt eval line (no new tokens): both still complete, released with
+    timings. Neither is given a token key (its NaN counts cast to int64 were a RuntimeWarning
+    and a platform's garbage, 0 on some CPUs, which a call of 0 tokens would share): every
+    other task pairs with the calls as in the whole capture, and the two calls still match
+    their tasks by time."""
+    import warnings
+
+    import numpy as np
+
+    from slotscope import align
+
+    logs = REAL / "before" / "logs"
+    lines = (logs / "llama-server.log").read_bytes().splitlines(keepends=True)
+    dropped = [ln for ln in lines if b"| task 3370 |        eval time =" in ln or b"| task 5851 | prompt eval time =" in ln]
+    assert len(dropped) == 2
+    (tmp_path / "llama-server.log").write_bytes(b"".join(ln for ln in lines if ln not in dropped))
+    (tmp_path / "app.jsonl").write_bytes((logs / "app.jsonl").read_bytes())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        ds = load([tmp_path])
+    whole = load([logs])
+    tasks = ds.server.tasks
+    cut = np.flatnonzero(tasks["task_id"].isin([3370, 5851]).to_numpy())
+    assert tasks["status"].iloc[cut].tolist() == ["complete", "complete"]
+    assert tasks["prompt_tokens"].iloc[cut].isna().all()
+    got = align._pair_arrays(tasks, ds.app.calls)
+    want = align._pair_arrays(whole.server.tasks, whole.app.calls)
+    others = ~np.isin(want[0], cut)
+    assert not others.all()  # (the whole capture pairs the two tasks by tokens)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w[others])
+    calls = ds.matches.calls.set_index("call_id")
+    assert calls.loc[["c-00015", "c-00026"], "task_id"].tolist() == [3370, 5851]
+    assert calls.loc[["c-00015", "c-00026"], "match_method"].tolist() == ["time", "time"]
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 def test_calls_read_from_disk_and_matched_to_disk_equal_a_match_in_memory(reverse: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """match(Columns of the stored calls, on_disk=True), as load runs it, gives the calls and

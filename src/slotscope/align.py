@@ -104,7 +104,13 @@ def _pair_arrays(tasks: pd.DataFrame, calls: pd.DataFrame, tcode: np.ndarray | N
     # counted and ranked with numpy (tables and merges of the keys would repeat the sessions'
     # texts on every task).
     # (positions as int32 where they fit: every pair-long array of them is half the size)
-    tr = _positions(np.flatnonzero((tasks["status"] == "complete").to_numpy(dtype=bool, na_value=False)), len(tasks))
+    # A complete task may still lack a count: with its eval line missing (no n_gen) or its
+    # prompt eval line (no new tokens, so no prompt total). Like a call without counts, it has
+    # no token key and pairs with none.
+    counted = ((tasks["status"] == "complete").to_numpy(dtype=bool, na_value=False)
+               & tasks["prompt_tokens"].notna().to_numpy() & tasks["n_gen"].notna().to_numpy())
+    tr = _positions(np.flatnonzero(counted), len(tasks))
+    del counted
     cr = _positions(np.flatnonzero((calls["prompt_tokens"].notna() & calls["completion_tokens"].notna()).to_numpy()), len(calls))
     # Each call's and task's token key (prompt tokens, generated tokens) as one number.
     key = dense_codes([np.concatenate([_ints(calls["prompt_tokens"], cr), _ints(tasks["prompt_tokens"], tr)]),
@@ -252,7 +258,7 @@ def same_key_pairs(lk: np.ndarray, rk: np.ndarray, lrows: np.ndarray, rrows: np.
 
 
 def _ints(col: pd.Series, rows: np.ndarray) -> np.ndarray:
-    """``col`` at ``rows`` (counts, none missing there) as int64."""
+    """``col`` at ``rows`` (counts, none missing there: the callers keep only those) as int64."""
     return col.to_numpy(dtype="float64", na_value=np.nan)[rows].astype("int64")
 
 

@@ -263,18 +263,7 @@ def _read_lines(lines: list[str], first: int, state: _State, account: FileAccoun
     """Lines ``first``.. of a file: the runner reader's text of each line that is done (all
     but those after the last stamp, unless ``final``), those left over, the calls, the events,
     and how many of the done lines were Ollama's (left blank)."""
-    if not state.wrapper_known:
-        state.wrapper = prefixes.detect([ln.encode() for ln in lines[:400]])
-        state.wrapper_known = True
-    n = len(lines)
-    arr = pa.array(lines, pa.string())
-    wall = np.full(n, -1, dtype=np.int64)
-    if state.wrapper is not None and state.wrapper.stamp == "json":
-        bare_b, walls = prefixes.decode_json_lines([ln.encode() for ln in lines], state.wrapper)
-        arr = pa.array([b.decode("utf-8", "replace") for b in bare_b], pa.string())
-        wall = np.array([int(round(w * 1e6)) if w is not None else -1 for w in walls], np.int64)
-    elif state.wrapper is not None:
-        arr, wall = prefixes.strip(arr, state.wrapper, state.year, state.tz)
+    arr, wall = _unwrapped(lines, state)
     parts = pc.extract_regex(arr, PATTERN)
     ok = parts.is_valid().to_numpy(zero_copy_only=False)
     f = {name: pd.Series(pc.fill_null(parts.field(name), "").to_numpy(zero_copy_only=False), dtype=object)
@@ -284,7 +273,40 @@ def _read_lines(lines: list[str], first: int, state: _State, account: FileAccoun
         return (f[name] != "").to_numpy()
 
     gin, slog, golog = ok & has("gin_at"), ok & has("slog_at"), ok & has("go_at")
-    own = np.full(n, -1, dtype=np.int64)
+    own = _own_stamps(f, gin, slog, golog, wall, state)
+    cut, borrowed = _borrowed_stamps(np.where(own >= 0, own, wall), slog, state, final=final)
+    mine = ok[:cut]
+    done = _runner_lines(arr.to_pylist()[:cut], mine, borrowed[:cut])
+    calls = _calls(f, gin[:cut], own[:cut], first, state, account.path)
+    events, used_events = _events(f, slog[:cut] | golog[:cut], own[:cut], first, state, account)
+    account.used += len(calls) + used_events
+    account.ignored += int(mine.sum()) - len(calls) - used_events
+    account.lines += cut
+    return done, lines[cut:], [calls] if len(calls) else [], [events] if len(events) else [], int(mine.sum())
+
+
+def _unwrapped(lines: list[str], state: _State) -> tuple[pa.Array, np.ndarray]:
+    """The lines without their wrapper's prefix (journald, docker, ...; detected on the first
+    block) and the wrapper's stamp of each (UTC µs; -1: none)."""
+    if not state.wrapper_known:
+        state.wrapper = prefixes.detect([ln.encode() for ln in lines[:400]])
+        state.wrapper_known = True
+    arr = pa.array(lines, pa.string())
+    wall = np.full(len(lines), -1, dtype=np.int64)
+    if state.wrapper is not None and state.wrapper.stamp == "json":
+        bare_b, walls = prefixes.decode_json_lines([ln.encode() for ln in lines], state.wrapper)
+        arr = pa.array([b.decode("utf-8", "replace") for b in bare_b], pa.string())
+        wall = np.array([int(round(w * 1e6)) if w is not None else -1 for w in walls], np.int64)
+    elif state.wrapper is not None:
+        arr, wall = prefixes.strip(arr, state.wrapper, state.year, state.tz)
+    return arr, wall
+
+
+def _own_stamps(f: dict[str, pd.Series], gin: np.ndarray, slog: np.ndarray, golog: np.ndarray, wall: np.ndarray,
+                state: _State) -> np.ndarray:
+    """Each line's own stamp (UTC µs; -1: none): a slog line's carries its zone, which the
+    stream's first one sets for the local stamps of [GIN] and Go's log."""
+    own = np.full(len(wall), -1, dtype=np.int64)
     if slog.any():
         at = pd.to_datetime(f["slog_at"][slog], format="ISO8601", utc=True)
         own[slog] = at.astype("datetime64[us, UTC]").astype("int64").to_numpy()
@@ -298,10 +320,15 @@ def _read_lines(lines: list[str], first: int, state: _State, account: FileAccoun
         if mask.any():
             naive = pd.to_datetime(f[col][mask], format=fmt, errors="coerce")
             own[mask] = _local_to_utc_us(naive, wall[mask], state)
-    stamp = np.where(own >= 0, own, wall)
-    # A line's time: its own stamp, else the latest the stamped lines after it allow (a line
-    # is written before them): a stamp cut to the second ([GIN], Go's log, journald's short
-    # format) allows up to the end of its second.
+    return own
+
+
+def _borrowed_stamps(stamp: np.ndarray, slog: np.ndarray, state: _State, *, final: bool) -> tuple[int, np.ndarray]:
+    """How many of the lines are done (those up to the last stamped one; all if ``final``) and
+    each line's time (µs; -1: none yet): its own stamp, else the latest the stamped lines after
+    it allow (a line is written before them); a stamp cut to the second ([GIN], Go's log,
+    journald's short format) allows up to the end of its second."""
+    n = len(stamp)
     known = stamp >= 0
     if final or not known.any():
         cut = n if final or n > 100_000 else 0
@@ -318,19 +345,16 @@ def _read_lines(lines: list[str], first: int, state: _State, account: FileAccoun
         borrowed[:cut][borrowed[:cut] < 0] = state.last_stamp
     if known[:cut].any():
         state.last_stamp = int(stamp[:cut][known[:cut]][-1])
+    return cut, borrowed
 
-    mine = ok[:cut]
-    bare = arr.to_pylist()
-    stamps = pd.to_datetime(pd.Series(borrowed[:cut]), unit="us", utc=True).dt.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-    # As a CRI runtime frames a line: the one frame whose stamp no payload can be taken for.
-    done = ["" if mine[i] or not bare[i].strip() else (f"{stamps.iat[i]} stderr F {bare[i]}" if borrowed[i] >= 0 else bare[i])
-            for i in range(cut)]
-    calls = _calls(f, gin[:cut], own[:cut], first, state, account.path)
-    events, used_events = _events(f, slog[:cut] | golog[:cut], own[:cut], first, state, account)
-    account.used += len(calls) + used_events
-    account.ignored += int(mine.sum()) - len(calls) - used_events
-    account.lines += cut
-    return done, lines[cut:], [calls] if len(calls) else [], [events] if len(events) else [], int(mine.sum())
+
+def _runner_lines(bare: list[str], mine: np.ndarray, borrowed: np.ndarray) -> list[str]:
+    """The runner reader's text of each line: blank for Ollama's own lines and empty ones,
+    else the line framed as a CRI runtime frames it, with its time (the one frame whose stamp
+    no payload can be taken for)."""
+    stamps = pd.to_datetime(pd.Series(borrowed), unit="us", utc=True).dt.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return ["" if mine[i] or not bare[i].strip() else (f"{stamps.iat[i]} stderr F {bare[i]}" if borrowed[i] >= 0 else bare[i])
+            for i in range(len(bare))]
 
 
 def _local_to_utc_us(naive: pd.Series, wall: np.ndarray, state: _State) -> np.ndarray:

@@ -567,10 +567,20 @@ def _pass_ubatches(masks: np.ndarray, slot: np.ndarray, chunk: np.ndarray, n_uba
 def fit_pass_costs(obs: pd.DataFrame) -> PassCosts:
     """Least relative squares of :data:`TERMS` on the observed stretches, coefficients kept
     non-negative (a term that would come out negative is dropped and the rest fitted again)."""
-    terms = [t for t in TERMS[:-1] if len(obs) and float(obs[t].abs().sum()) > 0]
     y = obs["seconds"].to_numpy(dtype=float) if len(obs) else np.zeros(0)
+    coef = _nonnegative_fit(obs, y)
+    seen, counts = _term_ranges(obs)
+    return PassCosts(coef=coef, seen=seen, observations=counts, fit=_fit_errors(obs, y, coef),
+                     max_pass_tokens=int(obs["pass_tokens"].max()) if len(obs) else 0,
+                     max_gen_slots=int(obs["gen_slots"].max()) if len(obs) else 0)
+
+
+def _nonnegative_fit(obs: pd.DataFrame, y: np.ndarray) -> dict[str, float]:
+    """Each term's seconds per unit, fitted on the stretches' times ``y`` (relative errors):
+    terms the stretches never show are 0, and so is one that comes out negative (the others
+    fitted again without it)."""
     coef = {t: 0.0 for t in TERMS}
-    active = list(terms)
+    active = [t for t in TERMS[:-1] if len(obs) and float(obs[t].abs().sum()) > 0]
     while active and len(y) >= len(active):
         x = obs[active].to_numpy(dtype=float) / y[:, None]
         sol, *_ = np.linalg.lstsq(x, np.ones(len(y)), rcond=None)
@@ -578,24 +588,36 @@ def fit_pass_costs(obs: pd.DataFrame) -> PassCosts:
             coef.update(dict(zip(active, sol.tolist())))
             break
         active = [t for t, c in zip(active, sol) if c >= 0] if (sol < 0).any() else active
-    per_pass = {t: (obs[t] / obs["passes"]).to_numpy(dtype=float) for t in TERMS[:-1]} if len(obs) else {}
+    return coef
+
+
+def _term_ranges(obs: pd.DataFrame) -> tuple[dict[str, tuple[float, float]], dict[str, int]]:
+    """Per term: the smallest and largest value per pass fitted on, and the stretches that
+    show it (none show a LoRA switch)."""
+    if not len(obs):
+        return {}, {t: 0 for t in TERMS}
+    per_pass = {t: (obs[t] / obs["passes"]).to_numpy(dtype=float) for t in TERMS[:-1]}
     seen = {t: (float(np.min(v)), float(np.max(v))) if len(v) else (math.nan, math.nan) for t, v in per_pass.items()}
-    counts = {t: int((obs[t] > 0).sum()) if len(obs) else 0 for t in TERMS[:-1]}
+    counts = {t: int((obs[t] > 0).sum()) for t in TERMS[:-1]}
     counts["lora_switch"] = 0
-    pred = obs[TERMS[:-1]].to_numpy(dtype=float) @ np.array([coef[t] for t in TERMS[:-1]]) if len(obs) else np.zeros(0)
-    err = (pred - y) / y if len(y) else np.zeros(0)
+    return seen, counts
+
+
+def _fit_errors(obs: pd.DataFrame, y: np.ndarray, coef: dict[str, float]) -> pd.DataFrame:
+    """The fit's error on the stretches' times ``y``, per kind of stretch and over all."""
+    if not len(obs):
+        return pd.DataFrame([], columns=FIT_COLUMNS)
+    pred = obs[TERMS[:-1]].to_numpy(dtype=float) @ np.array([coef[t] for t in TERMS[:-1]])
+    err = (pred - y) / y
     rows = []
-    for kind in list(dict.fromkeys(obs["kind"])) + ["all"] if len(obs) else []:
+    for kind in list(dict.fromkeys(obs["kind"])) + ["all"]:
         m = (obs["kind"] == kind).to_numpy() if kind != "all" else np.ones(len(obs), dtype=bool)
         e = err[m]
         rows.append({"kind": kind, "observations": int(m.sum()), "passes": int(obs["passes"][m].sum()),
                      "median_error_pct": float(np.median(e) * 100) if len(e) else math.nan,
                      "p90_abs_error_pct": float(np.quantile(np.abs(e), 0.9) * 100) if len(e) else math.nan,
                      "bias_pct": float((pred[m].sum() / y[m].sum() - 1) * 100) if len(e) else math.nan})
-    fit = pd.DataFrame(rows, columns=FIT_COLUMNS)
-    max_tok = int(obs["pass_tokens"].max()) if len(obs) else 0
-    max_g = int(obs["gen_slots"].max()) if len(obs) else 0
-    return PassCosts(coef=coef, seen=seen, observations=counts, fit=fit, max_pass_tokens=max_tok, max_gen_slots=max_g)
+    return pd.DataFrame(rows, columns=FIT_COLUMNS)
 
 
 def cost_table(costs: PassCosts) -> pd.DataFrame:
@@ -664,179 +686,253 @@ def replay(w: Workload, r: Resolved, costs: PassCosts, open_loop: bool = False,
                  lora=[r.unify if r.unify is not None else x for x in w.lora], heartbeats=[], progress=[], passes=0)
     target = w.n_gen.copy()  # (shortened where a generation would overflow the slot's context)
     for g in np.unique(w.group):
-        _replay_session(w, r, costs, res, np.flatnonzero(w.group == g), open_loop or not w.closed, target, on_idle)
+        _Session(w, r, costs, res, np.flatnonzero(w.group == g), open_loop or not w.closed, target).run(on_idle)
     if on_idle is not None:
         on_idle(res)
     return res
 
 
-def _replay_session(w: Workload, r: Resolved, costs: PassCosts, res: Replay, rows: np.ndarray, open_loop: bool,
-                    target: np.ndarray, on_idle: Callable[[Replay], None] | None) -> None:
-    c = costs.coef
-    c_ub, c_p, c_ap, c_g, c_ag, c_l, c_s = (c[t] for t in TERMS)
-    n_batch, n_ubatch, n_slots = r.n_batch, r.n_ubatch, r.slots
-    n_ctx_slot = r.ctx // n_slots
-    lora = res.lora
-    on = {x: x != NO_ADAPTER for x in set(lora[i] for i in rows)}
-    new, cached = res.new, res.cached
-    prompt = w.new + w.cached
-    nxt: dict[int, int] = {}
-    heap: list[tuple[float, int]] = []
-    for i in rows.tolist():
-        p = int(w.prev[i])
-        if open_loop or p < 0:
-            heapq.heappush(heap, (float(w.send_s[i]), i))
-        else:
-            nxt[p] = i
-    queue: deque[int] = deque()
-    s_task = [-1] * n_slots
-    s_state = [0] * n_slots  # 0 idle, 1 prompt, 2 generating
-    s_used = [-1.0] * n_slots
-    s_last = [-1] * n_slots  # the row whose tokens the slot holds (its prompt and reply)
-    s_lora: list[str | None] = [None] * n_slots  # the LoRA setting the slot last ran with
-    done_p = [0] * n_slots  # prompt tokens processed of the slot's task
-    gen = [0] * n_slots
-    ctx_s = [0] * n_slots  # tokens in the slot's context
-    t_print = [0.0] * n_slots
-    n_print = [0] * n_slots
-    t_first = [0.0] * n_slots
-    cur_lora: str | None = None
-    t = heap[0][0] if heap else 0.0
-    hb, prog = res.heartbeats, res.progress
+IDLE, PROMPT, GENERATING = 0, 1, 2  # a slot's state in the replay
 
-    def release(s: int, now: float) -> None:
-        i = s_task[s]
-        res.release[i] = now
-        res.n_gen[i] = gen[s]
-        res.finished.append(i)
-        s_state[s], s_task[s], s_used[s] = 0, -1, now
-        j = nxt.get(i)
-        if j is not None:
-            think = float(w.think_s[j])
-            send = now + float(w.end_lag_s[i]) + think if think >= 0 else float(res.send[i]) - think
-            heapq.heappush(heap, (max(send, now), j))
 
-    while True:
+@dataclass
+class _Batch:
+    """One pass's batch: the generating slots (a token each) and the prompt slots with the
+    tokens each puts in, all of one LoRA setting (None: an empty batch)."""
+
+    lora: str | None
+    gens: list[int]
+    chunks: list[tuple[int, int]]  # (slot, prompt tokens it puts in)
+    size: int
+
+
+class _Session:
+    """The scheduler over one server session's tasks: the calls waiting to be sent, the queue,
+    the slots and the clock. :meth:`run` replays them into ``res`` (the whole workload's)."""
+
+    def __init__(self, w: Workload, r: Resolved, costs: PassCosts, res: Replay, rows: np.ndarray, open_loop: bool,
+                 target: np.ndarray) -> None:
+        self.w, self.res, self.target = w, res, target
+        self.coef = tuple(costs.coef[t] for t in TERMS)
+        self.n_batch, self.n_ubatch, self.n_slots = r.n_batch, r.n_ubatch, r.slots
+        self.n_ctx_slot = r.ctx // r.slots
+        self.adapter_on = {x: x != NO_ADAPTER for x in set(res.lora[i] for i in rows)}
+        self.prompt = w.new + w.cached
+        self.nxt: dict[int, int] = {}  # a call's user's next call (closed loop: sent once this one ends)
+        self.heap: list[tuple[float, int]] = []  # (send time, row) of the calls to be sent
+        for i in rows.tolist():
+            p = int(w.prev[i])
+            if open_loop or p < 0:
+                heapq.heappush(self.heap, (float(w.send_s[i]), i))
+            else:
+                self.nxt[p] = i
+        self.queue: deque[int] = deque()
+        n = r.slots
+        self.task = [-1] * n
+        self.state = [IDLE] * n
+        self.used = [-1.0] * n  # when the slot was last released
+        self.last = [-1] * n  # the row whose tokens the slot holds (its prompt and reply)
+        self.slot_lora: list[str | None] = [None] * n  # the LoRA setting the slot last ran with
+        self.done_p = [0] * n  # prompt tokens processed of the slot's task
+        self.gen = [0] * n
+        self.ctx = [0] * n  # tokens in the slot's context
+        self.t_print = [0.0] * n
+        self.n_print = [0] * n
+        self.t_first = [0.0] * n
+        self.cur_lora: str | None = None
+        self.t = self.heap[0][0] if self.heap else 0.0
+
+    def run(self, on_idle: Callable[[Replay], None] | None) -> None:
+        """Pass after pass: the calls sent by now queued, queued calls admitted to idle slots,
+        one pass's batch run; when there is none, the clock jumps to the next send."""
+        while True:
+            self.receive()
+            self.admit()
+            batch = self.batch()
+            if batch.size == 0:
+                if on_idle is not None:
+                    on_idle(self.res)
+                if not self.heap:
+                    if self.queue:  # (cannot happen: a queued task has a free slot or a busy one will release)
+                        raise RuntimeError("replay stalled with queued tasks")
+                    return
+                self.t = max(self.t, self.heap[0][0])
+                continue
+            switch = 1.0 if (self.cur_lora is not None and batch.lora != self.cur_lora) else 0.0
+            self.cur_lora = batch.lora
+            lora_on = self.adapter_on.get(batch.lora, False) if batch.lora is not None else False
+            if batch.chunks:
+                self.run_pass(batch, switch, lora_on)
+            else:
+                self.run_generation(batch.gens, switch, lora_on)
+
+    def receive(self) -> None:
+        """The calls sent by now, into the queue in order of sending."""
+        heap, t = self.heap, self.t
         while heap and heap[0][0] <= t + 1e-12:
             send, i = heapq.heappop(heap)
-            res.send[i] = send
-            queue.append(i)
-        while queue and 0 in s_state:
+            self.res.send[i] = send
+            self.queue.append(i)
+
+    def admit(self) -> None:
+        """launch_slot_with_task: queued calls, first in first out, onto idle slots; a change of
+        LoRA setting drops the slot's tokens."""
+        w, res, queue = self.w, self.res, self.queue
+        while queue and IDLE in self.state:
             i = queue.popleft()
-            s = _pick_slot(w, res, i, s_state, s_used, s_last)
-            # launch_slot_with_task: a change of LoRA setting drops the slot's tokens.
-            keep = s_lora[s] is None or s_lora[s] == lora[i]
-            cached[i] = w.reuse[i] if keep else 0
-            new[i] = prompt[i] - cached[i]
-            s_task[s], s_state[s], s_last[s], s_lora[s] = i, 1, i, lora[i]
-            res.slot[i], res.launch[i] = s, t
-            done_p[s], gen[s] = 0, 0
-        # The batch: generating slots first (one token each), then prompts, in slot order.
+            s = _pick_slot(w, res, i, self.state, self.used, self.last)
+            keep = self.slot_lora[s] is None or self.slot_lora[s] == res.lora[i]
+            res.cached[i] = w.reuse[i] if keep else 0
+            res.new[i] = self.prompt[i] - res.cached[i]
+            self.task[s], self.state[s], self.last[s], self.slot_lora[s] = i, PROMPT, i, res.lora[i]
+            res.slot[i], res.launch[i] = s, self.t
+            self.done_p[s], self.gen[s] = 0, 0
+
+    def batch(self) -> _Batch:
+        """The next pass's batch: generating slots first, in slot order, one token each, the
+        first setting the batch's LoRA (slots of another are left out); then prompt slots in
+        slot order, of the same LoRA, filling the batch up to ``n_batch``."""
+        lora = self.res.lora
         batch_lora: str | None = None
         gens: list[int] = []
-        for s in range(n_slots):
-            if s_state[s] == 2:
-                la = lora[s_task[s]]
+        for s in range(self.n_slots):
+            if self.state[s] == GENERATING:
+                la = lora[self.task[s]]
                 if batch_lora is None:
                     batch_lora = la
                 if la == batch_lora:
                     gens.append(s)
-        size = len(gens)
-        chunks: list[tuple[int, int]] = []
-        for s in range(n_slots):
-            if size >= n_batch:
+        batch = _Batch(lora=batch_lora, gens=gens, chunks=[], size=len(gens))
+        self._take_prompts(batch)
+        return batch
+
+    def _take_prompts(self, batch: _Batch) -> None:
+        """Prompt slots into ``batch``, up to ``n_batch``. A prompt's first chunk starts its
+        prefill (a prompt that does not fit the slot's context is refused there, as the server
+        refuses it); a prefill running for :data:`PROGRESS_S` prints a progress line a pass."""
+        res, t = self.res, self.t
+        new, cached = res.new, res.cached
+        for s in range(self.n_slots):
+            if batch.size >= self.n_batch:
                 break
-            if s_state[s] != 1:
+            if self.state[s] != PROMPT:
                 continue
-            i = s_task[s]
-            la = lora[i]
-            if batch_lora is not None and la != batch_lora:
+            i = self.task[s]
+            la = res.lora[i]
+            if batch.lora is not None and la != batch.lora:
                 continue
-            if done_p[s] == 0 and math.isnan(res.prefill_start[i]):
+            if self.done_p[s] == 0 and math.isnan(res.prefill_start[i]):
                 res.prefill_start[i] = t
-                if cached[i] + new[i] >= n_ctx_slot:  # the server refuses a prompt that does not fit
+                if cached[i] + new[i] >= self.n_ctx_slot:
                     res.refused[i] = True
                     res.first_token[i] = t
-                    release(s, t)
+                    self.release(s, t)
                     continue
-                ctx_s[s] = int(cached[i])
+                self.ctx[s] = int(cached[i])
             elif t - res.prefill_start[i] >= PROGRESS_S:
-                prog.append((i, t, done_p[s], (cached[i] + done_p[s]) / max(cached[i] + new[i], 1), t - res.prefill_start[i]))
-            take = min(int(new[i]) - done_p[s], n_batch - size)
-            chunks.append((s, take))
-            size += take
-            if batch_lora is None:
-                batch_lora = la
-        if size == 0:
-            if on_idle is not None:
-                on_idle(res)
-                hb, prog = res.heartbeats, res.progress
-            if not heap:
-                if queue:  # (cannot happen: a queued task has a free slot or a busy one will release)
-                    raise RuntimeError("replay stalled with queued tasks")
-                break
-            t = max(t, heap[0][0])
-            continue
-        switch = 1.0 if (cur_lora is not None and batch_lora != cur_lora) else 0.0
-        cur_lora = batch_lora
-        lora_on = on.get(batch_lora, False) if batch_lora is not None else False
+                res.progress.append((i, t, self.done_p[s], (cached[i] + self.done_p[s]) / max(cached[i] + new[i], 1),
+                                     t - res.prefill_start[i]))
+            take = min(int(new[i]) - self.done_p[s], self.n_batch - batch.size)
+            batch.chunks.append((s, take))
+            batch.size += take
+            if batch.lora is None:
+                batch.lora = la
+
+    def run_generation(self, gens: list[int], switch: float, lora_on: bool) -> None:
+        """A batch of generation only stays as it is until a slot finishes or a call arrives
+        that an idle slot would take: those passes at once, each at the mean of their times
+        (the context grows by a token a pass)."""
+        c_ub, _, _, c_g, c_ag, c_l, c_s = self.coef
+        target, gen, t = self.target, self.gen, self.t
         g = len(gens)
-        ag = sum(ctx_s[s] for s in gens) / 1e6
-        if not chunks:
-            # Only generation: the batch stays as it is until a slot finishes or a task arrives
-            # that an idle slot would take; run those passes at once.
-            k = min(target[s_task[s]] - gen[s] for s in gens)
-            per_slot = [0] * n_slots
-            for s in gens:
-                per_slot[s] = 1
-            base = c_ub * ubatches(per_slot, n_ubatch) + c_g * g + (c_l * g if lora_on else 0.0)
-            if heap and 0 in s_state:
-                per = base + c_ag * ag
-                k = max(1, min(k, math.ceil((heap[0][0] - t) / max(per, 1e-9))))
-            # Every pass of the run at the mean of their times (the context grows by a token a pass).
-            dt = base + c_ag * (ag + (k - 1) / 2 * g / 1e6)
-            t_start = t + c_s * switch
-            for s in gens:
-                _heartbeats(hb, s_task[s], t_start, dt, k, gen[s], t_print, n_print, t_first, s)
-                gen[s] += k
-                ctx_s[s] += k
-            res.passes += k
-            t = t_start + k * dt
-            for s in gens:
-                if gen[s] >= target[s_task[s]]:
-                    release(s, t)
-            continue
+        ag = sum(self.ctx[s] for s in gens) / 1e6
+        k = min(target[self.task[s]] - gen[s] for s in gens)
+        per_slot = [0] * self.n_slots
+        for s in gens:
+            per_slot[s] = 1
+        base = c_ub * ubatches(per_slot, self.n_ubatch) + c_g * g + (c_l * g if lora_on else 0.0)
+        if self.heap and IDLE in self.state:
+            per = base + c_ag * ag
+            k = max(1, min(k, math.ceil((self.heap[0][0] - t) / max(per, 1e-9))))
+        dt = base + c_ag * (ag + (k - 1) / 2 * g / 1e6)
+        t_start = t + c_s * switch
+        for s in gens:
+            _heartbeats(self.res.heartbeats, self.task[s], t_start, dt, k, gen[s], self.t_print, self.n_print,
+                        self.t_first, s)
+            gen[s] += k
+            self.ctx[s] += k
+        self.res.passes += k
+        self.t = t_start + k * dt
+        for s in gens:
+            if gen[s] >= target[self.task[s]]:
+                self.release(s, self.t)
+
+    def run_pass(self, batch: _Batch, switch: float, lora_on: bool) -> None:
+        """One pass with prompt tokens: its time from the pass costs, then each slot advanced
+        by what it put in, and the slots done released."""
+        c_ub, c_p, c_ap, c_g, c_ag, c_l, c_s = self.coef
+        gens, chunks, ctx = batch.gens, batch.chunks, self.ctx
         p = sum(take for _, take in chunks)
-        ap = sum(_positions(ctx_s[s], take) for s, take in chunks)
-        per_slot = [0] * n_slots
+        ap = sum(_positions(ctx[s], take) for s, take in chunks)
+        g = len(gens)
+        ag = sum(ctx[s] for s in gens) / 1e6
+        per_slot = [0] * self.n_slots
         for s in gens:
             per_slot[s] = 1
         for s, take in chunks:
             per_slot[s] += take
-        dt = (c_ub * ubatches(per_slot, n_ubatch) + c_p * p + c_ap * ap + c_g * g + c_ag * ag
-              + (c_l * size if lora_on else 0.0) + c_s * switch)
-        t += dt
-        res.passes += 1
+        dt = (c_ub * ubatches(per_slot, self.n_ubatch) + c_p * p + c_ap * ap + c_g * g + c_ag * ag
+              + (c_l * batch.size if lora_on else 0.0) + c_s * switch)
+        self.t += dt
+        self.res.passes += 1
+        self._advance_generation(gens, dt)
+        self._advance_prompts(chunks)
+        for s in gens + [s for s, _ in chunks]:
+            if self.state[s] == GENERATING and self.gen[s] >= self.target[self.task[s]]:
+                self.release(s, self.t)
+
+    def _advance_generation(self, gens: list[int], dt: float) -> None:
+        """A token for each generating slot of a pass of ``dt`` that ended now, and its heartbeat
+        where one is due."""
+        gen, t = self.gen, self.t
         for s in gens:
             gen[s] += 1
-            ctx_s[s] += 1
-            if gen[s] >= HEARTBEAT_TOKENS and t - t_print[s] >= HEARTBEAT_S:
-                _heartbeats(hb, s_task[s], t - dt, dt, 1, gen[s] - 1, t_print, n_print, t_first, s)
+            self.ctx[s] += 1
+            if gen[s] >= HEARTBEAT_TOKENS and t - self.t_print[s] >= HEARTBEAT_S:
+                _heartbeats(self.res.heartbeats, self.task[s], t - dt, dt, 1, gen[s] - 1, self.t_print, self.n_print,
+                            self.t_first, s)
+
+    def _advance_prompts(self, chunks: list[tuple[int, int]]) -> None:
+        """Each prompt slot's chunk processed; a prompt done gives its first token, and a
+        generation that would overflow the slot's context is cut to what fits."""
+        res, t, target = self.res, self.t, self.target
         for s, take in chunks:
-            done_p[s] += take
-            ctx_s[s] += take
-            i = s_task[s]
-            if done_p[s] >= new[i]:
-                s_state[s] = 2
-                gen[s] = 1
+            self.done_p[s] += take
+            self.ctx[s] += take
+            i = self.task[s]
+            if self.done_p[s] >= res.new[i]:
+                self.state[s] = GENERATING
+                self.gen[s] = 1
                 res.first_token[i] = t
-                t_print[s], n_print[s], t_first[s] = t, 0, t
-                limit = n_ctx_slot - int(cached[i] + new[i])
+                self.t_print[s], self.n_print[s], self.t_first[s] = t, 0, t
+                limit = self.n_ctx_slot - int(res.cached[i] + res.new[i])
                 if limit < target[i]:
                     target[i] = max(limit, 1)
-        for s in gens + [s for s, _ in chunks]:
-            if s_state[s] == 2 and gen[s] >= target[s_task[s]]:
-                release(s, t)
+
+    def release(self, s: int, now: float) -> None:
+        """The slot's task done at ``now``; closed loop, its user's next call sent after their
+        think time (a negative one: at its logged send time, not before now)."""
+        w, res = self.w, self.res
+        i = self.task[s]
+        res.release[i] = now
+        res.n_gen[i] = self.gen[s]
+        res.finished.append(i)
+        self.state[s], self.task[s], self.used[s] = IDLE, -1, now
+        j = self.nxt.get(i)
+        if j is not None:
+            think = float(w.think_s[j])
+            send = now + float(w.end_lag_s[i]) + think if think >= 0 else float(res.send[i]) - think
+            heapq.heappush(self.heap, (max(send, now), j))
 
 
 def _positions(p0: int, p: int) -> float:

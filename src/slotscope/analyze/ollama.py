@@ -20,6 +20,8 @@ at once and tasks one at a time is the NUM_PARALLEL queue.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pandas as pd
 
@@ -268,86 +270,129 @@ def _q(x: pd.Series, p: float) -> float:
     return float(x.quantile(p)) if len(x) else float("nan")
 
 
+@dataclass(frozen=True)
+class _Seen:
+    """What the ``ollama`` table and its findings say, measured once: the calls, the runner's
+    tasks, the loads and Ollama's events."""
+
+    calls: pd.DataFrame
+    matched: pd.DataFrame  # the calls matched to a runner task
+    calls_at_once: int
+    tasks_at_once: int
+    tasks_released: int
+    load: pd.DataFrame
+    cold: pd.DataFrame  # the loads some call waited on
+    waited: pd.Series  # per call: it waited on a load
+    wait_s: pd.Series  # the waits of those calls
+    unloads: int
+    n503: int
+    aborts: int
+    shifts: int
+
+
 def summary(ds: Dataset, opts: Options, calls: pd.DataFrame | None = None) -> tuple[pd.DataFrame, list[str]]:
     """The ``ollama`` table (one figure a row, with its sample count) and the findings in words."""
     ol = _ollama(ds)
     if ol is None:
         return pd.DataFrame({c: [] for c in SUMMARY_COLUMNS}), []
-    calls = joined_calls(ds) if calls is None else calls
-    tasks = _tasks(ds)
-    load = loads(ol)
-    rows: list[tuple[str, object, int]] = []
-    said: list[str] = []
-    source = ", ".join(sorted(ol.zones)) or ""
+    seen = _measure(joined_calls(ds) if calls is None else calls, _tasks(ds), ol)
     st = _settings(ol.events)
-    parallel = st.get("runner_parallel") or st.get("config_parallel")
+    rows = _setting_rows(st) + _figure_rows(seen)
+    # (Each value as its own text: a column of numbers alone would print every count as a float.)
+    text = ["" if isinstance(v, float) and np.isnan(v) else str(v) for _, v, _ in rows]
+    table = pd.DataFrame({"figure": [r[0] for r in rows], "value": pd.Series(text, dtype=object),
+                          "samples": [r[2] for r in rows]})
+    table.insert(0, "source", ", ".join(sorted(ol.zones)) or "")
+    table["few_samples"] = (table["samples"] < opts.min_samples) & table["figure"].str.startswith("queue")
+    return table[SUMMARY_COLUMNS], _queue_findings(seen, st, opts) + _other_findings(seen, st)
+
+
+def _measure(calls: pd.DataFrame, tasks: pd.DataFrame, ol: OllamaLogs) -> _Seen:
+    """The figures of the calls (joined to their tasks), the tasks and Ollama's logs."""
+    load = loads(ol)
+    waited = calls["load_wait_ms"] > 0
+    kind = ol.events["kind"]
+    return _Seen(
+        calls=calls, matched=calls[calls["task_id"].notna()],
+        calls_at_once=most_at_once(_us(calls["start_at"]), _us(calls["end_at"])),
+        tasks_at_once=most_at_once(tasks["begin_us"].to_numpy(dtype=float), _us(tasks["release_at"])),
+        tasks_released=int(tasks["release_at"].notna().sum()),
+        load=load, cold=_cold(load, calls[waited]), waited=waited, wait_s=calls.loc[waited, "load_wait_ms"] / 1e3,
+        unloads=int((kind == "unload").sum()), n503=int((calls["status"] == 503).sum()),
+        aborts=int((kind == "abort").sum()), shifts=int((kind == "shift").sum()))
+
+
+def _setting_rows(st: dict[str, str]) -> list[tuple[str, object, int]]:
+    """The settings the logs show, as rows of the table."""
+    rows: list[tuple[str, object, int]] = []
     for key, label in (("version", "version"), ("model", "model"), ("config_parallel", "OLLAMA_NUM_PARALLEL"),
                        ("runner_parallel", "runner parallel (-np)"), ("max_queue", "OLLAMA_MAX_QUEUE"),
                        ("context_length", "OLLAMA_CONTEXT_LENGTH"), ("keep_alive", "OLLAMA_KEEP_ALIVE")):
         if key in st:
             rows.append((label, st[key], 1))
+    return rows
+
+
+def _figure_rows(seen: _Seen) -> list[tuple[str, object, int]]:
+    """The figures, as rows of the table: concurrency, queue times, loads, refusals."""
+    calls, load, cold, wait_s = seen.calls, seen.load, seen.cold, seen.wait_s
     n = len(calls)
-    rows.append(("calls", n, n))
-    start, end = _us(calls["start_at"]), _us(calls["end_at"])
-    calls_at_once = most_at_once(start, end)
-    t_begin = tasks["begin_us"].to_numpy(dtype=float)
-    tasks_at_once = most_at_once(t_begin, _us(tasks["release_at"]))
-    rows += [("calls in flight at once (most)", calls_at_once, n),
-             ("tasks running at once in the runner (most)", tasks_at_once, int(tasks["release_at"].notna().sum())),
-             ("calls that overlapped another", int(calls["overlapped"].sum()), n)]
-    matched = calls[calls["task_id"].notna()]
-    rows.append(("calls matched to a runner task", len(matched), n))
-    q = matched["queue_ms"] / 1e3
+    rows: list[tuple[str, object, int]] = [
+        ("calls", n, n), ("calls in flight at once (most)", seen.calls_at_once, n),
+        ("tasks running at once in the runner (most)", seen.tasks_at_once, seen.tasks_released),
+        ("calls that overlapped another", int(calls["overlapped"].sum()), n),
+        ("calls matched to a runner task", len(seen.matched), n)]
+    q = seen.matched["queue_ms"] / 1e3
     for label, v in (("queue time median (s)", q.median()), ("queue time p95 (s)", _q(q, 0.95)),
                      ("queue time max (s)", q.max())):
         rows.append((label, round(float(v), 3) if len(q) else float("nan"), len(q)))
-    waited = calls["load_wait_ms"] > 0
-    cold = _cold(load, calls[waited])
-    wait_s = calls.loc[waited, "load_wait_ms"] / 1e3
-    unloads = int((ol.events["kind"] == "unload").sum())
     rows += [("model loads", len(load), len(load)), ("model load seconds (total)", round(float(load["seconds"].sum()), 2), len(load)),
              ("cold loads (a call waited on them)", len(cold), len(load)),
              ("cold load seconds (total)", round(float(cold["seconds"].sum()), 2), len(cold)),
-             ("calls that waited on a load", int(waited.sum()), n),
+             ("calls that waited on a load", int(seen.waited.sum()), n),
              ("load wait median (s)", round(float(wait_s.median()), 3) if len(wait_s) else float("nan"), len(wait_s)),
-             ("model unloads (keep-alive ran out; DEBUG lines)", unloads, unloads)]
-    n503 = int((calls["status"] == 503).sum())
-    aborts = int((ol.events["kind"] == "abort").sum())
-    shifts = int((ol.events["kind"] == "shift").sum())
-    rows += [("503 responses (queue full)", n503, n), ("client aborts", aborts, aborts), ("context shifts", shifts, shifts)]
+             ("model unloads (keep-alive ran out; DEBUG lines)", seen.unloads, seen.unloads)]
+    rows += [("503 responses (queue full)", seen.n503, n), ("client aborts", seen.aborts, seen.aborts),
+             ("context shifts", seen.shifts, seen.shifts)]
+    return rows
 
-    # Findings, in words, with counts.
-    overlapped = matched[matched["overlapped"]]
+
+def _queue_findings(seen: _Seen, st: dict[str, str], opts: Options) -> list[str]:
+    """The calls that waited in Ollama's queue, in words: behind a parallel setting of 1 (many
+    calls at once, tasks one at a time), or outside the runner otherwise."""
+    overlapped = seen.matched[seen.matched["overlapped"]]
     queued = overlapped[overlapped["queue_ms"] >= QUEUED_S * 1e3]
-    if len(overlapped) and tasks_at_once == 1 and calls_at_once > 1 and len(queued):
+    if len(overlapped) and seen.tasks_at_once == 1 and seen.calls_at_once > 1 and len(queued):
+        parallel = st.get("runner_parallel") or st.get("config_parallel")
         setting = f"OLLAMA_NUM_PARALLEL={parallel}" if parallel else "a parallel setting of 1"
-        said.append(f"{len(queued)} of {len(overlapped)} calls that overlapped another waited in Ollama's queue "
-                    f"(median {queued['queue_ms'].median() / 1e3:.0f} s): {setting} lets the runner take one at a time, "
-                    f"while up to {calls_at_once} calls were in flight at once"
-                    + (f" (few samples: {len(overlapped)})" if len(overlapped) < opts.min_samples else ""))
-    elif len(queued):
-        said.append(f"{len(queued)} of {len(overlapped)} calls that overlapped another waited {QUEUED_S:.0f} s or more "
-                    f"outside the runner (median {queued['queue_ms'].median() / 1e3:.1f} s); the runner ran up to "
-                    f"{tasks_at_once} tasks at once")
-    if waited.any():
+        return [f"{len(queued)} of {len(overlapped)} calls that overlapped another waited in Ollama's queue "
+                f"(median {queued['queue_ms'].median() / 1e3:.0f} s): {setting} lets the runner take one at a time, "
+                f"while up to {seen.calls_at_once} calls were in flight at once"
+                + (f" (few samples: {len(overlapped)})" if len(overlapped) < opts.min_samples else "")]
+    if len(queued):
+        return [f"{len(queued)} of {len(overlapped)} calls that overlapped another waited {QUEUED_S:.0f} s or more "
+                f"outside the runner (median {queued['queue_ms'].median() / 1e3:.1f} s); the runner ran up to "
+                f"{seen.tasks_at_once} tasks at once"]
+    return []
+
+
+def _other_findings(seen: _Seen, st: dict[str, str]) -> list[str]:
+    """Loads a call waited for, 503s, aborts and context shifts, in words with counts."""
+    said: list[str] = []
+    if seen.waited.any():
+        unloads = seen.unloads
         after = f" after {unloads} unload(s) of the model (keep-alive {st['keep_alive']})" if unloads and "keep_alive" in st else ""
-        said.append(f"{int(waited.sum())} call(s) waited for a model load{after}: {len(cold)} cold load(s) of "
-                    f"{cold['seconds'].sum():.1f} s, median wait {wait_s.median():.1f} s; the first call after an "
+        said.append(f"{int(seen.waited.sum())} call(s) waited for a model load{after}: {len(seen.cold)} cold load(s) of "
+                    f"{seen.cold['seconds'].sum():.1f} s, median wait {seen.wait_s.median():.1f} s; the first call after an "
                     f"unload waits for the next load")
-    if n503:
-        said.append(f"{n503} of {n} calls were refused with 503: Ollama's queue was full"
+    if seen.n503:
+        said.append(f"{seen.n503} of {len(seen.calls)} calls were refused with 503: Ollama's queue was full"
                     + (f" (OLLAMA_MAX_QUEUE={st['max_queue']})" if "max_queue" in st else ""))
-    if aborts:
-        said.append(f"{aborts} completion(s) aborted because the client closed the connection")
-    if shifts:
-        said.append(f"{shifts} context shift(s): a prompt outgrew its context and the runner dropped tokens")
-    # (Each value as its own text: a column of numbers alone would print every count as a float.)
-    text = ["" if isinstance(v, float) and np.isnan(v) else str(v) for _, v, _ in rows]
-    table = pd.DataFrame({"figure": [r[0] for r in rows], "value": pd.Series(text, dtype=object),
-                          "samples": [r[2] for r in rows]})
-    table.insert(0, "source", source)
-    table["few_samples"] = (table["samples"] < opts.min_samples) & table["figure"].str.startswith("queue")
-    return table[SUMMARY_COLUMNS], said
+    if seen.aborts:
+        said.append(f"{seen.aborts} completion(s) aborted because the client closed the connection")
+    if seen.shifts:
+        said.append(f"{seen.shifts} context shift(s): a prompt outgrew its context and the runner dropped tokens")
+    return said
 
 
 @register("ollama")
