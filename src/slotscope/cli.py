@@ -453,12 +453,10 @@ def analyze(
             from .picture import report_html
 
             report_html(ds, tables, html_out)
-            if not quiet:
-                err.print(f"wrote {html_out}", markup=False)
+            _say([f"wrote {html_out}"], quiet)
         if to_dir:
             written = export(ds, tables, out, fmt, raw_csv, opts)  # type: ignore[arg-type]
-            if not quiet:
-                err.print(f"wrote {len(written) - 1} table(s) and findings.md to {out}", markup=False)
+            _say([f"wrote {len(written) - 1} table(s) and findings.md to {out}"], quiet)
         elif as_json:
             output.write_tables(tables, out)
         else:
@@ -602,9 +600,7 @@ def timeline(
     ds = _load(_paths(paths), tz, app_columns, server_start)
     _need_server(ds.accounting, "`timeline`")
     write_timeline(ds, out, since=parse_when(since), until=parse_when(until))
-    _say(clock_lines(ds), quiet)
-    if not quiet:
-        err.print(f"wrote {out}", markup=False)
+    _say(clock_lines(ds) + [f"wrote {out}"], quiet)
     _finish(ds.accounting, strict, quiet)
 
 

@@ -305,13 +305,10 @@ def _settings(ds: Dataset, tv: pd.DataFrame, subj: np.ndarray, lo: float, hi: fl
     keys = tl.GROUP + ["task_id"]
     sess = ds.server.sessions.merge(tv.loc[subj, tl.GROUP].drop_duplicates(), on=tl.GROUP, how="inner")
 
-    def values(col: str) -> str:
-        v = pd.to_numeric(sess[col], errors="coerce").dropna().astype("int64").unique() if col in sess.columns else []
-        return ", ".join(str(x) for x in sorted(v)) if len(v) else UNKNOWN
-
-    def texts(col: str) -> str:
-        v = sess[col].dropna().unique() if col in sess.columns else []
-        return ", ".join(sorted(str(x) for x in v)) if len(v) else UNKNOWN
+    def listed(col: str, numbers: bool = False) -> str:
+        v = sess[col].dropna() if col in sess.columns else pd.Series([], dtype=object)
+        v = pd.to_numeric(v, errors="coerce").dropna().astype("int64") if numbers else v.astype(str)
+        return ", ".join(str(x) for x in sorted(v.unique())) if len(v) else UNKNOWN
 
     ps = ds.server.prefill_samples
     own = dataclasses.replace(ds, server=dataclasses.replace(ds.server, tasks=store.raw(ds.server, "tasks"),  # (not built)
@@ -328,13 +325,13 @@ def _settings(ds: Dataset, tv: pd.DataFrame, subj: np.ndarray, lo: float, hi: fl
             lora = ", ".join(counts.index)
             mix = ", ".join(f"{k} {v}" for k, v in counts.items())
     return {
-        "n_slots": values("n_slots"),
-        "n_ctx_slot": values("n_ctx_slot"),
+        "n_slots": listed("n_slots", numbers=True),
+        "n_ctx_slot": listed("n_ctx_slot", numbers=True),
         "chunk_tokens": str(chunk) if chunk is not None else UNKNOWN,
         # From the start-up lines of the sessions the window's tasks ran in: `loading model '...'`
         # (default verbosity) and the build line (verbosity 4 only).
-        "model": texts("model"),
-        "build": texts("build"),
+        "model": listed("model"),
+        "build": listed("build"),
         "lora": lora,
     }, mix
 
@@ -438,9 +435,8 @@ def needed_samples(e: Estimate, min_samples: int) -> int | None:
     (the 90% interval's half-width shrinking like 1/sqrt(n)), counted in the resampled unit;
     None when the spread says nothing."""
     n = min(e.before_units, e.after_units) if e.unit else min(e.before_n, e.after_n)
-    if e.unit and n < MIN_CLUSTERS:
-        return None
-    if not (n > 0 and math.isfinite(e.se) and e.se > 0 and math.isfinite(e.diff) and e.diff != 0):
+    if (e.unit and n < MIN_CLUSTERS) or not (
+            n > 0 and math.isfinite(e.se) and e.se > 0 and math.isfinite(e.diff) and e.diff != 0):
         return None
     return max(min_samples, math.ceil(n * (_Z * e.se / abs(e.diff)) ** 2))
 
@@ -638,8 +634,8 @@ def _changes(b: Side, a: Side) -> tuple[pd.DataFrame, str]:
         return out, ""
     out.loc[changed_now, "note"] = out["note"].where(out["note"] == "", out["note"] + "; ") \
         + "changed together with another setting"
-    human = [_HUMAN.get(n, n) for n in names]
-    both = " and ".join(human) if len(human) == 2 else ", ".join(human[:-1]) + " and " + human[-1]
+    *first, last = [_HUMAN.get(n, n) for n in names]
+    both = f"{', '.join(first)} and {last}"
     return out, (f"{len(names)} settings changed at once ({', '.join(names)}): the effects of {both} can't be "
                  f"separated by this comparison; compare runs that differ in one setting to tell them apart")
 

@@ -23,7 +23,7 @@ import pandas as pd
 
 from .align import SESSION_KEY, app_clock_us
 from .store import ColumnWriter, Columns, StoredField, StoredTable
-from .timeline import within_ranges
+from .timeline import floats, within_ranges
 
 MATCH_COLUMNS = [
     "call_id", "start_at", "purpose", "user", "lora", "prompt_tokens", "completion_tokens", "source",
@@ -80,19 +80,21 @@ CALL_BLOCK = 1 << 16  # calls whose launch-window pairs are made at a time
 
 class _Pairs:
     """Window pairs with the columns the evidence reads, fetched one at a time (a table of all
-    of them would hold ~20 columns per pair: calls x concurrency rows). ``ci``/``ti``: rows of
-    ``cl`` and ``tk``; ``us``: the tasks' app-clock times (:func:`slotscope.align.app_clock_us`)."""
+    of them would hold ~20 columns per pair: calls x concurrency rows), as numpy floats (nullable
+    columns taken per pair and compared as pandas compares them would be held twice, with their
+    masks). ``ci``/``ti``: rows of ``cl`` and ``tk``; ``us``: the tasks' app-clock times
+    (:func:`slotscope.align.app_clock_us`)."""
 
     def __init__(self, cl: pd.DataFrame, tk: pd.DataFrame, us: dict[str, np.ndarray], ci: np.ndarray, ti: np.ndarray) -> None:
         self.cl, self.tk, self.us, self.ci, self.ti = cl, tk, us, ci, ti
 
     def call(self, c: str) -> np.ndarray:
-        """The pairs' calls' column ``c`` as numbers (:func:`_floats`)."""
-        return _floats(self.cl[c])[self.ci]
+        """The pairs' calls' column ``c`` as numbers (NaN: missing or not a number)."""
+        return floats(self.cl[c])[self.ci]
 
     def task(self, c: str) -> np.ndarray:
-        """The pairs' tasks' column ``c`` as numbers (:func:`_floats`)."""
-        return self.us[c][self.ti] if c in self.us else _floats(self.tk[c])[self.ti]
+        """The pairs' tasks' column ``c`` as numbers (NaN: missing or not a number)."""
+        return self.us[c][self.ti] if c in self.us else floats(self.tk[c])[self.ti]
 
     def frame(self, mask: pd.Series | np.ndarray, taken_c: np.ndarray, taken_t: np.ndarray) -> pd.DataFrame:
         """The pairs under ``mask`` whose call and task are not taken yet (those :func:`_assign`
@@ -102,15 +104,6 @@ class _Pairs:
         ci, ti = self.ci[m], self.ti[m]
         return pd.DataFrame({"_ci": ci, "_ti": ti, "start_us": self.cl["start_us"].array.take(ci),
                              "launch_us": self.us["launch_us"][ti]})
-
-
-def _floats(col: pd.Series) -> np.ndarray:
-    """A column as floats: NaN where missing or (as ``pd.to_numeric(errors="coerce")`` reads
-    it) not a number. (Per pair, numpy arrays: nullable columns taken per pair and compared as
-    pandas compares them are held twice, with their masks.)"""
-    if not pd.api.types.is_numeric_dtype(col.dtype):
-        col = pd.to_numeric(col, errors="coerce")
-    return col.to_numpy(dtype="float64", na_value=np.nan)
 
 
 def _assign(p: pd.DataFrame, method: str, confidence: float, taken_c: np.ndarray, taken_t: np.ndarray) -> list[_Found]:
@@ -366,14 +359,12 @@ def _derive(j: _Joined, on_disk: bool = False) -> pd.DataFrame | StoredTable:
     # More than the stable set: enough to trace every figure back to both logs.
     for c in ("end_at", "cached_tokens", "status", "ok"):
         put_call(c)
-    put("prompt_tokens_new", j["prompt_tokens_new"])
-    put("prompt_tokens_cached", j["prompt_tokens_cached"])
-    put("n_gen", j["n_gen"])
+    for c in ("prompt_tokens_new", "prompt_tokens_cached", "n_gen"):
+        put(c, j[c])
     put("port", j["port"].astype("Int64"))
     put("task_status", task("status").astype("category"))
-    put("launch_at", pd.to_datetime(j["launch_us"].round().astype("Int64"), unit="us", utc=True))
-    put("first_token_at", pd.to_datetime(j["first_token_us"].round().astype("Int64"), unit="us", utc=True))
-    put("release_at", pd.to_datetime(j["release_us"].round().astype("Int64"), unit="us", utc=True))
+    for c in ("launch", "first_token", "release"):
+        put(f"{c}_at", pd.to_datetime(j[f"{c}_us"].round().astype("Int64"), unit="us", utc=True))
     put("end_lag_ms", _ms(j["end_us"].astype("float64") - j["release_us"]))
     put("call_file", j["file"])
     put("call_line", j["line"])

@@ -98,7 +98,7 @@ def partition(tasks: pd.DataFrame, sessions: pd.DataFrame | None, part_tasks: in
     n = len(tasks)
     if not n:
         return Partition(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool), [])
-    group = key_codes([tasks], GROUP)[0] if n else np.zeros(0, np.int64)
+    group = key_codes([tasks], GROUP)[0]
     start, end = task_spans(tasks, sessions)
     untimed = np.isnan(start)
     order = np.lexsort((np.arange(n), np.where(untimed, np.inf, start), group))
@@ -110,35 +110,26 @@ def partition(tasks: pd.DataFrame, sessions: pd.DataFrame | None, part_tasks: in
     new_period = new_group | np.r_[True, s[1:] > reach[:-1]] | np.isnan(s)
     period_start = np.flatnonzero(new_period)
     sizes = np.diff(np.r_[period_start, n])
-    rows: list[np.ndarray] = []
-    parts: list[np.ndarray] = []
-    counted: list[np.ndarray] = []
-    spans: list[tuple[float, float] | None] = []
-    part = -1
+    pieces: list[tuple[np.ndarray, np.ndarray, int]] = []  # (task rows, counted, part)
+    spans: list[tuple[float, float] | None] = []  # (one a part: the part being filled is the last)
     filled = part_tasks  # (tasks in the part being filled: start a new one at once)
     for at, size in zip(period_start.tolist(), sizes.tolist()):
         if size > part_tasks:
             for piece_rows, piece_counted, span in _cut(order[at:at + size], s[at:at + size], e[at:at + size], part_tasks):
-                part += 1
-                rows.append(piece_rows)
-                counted.append(piece_counted)
-                parts.append(np.full(len(piece_rows), part))
                 spans.append(span)
+                pieces.append((piece_rows, piece_counted, len(spans) - 1))
             filled = part_tasks
             continue
         if filled + size > part_tasks:
-            part += 1
             spans.append(None)
             filled = 0
-        rows.append(order[at:at + size])
-        counted.append(np.ones(size, bool))
-        parts.append(np.full(size, part))
+        pieces.append((order[at:at + size], np.ones(size, bool), len(spans) - 1))
         filled += size
-    task_row = np.concatenate(rows)
-    part_of = np.concatenate(parts)
+    task_row = np.concatenate([r for r, _, _ in pieces])
+    part_of = np.concatenate([np.full(len(r), k) for r, _, k in pieces])
     # Within a part, tasks in the view's order.
     by = np.lexsort((task_row, part_of))
-    return Partition(task_row[by], part_of[by], np.concatenate(counted)[by], spans)
+    return Partition(task_row[by], part_of[by], np.concatenate([c for _, c, _ in pieces])[by], spans)
 
 
 def _cut(rows: np.ndarray, start: np.ndarray, end: np.ndarray, part_tasks: int

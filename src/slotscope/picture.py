@@ -132,12 +132,12 @@ def _offsets(tv: pd.DataFrame) -> pd.DataFrame:
     return pd.concat([tv.loc[ok, tl.GROUP], off], axis=1).groupby(tl.GROUP, dropna=False, observed=True)["offset_us"].median().reset_index()
 
 
+@dataclass(frozen=True)
 class _Clock:
     """Session seconds -> chart x: epoch ms on the wall clock, or server seconds as they are."""
 
-    def __init__(self, offsets: pd.DataFrame, wall: bool) -> None:
-        self.offsets = offsets
-        self.wall = wall
+    offsets: pd.DataFrame
+    wall: bool
 
     def __call__(self, df: pd.DataFrame, *cols: str) -> dict[str, Any]:
         if not self.wall:
@@ -165,13 +165,10 @@ def _lanes(tv: pd.DataFrame, sessions: pd.DataFrame) -> pd.DataFrame:
     lanes["slot"] = lanes["slot"].fillna(-1)
     lanes = lanes.drop_duplicates(tl.GROUP + ["slot"]).sort_values(tl.GROUP + ["slot"], kind="stable", ignore_index=True)
     lanes["lane"] = np.arange(len(lanes))
-    many_src = lanes[["source", "port"]].drop_duplicates().shape[0] > 1
-    many_sess = lanes[tl.GROUP].drop_duplicates().shape[0] > 1
-    slot = lanes["slot"].astype(np.int64).astype(str).replace("-1", "?")
-    label = "slot " + slot
-    if many_sess:
+    label = "slot " + lanes["slot"].astype(np.int64).astype(str).replace("-1", "?")
+    if len(lanes[tl.GROUP].drop_duplicates()) > 1:
         label = "s" + lanes["session"].astype(str) + " " + label
-    if many_src:
+    if len(lanes[["source", "port"]].drop_duplicates()) > 1:
         src = lanes["source"].astype(str).map(os.path.basename)
         port = lanes["port"].astype(np.int64)
         label = src.where(port < 0, src + ":" + port.astype(str)) + " " + label
@@ -702,27 +699,24 @@ td.n {{ text-align: right; font-variant-numeric: tabular-nums; }}
 
 def _lists_html(data: TimelineData) -> str:
     """The marked stalls and waits as plain tables under the chart (readable without JS too)."""
-    out = []
-    if len(data.stalls):
-        rows = "".join(
-            f"<tr><td>#{r.rank}</td><td>{html.escape(_lane_label(data, r.lane))}</td><td>task {r.task}</td>"
-            f"<td>{html.escape(str(r.purpose or ''))}</td><td class=n>{r.v:.2f} tok/s</td><td class=n>{r.tokens} tokens in {r.sec:.1f} s</td>"
-            f"<td>while {html.escape(r.clabel)} ran in {html.escape(_lane_label(data, r.clane))}</td><td>{html.escape(r.cwhere)}</td></tr>"
-            for r in data.stalls.itertuples(index=False))
-        out.append(f'<h2 id="stalls">Worst generation stalls and the prefill that caused them</h2><table>{rows}</table>')
-    if len(data.waits):
-        rows = "".join(
-            f"<tr><td>#{r.rank}</td><td>{html.escape(_lane_label(data, r.lane))}</td><td>task {r.task}</td>"
-            f"<td>{html.escape(str(r.purpose or ''))}</td><td class=n>{r.wait_s:.1f} s</td><td>{html.escape(r.cause)}</td>"
-            f"<td>{'held by task ' + str(r.htask) + ' in ' + html.escape(_lane_label(data, r.hlane)) if r.htask is not pd.NA else ''}</td>"
-            f"<td>{html.escape(r.where)}</td></tr>"
-            for r in data.waits.itertuples(index=False))
-        out.append(f'<h2 id="waits">Longest waits before prefill and the task that held the batch</h2><table>{rows}</table>')
-    return "\n".join(out)
+    def lane(v: float) -> str:
+        return html.escape("?" if v != v else str(data.lanes["label"].iloc[int(v)]))
 
+    def head(r: Any) -> str:
+        return f"<tr><td>#{r.rank}</td><td>{lane(r.lane)}</td><td>task {r.task}</td><td>{html.escape(str(r.purpose or ''))}</td>"
 
-def _lane_label(data: TimelineData, lane: float) -> str:
-    return "?" if lane != lane else str(data.lanes["label"].iloc[int(lane)])
+    stalls = "".join(
+        f"{head(r)}<td class=n>{r.v:.2f} tok/s</td><td class=n>{r.tokens} tokens in {r.sec:.1f} s</td>"
+        f"<td>while {html.escape(r.clabel)} ran in {lane(r.clane)}</td><td>{html.escape(r.cwhere)}</td></tr>"
+        for r in data.stalls.itertuples(index=False))
+    waits = "".join(
+        f"{head(r)}<td class=n>{r.wait_s:.1f} s</td><td>{html.escape(r.cause)}</td>"
+        f"<td>{'held by task ' + str(r.htask) + ' in ' + lane(r.hlane) if r.htask is not pd.NA else ''}</td>"
+        f"<td>{html.escape(r.where)}</td></tr>"
+        for r in data.waits.itertuples(index=False))
+    lists = {"stalls": ("Worst generation stalls and the prefill that caused them", stalls),
+             "waits": ("Longest waits before prefill and the task that held the batch", waits)}
+    return "\n".join(f'<h2 id="{k}">{title}</h2><table>{rows}</table>' for k, (title, rows) in lists.items() if rows)
 
 
 def page_html(data: TimelineData, after: str = "") -> str:

@@ -78,16 +78,11 @@ def phases(tv: pd.DataFrame) -> pd.DataFrame:
         "prefill": (ps, ft),
         "generation": (ft, rel),
     }
-    keep = ["source", "port", "session", "slot", "task_id", "purpose", "user", "lora", "prompt_tokens_new", "line"]
-    base = pd.DataFrame({c: column(tv, c) for c in keep})
+    base = pd.DataFrame({c: column(tv, c) for c in PHASE_COLUMNS if c not in ("phase", "start_s", "end_s")})
     parts = []
     for name, (a, b) in bounds.items():
         ok = b >= a  # (False where an end is NaN)
-        p = base[ok].copy()
-        p["phase"] = name
-        p["start_s"] = a[ok]
-        p["end_s"] = b[ok]
-        parts.append(p)
+        parts.append(base[ok].assign(phase=name, start_s=a[ok], end_s=b[ok]))
     out = pd.concat(parts, ignore_index=True)
     out["phase"] = pd.Categorical(out["phase"], categories=list(PHASES))
     out = out.sort_values(GROUP + ["start_s", "slot", "phase"], kind="stable", ignore_index=True)
@@ -349,7 +344,10 @@ class _Steps:
         # intervals begun by each breakpoint minus those ended by it
         count = np.searchsorted(np.sort(ivs[grp]), b[:-1], "right") - np.searchsorted(np.sort(ive[grp]), b[:-1], "right")
         if "covered" in need:
-            self.f1, self.f2 = _covered_by_step(b, count, has_own)
+            # Seconds covered by at least one interval (f1) and, with an own interval to leave
+            # out, by at least two (f2), from b[0] to each breakpoint.
+            f = [np.concatenate([[0.0], np.cumsum((count >= least) * np.diff(b))]) for least in ((1, 2) if has_own else (1,))]
+            self.f1, self.f2 = f[0], f[-1]
         if "max_count" in need:
             self.counts = _BlockRange(narrow(count), np.maximum)  # (counts in their narrowest type)
         del count
@@ -453,14 +451,6 @@ def overlap_arrays(
             if max_pos is not None:
                 g.largest(qi, pa, pz, max_pos, max_value)
     return covered, max_count, max_value, max_pos
-
-
-def _covered_by_step(b: np.ndarray, count: np.ndarray, has_own: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Seconds covered by at least one interval (``f1``) and, with an own interval to leave out,
-    by at least two (``f2``) from ``b[0]`` to each breakpoint."""
-    step = np.diff(b)
-    sums = [np.concatenate([[0.0], np.cumsum((count >= least) * step)]) for least in ((1, 2) if has_own else (1,))]
-    return sums[0], sums[-1]
 
 
 def clip_span(s: np.ndarray, e: np.ndarray, a: np.ndarray, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
