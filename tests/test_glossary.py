@@ -119,5 +119,8 @@ def test_captions_name_the_thresholds_the_tables_were_made_with(tmp_path: Path) 
     r = CliRunner().invoke(app, ["analyze", logs, "--wait-threshold", "5", "-o", str(tmp_path / "out") + "/"])
     assert r.exit_code == 0, r.output
     assert "Waits of 5 s or more" in (tmp_path / "out" / "findings.md").read_text()
+    r = CliRunner().invoke(app, ["analyze", logs, "--wait-threshold", "5", "--html", str(tmp_path / "r.html"), "-q"])
+    assert r.exit_code == 0, r.output
+    assert "Waits of 5 s or more" in (tmp_path / "r.html").read_text()
     said = CliRunner().invoke(app, ["explain", "waits"]).stdout
     assert "Waits of 1 s or more" in said

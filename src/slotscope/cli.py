@@ -452,7 +452,7 @@ def analyze(
         if html_out and table is None:
             from .picture import report_html
 
-            report_html(ds, tables, html_out)
+            report_html(ds, tables, html_out, opts)
             _say([f"wrote {html_out}"], quiet)
         if to_dir:
             written = export(ds, tables, out, fmt, raw_csv, opts)  # type: ignore[arg-type]

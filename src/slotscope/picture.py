@@ -769,10 +769,12 @@ def write_timeline(ds: Dataset, path: PathArg, since: When = None, until: When =
     return timeline_html(ds, path, since, until)
 
 
-def report_html(ds: Dataset, tables: Mapping[str, pd.DataFrame], path: PathArg) -> Path:
-    """The report's findings and tables followed by the timeline, in one self-contained HTML file."""
-    from .report import CAPTIONS, setup_line
+def report_html(ds: Dataset, tables: Mapping[str, pd.DataFrame], path: PathArg, opts: Any = None) -> Path:
+    """The report's findings and tables followed by the timeline, in one self-contained HTML file
+    (the captions name the thresholds of ``opts``, the options the tables were made with)."""
+    from .report import captions, setup_line
 
+    said_as = captions(opts)
     setup = setup_line(ds.server.sessions)
     parts = [f'<p class="note">{html.escape(setup)}</p>'] if setup else []
     findings = tables.get("findings")
@@ -782,7 +784,7 @@ def report_html(ds: Dataset, tables: Mapping[str, pd.DataFrame], path: PathArg) 
     for name, df in tables.items():
         if name == "findings":
             continue
-        cap = f'<p class="note">{html.escape(CAPTIONS[name])}</p>' if name in CAPTIONS else ""
+        cap = f'<p class="note">{html.escape(said_as[name])}</p>' if name in said_as else ""
         body = df.to_html(index=False, na_rep="", border=0, float_format=lambda v: f"{v:,.3g}" if abs(v) < 100 else f"{v:,.0f}")
         parts.append(f'<h2 id="table-{html.escape(name)}">{html.escape(name)}</h2>{cap}{body}')
     out = Path(path)
