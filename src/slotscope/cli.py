@@ -544,7 +544,7 @@ def compare_cmd(
 @command("whatif")
 def whatif_cmd(
     paths: PathsArg = None,
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="A setting to change: n_batch=N, n_ubatch=N, slots=N, lora=unified|as-logged|LABEL, ctx=N (repeat for several).", show_default=False)] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="A setting to change: n_batch=N, n_ubatch=N, slots=N, lora=unified|as-logged|LABEL, lora=\"LABEL where CONDITION\" (the calls the condition picks, as --where does, get LABEL), ctx=N (repeat for several).", show_default=False)] = None,
     sweep: Annotated[Optional[str], typer.Option("--sweep", help="One setting over several values, e.g. n_batch=256,512,1024,2048 (with the --set ones).")] = None,
     open_loop: Annotated[bool, typer.Option("--open-loop", help="Replay the calls at their logged send times (default: closed loop, users' think times).")] = False,
     table: Annotated[Optional[str], typer.Option("--table", "-t", help="Only this table: summary | pass-costs | pass-fit | settings | findings.")] = None,

@@ -85,10 +85,10 @@ WHERE_USAGE = ("a condition holds column names, numbers, quoted strings, lists o
                "== != < <= > >= in, not in, and or not, & | ~, + - * / // % **")
 
 
-def _check_where(expr: str, columns: pd.Index) -> None:
+def _check_where(expr: str, columns: pd.Index, flag: str = "--where") -> None:
     """Refuse a --where condition that holds more than column names, literals and operators."""
     def refuse(what: str) -> NoReturn:
-        raise WindowError(None, None, f"--where {expr!r}: {what}; {WHERE_USAGE}")
+        raise WindowError(None, None, f"{flag} {expr!r}: {what}; {WHERE_USAGE}")
 
     try:
         tree = ast.parse(expr.strip(), mode="eval")
@@ -101,7 +101,7 @@ def _check_where(expr: str, columns: pd.Index) -> None:
         if isinstance(node, ast.Constant) and not isinstance(node.value, (str, int, float, bool, type(None))):
             refuse(f"{node.value!r} is not a number or a string")
         if isinstance(node, ast.Name) and node.id not in columns:
-            raise WindowError(None, None, f"--where {expr!r}: no column {node.id!r}; columns: {', '.join(map(str, columns))}")
+            raise WindowError(None, None, f"{flag} {expr!r}: no column {node.id!r}; columns: {', '.join(map(str, columns))}")
 
 
 def where(df: pd.DataFrame, expr: str | None) -> pd.DataFrame:
@@ -114,3 +114,16 @@ def where(df: pd.DataFrame, expr: str | None) -> pd.DataFrame:
         return df.query(expr.strip(), engine="python")
     except Exception as e:  # noqa: BLE001 - any bad expression is the user's to fix
         raise WindowError(None, None, f"--where {expr!r}: {type(e).__name__}: {e}; columns: {', '.join(map(str, df.columns))}") from None
+
+
+def matching(df: pd.DataFrame, expr: str, flag: str = "--where") -> pd.Series:
+    """Whether each row matches a condition of the --where form (a missing value matches not);
+    ``flag`` names the option in an error."""
+    _check_where(expr, df.columns, flag)
+    try:
+        hit = df.eval(expr.strip(), engine="python")
+    except Exception as e:  # noqa: BLE001 - any bad expression is the user's to fix
+        raise WindowError(None, None, f"{flag} {expr!r}: {type(e).__name__}: {e}; columns: {', '.join(map(str, df.columns))}") from None
+    if not isinstance(hit, pd.Series) or len(hit) != len(df):
+        raise WindowError(None, None, f"{flag} {expr!r}: not a condition on each row; {WHERE_USAGE}")
+    return hit.fillna(False).astype(bool)

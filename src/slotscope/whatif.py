@@ -70,6 +70,7 @@ from .compare import resampled_stats
 from .dataset import Dataset, calls_of, task_view
 from .periods import PART_TASKS, Part
 from .errors import UsageError
+from .filters import matching
 from .output import print_table
 
 TABLE_NAMES = ["summary", "pass-costs", "pass-fit", "settings", "findings"]
@@ -110,8 +111,10 @@ _UNITS = {"ubatch": "per ubatch (n_ubatch piece) of a pass", "prompt_token": "pe
 class Settings:
     """Server settings of a replay; None (and ``lora="as-logged"``) keeps the logged value.
 
-    ``lora``: ``as-logged``, ``unified`` (every call with the setting most calls used) or a
-    label from the app log (``none``: no adapter). ``ctx`` is the whole context (``-c``),
+    ``lora``: ``as-logged``, ``unified`` (every call with the setting most calls used), a
+    label from the app log (``none``: no adapter), or ``LABEL where CONDITION``: the calls the
+    condition picks (a ``--where`` condition on the calls' columns) get LABEL, the rest keep
+    theirs. ``ctx`` is the whole context (``-c``),
     shared by the slots as llama-server shares it (``kv_unified = false``).
     """
 
@@ -649,6 +652,20 @@ class Resolved:
     slots: int
     ctx: int
     unify: str | None  # the one LoRA label every call gets, None: as logged
+    assign: tuple[str, str] | None = None  # (label, condition): the calls matching it get the label
+
+
+def lora_labels(w: Workload, r: Resolved) -> list[str]:
+    """Each call's LoRA setting in the replay: the one of ``unify``, else as logged but for the
+    calls ``assign``'s condition picks, which get its label."""
+    if r.unify is not None:
+        return [r.unify] * len(w.lora)
+    labels = list(w.lora)
+    if r.assign is not None:
+        label, condition = r.assign
+        for i in np.flatnonzero(matching(w.tv, condition, "--set lora=LABEL where").to_numpy()):
+            labels[i] = label
+    return labels
 
 
 @dataclass
@@ -683,7 +700,7 @@ def replay(w: Workload, r: Resolved, costs: PassCosts, open_loop: bool = False,
     res = Replay(slot=np.full(n, -1), send=np.full(n, np.nan), launch=np.full(n, np.nan),
                  prefill_start=np.full(n, np.nan), first_token=np.full(n, np.nan), release=np.full(n, np.nan),
                  n_gen=np.zeros(n, dtype=np.int64), new=w.new.copy(), cached=w.cached.copy(), refused=np.zeros(n, dtype=bool),
-                 lora=[r.unify if r.unify is not None else x for x in w.lora], heartbeats=[], progress=[], passes=0)
+                 lora=lora_labels(w, r), heartbeats=[], progress=[], passes=0)
     target = w.n_gen.copy()  # (shortened where a generation would overflow the slot's context)
     for g in np.unique(w.group):
         _Session(w, r, costs, res, np.flatnonzero(w.group == g), open_loop or not w.closed, target).run(on_idle)
@@ -1206,7 +1223,14 @@ def resolve(settings: Settings, logged: Resolved, w: Workload) -> Resolved:
     n_batch = settings.n_batch or logged.n_batch
     n_ubatch = min(settings.n_ubatch or (min(logged.n_ubatch, n_batch) if settings.n_batch is None else min(DEFAULT_N_UBATCH, n_batch)), n_batch)
     unify: str | None = None
-    if settings.lora == "unified":
+    assign: tuple[str, str] | None = None
+    label, where, condition = settings.lora.partition(" where ")
+    if where:  # (any label: an adapter setting the logs never show is a what-if too)
+        if not label.strip() or not condition.strip():
+            raise UsageError(None, None, f"lora={settings.lora!r}: give lora=LABEL where CONDITION")
+        assign = (label.strip(), condition.strip())
+        matching(w.tv, assign[1], "--set lora=LABEL where")  # (a bad condition is said now, once)
+    elif settings.lora == "unified":
         counts = pd.Series(w.lora, dtype="object").value_counts()
         unify = str(counts.index[0]) if len(counts) else NO_ADAPTER
     elif settings.lora not in ("as-logged", ""):
@@ -1215,16 +1239,16 @@ def resolve(settings: Settings, logged: Resolved, w: Workload) -> Resolved:
                              f"{', '.join(sorted(set(w.lora)))} (or give unified, as-logged, {NO_ADAPTER})")
         unify = settings.lora
     return Resolved(n_batch=n_batch, n_ubatch=n_ubatch, slots=settings.slots or logged.slots,
-                    ctx=settings.ctx or logged.ctx, unify=unify)
+                    ctx=settings.ctx or logged.ctx, unify=unify, assign=assign)
 
 
-def _extrapolates(r: Resolved, costs: PassCosts, w: Workload, unify: str | None) -> list[str]:
+def _extrapolates(r: Resolved, costs: PassCosts, w: Workload) -> list[str]:
     notes = []
     if r.n_batch > costs.max_pass_tokens > 0:
         notes.append(f"passes of up to {r.n_batch} tokens; the logs show at most {costs.max_pass_tokens}")
     if r.slots > costs.max_gen_slots + 1 and costs.max_gen_slots > 0:
         notes.append(f"{r.slots} slots; the logs show at most {costs.max_gen_slots} generating at once")
-    labels = {unify} if unify is not None else set(w.lora)
+    labels = set(lora_labels(w, r))
     if any(x != NO_ADAPTER for x in labels) and costs.observations.get("lora_token", 0) == 0:
         notes.append("passes with an adapter on, which the logs never show timed: their extra cost is taken as 0")
     return notes
@@ -1345,7 +1369,7 @@ def run(ds: Dataset, settings: Settings | Sequence[Settings] | None = None, *, o
         same = r == logged
         what_s = base_s if same else measure(ds, lg, r, open_loop, opts)
         label = st.label()
-        notes = _extrapolates(r, costs, w, r.unify)
+        notes = _extrapolates(r, costs, w)
         for name, s in what_s.items():
             rng = np.random.default_rng([seed, len(name), sum(map(ord, name + label))])
             lo, hi = _interval(s, rng, n_boot)
@@ -1357,7 +1381,9 @@ def run(ds: Dataset, settings: Settings | Sequence[Settings] | None = None, *, o
             set_rows.append({"setting": label, "name": name, "logged": getattr(logged, name), "whatif": getattr(r, name),
                              "note": _setting_note(name)})
         set_rows.append({"setting": label, "name": "lora", "logged": "as logged (" + ", ".join(sorted(set(w.lora))) + ")",
-                         "whatif": r.unify if r.unify is not None else "as logged", "note": ""})
+                         "whatif": r.unify if r.unify is not None else
+                         f"{r.assign[0]} where {r.assign[1]}, else as logged" if r.assign is not None else "as logged",
+                         "note": ""})
         set_rows.append({"setting": label, "name": "workload", "logged": "", "whatif":
                          "closed loop (think times)" if w.closed and not open_loop else "open loop (send times)",
                          "note": "; ".join(notes) if notes else ""})
