@@ -365,3 +365,23 @@ def test_a_call_cut_off_mid_stream_gets_its_first_token_from_the_heartbeats() ->
         want = truth[r.call_id]
         assert want["error"] == "stream ended without final chunk" and want["first_token_ms"] is not None
         assert abs(r.ttft_ms - want["first_token_ms"]) <= 10
+
+
+def test_calls_with_only_a_start_say_why_and_match_by_it_with_a_server_start(tmp_path: Path) -> None:
+    """An app log with start times alone (no end, no counts): nothing aligns the clocks, and the
+    calls say so (no_clock, not no_server_log); with --server-start each takes the task launched
+    soonest after its start, flagged ambiguous, and the truth says which are right."""
+    truth = {c["id"]: c for c in load_truth("before")}
+    recs = [{k: r[k] for k in ("id", "start", "purpose", "user")} for r in _app_records("before")]
+    (tmp_path / "llama-server.log").write_bytes((REAL / "before" / "logs" / "llama-server.log").read_bytes())
+    _write_app(tmp_path / "app.jsonl", recs)
+    calls = load([tmp_path]).matches.calls
+    assert (calls["match_method"] == "unmatched:no_clock").all()
+    start = pd.Timestamp(load_meta("before")["server_start_wall_iso"])
+    ds = load([tmp_path], server_start=start)
+    calls = ds.matches.calls
+    assert (calls["match_method"] == "start:ambiguous").all() and (calls["confidence"] < 0.5).all()
+    tasks = ds.tasks.set_index(["source", "session", "task_id"])
+    right = sum(_timing_equal(tasks.loc[(r.source, r.session, r.task_id)], truth[r.call_id]["timings"])
+                for r in calls.itertuples(index=False))
+    assert right >= 0.9 * len(calls)  # (41 of 45: two pairs of calls sent within a second swap)

@@ -340,7 +340,8 @@ def _session_row(s: pd.Series, vote: Vote | None, timed: bool, server_start: pd.
         if abs(skew) > 1:
             row["warning"] = f"the app's clock is {skew:+.1f} s off the server's wall clock; aligned by the app log"
     if row["method"] == "none":
-        row["warning"] = "no clock anchor: no wrapper stamps and no app call whose token counts match a task"
+        row["warning"] = ("no clock anchor: no wrapper stamps and no app call whose token counts match a task; "
+                          "--server-start gives the wall time of the server's clock zero")
     return row
 
 

@@ -7,6 +7,7 @@ Evidence, strongest first:
                  launch lies inside [call start, call end] on the aligned clock
 ``time``         no token agreement possible (e.g. a call cut off by a restart): the launch lies
                  inside the call and the release is at the call's end
+``start``        a call logged without an end or counts: the task launched soonest after its start
 
 Pairs that are unique both ways are confident. When a call has several candidates (or a task
 several calls), ties are resolved by time (the earliest launch after the call's start) and
@@ -201,11 +202,15 @@ def match(calls: pd.DataFrame | Columns, tasks: pd.DataFrame, aligned: pd.DataFr
     tokens = same_prompt & (p.call("completion_tokens") == p.task("n_gen"))
     found += _assign(p.frame(tokens, taken_c, taken_t), "tokens+time", 0.99, taken_c, taken_t)
     del tokens, same_prompt
-    release = p.task("release_us")
-    agree &= np.isnan(release) | (np.abs(p.call("end_us") - release) < 1e6)
-    del release
-    found += _assign(p.frame(agree, taken_c, taken_t), "time", 0.5, taken_c, taken_t)
-    del p, agree
+    release, end = p.task("release_us"), p.call("end_us")
+    no_end = np.isnan(end)
+    at_end = agree & (np.isnan(release) | (np.abs(end - release) < 1e6))
+    del release, end
+    found += _assign(p.frame(at_end, taken_c, taken_t), "time", 0.5, taken_c, taken_t)
+    # A call the app logged with neither an end nor counts: only its start says which task is
+    # its own, the one launched soonest after it (one to one, in order of that gap).
+    found += _assign(p.frame(agree & no_end, taken_c, taken_t), "start", 0.3, taken_c, taken_t)
+    del p, agree, at_end, no_end
 
     joined = _Joined(cl, tk, us, _pairs_table(found))
     joined.fill_method(_unmatched_reason(cl, np.flatnonzero(~taken_c), us["launch_us"], taken_t, aligned, sessions, tol))
@@ -303,11 +308,16 @@ def _unmatched_reason(cl: pd.DataFrame, rows: np.ndarray, launch_us: np.ndarray,
     failed = ~cl["ok"].to_numpy(dtype=bool)[rows] if "ok" in cl else np.zeros(len(rows), bool)
     # A reason's place in _REASONS per call (the texts themselves as numpy strings would
     # take ~100 bytes a call, twice).
-    code = np.select([~covered, failed, in_window], [0, 1, 2], 3)
+    # A server session the clocks could not be aligned for (the app log gave neither counts nor
+    # end times to align on, and no --server-start): its tasks have no time on the app's clock.
+    no_clock = bool(len(sessions)) and not np.isfinite(span["offset_us"].to_numpy(dtype=float)).all() \
+        if len(span) else bool(len(sessions))
+    code = np.select([~covered & no_clock, ~covered, failed, in_window], [4, 0, 1, 2], 3)
     return pd.Series(np.asarray(_REASONS, dtype=object)[code], index=cl.index[rows])
 
 
-_REASONS = ["unmatched:no_server_log", "unmatched:call_failed", "unmatched:token_mismatch", "unmatched:no_task_in_window"]
+_REASONS = ["unmatched:no_server_log", "unmatched:call_failed", "unmatched:token_mismatch", "unmatched:no_task_in_window",
+            "unmatched:no_clock"]
 
 
 def _ms(us: pd.Series) -> pd.Series:
