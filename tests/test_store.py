@@ -266,3 +266,19 @@ def test_buckets_read_back_each_part_sorted_by_row_whatever_went_to_disk(monkeyp
         assert got["row"].tolist() == list(np.flatnonzero(part == k))
         pd.testing.assert_frame_equal(got.drop(columns="row"), want.reset_index(drop=True))
     b.discard()
+
+
+@pytest.mark.parametrize("command", ["analyze", "whatif"])
+def test_temporary_files_go_without_a_warning(command: str, tmp_path: "os.PathLike[str]") -> None:
+    """The tables a run keeps on disk are removed at its end, silently, even in Python's
+    development mode (which shows the ResourceWarning a TemporaryDirectory gives there), and
+    nothing is left in TMPDIR."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-X", "dev", "-W", "always::ResourceWarning", "-m", "slotscope", command,
+                        str(REAL / "before" / "logs")], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "ResourceWarning" not in r.stderr
+    assert os.listdir(tmp_path) == []

@@ -119,7 +119,7 @@ class OllamaLogs:
     wrappers: dict[str, str | None] = field(default_factory=dict)
     zones: dict[str, str] = field(default_factory=dict)  # by source: the zone its times were written in
     runner: list[list[LogFile]] = field(default_factory=list)
-    tmp: "tempfile.TemporaryDirectory[str] | None" = None
+    tmp: "store.TempDir | None" = None
 
     @property
     def found(self) -> bool:

@@ -24,6 +24,7 @@ import os
 import pickle
 import shutil
 import tempfile
+import weakref
 from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -87,7 +88,7 @@ class ColumnWriter:
 
     def __init__(self, what: str = "table") -> None:
         self.what = what
-        self._tmp: "tempfile.TemporaryDirectory[str] | None" = None  # (made for the first file)
+        self._tmp: TempDir | None = None  # (made for the first file)
         self.files: dict[str, str] = {}
         self.dtypes: dict[str, Any] = {}
         self.n: int | None = None
@@ -231,7 +232,7 @@ class StoredTable:
     """One DataFrame (with the default index 0..n-1) on disk, a file per column (see
     :class:`ColumnWriter`), or a small one held in memory."""
 
-    _tmp: "tempfile.TemporaryDirectory[str] | None"
+    _tmp: TempDir | None
     files: dict[str, str]
     _built: pd.DataFrame | None  # the whole table, once read whole (a small one: always)
     _ends: np.ndarray | None  # where the stored batches end (see take)
@@ -511,7 +512,7 @@ class Buckets:
 
     def __init__(self, n_parts: int, names: Sequence[str]) -> None:
         self.n_parts, self.names = n_parts, list(names)
-        self._tmp: "tempfile.TemporaryDirectory[str] | None" = None
+        self._tmp: TempDir | None = None
         self._held: dict[str, list[pa.Table]] = {}
         self._held_bytes = 0
         self._batches: dict[tuple[str, int], list[tuple[str, int]]] = {}  # (table, part) -> (file, batch)
@@ -604,11 +605,24 @@ def _part_slices(table: pa.Table) -> Iterator[tuple[int, pa.RecordBatch]]:
         yield int(parts[lo]), table.slice(lo, hi - lo).combine_chunks().to_batches()[0]
 
 
-def temp_dir(what: str, prefix: str = "slotscope-") -> "tempfile.TemporaryDirectory[str]":
+class TempDir:
+    """A directory of the temporary directory, removed by :meth:`cleanup`, or when its owner
+    is collected or the program ends. (tempfile.TemporaryDirectory warns when it is removed
+    that way; a dataset's tables live on disk until then by design.)"""
+
+    def __init__(self, prefix: str) -> None:
+        self.name = tempfile.mkdtemp(prefix=prefix)
+        self._remove = weakref.finalize(self, shutil.rmtree, self.name, ignore_errors=True)
+
+    def cleanup(self) -> None:
+        self._remove()
+
+
+def temp_dir(what: str, prefix: str = "slotscope-") -> TempDir:
     """A new directory in the temporary directory, for ``what`` (named in the error)."""
     _check_tmpdir(what)
     try:
-        return tempfile.TemporaryDirectory(prefix=prefix)
+        return TempDir(prefix)
     except OSError as e:
         raise _disk_error(e, what) from None
 
@@ -671,7 +685,7 @@ class Chunks:
 
     def __init__(self, what: str) -> None:
         self.what = what  # for the message when the disk is full
-        self._tmp: "tempfile.TemporaryDirectory[str] | None" = None
+        self._tmp: TempDir | None = None
         self.paths: list[str] = []
 
     def write(self, cols: dict[str, np.ndarray]) -> str:
