@@ -376,3 +376,27 @@ def test_help_and_the_glossary_import_no_pandas(args: list[str]) -> None:
             "print(sorted(m for m in ('pandas', 'pyarrow', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("shape,said", [
+    ("array", "a JSON array; app call logs are read as one JSON object per line (JSONL): convert it first, e.g. jq -c '.[]' FILE"),
+    ("pretty", "pretty-printed JSON; app call logs are read as one JSON object per line (JSONL): convert it first, e.g. jq -c . FILE"),
+    ("utf-16", "UTF-16 text; slotscope reads UTF-8: convert it first, e.g. iconv -f UTF-16 -t UTF-8 FILE"),
+    ("utf-16-le", "UTF-16 text; slotscope reads UTF-8"),
+])
+def test_an_app_log_in_another_shape_says_what_it_is_and_how_to_convert(tmp_path: Path, shape: str, said: str) -> None:
+    """The real app log as a JSON array, one pretty-printed record, or UTF-16 (with or without a
+    BOM): one error line that names what was seen and the command that converts it."""
+    import json
+
+    records = [json.loads(line) for line in (REAL / "before" / "logs" / "app.jsonl").read_text().splitlines()]
+    f = tmp_path / "calls.json"
+    if shape == "array":
+        f.write_text(json.dumps(records))
+    elif shape == "pretty":
+        f.write_text(json.dumps(records[0], indent=2))
+    else:
+        f.write_bytes("".join(json.dumps(r) + "\n" for r in records).encode(shape))
+    res = run("calls", str(f))
+    assert res.exit_code == 1 and "Traceback" not in res.stderr
+    assert res.stderr.strip().startswith(f"error: {f}: {said}")

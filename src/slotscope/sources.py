@@ -168,6 +168,9 @@ def sniff(head: bytes) -> Kind | str:
     if not head.strip():
         return "empty file"
     sample = head[:SNIFF_BYTES]
+    seen = _other_encoding_or_shape(sample)
+    if seen:
+        return seen
     # By the share of text: a stray NUL (a crash, a disk hiccup) leaves a text log a text log.
     text_like = sum(1 for b in sample[:4096] if b >= 32 or b in (9, 10, 13, 27))
     if text_like < 0.9 * min(len(sample), 4096):
@@ -179,6 +182,26 @@ def sniff(head: bytes) -> Kind | str:
     if _SERVER_HINTS.search(sample):
         return "server"
     return "neither a llama-server log nor an app call log"
+
+
+def _other_encoding_or_shape(sample: bytes) -> str | None:
+    """What a file is when it holds the logs in a form slotscope does not read, with how to
+    convert it: UTF-16 text, or JSON records as one array or pretty-printed (app logs are read
+    as one JSON object per line); None otherwise."""
+    utf16 = sample[:2] in (b"\xff\xfe", b"\xfe\xff") or (
+        len(sample) >= 64 and (sample[1:64:2].count(0) > 28 or sample[0:64:2].count(0) > 28))
+    if utf16:
+        return ("UTF-16 text; slotscope reads UTF-8: convert it first, e.g. "
+                "iconv -f UTF-16 -t UTF-8 FILE > FILE.utf8")
+    lines = sample.lstrip(b"\xef\xbb\xbf \t\r\n").split(b"\n", 2)
+    first = lines[0].strip()
+    if first.startswith(b"[") and (first == b"[" or first.startswith(b"[{") or first.startswith(b"[ {")):
+        return ("a JSON array; app call logs are read as one JSON object per line (JSONL): convert it first, "
+                "e.g. jq -c '.[]' FILE > calls.jsonl")
+    if first == b"{" and len(lines) > 1 and lines[1].lstrip().startswith(b'"'):
+        return ("pretty-printed JSON; app call logs are read as one JSON object per line (JSONL): convert it "
+                "first, e.g. jq -c . FILE > calls.jsonl")
+    return None
 
 
 def collect(paths: Sequence[str | os.PathLike[str]]) -> Inputs:
