@@ -9,6 +9,7 @@ loaded, empty, or a :class:`Problem` naming its file and line.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import math
@@ -17,9 +18,9 @@ import re
 import tomllib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, islice, repeat
+from itertools import chain, islice
 from os import PathLike, fspath
-from typing import Any, BinaryIO, cast
+from typing import Any, BinaryIO
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import numpy as np
@@ -56,8 +57,7 @@ SPAN_BYTES = CHUNK_SIZE  # a plain JSONL file is read in parts of this size by w
 _Rows = Iterator[tuple[int, dict[str, Any]]]  # (1-based line, record)
 _EXTRA = "\x00extra"  # marks a CSV row with more cells than the header
 _OK_WORDS = {"ok", "success", "succeeded", "completed", "done"}
-_AWARE = r"\d\d:\d\d(?::\d\d(?:[.,]\d+)?)?\s*(?:Z|z|UTC|[+-]\d\d(?::?\d\d)?)$"
-_AWARE_RE = re.compile(_AWARE)
+_AWARE_RE = re.compile(r"\d\d:\d\d(?::\d\d(?:[.,]\d+)?)?\s*(?:Z|z|UTC|[+-]\d\d(?::?\d\d)?)$")  # a zone given
 
 
 @dataclass(frozen=True)
@@ -205,21 +205,8 @@ def lora_label(value: Any) -> str:
 
 
 def _lora_labels(values: Sequence[Any]) -> list[str]:
-    """:func:`lora_label` of each value (``_Labels`` pyarrow's reading made are passed on);
-    a text or null is labelled once (a log has a few), anything else each time."""
-    if isinstance(values, _Labels):
-        return values
-    seen: dict[str | None, str] = {}
-    out = []
-    for v in values:
-        if v is None or isinstance(v, str):
-            label = seen.get(v)
-            if label is None:
-                label = seen[v] = lora_label(v)
-        else:
-            label = lora_label(v)
-        out.append(label)
-    return out
+    """:func:`lora_label` of each value (``_Labels`` pyarrow's reading made are passed on)."""
+    return values if isinstance(values, _Labels) else [lora_label(v) for v in values]
 
 
 def read_app_logs(
@@ -257,7 +244,7 @@ def read_app_log_stream(
     else:
         blocks, pool = iter_chunks(stream, name, SPAN_BYTES), None
     tally = _Tally()
-    return _finish(_parse(name, blocks, columns, tz, tally, _keep(on_disk), pool), tally, on_disk)
+    return _finish(_parse(name, blocks, columns, tz, tally, on_disk, pool), tally, on_disk)
 
 
 def read_app_log_lines(
@@ -270,13 +257,7 @@ def read_app_log_lines(
     blocks = (b"".join(ln if ln.endswith(b"\n") else ln + b"\n" for ln in batch)
               for batch in iter(lambda: list(islice(lines, CHUNK_ROWS)), []))
     tally = _Tally()
-    return _finish(_parse(name, blocks, columns, tz, tally, _keep(on_disk)), tally, on_disk)
-
-
-def _keep(on_disk: bool) -> Callable[[pd.DataFrame], "pd.DataFrame | store.StoredTable"]:
-    """How a chunk's table waits for :func:`_finish`: as it is, or on disk (then
-    :func:`_finish` reads them a column at a time)."""
-    return (lambda f: store.StoredTable(f, "app log chunk")) if on_disk else (lambda f: f)
+    return _finish(_parse(name, blocks, columns, tz, tally, on_disk), tally, on_disk)
 
 
 def _block_lines(block: bytes) -> list[bytes]:
@@ -295,11 +276,13 @@ def _zone(tz: str | None) -> str:
 
 def _parse(
     name: str, blocks: Iterable[bytes | Span], columns: Mapping[str, str] | None, tz: str | None, tally: _Tally,
-    keep: Callable[[pd.DataFrame], Any] = lambda f: f, pool: Pool | None = None,
+    on_disk: bool = False, pool: Pool | None = None,
 ) -> list[Any]:
-    """The chunks' tables of one log (each as ``keep`` makes it, e.g. on disk), from its blocks
-    of whole lines. JSONL: each block read on its own (by the pool's workers, if any), by
-    pyarrow where it can be (see :func:`_arrow_fields`); CSV: line by line."""
+    """The chunks' tables of one log (``on_disk``: each waits on disk, and :func:`_finish`
+    reads them a column at a time), from its blocks of whole lines. JSONL: each block read on
+    its own (by the pool's workers, if any), by pyarrow where it can be (see
+    :func:`_arrow_fields`); CSV: line by line."""
+    keep = (lambda f: store.StoredTable(f, "app log chunk")) if on_disk else (lambda f: f)
     zone, override = _zone(tz), _checked(columns or {})
     tally.files.setdefault(name, len(tally.files))
     tally.header_line = None
@@ -375,7 +358,7 @@ def _json_rows(name: str, numbered: Iterable[tuple[int, str]], tally: _Tally) ->
             tally.empty_lines += 1
             continue
         try:
-            rec = _json(text)
+            rec = json.loads(text)
         except json.JSONDecodeError as e:
             tally.drop(name, lineno, f"invalid JSON: {e.msg} (column {e.colno})")
             continue
@@ -400,23 +383,6 @@ def _no_surrogates(value: Any) -> Any:
     if isinstance(value, list):
         return [_no_surrogates(v) for v in value]
     return value
-
-
-_raw_decode = json.JSONDecoder().raw_decode
-_JSON_SPACE = " \t\n\r"
-
-
-def _json(text: str) -> Any:
-    """``json.loads(text)``, without its two whitespace regex matches per call when the line is
-    plain JSON (a third of the time of reading a large app log); the same result or error."""
-    s = text.lstrip(_JSON_SPACE)
-    try:
-        obj, end = _raw_decode(s)
-    except json.JSONDecodeError:
-        return json.loads(text)  # the error as json.loads words and places it
-    if end != len(s) and s[end:].strip(_JSON_SPACE):
-        return json.loads(text)
-    return obj
 
 
 def _csv_rows(name: str, numbered: Iterable[tuple[int, str]], tally: _Tally) -> _Rows:
@@ -557,9 +523,7 @@ def _object_lines(block: bytes) -> int | None:
     ends = np.flatnonzero(buf == _NL)
     if not len(ends) or ends[-1] != len(buf) - 1:
         ends = np.append(ends, len(buf))
-    starts = np.empty_like(ends)
-    starts[0] = 0
-    starts[1:] = ends[:-1] + 1
+    starts = np.concatenate(([0], ends[:-1] + 1))
     last = ends - 1
     last -= buf[np.maximum(last, 0)] == _CR
     # (an empty line's first byte is its newline: it fails the first test)
@@ -613,9 +577,7 @@ def _hidden_by_later_name(there: list[pa.Array]) -> bool:
     a row where a later one is set (a record without it is read from the later name)."""
     if len(there) < 2:
         return False
-    later = there[1].is_valid()
-    for arr in there[2:]:
-        later = pc.or_(later, arr.is_valid())
+    later = functools.reduce(pc.or_, [arr.is_valid() for arr in there[1:]])
     return bool(pc.any(pc.and_(later, there[0].is_null())).as_py())
 
 
@@ -679,9 +641,8 @@ def _arrow_lora_labels(arr: pa.Array) -> _Labels | None:
         key = arr
     else:
         return None
-    codes = pc.dictionary_encode(key).combine_chunks() if isinstance(key, pa.ChunkedArray) else pc.dictionary_encode(key)
-    idx = codes.indices.to_numpy(zero_copy_only=False) if not codes.indices.null_count else \
-        codes.indices.fill_null(len(codes.dictionary)).to_numpy(zero_copy_only=False)
+    codes = pc.dictionary_encode(key)
+    idx = codes.indices.fill_null(len(codes.dictionary)).to_numpy(zero_copy_only=False)
     _, first = np.unique(idx, return_index=True)
     table = np.empty(len(codes.dictionary) + 1, dtype=object)
     for row in first.tolist():
@@ -699,8 +660,6 @@ def _exact_text(arr: pa.Array) -> pa.Array:
 
 
 def _pluck(records: Sequence[Mapping[str, Any]], path: tuple[str, ...]) -> list[Any]:
-    if len(path) == 1:
-        return list(map(dict.get, cast(Sequence[dict[str, Any]], records), repeat(path[0])))  # a C loop: the records are dicts
     out = []
     for r in records:
         v: Any = r
@@ -710,25 +669,8 @@ def _pluck(records: Sequence[Mapping[str, Any]], path: tuple[str, ...]) -> list[
     return out
 
 
-_PLAIN_NUMBERS = {int, float, type(None)}
-
-
 def _numbers(values: Sequence[Any]) -> tuple[pd.Series, np.ndarray]:
     """The values as floats (NaN where missing or unusable) and where a value was unusable."""
-    if isinstance(values, np.ndarray) and values.dtype == np.float64:  # numbers pyarrow read (all below 2**53)
-        num = values.copy()
-        bad = np.isinf(num)
-        num[bad] = np.nan
-        return pd.Series(num), bad
-    if set(map(type, values)) <= _PLAIN_NUMBERS:  # JSON numbers: no parsing, same floats
-        try:
-            num = np.array(values, dtype=np.float64)
-        except OverflowError:  # an integer beyond any float (hundreds of digits): as below
-            num = np.array([np.inf])
-        if not (np.abs(num) >= 2.0**53).any():  # ints a float holds exactly (else as below)
-            bad = np.isinf(num)
-            num[bad] = np.nan
-            return pd.Series(num), bad
     raw = pd.Series(values, dtype=object)
     try:
         num = pd.to_numeric(raw, errors="coerce").astype("float64")
@@ -751,44 +693,23 @@ def _times_us(values: Sequence[Any], zone: str) -> tuple[pd.Series, np.ndarray, 
     """Epoch µs (float, NaN where unusable), the bad mask, and how many were read in ``zone``."""
     # Text with a colon is a clock time, never a number: only the rest is tried as one.
     clock = np.fromiter((isinstance(v, str) and ":" in v for v in values), dtype=bool, count=len(values))
-    if clock.any():
-        num = pd.Series(np.full(len(values), np.nan))
-        rest = np.flatnonzero(~clock)
-        if len(rest):
-            num.iloc[rest] = _numbers([values[i] for i in rest.tolist()])[0].to_numpy()
-    else:
-        num, _ = _numbers(values)
+    num = pd.Series(np.full(len(values), np.nan))
+    rest = np.flatnonzero(~clock)
+    if len(rest):
+        num.iloc[rest] = _numbers([values[i] for i in rest.tolist()])[0].to_numpy()
     mag = num.abs()
     us = num * np.select([mag < 1e11, mag < 1e14, mag < 1e17], [1e6, 1e3, 1.0], 1e-3)  # s, ms, µs, ns
     raw = pd.Series(values, dtype=object)
     text = raw[num.isna() & raw.notna()].astype(str)
     # (a copy: pandas 2.2 marks what a .dt method returns, and warns on stderr when it is changed)
     parsed = pd.to_datetime(text, format="ISO8601", utc=True, errors="coerce").dt.as_unit("us").copy()
-    naive = pd.Series(~_zone_given(text), index=text.index, dtype=bool) & parsed.notna()
+    naive = ~text.str.contains(_AWARE_RE) & parsed.notna()
     if naive.any() and zone != "UTC":  # parsed as UTC wall time: re-read that wall time in `zone`
         local = parsed[naive].dt.tz_localize(None).dt.tz_localize(zone, ambiguous="NaT", nonexistent="NaT")
         parsed[naive] = local.dt.tz_convert("UTC")
     us[text.index] = np.where(parsed.notna(), parsed.array.asi8, np.nan)
     us = us.round()
     return us, (raw.notna() & us.isna()).to_numpy(), int(naive.sum())
-
-
-def _zone_given(text: pd.Series) -> np.ndarray:
-    """Whether each text ends with a zone (``_AWARE_RE.search``), one pyarrow (re2) search for
-    the texts where both engines read the pattern alike: ASCII (Python's ``\\d``/``\\s`` take
-    other digits and spaces), no vertical tab (not a space to re2), no newline (Python's ``$``
-    also matches before a final one). The others, if any, one by one."""
-    if not len(text):
-        return np.zeros(0, dtype=bool)
-    values = text.array if isinstance(text.dtype, pd.StringDtype) else text.to_numpy(dtype=object)
-    arr = pa.array(values, type=pa.large_string())
-    found = pc.match_substring_regex(arr, _AWARE).to_numpy(zero_copy_only=False)
-    other = pc.or_(pc.invert(pc.string_is_ascii(arr)), pc.match_substring_regex(arr, "[\\n\\v]"))
-    if pc.any(other).as_py():
-        aware = _AWARE_RE.search
-        for i in np.flatnonzero(other.to_numpy(zero_copy_only=False)):
-            found[i] = aware(text.iloc[i]) is not None
-    return found
 
 
 def _text(values: Sequence[Any]) -> pd.Series:
@@ -910,8 +831,7 @@ def _repeats(col: pd.Series) -> int:
     table of Python strings (several times the size of the sorted values)."""
     values = pa.array(col.array)  # (pyarrow's own where pandas keeps it so)
     nulls = values.null_count
-    if nulls:
-        values = values.drop_null()
+    values = values.drop_null()
     if len(values) < 2:
         return max(nulls - 1, 0)
     ordered = values.take(pc.sort_indices(values))
@@ -964,7 +884,7 @@ class _Chunks:
 
 def _finish(frames: list[Any], tally: _Tally, on_disk: bool = False) -> AppLog:
     """The calls table of the chunks' tables (``frames``, emptied), sorted by start, and its
-    accounting. ``on_disk``: the chunks wait on disk (see :func:`_keep`) and each finished
+    accounting. ``on_disk``: the chunks wait on disk (see :func:`_parse`) and each finished
     column goes there.
 
     The chunks are joined a column at a time, each sorted and cast to its dtype as it is

@@ -146,10 +146,6 @@ def _split(block: bytes, last_ends: bool) -> pa.StringArray:
     return pa.StringArray.from_buffers(len(off) - 1, pa.py_buffer(off), pa.py_buffer(block))
 
 
-def _without_newline(lines: pa.Array) -> pa.Array:
-    return pc.utf8_rtrim(lines, characters="\n")
-
-
 # --------------------------------------------------------------------------- FAST_PATTERN
 
 def _nonempty(col: pa.Array) -> np.ndarray:
@@ -275,7 +271,7 @@ def _block_lines(chunk: bytes, state: StreamState, account: FileAccount) -> tupl
     lines = _split(_clean(chunk), chunk.endswith(b"\n"))  # cleaning never adds or removes a newline
     wall = np.full(len(lines), -1, dtype=np.int64)
     if wrapper is not None:
-        bare, wall = prefixes.strip(_without_newline(lines), wrapper, state.year, state.tz, state.header_wall)
+        bare, wall = prefixes.strip(pc.utf8_rtrim(lines, characters="\n"), wrapper, state.year, state.tz, state.header_wall)
         lines = pc.binary_join_element_wise(bare, "", "\n")
         if wrapper.stamp == "header" and len(wall):
             state.header_wall = int(wall[-1])
@@ -348,7 +344,7 @@ def _read_lines(lines: pa.Array) -> _Exact:
                   text={r: t for r, t in sc.text.items() if sc.known[r]})  # MODEL/BUILD rows -> their text
     asked = np.flatnonzero(~sc.known)
     if len(asked):
-        ex = _parse_exact(_without_newline(lines.take(pa.array(asked))))
+        ex = _parse_exact(pc.utf8_rtrim(lines.take(pa.array(asked)), characters="\n"))
         for full, part in ((read.kind, ex.kind), (read.port, ex.port), (read.ts, ex.ts), (read.slot, ex.slot),
                            (read.task, ex.task), (read.valid, ex.valid), (read.bad, ex.bad), (read.cont, ex.cont),
                            *zip(read.v, ex.v)):
@@ -365,7 +361,7 @@ def _unknown_lines(lines: pa.Array, read: _Exact, wall: np.ndarray, first_line: 
     unknown_idx = np.flatnonzero(~read.valid | read.bad)
     legacy_rows: list[dict[str, Any]] = []
     known_other = 0
-    texts = _without_newline(lines.take(pa.array(unknown_idx))).to_pylist()
+    texts = pc.utf8_rtrim(lines.take(pa.array(unknown_idx)), characters="\n").to_pylist()
     for i, s in zip(unknown_idx, texts):
         if not read.bad[i] and (not s.strip() or _KNOWN_OTHER.match(s)):
             known_other += 1
@@ -955,8 +951,7 @@ def _read_all(
 
 def _status_counts(tasks: pd.DataFrame) -> tuple[int, int, int, int]:
     """How many tasks are complete, cancelled, incomplete and cut at the log's start."""
-    st = tasks["status"] if len(tasks) else pd.Series([], dtype=str)
-    return tuple(int((st == s).sum()) for s in ("complete", "cancelled", "incomplete", "cut_at_start"))  # type: ignore[return-value]
+    return tuple(int((tasks["status"] == s).sum()) for s in ("complete", "cancelled", "incomplete", "cut_at_start"))  # type: ignore[return-value]
 
 
 def _concat(frames: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:

@@ -73,11 +73,7 @@ def _fold(
     """
     n_open = len(open_rows["task"]) if open_rows is not None else 0
     rows = _concat([open_rows, events], _CORE) if open_rows is not None else events
-    port, session = rows["port"], rows["session"]
-    if len(port) and port.min() == port.max() and session.min() == session.max():  # one port, one session
-        order = np.argsort(rows["task"], kind="stable")
-    else:
-        order = np.lexsort((rows["task"], session, port))  # stable: order kept per task
+    order = np.lexsort((rows["task"], rows["session"], rows["port"]))  # stable: order kept per task
     key = {k: rows[k][order] for k in KEY}
     new = _new_run(*key.values())
     starts = np.flatnonzero(new)
@@ -412,15 +408,13 @@ class TaskAssembler:
                 "source": self.source, "port": key[0], "session": key[1], "file": file,
                 "first_line": int(info["first_line"][i]), "first_s": int(info["first_us"][i]) / 1e6,
                 "wall_offset_us": None, "wall_offset_support": 0, "n_slots": None, "n_ctx_slot": None,
-                "model": None, "build": None,
+                "model": None, "build": None, "_lo": np.inf, "_hi": -np.inf, "_whole": True,
             })
             row["last_s"] = int(info["last_us"][i]) / 1e6
             if info["support"][i]:
-                lo, hi, whole = int(info["offset_us"][i]), int(info["offset_hi_us"][i]), bool(info["whole_s"][i])
-                first = row["wall_offset_us"] is None
-                row["_lo"] = lo if first else min(lo, row["_lo"])
-                row["_hi"] = hi if first else max(hi, row["_hi"])
-                row["_whole"] = whole if first else whole and row["_whole"]
+                row["_lo"] = min(int(info["offset_us"][i]), row["_lo"])
+                row["_hi"] = max(int(info["offset_hi_us"][i]), row["_hi"])
+                row["_whole"] = bool(info["whole_s"][i]) and row["_whole"]
                 # A stamp is at or after the moment the line was written (a wrapper's lag): the
                 # smallest stamp - server time is the offset. Stamps cut to the whole second are
                 # up to 1 s before it: there the largest is (the closest bound from below).
