@@ -398,3 +398,22 @@ def test_a_lone_surrogate_escape_is_replaced_not_raised(tmp_path: Path) -> None:
     assert calls.loc[3, "user"] == "u\ufffdx"
     assert calls.loc[5, "purpose"] == '{"a\\ufffd": "b\\ufffd"}'
     assert len(calls) == 6 and calls["user"].notna().all()
+
+
+def test_true_false_negative_and_fractional_values_are_no_readings(tmp_path: Path) -> None:
+    """Real records with a JSON true for a count or a time, a negative count and a fractional
+    one: pandas would read true as 1 (or 1970-01-01 as a time) and let -5 and 2.5 through.
+    Each is missing instead, with a problem naming its line; the rest of the record stays."""
+    real = _jsonl(REAL / "before" / "logs" / "app.jsonl")[:5]
+    bent = [dict(real[0], prompt_tokens=True), dict(real[1], end=True), dict(real[2], completion_tokens=-5),
+            dict(real[3], cached_tokens=2.5), dict(real[4], start=False)]
+    log = read_app_logs([_write_jsonl(tmp_path / "app.jsonl", bent)])
+    calls = log.calls.set_index("call_id")
+    assert sorted(calls.index) == sorted(r["id"] for r in real[:4])  # (no start: the record is no call)
+    assert pd.isna(calls.loc[real[0]["id"], "prompt_tokens"]) and calls.loc[real[0]["id"], "completion_tokens"] == real[0]["completion_tokens"]
+    assert calls.loc[real[1]["id"], "end_at"] == pd.Timestamp(real[1]["start"]) + pd.Timedelta(milliseconds=real[1]["duration_ms"])
+    assert pd.isna(calls.loc[real[2]["id"], "completion_tokens"]) and pd.isna(calls.loc[real[3]["id"], "cached_tokens"])
+    said = {(p.line, p.reason) for p in log.accounting.problems}
+    assert said == {(1, "non-numeric prompt_tokens: True"), (2, "unreadable end time: True"),
+                    (3, "completion_tokens is no count: -5"), (4, "cached_tokens is no count: 2.5"),
+                    (5, "unreadable start time: False")}

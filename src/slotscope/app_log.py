@@ -670,12 +670,16 @@ def _pluck(records: Sequence[Mapping[str, Any]], path: tuple[str, ...]) -> list[
 
 
 def _numbers(values: Sequence[Any]) -> tuple[pd.Series, np.ndarray]:
-    """The values as floats (NaN where missing or unusable) and where a value was unusable."""
+    """The values as floats (NaN where missing or unusable) and where a value was unusable.
+    A JSON true or false is no number (pandas would read it as 1 or 0)."""
     raw = pd.Series(values, dtype=object)
+    kind = pd.api.types.infer_dtype(raw, skipna=True)
+    if kind == "boolean" or kind.startswith("mixed"):
+        raw = raw.mask(raw.map(lambda v: isinstance(v, (bool, np.bool_))).astype(bool), "true or false")
     try:
         num = pd.to_numeric(raw, errors="coerce").astype("float64")
     except OverflowError:  # pandas gives up on the whole column for one such integer
-        num = pd.Series([_float_or_nan(v) for v in values], dtype="float64")
+        num = pd.Series([_float_or_nan(v) for v in raw], dtype="float64")
     num = num.where(np.isfinite(num))
     return num, (raw.notna() & num.isna()).to_numpy()
 
@@ -798,6 +802,10 @@ def _table(
             value, mask = _numbers(get[key])
             if key != "status":  # a textual status ("ok", "failed") is read below, not a problem
                 check(key, mask, f"non-numeric {key}")
+            if _DTYPES[key] == "Int64" and key != "status":  # (a count: whole and not negative)
+                odd = value.notna() & ((value < 0) | (value != value.round()))
+                check(key, odd.to_numpy(), f"{key} is no count")
+                value = value.mask(odd)
             out[key] = _in_range(value.round(), 1.0, key, check) if _DTYPES[key] == "Int64" else value
     for key in ("purpose", "user", "error", "session"):
         if key in get:
