@@ -67,12 +67,13 @@ def test_lora_labels_in_before() -> None:
     assert calls["lora"].dtype == "category" and calls["purpose"].dtype == "category"
 
 
-def _as_csv(tmp_path: Path, name: str = "calls.csv") -> Path:
+def _as_csv(tmp_path: Path, name: str = "calls.csv", delimiter: str = ",",
+            header: tuple[str, ...] = ("request_id", "timestamp", "kind", "user_id", "adapter", "input_tokens",
+                                       "output_tokens", "cached_tokens", "status_code", "error", "latency_ms")) -> Path:
     out = tmp_path / name
     with out.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["request_id", "timestamp", "kind", "user_id", "adapter", "input_tokens", "output_tokens",
-                    "cached_tokens", "status_code", "error", "latency_ms"])
+        w = csv.writer(f, delimiter=delimiter)
+        w.writerow(header)
         for r in _jsonl(REAL / "before" / "logs" / "app.jsonl"):
             w.writerow([r["id"], r["start"], r["purpose"], r["user"], json.dumps(r["lora"]) if r["lora"] else "",
                         r["prompt_tokens"], r["completion_tokens"], r["cached_tokens"], r["status"],
@@ -80,9 +81,10 @@ def _as_csv(tmp_path: Path, name: str = "calls.csv") -> Path:
     return out
 
 
-def test_csv_with_other_names_reads_like_jsonl(tmp_path: Path) -> None:
+@pytest.mark.parametrize("delimiter", [",", ";", "\t"])
+def test_csv_with_other_names_reads_like_jsonl(tmp_path: Path, delimiter: str) -> None:
     want = read_app_logs([REAL / "before" / "logs" / "app.jsonl"]).calls
-    got = read_app_logs([_as_csv(tmp_path)])
+    got = read_app_logs([_as_csv(tmp_path, delimiter=delimiter)])
     assert got.accounting.rows_loaded == len(want) and got.accounting.lines_read == len(want) + 1
     cols = ["call_id", "start_us", "end_us", "duration_ms", "purpose", "user", "lora", "prompt_tokens",
             "completion_tokens", "cached_tokens", "status", "ok"]
@@ -417,3 +419,27 @@ def test_true_false_negative_and_fractional_values_are_no_readings(tmp_path: Pat
     assert said == {(1, "non-numeric prompt_tokens: True"), (2, "unreadable end time: True"),
                     (3, "completion_tokens is no count: -5"), (4, "cached_tokens is no count: 2.5"),
                     (5, "unreadable start time: False")}
+
+
+def test_a_csv_header_naming_a_column_twice_is_one_error(tmp_path: Path) -> None:
+    header = ("request_id", "timestamp", "kind", "user_id", "adapter", "input_tokens", "output_tokens",
+              "cached_tokens", "status_code", "error", "timestamp")
+    path = _as_csv(tmp_path, header=header)
+    with pytest.raises(AppLogError, match="the CSV header names 'timestamp' twice; rename one"):
+        read_app_logs([path])
+
+
+def test_app_columns_make_a_csv_of_unknown_names_an_app_log(tmp_path: Path) -> None:
+    """A CSV whose names slotscope does not know is no app log by content; with --app-columns
+    naming its columns it is one, and it reads like the JSONL it came from."""
+    from slotscope.dataset import load
+
+    header = ("ident", "when", "kind", "who", "adapter", "in", "out", "reused", "code", "err", "took")
+    path = _as_csv(tmp_path / "", name="calls.csv", delimiter=";", header=header)
+    (tmp_path / "llama-server.log").write_bytes((REAL / "before" / "logs" / "llama-server.log").read_bytes())
+    assert load([tmp_path]).app is None
+    columns = parse_column_spec("call_id=ident,start=when,purpose=kind,user=who,lora=adapter,prompt_tokens=in,"
+                                "completion_tokens=out,cached_tokens=reused,status=code,error=err,duration_ms=took")
+    ds = load([tmp_path], app_columns=columns)
+    assert ds.app is not None and len(ds.app.calls) == 45
+    assert (ds.matches.calls["match_method"] == "tokens+time").all()

@@ -90,8 +90,24 @@ def resolve_fields(index: Mapping[str, tuple[str, ...]], override: Mapping[str, 
     return fields
 
 
-def looks_like_app_log(sample: bytes) -> bool:
-    """True if the (decompressed) start of a file reads as an app call log, JSONL or CSV.
+CSV_DELIMITERS = ",;\t|"  # what spreadsheets and exports separate fields with (a locale with a decimal comma: ;)
+
+
+def csv_delimiter(header: str) -> str:
+    """The delimiter of a CSV file, from its header line: the one of :data:`CSV_DELIMITERS`
+    that splits it into the most fields (a comma when none splits it)."""
+    counts = [len(next(csv.reader([header], delimiter=d))) for d in CSV_DELIMITERS]
+    return CSV_DELIMITERS[counts.index(max(counts))]
+
+
+def csv_header(header: str) -> list[str]:
+    """The field names of a CSV header line, split at its delimiter (:func:`csv_delimiter`)."""
+    return [h.strip() for h in next(csv.reader([header], delimiter=csv_delimiter(header)))]
+
+
+def looks_like_app_log(sample: bytes, override: Mapping[str, str] | None = None) -> bool:
+    """True if the (decompressed) start of a file reads as an app call log, JSONL or CSV, with
+    the field names it knows or those of ``override`` (--app-columns).
 
     llama-server text lines and journald/docker JSON wrappers around them are not app logs.
     """
@@ -110,8 +126,8 @@ def looks_like_app_log(sample: bytes) -> bool:
         # journald (`journalctl -o json`) and docker json-file wrap server lines in JSON
         if not records or any("MESSAGE" in r or "__CURSOR" in r or ("log" in r and "stream" in r) for r in records):
             return False
-        index = path_index(records, {})
+        index = path_index(records, override or {})
     else:
-        index = {h.strip().lower(): (h.strip(),) for h in next(csv.reader([lines[0]]))}
-    fields = resolve_fields(index, {})
+        index = {h.strip().lower(): (h.strip(),) for h in csv_header(lines[0])}
+    fields = resolve_fields(index, override or {})
     return "start" in fields and any(k in fields for k in STRONG)

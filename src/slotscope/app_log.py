@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 import pyarrow.json as pa_json
 
 from .app_fields import (
-    CANDIDATES, ALIASES, TIMINGS, field_names, nested_paths, path_index, resolve_fields,
+    CANDIDATES, ALIASES, TIMINGS, csv_delimiter, csv_header, field_names, nested_paths, path_index, resolve_fields,
 )
 from .errors import AppLogError
 from .sources import CHUNK_SIZE, Span, is_plain, iter_chunks, iter_spans, open_binary, read_span
@@ -388,9 +388,13 @@ def _no_surrogates(value: Any) -> Any:
 def _csv_rows(name: str, numbered: Iterable[tuple[int, str]], tally: _Tally) -> _Rows:
     numbered = iter(numbered)
     first, header_text = next(numbered)
-    header = [h.strip() for h in next(csv.reader([header_text]))]
+    header, delimiter = csv_header(header_text), csv_delimiter(header_text)
+    twice = sorted({h for h in header if h and header.count(h) > 1})
+    if twice:  # (which of the two columns is meant cannot be told: neither is read silently)
+        raise AppLogError(name, first, f"the CSV header names {', '.join(map(repr, twice))} twice; rename one "
+                          "(--app-columns maps a field to a column name)")
     tally.header_line = first
-    reader, done = csv.reader(text + "\n" for _, text in numbered), 0  # newline kept in quoted fields
+    reader, done = csv.reader((text + "\n" for _, text in numbered), delimiter=delimiter), 0  # (newlines kept in quotes)
     while True:
         start = first + 1 + done
         try:

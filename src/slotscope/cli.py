@@ -349,8 +349,9 @@ def calls(
     from .sources import collect
 
     ps = _paths(paths)
-    inputs = collect(ps)
-    app_log, accounts = read_app(inputs, columns=_app_columns(app_columns), tz=tz)
+    columns = _app_columns(app_columns)
+    inputs = collect(ps, columns)
+    app_log, accounts = read_app(inputs, columns=columns, tz=tz)
     if app_log is None:
         gin = read_ollama_calls(inputs, tz=tz)  # (no app log: Ollama's [GIN] lines are the calls)
         if gin is None:

@@ -166,7 +166,7 @@ def load(
     status line on long runs).
     """
     say = stage or (lambda text: None)
-    inputs = collect(paths)
+    inputs = collect(paths, app_columns)
     say("reading server logs")
     # The tasks and samples wait on disk as they are finished, until an analyzer reads them.
     server = read_server_logs(paths, keep_samples=keep_samples, tz=tz, progress=progress, inputs=inputs)

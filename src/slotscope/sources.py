@@ -19,7 +19,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Iterator, Literal, Sequence, cast
+from typing import BinaryIO, Iterator, Literal, Mapping, Sequence, cast
 
 from .app_fields import looks_like_app_log
 from .ollama_hints import looks_like_ollama
@@ -160,7 +160,7 @@ _SERVER_HINTS = re.compile(
 )
 
 
-def sniff(head: bytes) -> Kind | str:
+def sniff(head: bytes, app_columns: Mapping[str, str] | None = None) -> Kind | str:
     """Tell a llama-server log from an Ollama log and an app call log by content.
 
     Returns ``"server"``, ``"ollama"`` or ``"app"``, or a short reason why the data is none.
@@ -175,7 +175,7 @@ def sniff(head: bytes) -> Kind | str:
     text_like = sum(1 for b in sample[:4096] if b >= 32 or b in (9, 10, 13, 27))
     if text_like < 0.9 * min(len(sample), 4096):
         return "binary data, not a text log"
-    if looks_like_app_log(sample):
+    if looks_like_app_log(sample, app_columns):
         return "app"
     if looks_like_ollama(sample):
         return "ollama"
@@ -204,8 +204,9 @@ def _other_encoding_or_shape(sample: bytes) -> str | None:
     return None
 
 
-def collect(paths: Sequence[str | os.PathLike[str]]) -> Inputs:
-    """Expand paths and sort the files into server-log streams and app logs.
+def collect(paths: Sequence[str | os.PathLike[str]], app_columns: Mapping[str, str] | None = None) -> Inputs:
+    """Expand paths and sort the files into server-log streams and app logs (``app_columns``:
+    the --app-columns mapping, by which a file with unknown names is an app log too).
 
     Raises :class:`InputError` for a path that names nothing. A file that cannot be used (empty,
     binary, unreadable, neither kind of log) is listed in ``skipped`` with the reason, and also
@@ -232,7 +233,7 @@ def collect(paths: Sequence[str | os.PathLike[str]]) -> Inputs:
             finally:
                 if f != STDIN:
                     stream.close()
-            kind = sniff(head)
+            kind = sniff(head, app_columns)
         except InputError as e:
             kind = e.reason
         if kind not in ("server", "app", "ollama"):
