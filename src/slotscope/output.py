@@ -8,6 +8,7 @@ guessed from ``-o FILE``'s extension; binary Parquet is refused on a terminal.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import itertools
 import json
@@ -367,17 +368,20 @@ def _pieces(texts: list[str]) -> np.ndarray:
 
 
 _BLANKS = np.uint32(0x20202020)
-_PIECE_LEAD = _pieces([f"{i:4d}" if i else "    " for i in range(10_000)])  # digits 1-4 of 9
-_PIECE_INT = _pieces([f"{i:04d}" for i in range(10_000)]  # digits 5-8 after a digit (+0) or not (+10000)
-                     + [f"{i:4d}" if i else "    " for i in range(10_000)])
-_PIECE_POINT = _pieces([f"{u}.{d:02d}" for u in range(10) for d in range(100)]  # digit 9, ".", decimals 1-2
-                       + [f"{u}.{d // 10}" + (" " if d % 10 == 0 else str(d % 10))  # (+1000: decimals 3-6 are 0)
-                          for u in range(10) for d in range(100)])
-_PIECE_FRAC = _pieces([f"{i:04d}".rstrip("0").ljust(4) for i in range(10_000)])  # decimals 3-6
-_PIECES = np.concatenate([_PIECE_LEAD, _PIECE_INT, _PIECE_POINT, _PIECE_FRAC])
-_AT_INT = len(_PIECE_LEAD)
-_AT_POINT = _AT_INT + len(_PIECE_INT)
-_AT_FRAC = _AT_POINT + len(_PIECE_POINT)
+
+
+@functools.cache
+def _piece_table() -> tuple[np.ndarray, int, int, int]:
+    """The pieces, and where the 2nd, 3rd and 4th pieces' parts begin (built at first use: most
+    commands write no CSV floats)."""
+    lead = _pieces([f"{i:4d}" if i else "    " for i in range(10_000)])  # digits 1-4 of 9
+    ints = _pieces([f"{i:04d}" for i in range(10_000)]  # digits 5-8 after a digit (+0) or not (+10000)
+                   + [f"{i:4d}" if i else "    " for i in range(10_000)])
+    point = _pieces([f"{u}.{d:02d}" for u in range(10) for d in range(100)]  # digit 9, ".", decimals 1-2
+                    + [f"{u}.{d // 10}" + (" " if d % 10 == 0 else str(d % 10))  # (+1000: decimals 3-6 are 0)
+                       for u in range(10) for d in range(100)])
+    frac = _pieces([f"{i:04d}".rstrip("0").ljust(4) for i in range(10_000)])  # decimals 3-6
+    return np.concatenate([lead, ints, point, frac]), len(lead), len(lead) + len(ints), len(lead) + len(ints) + len(point)
 
 
 def _six_decimals_text(x: np.ndarray, a: np.ndarray, k: np.ndarray, short: np.ndarray) -> pa.Array:
@@ -396,8 +400,9 @@ def _six_decimals_text(x: np.ndarray, a: np.ndarray, k: np.ndarray, short: np.nd
     f2 = frac // u32(10_000)
     f4 = frac - f2 * u32(10_000)
     point = (i - tens * u32(10)) * u32(100) + f2 + (f4 == 0).view(np.uint8) * u32(1000)
-    at = np.stack([hi, lo + u32(_AT_INT), point + u32(_AT_POINT), f4 + u32(_AT_FRAC)], axis=1)
-    chars = _PIECES.take(at)
+    pieces, at_int, at_point, at_frac = _piece_table()
+    at = np.stack([hi, lo + u32(at_int), point + u32(at_point), f4 + u32(at_frac)], axis=1)
+    chars = pieces.take(at)
     if not every:
         chars[~short] = _BLANKS
     fixed = pa.StringArray.from_buffers(n, pa.py_buffer(np.arange(0, 16 * n + 1, 16, dtype=np.int32)), pa.py_buffer(chars))
