@@ -18,23 +18,30 @@ Three parts, each a model of the mechanism rather than a fit of the outcome:
   sets the batch's LoRA and slots whose LoRA differs are left out (``can_batch_with``); then
   prompt slots in slot order, skipped when their LoRA differs, filling the batch up to
   ``n_batch``. A task arriving while every slot is busy is deferred, first in first out, and
-  launched when a slot is released. An idle slot is picked by prompt similarity (the share
-  of the prompt it already holds, above 0.1), else least recently released.
+  launched when a slot is released, onto the slot the prompt-cache rule below picks.
   Heartbeats and progress lines are printed as the server prints them, so the report's own
   analyzers read the replay as they read a log.
 * **The workload** (:func:`workload`). Closed loop by default when the app log names users: a
   user's next call leaves its logged think time after the previous call ended. ``open_loop``
   replays the logged send times. Tasks no call explains replay at their logged launch.
 
-Prompt-cache rule: a call keeps its logged cached/new split, but for one change: a slot whose
-last LoRA setting differs from the call's drops its tokens (launch_slot_with_task), so such a
-call processes its whole prompt; a call the log shows so cleared reuses, on a slot of its own
-setting, its conversation's previous chat turn where that prompt and its reply fit in its own.
-At b11434 the host prompt cache (``--cache-ram``, on by default) restores a conversation's
-prefix on whichever slot takes the call, so slot count and slot choice do not change the split
-otherwise (that cache's own limits are not modelled); what does is the context: a prompt that
-no longer fits the per-slot context (``ctx / slots``) is refused, as the server refuses it, and
-a generation that would overflow it stops there.
+Prompt-cache rule (:mod:`slotscope.prompt_cache`, after tools/server at b11434): each call's
+prompt is modelled by what it shares with the others (its conversation's earlier turns, its
+user's persona, a header). The slot is picked as get_available_slot (server-context.cpp) picks
+it: the largest share of the prompt an idle slot holds, above 0.1, else the least recently
+released. A slot picked the second way, or keeping under half its tokens, is saved to the host
+cache and loaded for the call (server_prompt_cache::load, server-task.cpp: oldest first, the
+entry beating the slot on both the share of itself kept and the share of the prompt, entries
+keeping under a quarter skipped; it leaves the cache); after each launch every idle slot is
+saved (process_single_task, ``--cache-idle-slots``; server_prompt_cache::alloc keeps one copy
+of a state). A change of LoRA setting then clears the slot (launch_slot_with_task). The call reuses
+the common prefix of what the slot holds and its prompt, never the whole prompt
+(pre_decode). The model is run once with the logged settings: where a replay's cache model
+gives a call the reuse it gives it there, the call keeps its logged split (the logs know the
+prompts; the model does not), and takes the model's figure where a setting changed it (a
+LoRA setting, slots, an order that n_batch changed). The cache's size limit is not modelled;
+what is is the context: a prompt that no longer fits the per-slot context (``ctx / slots``) is
+refused, as the server refuses it, and a generation that would overflow it stops there.
 
 Memory: the logs are read a part of the busy periods at a time (:mod:`slotscope.periods`), and
 a replay is measured a stretch between its idle moments at a time (:func:`measure`); what
@@ -69,6 +76,7 @@ from .analyze.waits import CAUSES, classify_waits
 from .compare import resampled_stats
 from .dataset import Dataset, calls_of, task_view
 from .periods import PART_TASKS, Part
+from .prompt_cache import SLOT_PROMPT_SIMILARITY, HostCache, Tokens, token_model
 from .errors import UsageError
 from .filters import matching
 from .output import print_table
@@ -93,7 +101,6 @@ DEFAULT_N_UBATCH = 512  # -ub default: not in the log at verbosity 3
 HEARTBEAT_TOKENS = 100  # print_timings_tg: only from n_gen >= 100 ...
 HEARTBEAT_S = 3.0  # ... and at least this long after the last print
 PROGRESS_S = 3.0  # print_timings_pp: only once the prefill has run this long
-SLOT_PROMPT_SIMILARITY = 0.10  # -sps default: the share of the prompt a slot must hold to be picked for it
 LEVEL = 0.90
 FIT_OBSERVATIONS = 1 << 15  # stretches the pass costs are fitted on: an even draw of all the logs show
 NO_ADAPTER = "none"  # the app log's label of a call without LoRA (scale 0)
@@ -184,14 +191,14 @@ class Workload:
     end_lag_s: np.ndarray  # logged time from release to the call's end (the client's end)
     new: np.ndarray  # prompt tokens processed, as logged
     cached: np.ndarray  # prompt tokens reused, as logged
-    reuse: np.ndarray  # prompt tokens it would reuse on a slot of its own LoRA setting (see _reusable)
     n_gen: np.ndarray  # tokens to generate
     lora: list[str]  # the LoRA setting, as a label
     conv: np.ndarray  # conversation code (app session), -1: none
     user: np.ndarray  # user code, -1: none
-    shared: np.ndarray  # prompt tokens the conversation shares with its user's others (its first call's cached)
     cluster: np.ndarray  # resampling unit: the app session, else the task itself
     closed: bool
+    tokens: Tokens  # what the prompts have in common (slotscope.prompt_cache)
+    model_logged: np.ndarray | None = None  # the cache model's reuse replayed as logged (None: not run yet)
 
 
 def _labels(s: pd.Series) -> np.ndarray:
@@ -225,14 +232,9 @@ def workload(ds: Dataset, tv: pd.DataFrame, open_loop: bool = False) -> Workload
     user = _codes(users)
     conv = _codes(conv_labels)
     cluster = np.where(conv >= 0, conv, conv.max(initial=-1) + 1 + np.arange(n))
-    shared = np.zeros(n, dtype=np.int64)
-    if n and (conv >= 0).any():
-        first = pd.DataFrame({"conv": conv, "send": send, "cached": cached}).sort_values("send", kind="stable")
-        first = first[first["conv"] >= 0].drop_duplicates("conv").set_index("conv")["cached"]
-        has = conv >= 0
-        shared[has] = first.reindex(conv[has]).to_numpy(dtype=np.int64)
     chat = is_chat_turn(tv["purpose"]).to_numpy() if "purpose" in tv.columns else np.zeros(n, dtype=bool)
-    reuse = _reusable(tv, group, send, new, cached, n_gen, lora, conv, chat)
+    purpose = _labels(tv["purpose"]) if "purpose" in tv.columns else np.full(n, None, dtype=object)
+    tokens = token_model(new + cached, cached, n_gen, send, group, conv, user, chat, purpose)
     prev = np.full(n, -1, dtype=np.int64)
     think = np.zeros(n)
     closed = not open_loop and bool((user >= 0).any())
@@ -249,40 +251,8 @@ def workload(ds: Dataset, tv: pd.DataFrame, open_loop: bool = False) -> Workload
         # for it: it keeps its logged offset from the previous send instead (think < 0 marks it).
         think[has] = np.where(gap >= 0, gap, -(send[has] - send[prev[has]]) - 1e-9)
     return Workload(tv=tv, view_row=view_row, group=group, send_s=send, prev=prev, think_s=think, end_lag_s=end_lag, new=new,
-                    cached=cached, reuse=reuse, n_gen=n_gen, lora=list(lora), conv=conv, user=user, shared=shared, cluster=cluster,
-                    closed=closed)
-
-
-def _reusable(tv: pd.DataFrame, group: np.ndarray, send: np.ndarray, new: np.ndarray, cached: np.ndarray,
-              n_gen: np.ndarray, lora: np.ndarray, conv: np.ndarray, chat: np.ndarray) -> np.ndarray:
-    """The prompt tokens each call would reuse on a slot last used with its own LoRA setting.
-
-    launch_slot_with_task drops a slot's tokens when the task's LoRA setting differs from the
-    one the slot last ran with (and so what the prompt cache had just restored into it): such a
-    call processed its whole prompt. What it would have reused otherwise is not in the log; a
-    chat turn reuses its conversation's previous chat turn, whose prompt is the start of its own
-    when that prompt and its reply fit in it (a folded history is shorter: it keeps what the log
-    shows). Every other call keeps its logged split."""
-    n = len(tv)
-    reuse = cached.copy()
-    if not n:
-        return reuse
-    slot = np.nan_to_num(tl.floats(tv["slot"]), nan=-1).astype(np.int64)
-    launch = tl.floats(tv["launch_s"])
-    order = np.lexsort((launch, slot, group))
-    same = np.r_[False, (slot[order][1:] == slot[order][:-1]) & (group[order][1:] == group[order][:-1])]
-    cleared = np.zeros(n, dtype=bool)
-    o_lora = lora[order]
-    cleared[order[1:]] = same[1:] & (o_lora[1:] != o_lora[:-1]) & (slot[order][1:] >= 0)
-    cleared &= cached == 0
-    prompt = new + cached
-    turns = np.flatnonzero(chat & (conv >= 0))
-    turns = turns[np.lexsort((send[turns], conv[turns], group[turns]))]
-    follows = np.r_[False, (conv[turns][1:] == conv[turns][:-1]) & (group[turns][1:] == group[turns][:-1])]
-    j, i = turns[1:][follows[1:]], turns[:-1][follows[1:]]
-    fits = cleared[j] & (prompt[i] + n_gen[i] <= prompt[j])
-    reuse[j[fits]] = np.minimum(prompt[i[fits]], prompt[j[fits]] - 1)
-    return reuse
+                    cached=cached, n_gen=n_gen, lora=list(lora), conv=conv, user=user, cluster=cluster, closed=closed,
+                    tokens=tokens)
 
 
 def _codes(labels: np.ndarray) -> np.ndarray:
@@ -680,12 +650,13 @@ class Replay:
     release: np.ndarray
     n_gen: np.ndarray
     new: np.ndarray  # prompt tokens processed
-    cached: np.ndarray  # prompt tokens reused (0 where the slot's LoRA setting changed)
+    cached: np.ndarray  # prompt tokens reused: as logged, or the cache model's where it differs from its logged replay
     refused: np.ndarray
     lora: list[str]
     heartbeats: list[tuple[int, float, int, float, float, float]]  # row, t, n_gen, tg, tg_3s, window
     progress: list[tuple[int, float, int, float, float]]  # row, t, n_tokens, progress, elapsed
     passes: int
+    model_cached: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # the cache model's reuse
     finished: list[int] = dataclasses.field(default_factory=list)  # rows released since the last flush
 
 
@@ -700,7 +671,8 @@ def replay(w: Workload, r: Resolved, costs: PassCosts, open_loop: bool = False,
     res = Replay(slot=np.full(n, -1), send=np.full(n, np.nan), launch=np.full(n, np.nan),
                  prefill_start=np.full(n, np.nan), first_token=np.full(n, np.nan), release=np.full(n, np.nan),
                  n_gen=np.zeros(n, dtype=np.int64), new=w.new.copy(), cached=w.cached.copy(), refused=np.zeros(n, dtype=bool),
-                 lora=lora_labels(w, r), heartbeats=[], progress=[], passes=0)
+                 lora=lora_labels(w, r), heartbeats=[], progress=[], passes=0,
+                 model_cached=np.zeros(n, dtype=np.int64))
     target = w.n_gen.copy()  # (shortened where a generation would overflow the slot's context)
     for g in np.unique(w.group):
         _Session(w, r, costs, res, np.flatnonzero(w.group == g), open_loop or not w.closed, target).run(on_idle)
@@ -748,7 +720,7 @@ class _Session:
         self.task = [-1] * n
         self.state = [IDLE] * n
         self.used = [-1.0] * n  # when the slot was last released
-        self.last = [-1] * n  # the row whose tokens the slot holds (its prompt and reply)
+        self.cache = HostCache(w.tokens, res.n_gen, n)
         self.slot_lora: list[str | None] = [None] * n  # the LoRA setting the slot last ran with
         self.done_p = [0] * n  # prompt tokens processed of the slot's task
         self.gen = [0] * n
@@ -792,16 +764,21 @@ class _Session:
             self.queue.append(i)
 
     def admit(self) -> None:
-        """launch_slot_with_task: queued calls, first in first out, onto idle slots; a change of
-        LoRA setting drops the slot's tokens."""
+        """launch_slot_with_task: queued calls, first in first out, onto the idle slots the
+        prompt cache picks and loads (see the module's docstring); a change of LoRA setting
+        drops the slot's tokens."""
         w, res, queue = self.w, self.res, self.queue
         while queue and IDLE in self.state:
             i = queue.popleft()
-            s = _pick_slot(w, res, i, self.state, self.used, self.last)
+            idle = [s for s, st in enumerate(self.state) if st == IDLE]
+            s = self.cache.pick(i, idle, self.used)
             keep = self.slot_lora[s] is None or self.slot_lora[s] == res.lora[i]
-            res.cached[i] = w.reuse[i] if keep else 0
+            res.model_cached[i] = self.cache.reused(s, i) if keep else 0
+            agree = w.model_logged is None or res.model_cached[i] == w.model_logged[i]
+            res.cached[i] = w.cached[i] if agree else res.model_cached[i]
             res.new[i] = self.prompt[i] - res.cached[i]
-            self.task[s], self.state[s], self.last[s], self.slot_lora[s] = i, PROMPT, i, res.lora[i]
+            self.cache.launched(s, i, idle)
+            self.task[s], self.state[s], self.slot_lora[s] = i, PROMPT, res.lora[i]
             res.slot[i], res.launch[i] = s, self.t
             self.done_p[s], self.gen[s] = 0, 0
 
@@ -954,36 +931,6 @@ class _Session:
 
 def _positions(p0: int, p: int) -> float:
     return (p * p0 + p * (p - 1) / 2) / 1e6
-
-
-def _pick_slot(w: Workload, res: Replay, i: int, state: list[int], used: list[float], last: list[int]) -> int:
-    """get_available_slot: among the idle slots that hold tokens, the one whose longest common
-    prefix with the prompt is the largest share of it, above ``--slot-prompt-similarity``
-    (0.1); else the least recently released (ties: the highest id, as the ``<=`` of its loop
-    gives). The common prefix is not in the log but follows from it: a call shares its logged
-    cached tokens with what its own conversation left in a slot, and with another conversation
-    of its user what that conversation's first call had cached (the prefix they share)."""
-    idle = [s for s, st in enumerate(state) if st == 0]
-    prompt = int(w.new[i] + w.cached[i])
-    reuse = int(w.reuse[i])
-    best, pick = SLOT_PROMPT_SIMILARITY, -1
-    c, u = int(w.conv[i]), int(w.user[i])
-    for s in idle:
-        j = last[s]
-        if j < 0 or prompt <= 0:
-            continue
-        held = int(w.new[j] + w.cached[j] + res.n_gen[j] - 1)
-        if c >= 0 and int(w.conv[j]) == c:
-            lcp = min(reuse, held)
-        elif u >= 0 and int(w.user[j]) == u:
-            lcp = min(int(w.shared[i]), reuse, held)
-        else:
-            continue
-        if lcp / prompt > best:
-            best, pick = lcp / prompt, s
-    if pick >= 0:
-        return pick
-    return min(idle, key=lambda s: (used[s], -s))
 
 
 def _heartbeats(hb: list[tuple[int, float, int, float, float, float]], i: int, t0: float, dt: float, k: int, n0: int,
@@ -1331,7 +1278,9 @@ def prepare(ds: Dataset, open_loop: bool = False, opts: Options | None = None) -
             if len(o):
                 _kept(obs, keys, o[counted[o["row"].to_numpy(dtype=np.int64)]].reset_index(drop=True), rng)
             gather.add(pds, tasks, w.cluster[wr], opts, counted, part.span)
-    return Logged(w, logged, fit_pass_costs(_draw(obs, keys)), gather.result())
+    costs = fit_pass_costs(_draw(obs, keys))
+    w.model_logged = replay(w, logged, costs).model_cached
+    return Logged(w, logged, costs, gather.result())
 
 
 def measure(ds: Dataset, lg: Logged, r: Resolved, open_loop: bool = False, opts: Options | None = None) -> dict[str, Sample]:
