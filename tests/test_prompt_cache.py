@@ -17,7 +17,7 @@ def _tokens() -> Tokens:
 def test_load_takes_the_oldest_entry_no_later_one_beats_on_both() -> None:
     # Turn 2 on an empty slot: turn 0's state keeps 1000 of its 1199 tokens (0.83), turn 1's
     # 1300 of 1699 (0.77): turn 1 covers more of the prompt but keeps less of itself.
-    hc = HostCache(_tokens(), np.array([200, 400, 1, 1]), 2)
+    hc = HostCache(_tokens(), np.array([200, 400, 1, 1]), 2, 1 << 20)
     hc.held = [0, 1]
     hc.save(0), hc.save(1), hc.save(0)
     assert hc.entries == [0, 1]
@@ -28,14 +28,14 @@ def test_load_takes_the_oldest_entry_no_later_one_beats_on_both() -> None:
 
 def test_persona_match_against_a_long_entry_is_skipped() -> None:
     # The next conversation shares 300 tokens with entries of 1699 and 1399: under a quarter.
-    hc = HostCache(_tokens(), np.array([400, 400, 1, 1]), 1)
+    hc = HostCache(_tokens(), np.array([400, 400, 1, 1]), 1, 1 << 20)
     hc.entries = [1, 0]
     hc.load(0, 3)
     assert hc.held[0] == -1 and hc.reused(0, 3) == 0
 
 
 def test_lru_pick_saves_the_slot_and_similarity_keeps_it() -> None:
-    hc = HostCache(_tokens(), np.array([200, 400, 1, 1]), 2)
+    hc = HostCache(_tokens(), np.array([200, 400, 1, 1]), 2, 1 << 20)
     hc.held = [3, 1]
     # Turn 2: slot 1 holds turn 1 (1300 of 1600 > 0.1, keeping 0.77 of itself): no save.
     assert hc.pick(2, [0, 1], [5.0, 1.0]) == 1 and hc.entries == []
@@ -44,7 +44,19 @@ def test_lru_pick_saves_the_slot_and_similarity_keeps_it() -> None:
     assert hc.pick(0, [0, 1], [5.0, 1.0]) == 0 and hc.entries == [3] and hc.held[0] == 3
     # With no similar slot (the header alone, 80 of 1000), the least recently released one
     # (slot 1) is saved and reloaded.
-    hc = HostCache(_tokens(), np.array([200, 400, 1, 1]), 2)
+    hc = HostCache(_tokens(), np.array([200, 400, 1, 1]), 2, 1 << 20)
     hc.held = [2, 1]
     hc.tk.persona[:] = 0
     assert hc.pick(3, [0, 1], [5.0, 1.0]) == 1 and hc.entries == [1]
+
+
+def test_the_oldest_entries_go_past_the_token_limit() -> None:
+    """server_prompt_cache::update: past its token limit the cache drops its oldest entries (a
+    replay of a day's log would otherwise scan every state it ever saved at each load)."""
+    n_gen = np.array([200, 400, 1, 1])
+    sizes = [HostCache(_tokens(), n_gen, 1, 1 << 20).size(a) for a in range(4)]
+    hc = HostCache(_tokens(), n_gen, 1, sizes[1] + sizes[2])
+    for a in (0, 1, 2):
+        hc.held = [a]
+        hc.save(0)
+    assert hc.entries == [1, 2] and hc.tokens == sizes[1] + sizes[2]

@@ -116,10 +116,11 @@ class HostCache:
     slot or an entry is the row of the call whose prompt and reply it holds (-1: empty);
     ``n_gen`` is each row's tokens generated (read when a state is measured)."""
 
-    def __init__(self, tk: Tokens, n_gen: np.ndarray, n_slots: int) -> None:
+    def __init__(self, tk: Tokens, n_gen: np.ndarray, n_slots: int, limit_tokens: int) -> None:
         self.tk, self.n_gen = tk, n_gen
         self.held = [-1] * n_slots
         self.entries: list[int] = []
+        self.limit_tokens, self.tokens = limit_tokens, 0
 
     def size(self, a: int) -> int:
         """Tokens of the state of row ``a``: its prompt and reply but the last token."""
@@ -150,10 +151,17 @@ class HostCache:
         return s
 
     def save(self, s: int) -> None:
-        """server_prompt_cache::alloc: slot ``s``'s state appended unless the cache holds it."""
+        """server_prompt_cache::alloc: slot ``s``'s state appended unless the cache holds it;
+        then (update) the oldest entries go while the cache holds more than its token limit.
+        That limit is n_ctx, raised where --cache-ram's 8 GiB hold more tokens of the model's
+        state; the logs do not say how many bytes a token takes, so the replay keeps n_ctx,
+        the floor (a model of real size reaches it; the captures' tiny one would keep more)."""
         a = self.held[s]
         if a >= 0 and a not in self.entries:
             self.entries.append(a)
+            self.tokens += self.size(a)
+            while len(self.entries) > 1 and self.tokens > self.limit_tokens:
+                self.tokens -= self.size(self.entries.pop(0))
 
     def load(self, s: int, b: int) -> None:
         """server_prompt_cache::load: oldest first, the entry that beats the slot's own tokens
@@ -171,6 +179,7 @@ class HostCache:
                 keep, sim, best = k_e, s_e, k
         if best >= 0:
             self.held[s] = self.entries.pop(best)
+            self.tokens -= self.size(self.held[s])
 
     def launched(self, s: int, b: int, idle: list[int]) -> None:
         """Call ``b`` launched on slot ``s`` (its tokens from now on); every other idle slot is

@@ -720,7 +720,7 @@ class _Session:
         self.task = [-1] * n
         self.state = [IDLE] * n
         self.used = [-1.0] * n  # when the slot was last released
-        self.cache = HostCache(w.tokens, res.n_gen, n)
+        self.cache = HostCache(w.tokens, res.n_gen, n, r.ctx)
         self.slot_lora: list[str | None] = [None] * n  # the LoRA setting the slot last ran with
         self.done_p = [0] * n  # prompt tokens processed of the slot's task
         self.gen = [0] * n
