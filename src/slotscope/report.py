@@ -27,8 +27,6 @@ def captions(opts: Options | None = None) -> dict[str, str]:
     values = dict(vars(opts)) if opts is not None else None
     return {**{n: caption(n, values) for n in TABLES}, "calls": TERMS["calls"]}
 
-
-CAPTIONS = captions()
 # The columns a terminal report shows per table (CSV/JSON exports keep every column).
 # Columns whose single value is said once under the table instead of on every row.
 FOOTNOTE_COLUMNS = ["note", "basis", "solo_gen_basis", "solo_prefill_basis", "effective_chunk_tokens", "max_running",
