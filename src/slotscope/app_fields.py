@@ -100,9 +100,10 @@ def csv_delimiter(header: str) -> str:
     return CSV_DELIMITERS[counts.index(max(counts))]
 
 
-def csv_header(header: str) -> list[str]:
-    """The field names of a CSV header line, split at its delimiter (:func:`csv_delimiter`)."""
-    return [h.strip() for h in next(csv.reader([header], delimiter=csv_delimiter(header)))]
+def csv_header(header: str) -> tuple[list[str], str]:
+    """The field names of a CSV header line and its delimiter (:func:`csv_delimiter`)."""
+    delimiter = csv_delimiter(header)
+    return [h.strip() for h in next(csv.reader([header], delimiter=delimiter))], delimiter
 
 
 def looks_like_app_log(sample: bytes, override: Mapping[str, str] | None = None) -> bool:
@@ -128,6 +129,6 @@ def looks_like_app_log(sample: bytes, override: Mapping[str, str] | None = None)
             return False
         index = path_index(records, override or {})
     else:
-        index = {h.strip().lower(): (h.strip(),) for h in csv_header(lines[0])}
+        index = {h.strip().lower(): (h.strip(),) for h in csv_header(lines[0])[0]}
     fields = resolve_fields(index, override or {})
     return "start" in fields and any(k in fields for k in STRONG)

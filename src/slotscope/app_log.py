@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 import pyarrow.json as pa_json
 
 from .app_fields import (
-    CANDIDATES, ALIASES, TIMINGS, csv_delimiter, csv_header, field_names, nested_paths, path_index, resolve_fields,
+    CANDIDATES, ALIASES, TIMINGS, csv_header, field_names, nested_paths, path_index, resolve_fields,
 )
 from .errors import AppLogError
 from .sources import CHUNK_SIZE, Span, is_plain, iter_chunks, iter_spans, open_binary, read_span
@@ -388,7 +388,7 @@ def _no_surrogates(value: Any) -> Any:
 def _csv_rows(name: str, numbered: Iterable[tuple[int, str]], tally: _Tally) -> _Rows:
     numbered = iter(numbered)
     first, header_text = next(numbered)
-    header, delimiter = csv_header(header_text), csv_delimiter(header_text)
+    header, delimiter = csv_header(header_text)
     twice = sorted({h for h in header if h and header.count(h) > 1})
     if twice:  # (which of the two columns is meant cannot be told: neither is read silently)
         raise AppLogError(name, first, f"the CSV header names {', '.join(map(repr, twice))} twice; rename one "
