@@ -106,14 +106,10 @@ def _check_where(expr: str, columns: pd.Index, flag: str = "--where") -> None:
 
 def where(df: pd.DataFrame, expr: str | None) -> pd.DataFrame:
     """Rows matching a condition over the table's columns, e.g. ``wait_before_prefill_ms >= 1000``:
-    column names, literals and operators only (see ``WHERE_USAGE``), evaluated by ``DataFrame.query``."""
+    column names, literals and operators only (see ``WHERE_USAGE``); rows :func:`matching` it."""
     if not expr:
         return df
-    _check_where(expr, df.columns)
-    try:
-        return df.query(expr.strip(), engine="python")
-    except Exception as e:  # noqa: BLE001 - any bad expression is the user's to fix
-        raise WindowError(None, None, f"--where {expr!r}: {type(e).__name__}: {e}; columns: {', '.join(map(str, df.columns))}") from None
+    return df[matching(df, expr).to_numpy()]
 
 
 def matching(df: pd.DataFrame, expr: str, flag: str = "--where") -> pd.Series:
@@ -124,6 +120,6 @@ def matching(df: pd.DataFrame, expr: str, flag: str = "--where") -> pd.Series:
         hit = df.eval(expr.strip(), engine="python")
     except Exception as e:  # noqa: BLE001 - any bad expression is the user's to fix
         raise WindowError(None, None, f"{flag} {expr!r}: {type(e).__name__}: {e}; columns: {', '.join(map(str, df.columns))}") from None
-    if not isinstance(hit, pd.Series) or len(hit) != len(df):
+    if not isinstance(hit, pd.Series) or len(hit) != len(df) or not pd.api.types.is_bool_dtype(hit.dtype):
         raise WindowError(None, None, f"{flag} {expr!r}: not a condition on each row; {WHERE_USAGE}")
     return hit.fillna(False).astype(bool)
