@@ -310,8 +310,7 @@ def _unmatched_reason(cl: pd.DataFrame, rows: np.ndarray, launch_us: np.ndarray,
     # take ~100 bytes a call, twice).
     # A server session the clocks could not be aligned for (the app log gave neither counts nor
     # end times to align on, and no --server-start): its tasks have no time on the app's clock.
-    no_clock = bool(len(sessions)) and not np.isfinite(span["offset_us"].to_numpy(dtype=float)).all() \
-        if len(span) else bool(len(sessions))
+    no_clock = len(span) < len(sessions) or not np.isfinite(span["offset_us"].to_numpy(dtype=float)).all()
     code = np.select([~covered & no_clock, ~covered, failed, in_window], [4, 0, 1, 2], 3)
     return pd.Series(np.asarray(_REASONS, dtype=object)[code], index=cl.index[rows])
 
