@@ -207,7 +207,7 @@ def test_slot_choice_follows_prompt_similarity(data: dict[str, Dataset]) -> None
     # continuation of u00's chat on slot 0, so the server took the least recently released
     # slot, 3 ("selected slot by LRU"); u04's next turn then found its own slot 0.
     w, rp = _replayed(data["after"])
-    row = {c: i for i, c in enumerate(w.tv["call_id"])}
+    row = {c: i for i, c in enumerate(w.tv.column("call_id"))}
     assert rp.slot[row["c-00006"]] == 3 and rp.slot[row["c-00007"]] == 0
 
 
@@ -216,7 +216,7 @@ def test_lora_change_drops_the_slot_cache(data: dict[str, Dataset]) -> None:
     # whole prompt (cached 0), as the cache model has it too; with one setting for every call
     # the slot keeps what the cache restored: its previous turn's prompt.
     w, rp = _replayed(data["before"])
-    row = {c: i for i, c in enumerate(w.tv["call_id"])}
+    row = {c: i for i, c in enumerate(w.tv.column("call_id"))}
     k, summary = row["c-00007"], row["c-00008"]
     assert w.cached[k] == 0 and w.model_logged[k] == 0 and rp.cached[k] == 0
     w, rp = _replayed(data["before"], "lora=unified")
@@ -268,7 +268,7 @@ def test_lora_where_gives_the_label_to_the_calls_it_picks(data: dict[str, Datase
     lg = W.prepare(data["after"])
     r = W.resolve(W.parse_settings([_before_lora()]), lg.settings, lg.workload)
     labels = W.lora_labels(lg.workload, r)
-    tv = lg.workload.tv
+    tv = lg.workload.tv.read()
     picked = tv["user"].isin(["u00", "u01", "u03"]) & tv["purpose"].astype(str).str.startswith("chat")
     assert [x == "style-a@1.0" for x in labels] == picked.tolist() and picked.sum() > 10
     assert set(x for x, p in zip(labels, picked) if not p) == {"none"}

@@ -69,6 +69,7 @@ from rich.console import Console
 from rich.rule import Rule
 
 from . import timeline as tl
+from . import store
 from .analyze import Options
 from .analyze.stalls import MIN_PIECE_S, generation_segments, segment_pieces
 from .analyze.turns import is_chat_turn
@@ -182,7 +183,7 @@ def _positive(name: str, value: str) -> int:
 class Workload:
     """The tasks to replay, one row each, in the task view's order (``tv`` rows ``row``)."""
 
-    tv: pd.DataFrame  # the logged tasks replayed (task view rows, one per task)
+    tv: store.StoredTable  # the logged tasks replayed (task view rows, one per task), on disk
     view_row: np.ndarray  # each one's position in the task view
     group: np.ndarray  # session code (tasks of different server sessions never meet)
     send_s: np.ndarray  # logged send time on the server clock (launch - queue)
@@ -250,7 +251,10 @@ def workload(ds: Dataset, tv: pd.DataFrame, open_loop: bool = False) -> Workload
         # A call sent before the previous one ended (the app ran two at once) is not waiting
         # for it: it keeps its logged offset from the previous send instead (think < 0 marks it).
         think[has] = np.where(gap >= 0, gap, -(send[has] - send[prev[has]]) - 1e-9)
-    return Workload(tv=tv, view_row=view_row, group=group, send_s=send, prev=prev, think_s=think, end_lag_s=end_lag, new=new,
+    # The rows wait on disk in stretches of tasks, as the replay's measures read them back.
+    stored = store.StoredTable.of_parts((tv.iloc[i:i + PART_TASKS] for i in range(0, max(n, 1), PART_TASKS)),
+                                        "replayed tasks")
+    return Workload(tv=stored, view_row=view_row, group=group, send_s=send, prev=prev, think_s=think, end_lag_s=end_lag, new=new,
                     cached=cached, n_gen=n_gen, lora=list(lora), conv=conv, user=user, cluster=cluster, closed=closed,
                     tokens=tokens)
 
@@ -633,7 +637,7 @@ def lora_labels(w: Workload, r: Resolved) -> list[str]:
     labels = list(w.lora)
     if r.assign is not None:
         label, condition = r.assign
-        for i in np.flatnonzero(matching(w.tv, condition, "--set lora=LABEL where").to_numpy()):
+        for i in np.flatnonzero(matching(w.tv.read(), condition, "--set lora=LABEL where").to_numpy()):
             labels[i] = label
     return labels
 
@@ -965,7 +969,7 @@ def replayed_dataset(ds: Dataset, w: Workload, rp: Replay, r: Resolved,
     rows = np.arange(len(w.tv)) if rows is None else np.asarray(rows, dtype=np.int64)
     at = np.full(len(w.tv), -1, dtype=np.int64)
     at[rows] = np.arange(len(rows))
-    tv = w.tv.iloc[rows].reset_index(drop=True)
+    tv = w.tv.take(rows)
     rp = dataclasses.replace(rp, **{f: getattr(rp, f)[rows] for f in (
         "slot", "send", "launch", "prefill_start", "first_token", "release", "n_gen", "new", "cached", "refused")},
         lora=[rp.lora[i] for i in rows.tolist()])
@@ -1023,11 +1027,17 @@ def replayed_dataset(ds: Dataset, w: Workload, rp: Replay, r: Resolved,
 
 @dataclass
 class Sample:
-    """One metric's per-unit values (or a whole-run figure) and the resampling clusters."""
+    """One metric's per-unit values (or a whole-run figure) and the resampling clusters; a sum's
+    values are its clusters' sums (a cluster may have several), ``n`` the units they sum."""
 
     values: np.ndarray
     clusters: np.ndarray
     kind: str  # median | p90 | p95 | sum | share (no interval)
+    n: int = -1  # units measured (-1: the finite values)
+
+    def __post_init__(self) -> None:
+        if self.n < 0:
+            self.n = int(np.isfinite(self.values).sum())
 
 
 class Gather:
@@ -1038,11 +1048,18 @@ class Gather:
         self.values: dict[str, list[np.ndarray]] = {}
         self.clusters: dict[str, list[np.ndarray]] = {}
         self.kinds: dict[str, str] = {}
+        self.units: dict[str, int] = {}  # a sum's units (its values are per cluster)
         self.busy = {2: 0.0, 4: 0.0}
         self.spans: dict[tuple[object, ...], list[float]] = {}  # per session: first and last step
 
     def _put(self, name: str, values: np.ndarray, clusters: np.ndarray, kind: str) -> None:
-        self.values.setdefault(name, []).append(np.asarray(values, dtype=float))
+        values, clusters = np.asarray(values, dtype=float), np.asarray(clusters, dtype=np.int64)
+        if kind == "sum":  # (a resample of clusters sums their sums: one value per cluster is enough)
+            ok = np.isfinite(values)
+            self.units[name] = self.units.get(name, 0) + int(ok.sum())
+            codes, clusters = pd.factorize(clusters[ok])
+            values = np.bincount(codes, weights=values[ok], minlength=len(clusters))
+        self.values.setdefault(name, []).append(values)
         self.clusters.setdefault(name, []).append(np.asarray(clusters, dtype=np.int64))
         self.kinds[name] = kind
 
@@ -1109,7 +1126,8 @@ class Gather:
                 for need, secs in self.busy.items():
                     share = secs / whole if whole > 0 else math.nan
                     out[f"share_{need}plus_running"] = Sample(np.array([share]), np.zeros(1, dtype=np.int64), "share")
-            out[name] = Sample(np.concatenate(self.values[name]), np.concatenate(self.clusters[name]), self.kinds[name])
+            out[name] = Sample(np.concatenate(self.values[name]), np.concatenate(self.clusters[name]), self.kinds[name],
+                               self.units.get(name, -1))
         return out
 
 
@@ -1176,7 +1194,7 @@ def resolve(settings: Settings, logged: Resolved, w: Workload) -> Resolved:
         if not label.strip() or not condition.strip():
             raise UsageError(None, None, f"lora={settings.lora!r}: give lora=LABEL where CONDITION")
         assign = (label.strip(), condition.strip())
-        matching(w.tv, assign[1], "--set lora=LABEL where")  # (a bad condition is said now, once)
+        matching(w.tv.read(), assign[1], "--set lora=LABEL where")  # (a bad condition is said now, once)
     elif settings.lora == "unified":
         counts = pd.Series(w.lora, dtype="object").value_counts()
         unify = str(counts.index[0]) if len(counts) else NO_ADAPTER
@@ -1204,12 +1222,13 @@ def _extrapolates(r: Resolved, costs: PassCosts, w: Workload) -> list[str]:
 @dataclass
 class Logged:
     """What the replays start from: the workload, the settings and pass costs the logs show,
-    and the logged run's metric samples."""
+    the logged run's metric samples and those of its replay with the logged settings."""
 
     workload: Workload
     settings: Resolved
     costs: PassCosts
     samples: dict[str, Sample]
+    replayed: dict[str, Sample]
 
 
 def _part_dataset(ds: Dataset, tasks: pd.DataFrame, gen: pd.DataFrame, prefill: pd.DataFrame) -> Dataset:
@@ -1279,16 +1298,24 @@ def prepare(ds: Dataset, open_loop: bool = False, opts: Options | None = None) -
                 _kept(obs, keys, o[counted[o["row"].to_numpy(dtype=np.int64)]].reset_index(drop=True), rng)
             gather.add(pds, tasks, w.cluster[wr], opts, counted, part.span)
     costs = fit_pass_costs(_draw(obs, keys))
-    w.model_logged = replay(w, logged, costs).model_cached
-    return Logged(w, logged, costs, gather.result())
+    # The replay with the logged settings keeps the logged cache split of every call; its cache
+    # model's own reuse is what a what-if's model is held against (see :meth:`_Session.admit`).
+    replayed, rp = _replay_measured(ds, w, logged, costs, open_loop, opts)
+    w.model_logged = rp.model_cached
+    return Logged(w, logged, costs, gather.result(), replayed)
 
 
 def measure(ds: Dataset, lg: Logged, r: Resolved, open_loop: bool = False, opts: Options | None = None) -> dict[str, Sample]:
-    """Replay the workload with the settings ``r`` and measure it as the log is measured, a
-    stretch between idle moments of at least :data:`slotscope.periods.PART_TASKS` tasks at a
-    time: memory holds one stretch's heartbeats and rows."""
-    opts = opts or Options()
-    w, gather = lg.workload, Gather()
+    """Replay the workload with the settings ``r`` and measure it as the log is measured."""
+    return _replay_measured(ds, lg.workload, r, lg.costs, open_loop, opts or Options())[0]
+
+
+def _replay_measured(ds: Dataset, w: Workload, r: Resolved, costs: PassCosts, open_loop: bool,
+                     opts: Options) -> tuple[dict[str, Sample], Replay]:
+    """The replay with the settings ``r`` and its samples, measured a stretch between idle
+    moments of at least :data:`slotscope.periods.PART_TASKS` tasks at a time: memory holds one
+    stretch's heartbeats and rows."""
+    gather = Gather()
 
     def flush(rp: Replay, last: bool = False) -> None:
         if not rp.finished or (len(rp.finished) < PART_TASKS and not last):
@@ -1297,9 +1324,9 @@ def measure(ds: Dataset, lg: Logged, r: Resolved, open_loop: bool = False, opts:
         gather.add(*replayed_dataset(ds, w, rp, r, rows), w.cluster[rows], opts)
         del rp.finished[:], rp.heartbeats[:], rp.progress[:]
 
-    rp = replay(w, r, lg.costs, open_loop, on_idle=flush)
+    rp = replay(w, r, costs, open_loop, on_idle=flush)
     flush(rp, last=True)
-    return gather.result()
+    return gather.result(), rp
 
 
 def run(ds: Dataset, settings: Settings | Sequence[Settings] | None = None, *, open_loop: bool = False,
@@ -1310,8 +1337,7 @@ def run(ds: Dataset, settings: Settings | Sequence[Settings] | None = None, *, o
     opts = opts or Options()
     asked = [Settings()] if settings is None else [settings] if isinstance(settings, Settings) else list(settings)
     lg = prepare(ds, open_loop, opts)
-    w, logged, costs, logged_s = lg.workload, lg.settings, lg.costs, lg.samples
-    base_s = measure(ds, lg, logged, open_loop, opts)
+    w, logged, costs, logged_s, base_s = lg.workload, lg.settings, lg.costs, lg.samples, lg.replayed
     rows, set_rows, findings = [], [], []
     for st in asked:
         r = resolve(st, logged, w)
@@ -1324,7 +1350,7 @@ def run(ds: Dataset, settings: Settings | Sequence[Settings] | None = None, *, o
             lo, hi = _interval(s, rng, n_boot)
             rows.append({"setting": label, "metric": name, "logged": _point(logged_s[name]),
                          "replayed": _point(base_s[name]), "whatif": _point(s), "whatif_low": lo, "whatif_high": hi,
-                         "samples": int(np.isfinite(s.values).sum()) if s.kind != "share" else pd.NA,
+                         "samples": s.n if s.kind != "share" else pd.NA,
                          "note": _few(s, opts)})
         for name in ("n_batch", "n_ubatch", "slots", "ctx"):
             set_rows.append({"setting": label, "name": name, "logged": getattr(logged, name), "whatif": getattr(r, name),
@@ -1352,9 +1378,8 @@ def _setting_note(name: str) -> str:
 def _few(s: Sample, opts: Options) -> str:
     if s.kind == "share":
         return "a share of the replay's time: no interval"
-    n = int(np.isfinite(s.values).sum()) if s.kind != "sum" else int(len(np.unique(s.clusters)))
-    if s.kind != "sum" and n < opts.min_samples:
-        return f"only {n} samples: too few to rely on"
+    if s.kind != "sum" and s.n < opts.min_samples:
+        return f"only {s.n} samples: too few to rely on"
     return ""
 
 
