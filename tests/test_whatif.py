@@ -104,6 +104,23 @@ def test_summary_is_the_stable_table(data: dict[str, Dataset]) -> None:
     assert _fig(s, "waits_different_lora_count", "logged") == 29
 
 
+@pytest.mark.parametrize("name", ["before", "after"])
+def test_logged_ttft_per_condition_is_compares(data: dict[str, Dataset], name: str) -> None:
+    # The summary's per-class TTFT, read a busy period at a time, is compare's same-conditions
+    # figure of the whole log: in `before` the short turns that waited behind a 15K+ prefill
+    # took ~47 s, those with nothing else running under 1 s; in `after` (-b 512) 2.8 s.
+    from slotscope.compare import compare
+
+    same = compare(data[name], data[name], n_boot=0)["same-conditions"].set_index("condition")
+    s = _summary(data, name)
+    for cond, row in same.iterrows():
+        for kind, col in (("median", "before_median_s"), ("p90", "before_p90_s")):
+            got = _fig(s, f"short_ttft_{kind}_s:{cond}", "logged")
+            assert (np.isnan(got) and pd.isna(row[col])) or round(got, 3) == pytest.approx(row[col]), (cond, kind)
+    behind, alone = (_fig(s, f"short_ttft_median_s:{c}", "logged") for c in ("overlapping_prefill_5k_plus", "nothing_else_running"))
+    assert behind > 10 * alone if name == "before" else behind < 5 * alone  # (`after`: -b 512)
+
+
 def test_cli_summary_csv_and_sweep(monkeypatch: pytest.MonkeyPatch) -> None:
     r = runner.invoke(app, ["whatif", str(REAL / "after" / "logs"), "--sweep", "n_batch=512,2048",
                             "--table", "summary", "-f", "csv", "--resamples", "50", "-q"])

@@ -277,21 +277,28 @@ def _turns(ds: Dataset, tv: pd.DataFrame, subj: np.ndarray, opts: Options, short
     t = calls.loc[measured, keys + ["ttft_ms"]].merge(
         tv[keys + ["launch_s", "first_token_s", "prompt_tokens_new", "queue_ms", "release_s", "prefill_start_s"]],
         on=keys, how="left")
+    out = pd.DataFrame({"ttft_s": _f(t["ttft_ms"]) / 1000, "short": (_f(t["prompt_tokens_new"]) < short_tokens),
+                        "condition": turn_conditions(t, tv, ds.server.sessions, opts.big_prefill_tokens)})
+    return out, len(out) + int((~measured).sum())
+
+
+def turn_conditions(t: pd.DataFrame, tv: pd.DataFrame, sessions: pd.DataFrame, big_prefill_tokens: int) -> np.ndarray:
+    """The condition (of :data:`CONDITIONS`) each turn met from its send to its first token:
+    ``t``, the turns' tasks (keys, ``launch_s``, ``queue_ms``, ``prefill_start_s``,
+    ``first_token_s``, ``prompt_tokens_new``); ``tv``, the task view they ran among."""
+    keys = tl.GROUP + ["task_id"]
     launch = _f(t["launch_s"])
     span = t[tl.GROUP].assign(start_s=launch - np.nan_to_num(_f(t["queue_ms"]) / 1000), end_s=_f(t["first_token_s"]))
     # What else ran: every task from launch to end, the turn's own left out.
-    run = tv[tl.GROUP].assign(start_s=_f(tv["launch_s"]), end_s=tl.task_ends(tv, ds.server.sessions))
+    run = tv[tl.GROUP].assign(start_s=_f(tv["launch_s"]), end_s=tl.task_ends(tv, sessions))
     own_end = t[keys].merge(tv[keys].assign(_e=run["end_s"].to_numpy()), on=keys, how="left")["_e"].to_numpy(dtype="float64")
     others = tl.overlaps(span, run, own_start=launch, own_end=own_end)["max_count"].to_numpy()
     ph = tl.phases(tv)
-    big = ph[(ph["phase"] == "prefill") & (_f(ph["prompt_tokens_new"]) >= opts.big_prefill_tokens)]
-    own_big = _f(t["prompt_tokens_new"]) >= opts.big_prefill_tokens  # (its own prefill is one of them: left out)
+    big = ph[(ph["phase"] == "prefill") & (_f(ph["prompt_tokens_new"]) >= big_prefill_tokens)]
+    own_big = _f(t["prompt_tokens_new"]) >= big_prefill_tokens  # (its own prefill is one of them: left out)
     big_cov = tl.overlaps(span, big, own_start=np.where(own_big, _f(t["prefill_start_s"]), np.nan),
                           own_end=np.where(own_big, _f(t["first_token_s"]), np.nan))["covered_s"].to_numpy()
-    condition = np.select([big_cov > 0, others >= 1], CONDITIONS[:0:-1], CONDITIONS[0])
-    out = pd.DataFrame({"ttft_s": _f(t["ttft_ms"]) / 1000, "short": (_f(t["prompt_tokens_new"]) < short_tokens),
-                        "condition": condition})
-    return out, len(out) + int((~measured).sum())
+    return np.select([big_cov > 0, others >= 1], CONDITIONS[:0:-1], CONDITIONS[0])
 
 
 def _in_window(calls: pd.DataFrame, lo: float, hi: float) -> np.ndarray:

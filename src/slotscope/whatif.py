@@ -39,8 +39,9 @@ the common prefix of what the slot holds and its prompt, never the whole prompt
 (pre_decode). The model is run once with the logged settings: where a replay's cache model
 gives a call the reuse it gives it there, the call keeps its logged split (the logs know the
 prompts; the model does not), and takes the model's figure where a setting changed it (a
-LoRA setting, slots, an order that n_batch changed). The cache's size limit is not modelled;
-what is is the context: a prompt that no longer fits the per-slot context (``ctx / slots``) is
+LoRA setting, slots, an order that n_batch changed). The host cache holds at most ``ctx``
+tokens, the oldest out first (its size in bytes is not in the logs). The context is modelled
+too: a prompt that no longer fits the per-slot context (``ctx / slots``) is
 refused, as the server refuses it, and a generation that would overflow it stops there.
 
 Memory: the logs are read a part of the busy periods at a time (:mod:`slotscope.periods`), and
@@ -74,7 +75,7 @@ from .analyze import Options
 from .analyze.stalls import MIN_PIECE_S, generation_segments, segment_pieces
 from .analyze.turns import is_chat_turn
 from .analyze.waits import CAUSES, classify_waits
-from .compare import resampled_stats
+from .compare import CONDITIONS, SHORT_TOKENS, resampled_stats, turn_conditions
 from .dataset import Dataset, calls_of, task_view
 from .periods import PART_TASKS, Part
 from .prompt_cache import SLOT_PROMPT_SIMILARITY, HostCache, Tokens, token_model
@@ -1076,6 +1077,14 @@ class Gather:
         m = chat & np.isfinite(ttft) & counted
         for kind in ("median", "p90", "p95"):
             self._put(f"chat_ttft_{kind}_s", ttft[m], cluster[m], kind)
+        # compare's same-conditions classes: short turns by what else ran from send to first token
+        short = np.flatnonzero(m & (tl.floats(tv["prompt_tokens_new"]) < SHORT_TOKENS))
+        cond = turn_conditions(tv.iloc[short], tv, ds.server.sessions, opts.big_prefill_tokens) if len(short) else \
+            np.zeros(0, dtype=object)
+        for c in CONDITIONS:
+            pick = short[cond == c]
+            for kind in ("median", "p90"):
+                self._put(f"short_ttft_{kind}_s:{c}", ttft[pick], cluster[pick], kind)
         total = tl.floats(tv["call_total_ms"]) / 1000 if "call_total_ms" in tv.columns else np.full(n, np.nan)
         k = np.isfinite(total) & counted
         if "call_id" in tv.columns:
