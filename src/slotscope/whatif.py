@@ -712,7 +712,7 @@ class _Session:
         self.n_ctx_slot = r.ctx // r.slots
         self.adapter_on = {x: x != NO_ADAPTER for x in set(res.lora[i] for i in rows)}
         self.prompt = w.new + w.cached
-        self.nxt: dict[int, int] = {}  # a call's user's next call (closed loop: sent once this one ends)
+        self.nxt = np.full(len(w.prev), -1, dtype=np.int64)  # a call's user's next call (closed loop: sent once this one ends)
         self.heap: list[tuple[float, int]] = []  # (send time, row) of the calls to be sent
         for i in rows.tolist():
             p = int(w.prev[i])
@@ -927,8 +927,8 @@ class _Session:
         res.n_gen[i] = self.gen[s]
         res.finished.append(i)
         self.state[s], self.task[s], self.used[s] = IDLE, -1, now
-        j = self.nxt.get(i)
-        if j is not None:
+        j = int(self.nxt[i])
+        if j >= 0:
             think = float(w.think_s[j])
             send = now + float(w.end_lag_s[i]) + think if think >= 0 else float(res.send[i]) - think
             heapq.heappush(self.heap, (max(send, now), j))
