@@ -111,6 +111,7 @@ class _Tally:
     marks: DecimalMarks | None = None  # a CSV file's decimal mark, where its delimiter is no comma
     files: dict[str, int] = field(default_factory=dict)  # file -> order read
     naive: dict[str, tuple[int, str]] = field(default_factory=dict)  # file -> (count, zone)
+    twice: dict[str, tuple[int, int, str]] = field(default_factory=dict)  # file -> (records, first line, what)
     # file -> (line, message) of the first chunk without any start-time column: an error only if
     # no row of the file has a start time (a file with no such column at all, or a wrong mapping)
     no_start: dict[str, tuple[int, str]] = field(default_factory=dict)
@@ -136,6 +137,9 @@ class _Tally:
         self.notes.update(part.notes)
         for name, (n, zone) in part.naive.items():
             self.naive[name] = (self.naive.get(name, (0, zone))[0] + n, zone)
+        for name, (n, line, what) in part.twice.items():
+            had, line, what = self.twice.get(name, (0, line + offset, what))
+            self.twice[name] = (had + n, line, what)
         for name, (line, message) in part.no_start.items():
             self.no_start.setdefault(name, (line + offset, message))
 
@@ -359,21 +363,54 @@ def _decoded(lines: Iterable[bytes], tally: _Tally, bom: bool = True) -> Iterato
 
 
 def _json_rows(name: str, numbered: Iterable[tuple[int, str]], tally: _Tally) -> _Rows:
+    twice: list[tuple[dict[str, Any], list[tuple[str, Any]]]] = []  # (object, its pairs) of a key named twice
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj = dict(items)  # (the last value of a key counts, as in json.loads)
+        if len(obj) < len(items):
+            twice.append((obj, items))
+        return obj
+
+    decode = json.JSONDecoder(object_pairs_hook=pairs).decode
     for lineno, text in numbered:
         if not text.strip():
             tally.empty_lines += 1
             continue
+        twice.clear()
         try:
-            rec = json.loads(text)
+            rec = decode(text)
         except json.JSONDecodeError as e:
             tally.drop(name, lineno, f"invalid JSON: {e.msg} (column {e.colno})")
             continue
         if not isinstance(rec, dict):
             tally.drop(name, lineno, f"not a JSON object: {text[:40]!r}")
             continue
+        if twice:
+            n, line, what = tally.twice[name] if name in tally.twice else (0, lineno, _named_twice(rec, *twice[-1]))
+            tally.twice[name] = (n + 1, line, what)
         if "\\ud" in text or "\\uD" in text:  # maybe a lone surrogate escape: not text anything can write
             rec = _no_surrogates(rec)
         yield lineno, rec
+
+
+def _named_twice(rec: dict[str, Any], obj: dict[str, Any], items: list[tuple[str, Any]]) -> str:
+    """What a record that names a key twice in ``obj`` (one of its objects, with its ``items``
+    as written) has: the key's path in the record and its first and last values."""
+    key = next(k for k, _ in items if sum(k == other for other, _ in items) > 1)
+    values = [json.dumps(v)[:40] for k, v in items if k == key]
+
+    def path(value: Any, prefix: str) -> str | None:
+        if value is obj:
+            return prefix
+        inner = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for k, v in inner:
+            found = path(v, f"{prefix}[{k}]" if isinstance(value, list) else f"{prefix}.{k}" if prefix else str(k))
+            if found is not None:
+                return found
+        return None
+
+    where = path(rec, "")
+    return f"a record names {(f'{where}.' if where else '') + key!r} twice ({values[0]}, then {values[-1]})"
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -971,6 +1008,9 @@ def _accounting(tally: _Tally, n_calls: int, dup: int, early: int) -> AppAccount
     """What reading the app logs found, with the notes on the calls as a whole."""
     for name, (n, zone) in tally.naive.items():
         tally.notes[f"{name}: {n} timestamp(s) without a zone read as {zone} (set --tz if wrong)"] = None
+    for name, (n, line, what) in tally.twice.items():
+        also = f"; {n:,} records name a key twice" if n > 1 else ""
+        tally.notes[f"{name}:{line}: {what}: the last value counts, as in JSON.parse and jq{also}"] = None
     if dup:
         tally.notes[f"{dup} call id(s) appear more than once"] = None
     if early:
