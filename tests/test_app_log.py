@@ -7,6 +7,7 @@ import gzip
 import io
 import json
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -443,3 +444,94 @@ def test_app_columns_make_a_csv_of_unknown_names_an_app_log(tmp_path: Path) -> N
     ds = load([tmp_path], app_columns=columns)
     assert ds.app is not None and len(ds.app.calls) == 45
     assert (ds.matches.calls["match_method"] == "tokens+time").all()
+
+
+def _spreadsheet_csv(tmp_path: Path, delimiter: str, number: Callable[[str, object], str],
+                     name: str = "calls.csv") -> Path:
+    """The real app log as a spreadsheet exports it: ``number(field, value)`` writes each number."""
+    out = tmp_path / name
+    with out.open("w", newline="") as f:
+        w = csv.writer(f, delimiter=delimiter)
+        w.writerow(["id", "start", "end", "purpose", "user", "prompt_tokens", "completion_tokens", "status",
+                    "duration_ms"])
+        for r in _jsonl(REAL / "before" / "logs" / "app.jsonl"):
+            w.writerow([r["id"], r["start"], r["end"], r["purpose"], r["user"], number("prompt_tokens", r["prompt_tokens"]),
+                        number("completion_tokens", r["completion_tokens"]), r["status"],
+                        number("duration_ms", r["duration_ms"])])
+    return out
+
+
+def _german(field: str, value: object) -> str:
+    """A number as a spreadsheet in a German locale shows it: 12.419 tokens, 9.244,8 ms."""
+    return f"{value:,}".replace(",", "\0").replace(".", ",").replace("\0", ".")
+
+
+@pytest.mark.parametrize("delimiter", [";", "\t"])
+def test_a_spreadsheets_decimal_commas_read_as_the_jsonl(tmp_path: Path, delimiter: str) -> None:
+    """A CSV from a spreadsheet in a decimal-comma locale (``9.244,8`` ms, ``12.419`` tokens):
+    the calls of the JSONL it came from, and one note. It read each duration as missing (a
+    problem per row, 'non-numeric duration_ms: ...') and each grouped count as no count."""
+    want = read_app_logs([REAL / "before" / "logs" / "app.jsonl"]).calls
+    path = _spreadsheet_csv(tmp_path, delimiter, _german)
+    assert "12.419" in path.read_text() and "9.244,8" in path.read_text()
+    log = read_app_logs([path])
+    assert log.accounting.problems == () and log.accounting.rows_with_problems == 0
+    cols = ["call_id", "start_us", "end_us", "duration_ms", "prompt_tokens", "completion_tokens", "status"]
+    pd.testing.assert_frame_equal(log.calls[cols], want[cols])
+    assert log.accounting.notes == (f"{path}: numbers read with a decimal comma (as line 2's duration_ms '9.244,8')",)
+
+
+def test_decimal_commas_in_seconds_and_a_problem_quotes_them(tmp_path: Path) -> None:
+    """``0,25`` seconds (a comma no thousands reading allows) is a quarter second; a count
+    written ``2,5`` is a problem that quotes it as written."""
+    path = tmp_path / "calls.csv"
+    path.write_text("start;duration;prompt_tokens\n2026-11-29T07:31:47.961Z;0,25;2,5\n2026-11-29T07:32:47Z;1.234,5;7\n")
+    log = read_app_logs([path])
+    assert log.calls["duration_ms"].tolist() == [250.0, 1_234_500.0]
+    assert [p.reason for p in log.accounting.problems] == ["prompt_tokens is no count: '2,5'"]
+    assert log.calls["prompt_tokens"].tolist()[1] == 7
+
+
+def test_a_file_with_both_decimal_marks_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A comma and a point each read as the decimal mark in one file: which one the others
+    use cannot be told, so the file is refused naming both lines."""
+    path = _spreadsheet_csv(tmp_path, ";", _german)
+    lines = path.read_text().splitlines()
+    lines[5] = lines[5].replace("86.160,6", "86160.6")
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(AppLogError) as e:
+        read_app_logs([path])
+    assert str(e.value) == (f"{path}:6: duration_ms '86160.6' has a decimal point, but line 2's duration_ms "
+                            "'9.244,8' a decimal comma; write the file's numbers with one decimal mark")
+
+
+def test_numbers_no_mark_tells_apart_are_read_with_one_note(tmp_path: Path) -> None:
+    """Durations written ``1.234`` (three decimals) where no number shows the file's mark:
+    read as 1.234, and one note names the first and the other reading."""
+    path = _spreadsheet_csv(tmp_path, "\t", lambda f, v: f"{v / 1000:.3f}" if f == "duration_ms" else str(v))
+    log = read_app_logs([path])
+    want = read_app_logs([REAL / "before" / "logs" / "app.jsonl"]).calls
+    assert (log.calls["duration_ms"] - want["duration_ms"] / 1000).abs().max() < 1e-3
+    assert log.accounting.notes == (f"{path}:2: duration_ms '9.245' read as 9.245: no number in the file shows "
+                                    "whether '.' is its decimal mark or groups thousands (then 9245)",)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 10_000])
+def test_decimal_commas_read_alike_in_chunks_of_any_size(tmp_path: Path, chunk_rows: int,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mark a file shows holds for its chunks before and after; a number read by a guess
+    before a later chunk showed the other mark is an error naming both lines."""
+    from slotscope import app_log
+
+    whole = read_app_logs([_spreadsheet_csv(tmp_path, ";", _german)]).calls
+    monkeypatch.setattr(app_log, "CHUNK_ROWS", chunk_rows)
+    pd.testing.assert_frame_equal(read_app_logs([_spreadsheet_csv(tmp_path, ";", _german)]).calls, whole)
+    # the first duration a whole number of ms, grouped, '9.245': a comma only on the next line
+    path = _spreadsheet_csv(tmp_path, ";", lambda f, v: "9.245" if v == 9244.8 else _german(f, v) if f == "duration_ms"
+                            else str(v), "late.csv")
+    if chunk_rows == 1:
+        with pytest.raises(AppLogError, match=r"late.csv:2: duration_ms '9.245' was read as 9.245, with a decimal "
+                           r"point, before line 3's duration_ms '6.250,1' showed a decimal comma"):
+            read_app_logs([path])
+    else:
+        assert read_app_logs([path]).calls.set_index("line")["duration_ms"][2] == 9245.0

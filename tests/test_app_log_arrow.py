@@ -310,3 +310,42 @@ def test_repeated_call_ids_are_counted_as_pandas_counts_duplicates() -> None:
             values = [None if rng.random() < 0.1 else f"id-{rng.integers(0, max(n // 2, 1))}" for _ in range(n)]
             col = pd.Series(values, dtype="string")
             assert app_log._repeats(col) == int(col.duplicated().sum())
+
+
+@pytest.mark.parametrize("span_bytes", [1000, 3000, 1 << 20])
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_key_named_twice_reads_its_last_value_in_one_note(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              span_bytes: int, jobs: int) -> None:
+    """``{"prompt_tokens": 10, "prompt_tokens": 2458}`` (as an app that adds a key to an object
+    already written may log it): the last value counts, as json.loads, JSON.parse and jq read
+    it, and one note names the first such line and how many records do it, however the file
+    falls into blocks and workers. pyarrow refuses such a block: the records are read one by
+    one, as before, but the reading was silent."""
+    from slotscope.app_log import read_app_log_stream
+    from slotscope.workers import Pool
+
+    lines = BEFORE.read_bytes().splitlines(keepends=True)
+    for i in (2, 29, 40):
+        lines[i] = lines[i].replace(b'"prompt_tokens":', b'"prompt_tokens":10,"prompt_tokens":', 1)
+    path = tmp_path / "app.jsonl"
+    path.write_bytes(b"".join(lines))
+    want = read_app_logs([BEFORE]).calls
+    monkeypatch.setattr(app_log, "SPAN_BYTES", span_bytes)
+    with Pool(jobs) as pool, open(path, "rb") as f:
+        log = read_app_log_stream(str(path), f, pool=pool)
+    pd.testing.assert_frame_equal(log.calls.drop(columns="file"), want.drop(columns="file"))
+    assert log.accounting.notes == (f"{path}:3: a record names 'prompt_tokens' twice (10, then 12419): the last value "
+                                    "counts, as in JSON.parse and jq; 3 records name a key twice",)
+    assert log.accounting.problems == () and log.accounting.rows_loaded == len(lines)
+
+
+def test_a_nested_key_named_twice_is_named_by_its_path(tmp_path: Path) -> None:
+    lines = BEFORE.read_bytes().splitlines(keepends=True)
+    lines[4] = lines[4].replace(b'"scale":1.0', b'"scale":0.5,"scale":1.0', 1)
+    assert b'"scale":0.5' in lines[4]
+    path = tmp_path / "app.jsonl"
+    path.write_bytes(b"".join(lines))
+    log = read_app_logs([path])
+    assert log.accounting.notes == (f"{path}:5: a record names 'lora.scale' twice (0.5, then 1.0): the last value "
+                                    "counts, as in JSON.parse and jq",)
+    assert log.calls.set_index("line")["lora"][5] == "style-a@1.0"

@@ -400,3 +400,15 @@ def test_an_app_log_in_another_shape_says_what_it_is_and_how_to_convert(tmp_path
     res = run("calls", str(f))
     assert res.exit_code == 1 and "Traceback" not in res.stderr
     assert res.stderr.strip().startswith(f"error: {f}: {said}")
+
+
+def test_how_an_app_log_was_read_is_said_on_stderr(tmp_path: Path) -> None:
+    """The real app log with its stamps' zone cut off: the note that they were read as UTC
+    reaches stderr (it was kept in the library's accounting only), after the summary."""
+    lines = (REAL / "before" / "logs" / "app.jsonl").read_text().replace("+00:00", "")
+    f = tmp_path / "app.jsonl"
+    f.write_text(lines)
+    res = run("calls", str(f), "-f", "csv")
+    assert res.exit_code == 0
+    assert res.stderr.splitlines()[-1] == f"note: {f}: 90 timestamp(s) without a zone read as UTC (set --tz if wrong)"
+    assert "note:" not in run("calls", str(REAL / "before" / "logs" / "app.jsonl"), "-f", "csv").stderr

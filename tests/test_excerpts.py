@@ -9,13 +9,15 @@ the format variants derived from them.
 
 from __future__ import annotations
 
+import gc
 import gzip
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import zstandard
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from slotscope.cli import app
 
@@ -73,11 +75,45 @@ def _one_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLOTSCOPE_JOBS", "1")  # (small files: no worker processes to start)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _collected_after() -> Iterator[None]:
+    yield
+    gc.unfreeze()  # (what the tests left is collected now)
+    gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def _frozen(_collected_after: None) -> None:
+    """Every load ends with a full garbage collection (the app reader's tables are in cycles),
+    which in a test process walks all that pytest, the imported modules and the earlier tests
+    hold. Frozen before each test, those objects are not walked again: a load's collection
+    walks what this test made, as in a command's own process."""
+    gc.freeze()
+
+
+Invoke = Callable[..., Result]
+
+
+@pytest.fixture(scope="module")
+def invoke() -> Invoke:
+    """``runner.invoke(app, args)``, run once per arguments in this module: the tests that
+    check the same command on the same file share its result. Only for commands that write
+    no file (a result is kept, not what the command left on disk)."""
+    results: dict[tuple[str, ...], Result] = {}
+
+    def run(*args: str) -> Result:
+        if args not in results:
+            results[args] = runner.invoke(app, list(args))
+        return results[args]
+
+    return run
+
+
 @pytest.mark.parametrize("path", EXCERPT_FILES, ids=_name)
-def test_an_excerpt_is_read_or_refused_in_one_line_by_every_command(path: Path, tmp_path: Path) -> None:
+def test_an_excerpt_is_read_or_refused_in_one_line_by_every_command(path: Path, tmp_path: Path, invoke: Invoke) -> None:
     for args in (["analyze"], ["match"], ["timeline", "-o", str(tmp_path / "t.html")], ["tasks"], ["samples"],
                  ["compare", "--before", str(path), "--after"]):
-        res = runner.invoke(app, [*args, str(path)])
+        res = invoke(*args, str(path)) if args[0] != "timeline" else runner.invoke(app, [*args, str(path)])
         stderr = _clean(res, path)
         if res.exit_code == 1 and stderr.strip().splitlines()[-1].startswith(f"error: {path}: "):
             assert "lines read" not in stderr  # refused whole: not a log slotscope reads
@@ -87,12 +123,12 @@ def test_an_excerpt_is_read_or_refused_in_one_line_by_every_command(path: Path, 
             _counted(stderr, path)
 
 
-def test_ollama_excerpts_are_read_and_vllm_ones_refused() -> None:
+def test_ollama_excerpts_are_read_and_vllm_ones_refused(invoke: Invoke) -> None:
     """Which excerpts are read: Ollama's (by its own reader, with the llama.cpp lines inside
     read as llama-server's); vLLM's are refused, whole, in one line."""
     read = []
     for path in EXCERPT_FILES:
-        res = runner.invoke(app, ["tasks", str(path)])
+        res = invoke("tasks", str(path))
         if res.exit_code == 0:
             read.append(_name(path))
         else:
@@ -108,20 +144,19 @@ def test_analyze_reads_every_fixture_and_counts_each_line(path: Path) -> None:
     _counted(stderr, path)
 
 
-def test_match_on_a_file_that_is_no_log_names_the_file(tmp_path: Path) -> None:
+def test_match_on_a_file_that_is_no_log_names_the_file(invoke: Invoke) -> None:
     """A vLLM log given to `match`: the file is the problem, not a missing kind of log."""
-    log = tmp_path / "vllm.log"
-    log.write_bytes((EXCERPTS / "vllm" / "01.log").read_bytes())
-    res = runner.invoke(app, ["match", str(log)])
+    log = EXCERPTS / "vllm" / "01.log"
+    res = invoke("match", str(log))
     assert res.exit_code == 1
     assert res.stderr.strip() == f"error: {log}: neither a llama-server log nor an app call log"
 
 
-def test_a_log_without_tasks_says_what_its_lines_were() -> None:
+def test_a_log_without_tasks_says_what_its_lines_were(invoke: Invoke) -> None:
     """An Ollama excerpt with llama.cpp's start-up JSON and Ollama's own lines: no task, and
     the report says how its lines were read instead of computing empty sections."""
     path = EXCERPTS / "ollama" / "13.log"
-    res = runner.invoke(app, ["analyze", str(path)])
+    res = invoke("analyze", str(path))
     assert res.exit_code == 0, res.stderr
     assert "No task in the server log (7 lines: 1 used, 4 known and ignored, 2 unrecognized): it has no " \
            "`slot launch_slot_` line, so there is nothing to report." in " ".join(res.stdout.split())

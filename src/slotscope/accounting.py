@@ -20,6 +20,7 @@ class FileAccount:
     examples: list[tuple[int, str]] = field(default_factory=list)  # (line, text) of unrecognized lines
     wrapper: str | None = None
     error: str | None = None  # why the file could not be (fully) read
+    notes: list[str] = field(default_factory=list)  # how the file was read, said with the summary
 
     @property
     def is_server_log(self) -> bool:
@@ -116,7 +117,7 @@ class Accounting:
             )
         for ex in self.examples():
             out.append(f"  unrecognized: {ex}")
-        for note in self.notes:
+        for note in [*self.notes, *(n for f in self.files for n in f.notes)]:
             out.append(f"note: {note}")
         for path, reason in self.skipped:
             if (path, reason) not in self.unusable:

@@ -32,6 +32,7 @@ import pyarrow.json as pa_json
 from .app_fields import (
     CANDIDATES, ALIASES, TIMINGS, csv_header, field_names, nested_paths, path_index, resolve_fields,
 )
+from .decimal_marks import DecimalMarks
 from .errors import AppLogError
 from .sources import CHUNK_SIZE, Span, is_plain, iter_chunks, iter_spans, open_binary, read_span
 from . import store
@@ -51,6 +52,9 @@ _DTYPES: dict[str, str] = {
     "error": "string", "ok": "bool", "file": "category", "line": "int64", "start_us": "int64", "end_us": "Int64",
     **{f"timings_{k}": t for k, t in TIMINGS.items()}, "session": "category", "turn": "Int64",
 }
+_NUMBER_FIELDS = ("start", "end", "duration_ms", "duration_s", "prompt_tokens", "completion_tokens", "cached_tokens",
+                  "status", "turn", *_TIMING_COLS)
+_COUNTS = frozenset(k for k in _NUMBER_FIELDS if _DTYPES.get(k) == "Int64")
 CHUNK_ROWS = 10_000  # records parsed at a time: their dicts are ~3 KB each, the peak of reading
 MAX_EXAMPLES = 5
 SPAN_BYTES = CHUNK_SIZE  # a plain JSONL file is read in parts of this size by worker processes
@@ -104,8 +108,10 @@ class _Tally:
     examples: list[Problem] = field(default_factory=list)
     notes: dict[str, None] = field(default_factory=dict)  # ordered set
     header_line: int | None = None
+    marks: DecimalMarks | None = None  # a CSV file's decimal mark, where its delimiter is no comma
     files: dict[str, int] = field(default_factory=dict)  # file -> order read
     naive: dict[str, tuple[int, str]] = field(default_factory=dict)  # file -> (count, zone)
+    twice: dict[str, tuple[int, int, str]] = field(default_factory=dict)  # file -> (records, first line, what)
     # file -> (line, message) of the first chunk without any start-time column: an error only if
     # no row of the file has a start time (a file with no such column at all, or a wrong mapping)
     no_start: dict[str, tuple[int, str]] = field(default_factory=dict)
@@ -131,6 +137,9 @@ class _Tally:
         self.notes.update(part.notes)
         for name, (n, zone) in part.naive.items():
             self.naive[name] = (self.naive.get(name, (0, zone))[0] + n, zone)
+        for name, (n, line, what) in part.twice.items():
+            had, line, what = self.twice.get(name, (0, line + offset, what))
+            self.twice[name] = (had + n, line, what)
         for name, (line, message) in part.no_start.items():
             self.no_start.setdefault(name, (line + offset, message))
 
@@ -285,7 +294,7 @@ def _parse(
     keep = (lambda f: store.StoredTable(f, "app log chunk")) if on_disk else (lambda f: f)
     zone, override = _zone(tz), _checked(columns or {})
     tally.files.setdefault(name, len(tally.files))
-    tally.header_line = None
+    tally.header_line, tally.marks = None, None
     blocks = iter(blocks)
     first = next(blocks, None)
     if first is None:
@@ -296,6 +305,7 @@ def _parse(
         # (blank for 64 KiB: _rows finds the first line that is not)
         lines = chain.from_iterable(_block_lines(read_span(b) if isinstance(b, Span) else b) for b in blocks)
         frames = [keep(f) for f in _frames(name, _rows(name, lines, tally), override, zone, tally)]
+        tally.notes.update(dict.fromkeys(tally.marks.notes() if tally.marks is not None else []))
     else:
         jobs = ((block, name, override, zone, i == 0) for i, block in enumerate(blocks))
         frames, before = [], tally.lines_read  # (of the files read before)
@@ -353,21 +363,54 @@ def _decoded(lines: Iterable[bytes], tally: _Tally, bom: bool = True) -> Iterato
 
 
 def _json_rows(name: str, numbered: Iterable[tuple[int, str]], tally: _Tally) -> _Rows:
+    twice: list[tuple[dict[str, Any], list[tuple[str, Any]]]] = []  # (object, its pairs) of a key named twice
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj = dict(items)  # (the last value of a key counts, as in json.loads)
+        if len(obj) < len(items):
+            twice.append((obj, items))
+        return obj
+
+    decode = json.JSONDecoder(object_pairs_hook=pairs).decode
     for lineno, text in numbered:
         if not text.strip():
             tally.empty_lines += 1
             continue
+        twice.clear()
         try:
-            rec = json.loads(text)
+            rec = decode(text)
         except json.JSONDecodeError as e:
             tally.drop(name, lineno, f"invalid JSON: {e.msg} (column {e.colno})")
             continue
         if not isinstance(rec, dict):
             tally.drop(name, lineno, f"not a JSON object: {text[:40]!r}")
             continue
+        if twice:
+            n, line, what = tally.twice[name] if name in tally.twice else (0, lineno, _named_twice(rec, *twice[-1]))
+            tally.twice[name] = (n + 1, line, what)
         if "\\ud" in text or "\\uD" in text:  # maybe a lone surrogate escape: not text anything can write
             rec = _no_surrogates(rec)
         yield lineno, rec
+
+
+def _named_twice(rec: dict[str, Any], obj: dict[str, Any], items: list[tuple[str, Any]]) -> str:
+    """What a record that names a key twice in ``obj`` (one of its objects, with its ``items``
+    as written) has: the key's path in the record and its first and last values."""
+    key = next(k for k, _ in items if sum(k == other for other, _ in items) > 1)
+    values = [json.dumps(v)[:40] for k, v in items if k == key]
+
+    def path(value: Any, prefix: str) -> str | None:
+        if value is obj:
+            return prefix
+        inner = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for k, v in inner:
+            found = path(v, f"{prefix}[{k}]" if isinstance(value, list) else f"{prefix}.{k}" if prefix else str(k))
+            if found is not None:
+                return found
+        return None
+
+    where = path(rec, "")
+    return f"a record names {(f'{where}.' if where else '') + key!r} twice ({values[0]}, then {values[-1]})"
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -394,6 +437,8 @@ def _csv_rows(name: str, numbered: Iterable[tuple[int, str]], tally: _Tally) -> 
         raise AppLogError(name, first, f"the CSV header names {', '.join(map(repr, twice))} twice; rename one "
                           "(--app-columns maps a field to a column name)")
     tally.header_line = first
+    if delimiter != ",":  # (a spreadsheet that writes decimal commas separates fields with another mark)
+        tally.marks = DecimalMarks(name)
     reader, done = csv.reader((text + "\n" for _, text in numbered), delimiter=delimiter), 0  # (newlines kept in quotes)
     while True:
         start = first + 1 + done
@@ -750,7 +795,12 @@ def _frame(
     extra = [r.get(_EXTRA) for r in records]
     if any(e is not None for e in extra):
         get[_EXTRA] = extra
-    return _table(name, lines, get, override, zone, tally)
+    as_read: dict[str, Sequence[Any]] = {}
+    if tally.marks is not None:
+        numbers = tally.marks.read(lines, {k: get[k] for k in _NUMBER_FIELDS if k in get}, _COUNTS)
+        as_read = {k: get[k] for k in numbers}
+        get.update(numbers)
+    return _table(name, lines, get, override, zone, tally, as_read)
 
 
 def _in_range(value: pd.Series, scale: float, key: str, check: Callable[[str, np.ndarray, str], None]) -> pd.Series:
@@ -765,9 +815,11 @@ def _in_range(value: pd.Series, scale: float, key: str, check: Callable[[str, np
 
 
 def _table(
-    name: str, lines: np.ndarray, get: Mapping[str, Sequence[Any]], override: Mapping[str, str], zone: str, tally: _Tally
+    name: str, lines: np.ndarray, get: Mapping[str, Sequence[Any]], override: Mapping[str, str], zone: str, tally: _Tally,
+    as_read: Mapping[str, Sequence[Any]] | None = None,
 ) -> pd.DataFrame:
-    """The calls of one chunk from each field's values (``get``, see :func:`_field_values`)."""
+    """The calls of one chunk from each field's values (``get``, see :func:`_field_values`;
+    ``as_read``: the text of those read from other text, which a problem quotes)."""
     for key, col in override.items():
         if key not in get and key != "timings":
             tally.notes[f"{name}: column {col!r} for {key} not found"] = None
@@ -775,7 +827,7 @@ def _table(
 
     def check(key: str, mask: np.ndarray, reason: str) -> None:
         nonlocal bad
-        tally.flag(name, lines, mask, get[key], reason)
+        tally.flag(name, lines, mask, (as_read or {}).get(key, get[key]), reason)
         bad |= mask
 
     if _EXTRA in get:
@@ -956,6 +1008,9 @@ def _accounting(tally: _Tally, n_calls: int, dup: int, early: int) -> AppAccount
     """What reading the app logs found, with the notes on the calls as a whole."""
     for name, (n, zone) in tally.naive.items():
         tally.notes[f"{name}: {n} timestamp(s) without a zone read as {zone} (set --tz if wrong)"] = None
+    for name, (n, line, what) in tally.twice.items():
+        also = f"; {n:,} records name a key twice" if n > 1 else ""
+        tally.notes[f"{name}:{line}: {what}: the last value counts, as in JSON.parse and jq{also}"] = None
     if dup:
         tally.notes[f"{dup} call id(s) appear more than once"] = None
     if early:

@@ -125,6 +125,7 @@ def read_app(inputs: Inputs, *, columns: dict[str, str] | None = None, tz: str =
             acc = FileAccount(path=lf.path, kind="app", lines=a.lines_read, used=a.rows_loaded,
                               ignored=a.lines_read - a.rows_loaded - a.rows_dropped, unrecognized=a.rows_dropped)
             acc.examples = [(p.line, p.reason) for p in a.problems][:5]
+            acc.notes = list(a.notes)
             accounts.append(acc)
     if len(logs) == 1:
         return logs[0], accounts

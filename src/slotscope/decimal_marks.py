@@ -1,0 +1,146 @@
+"""Numbers of a CSV app log that a spreadsheet may have written with a decimal comma.
+
+A file whose fields are separated by ``;``, a tab or ``|`` may come from a spreadsheet in a
+locale that writes ``5,6`` and ``1.234,5``. Each number with a mark in it is read both ways:
+with a decimal comma (``.`` groups thousands) and with a decimal point (``,`` groups
+thousands). A number that only one way reads (``5,6``, ``0,25``, ``1.234,5``; ``12.5``,
+``0.250``, ``1,234.5``) shows the file's mark, and every number of the file is read with it;
+a file that shows both is refused. A count is read only as a whole number, so ``2.281``
+tokens show a decimal comma. A number both ways read differently (``1.234``) in a file that
+shows no mark is read with its mark as the decimal mark, and one note says so.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import AppLogError
+
+COMMA, POINT = ",", "."
+_NAMES = {COMMA: "a decimal comma", POINT: "a decimal point"}
+_GRAMMAR = {  # the grouping mark (groups of three, after a first one of 1-3 digits), then the decimal mark
+    COMMA: re.compile(r"[+-]?(?:[1-9]\d{0,2}(?:\.\d{3})+|\d+)(?:,\d+)?(?:[eE][+-]?\d+)?"),
+    POINT: re.compile(r"[+-]?(?:[1-9]\d{0,2}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][+-]?\d+)?"),
+}
+
+
+def reading(text: str, mark: str) -> float | None:
+    """``text`` read as a number with ``mark`` as its decimal mark (the other one grouping
+    thousands); None where it is no such number."""
+    text = text.strip()
+    if not _GRAMMAR[mark].fullmatch(text):
+        return None
+    group = POINT if mark == COMMA else COMMA
+    return float(text.replace(group, "").replace(mark, "."))
+
+
+def _fits(value: float | None, count: bool) -> bool:
+    return value is not None and (not count or value.is_integer())
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if value.is_integer() else repr(value)
+
+
+@dataclass(frozen=True)
+class _Readings:
+    """A number's text and its value with either mark (None: no such number)."""
+
+    text: str
+    comma: float | None
+    point: float | None
+    only: str | None  # the mark that alone reads it (a count: as a whole number)
+    both_fit: bool
+
+
+def _readings(text: str, count: bool) -> _Readings:
+    comma, point = reading(text, COMMA), reading(text, POINT)
+    fit_comma, fit_point = _fits(comma, count), _fits(point, count)
+    only = COMMA if fit_comma and not fit_point else POINT if fit_point and not fit_comma else None
+    return _Readings(text, comma, point, only, fit_comma and fit_point)
+
+
+@dataclass(frozen=True)
+class Sign:
+    """A number of the file, where it is: one that shows the mark, or one read by a guess."""
+
+    line: int
+    field: str
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.field} {self.text!r}"
+
+
+@dataclass
+class DecimalMarks:
+    """Which decimal mark the numbers of one file use, learnt as its chunks are read."""
+
+    name: str
+    shown: dict[str, Sign] = field(default_factory=dict)  # mark -> the first number only it reads
+    # mark -> the first number both marks read, read with this one while no number showed either
+    guessed: dict[str, tuple[Sign, float, float]] = field(default_factory=dict)
+
+    def read(self, lines: np.ndarray, values: Mapping[str, Sequence[Any]],
+             counts: Collection[str]) -> dict[str, list[Any]]:
+        """The fields of ``values`` (number fields; text as read, None where empty) that have
+        a number with a mark in it, each such number as a float read with the file's mark;
+        a text no mark reads stays as it is. Raises :class:`AppLogError` where the file shows
+        both marks."""
+        both: dict[str, dict[int, _Readings]] = {}  # field -> row -> its readings
+        for key, vals in values.items():
+            got = {i: _readings(v, key in counts) for i, v in enumerate(vals)
+                   if isinstance(v, str) and (COMMA in v or POINT in v)}
+            if got:
+                both[key] = got
+        for mark in (COMMA, POINT):
+            only = [(int(lines[i]), key, r.text) for key, got in both.items() for i, r in got.items() if r.only == mark]
+            if only and mark not in self.shown:
+                self.shown[mark] = Sign(*min(only))
+        self._check()
+        return {key: [self._value(got[i], int(lines[i]), key) if i in got else v for i, v in enumerate(values[key])]
+                for key, got in both.items()}
+
+    def _check(self) -> None:
+        if len(self.shown) == 2:
+            first, later = sorted(self.shown.items(), key=lambda kv: kv[1].line)
+            raise AppLogError(self.name, later[1].line, f"{later[1]} has {_NAMES[later[0]]}, but line "
+                              f"{first[1].line}'s {first[1]} {_NAMES[first[0]]}; write the file's numbers "
+                              "with one decimal mark")
+        for mark, sign in self.shown.items():
+            other = POINT if mark == COMMA else COMMA
+            if other in self.guessed:  # (read in an earlier chunk, before this one showed the mark)
+                guess, value, _ = self.guessed[other]
+                raise AppLogError(self.name, guess.line, f"{guess} was read as {_number(value)}, with "
+                                  f"{_NAMES[other]}, before line {sign.line}'s {sign} showed "
+                                  f"{_NAMES[mark]}; write the file's numbers with one decimal mark")
+
+    def _value(self, r: _Readings, line: int, key: str) -> Any:
+        """A number's value read with the file's mark; where the file has shown none yet, the
+        one reading a number has (such as a count's 2.5, a problem), or a guess."""
+        mark = next(iter(self.shown), None)
+        if mark is None and r.both_fit and r.comma != r.point:
+            mark = POINT if POINT in r.text else COMMA  # (only one of them is in a number both read)
+            value, other = (r.point, r.comma) if mark == POINT else (r.comma, r.point)
+            assert value is not None and other is not None
+            self.guessed.setdefault(mark, (Sign(line, key, r.text), value, other))
+            return value
+        got = (r.comma if mark == COMMA else r.point) if mark is not None else \
+            r.comma if r.comma is not None else r.point
+        return r.text if got is None else got
+
+    def notes(self) -> list[str]:
+        """What the file's numbers were read with, where that was a decimal comma or a guess."""
+        if COMMA in self.shown:
+            return [f"{self.name}: numbers read with a decimal comma (as line {self.shown[COMMA].line}'s "
+                    f"{self.shown[COMMA]})"]
+        if self.shown:
+            return []
+        return [f"{self.name}:{sign.line}: {sign} read as {_number(value)}: no number in the file shows whether "
+                f"{mark!r} is its decimal mark or groups thousands (then {_number(other)})"
+                for mark, (sign, value, other) in sorted(self.guessed.items(), key=lambda kv: kv[1][0].line)]
