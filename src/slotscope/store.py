@@ -580,7 +580,10 @@ class Buckets:
             with pa.OSFile(path) as source:
                 pieces.append(pa.Table.from_batches([pa.ipc.open_file(source).get_batch(i)]))
         table = pa.concat_tables(pieces) if pieces else schema.empty_table()
-        return table.take(pa.array(np.argsort(table.column("row").to_numpy(), kind="stable")))
+        rows = table.column("row").to_numpy()
+        if len(rows) > 1 and bool((rows[1:] < rows[:-1]).any()):  # (rows added in order come back sorted)
+            table = table.take(pa.array(np.argsort(rows, kind="stable")))
+        return table
 
     def _frame(self, name: str, table: pa.Table) -> pd.DataFrame:
         df = table.drop_columns(["_part"]).to_pandas()

@@ -100,7 +100,12 @@ def _hb_column(gen: pd.DataFrame | None, hb: np.ndarray, name: str, dtype: str) 
     """A column of the segments' heartbeats (``line`` or ``file``), NA for tails."""
     if gen is None or not len(gen) or name not in gen.columns:
         return pd.array([pd.NA] * len(hb), dtype=dtype)
-    return pd.array(gen[name].array.take(hb, allow_fill=True), dtype=dtype)
+    col = gen[name]
+    if isinstance(col.dtype, pd.CategoricalDtype):  # (its few categories converted, not every row)
+        codes = col.cat.codes.to_numpy()
+        return pd.array(col.cat.categories, dtype=dtype).take(np.where(hb >= 0, codes[np.maximum(hb, 0)], -1),
+                                                              allow_fill=True)
+    return pd.array(col.array.take(hb, allow_fill=True), dtype=dtype)
 
 
 def generation_segments(ds: Dataset, tv: pd.DataFrame | None = None) -> pd.DataFrame:
