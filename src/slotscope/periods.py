@@ -268,23 +268,31 @@ class PartStore:
         self._buckets.done()
         store.release_memory()  # (what sorted the rows into parts)
 
+    @property
+    def n_parts(self) -> int:
+        return 1 if self._whole is not None else self.partition.n_parts
+
     def parts(self, heartbeats: bool = True) -> Iterator[Part]:
         """Every part, in order; without ``heartbeats``, their ``gen`` table empty (not read)."""
+        for k in range(self.n_parts):
+            yield self.part(k, heartbeats)
+        if self._whole is None:
+            store.release_memory()
+
+    def part(self, k: int, heartbeats: bool = True) -> Part:
+        """Part ``k`` alone (see :meth:`parts`), in any order."""
         if self._whole is not None:
-            yield self._whole
-            return
+            return self._whole
+        store.release_memory()  # (what the last part read here was made of, and what was asked of it)
         kinds = ("gen", "prefill") if heartbeats else ("prefill",)
-        for k, frames in self._buckets.read(("tasks",) + kinds):
-            store.release_memory()  # (what the last part was made of, and what was asked of it)
-            tasks = frames["tasks"]
-            rows = tasks.pop("row").to_numpy()
-            counted = tasks.pop("counted").to_numpy()
-            gen = self._samples("gen", frames["gen"]) if heartbeats else empty_samples(HEARTBEAT)
-            prefill = self._samples("prefill", frames["prefill"])
-            yield Part(tasks=tasks, counted=counted, rows=rows, gen=gen, prefill=prefill,
-                       sessions=self.sessions, span=self.partition.spans[k], index=k)
-            del tasks, gen, prefill
-        store.release_memory()
+        frames = self._buckets.part(k, ("tasks",) + kinds)
+        tasks = frames["tasks"]
+        rows = tasks.pop("row").to_numpy()
+        counted = tasks.pop("counted").to_numpy()
+        gen = self._samples("gen", frames["gen"]) if heartbeats else empty_samples(HEARTBEAT)
+        prefill = self._samples("prefill", frames["prefill"])
+        return Part(tasks=tasks, counted=counted, rows=rows, gen=gen, prefill=prefill,
+                    sessions=self.sessions, span=self.partition.spans[k], index=k)
 
     def spool(self, what: str) -> store.Spool:
         """A place on disk for what a pass over the parts answers, until the store is discarded."""

@@ -500,7 +500,7 @@ def unload(obj: object, name: str) -> bool:
 
 class Buckets:
     """Rows of several tables cut into numbered parts, kept on disk until read back a part at
-    a time, in part order (:mod:`slotscope.periods`). Rows are added in any order, each with
+    a time, in any order (:mod:`slotscope.periods`). Rows are added in any order, each with
     its part and a ``row`` (its place in the whole table); a part reads back with its rows of
     each table sorted by it, with the dtypes the first rows added had.
 
@@ -566,11 +566,9 @@ class Buckets:
             self._tmp = temp_dir("the analysis' parts")
         return self._tmp.name
 
-    def read(self, names: Sequence[str] | None = None) -> Iterator[tuple[int, dict[str, pd.DataFrame]]]:
-        """(part, {table: its rows}) for every part, in order (again at each call); only the
-        tables ``names`` (None: all)."""
-        for k in range(self.n_parts):
-            yield k, {name: self._frame(name, self._part(name, k)) for name in names or self.names}
+    def part(self, k: int, names: Sequence[str] | None = None) -> dict[str, pd.DataFrame]:
+        """{table: its rows} of part ``k`` alone; only the tables ``names`` (None: all)."""
+        return {name: self._frame(name, self._part(name, k)) for name in names or self.names}
 
     def _part(self, name: str, k: int) -> pa.Table:
         """Part ``k``'s rows of table ``name``, sorted by row."""
