@@ -1075,16 +1075,18 @@ class Gather:
         chat = is_chat_turn(tv["purpose"]).to_numpy() if "purpose" in tv.columns else np.zeros(n, dtype=bool)
         ttft = tl.floats(tv["ttft_ms"]) / 1000 if "ttft_ms" in tv.columns else np.full(n, np.nan)
         m = chat & np.isfinite(ttft) & counted
+        turns = ttft[m], cluster[m]  # (one copy for the three statistics of them)
         for kind in ("median", "p90", "p95"):
-            self._put(f"chat_ttft_{kind}_s", ttft[m], cluster[m], kind)
+            self._put(f"chat_ttft_{kind}_s", *turns, kind)
         # compare's same-conditions classes: short turns by what else ran from send to first token
         short = np.flatnonzero(m & (tl.floats(tv["prompt_tokens_new"]) < SHORT_TOKENS))
         cond = turn_conditions(tv.iloc[short], tv, ds.server.sessions, opts.big_prefill_tokens) if len(short) else \
             np.zeros(0, dtype=object)
         for c in CONDITIONS:
             pick = short[cond == c]
+            these = ttft[pick], cluster[pick]
             for kind in ("median", "p90"):
-                self._put(f"short_ttft_{kind}_s:{c}", ttft[pick], cluster[pick], kind)
+                self._put(f"short_ttft_{kind}_s:{c}", *these, kind)
         total = tl.floats(tv["call_total_ms"]) / 1000 if "call_total_ms" in tv.columns else np.full(n, np.nan)
         k = np.isfinite(total) & counted
         if "call_id" in tv.columns:
@@ -1130,13 +1132,16 @@ class Gather:
         """Every metric's samples (the shares of time as whole-run figures)."""
         out: dict[str, Sample] = {}
         whole = sum(last - first for first, last in self.spans.values())
+        joined: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}  # statistics of the same values share them
         for name in self.values:
+            key = tuple(map(id, self.values[name] + self.clusters[name]))
+            if key not in joined:
+                joined[key] = np.concatenate(self.values[name]), np.concatenate(self.clusters[name])
             if name == "calls_refused_count":
                 for need, secs in self.busy.items():
                     share = secs / whole if whole > 0 else math.nan
                     out[f"share_{need}plus_running"] = Sample(np.array([share]), np.zeros(1, dtype=np.int64), "share")
-            out[name] = Sample(np.concatenate(self.values[name]), np.concatenate(self.clusters[name]), self.kinds[name],
-                               self.units.get(name, -1))
+            out[name] = Sample(*joined[key], self.kinds[name], self.units.get(name, -1))
         return out
 
 
