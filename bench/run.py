@@ -46,6 +46,8 @@ LIMITS = {
     "analyze_vs_baseline": 1.2,  # analyze(SIZE) <= 1.2x the --baseline slotscope's, same run
     "example_vs_import": 2.0,  # analyze on the bundled example <= 2x `import pandas, pyarrow`
     "help_vs_import": 0.6,  # slotscope --help <= 0.6x `import pandas, pyarrow`
+    "whatif_vs_analyze": 3.0,  # --whatif: whatif(SIZE) <= 3x analyze(SIZE), same run
+    "whatif_rss_mb": 384.0,  # --whatif: peak RSS of whatif, the bound of analyze
 }
 
 
@@ -308,6 +310,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=3600, help="per command, seconds")
     ap.add_argument("--baseline", metavar="SLOTSCOPE",
                     help="another slotscope (e.g. an install of the last release) whose analyze is timed beside this one's")
+    ap.add_argument("--whatif", action="store_true",
+                    help="also time `whatif --set n_batch=512` on the big input (minutes at 1 GB)")
     ap.add_argument("--max-rss-mb", type=float, default=4096,
                     help="kill a command whose RSS passes this (default 4096; 0 = no cap)")
     a = ap.parse_args(argv)
@@ -348,6 +352,9 @@ def main(argv=None) -> int:
              missing["samples"], None),
             (key, "analyze", [exe, "analyze", adir] if exe else None, missing["analyze"], None),
         ]
+    if a.whatif:
+        plan.append(("big", "whatif", [exe, "whatif", str(analyze_dir(inputs["big"]["dir"])), "--set", "n_batch=512"]
+                     if exe else None, missing["analyze"], None))
     if a.baseline:
         plan.append(("big", "analyze (baseline)", [a.baseline, "analyze", str(analyze_dir(inputs["big"]["dir"]))], None, None))
     # Start-up: the bundled example and --help against the imports every analysis needs, with
@@ -485,6 +492,14 @@ def main(argv=None) -> int:
         check(f"analyze <= {LIMITS['analyze_vs_baseline']:g}x the baseline's ({B})", ab / base if ab and base else None,
               LIMITS["analyze_vs_baseline"], lambda v: v <= LIMITS["analyze_vs_baseline"],
               f"{ab:.2f} s / {base:.2f} s" if ab and base else "", na(("big", "analyze"), ("big", "analyze (baseline)")))
+    if a.whatif:
+        w = get("big", "whatif")
+        check(f"whatif <= {LIMITS['whatif_vs_analyze']:g}x analyze ({B})", w / ab if w and ab else None,
+              LIMITS["whatif_vs_analyze"], lambda v: v <= LIMITS["whatif_vs_analyze"],
+              f"{w:.2f} s / {ab:.2f} s" if w and ab else "", na(("big", "whatif"), ("big", "analyze")))
+        rss = get("big", "whatif", "rss_mb")
+        check(f"RSS <= {LIMITS['whatif_rss_mb']:g} MB: whatif ({B})", rss, LIMITS["whatif_rss_mb"],
+              lambda v: v <= LIMITS["whatif_rss_mb"], f"{rss:.0f} MB" if rss else "", na(("big", "whatif")))
     imp = get("small", "import pandas, pyarrow")
     for name, limit in (("analyze (example)", "example_vs_import"), ("--help", "help_vs_import")):
         v = get("small", name)
