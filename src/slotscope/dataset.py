@@ -215,6 +215,12 @@ def task_view(ds: Dataset, columns: Sequence[str] | None = None) -> pd.DataFrame
     return (ds._view if ds._view is not None else _task_view(ds)).read(columns)
 
 
+def task_view_rows(ds: Dataset, rows: np.ndarray, columns: Sequence[str]) -> pd.DataFrame:
+    """Those of ``columns`` the task view has, at its row positions ``rows`` (index 0..); after
+    :meth:`Dataset.keep_on_disk` only those rows' stored batches are read."""
+    return (ds._view if ds._view is not None else _task_view(ds)).take(rows, columns)
+
+
 def tasks_of(ds: Dataset, columns: Sequence[str]) -> pd.DataFrame:
     """Those of ``columns`` the task table has (only they are read from disk)."""
     return store.columns_of(ds.server, "tasks", columns)

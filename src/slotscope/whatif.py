@@ -70,13 +70,12 @@ from rich.console import Console
 from rich.rule import Rule
 
 from . import timeline as tl
-from . import store
 from .analyze import Options
 from .analyze.stalls import MIN_PIECE_S, generation_segments, segment_pieces
 from .analyze.turns import is_chat_turn
 from .analyze.waits import CAUSES, classify_waits
 from .compare import CONDITIONS, SHORT_TOKENS, resampled_stats, turn_conditions
-from .dataset import Dataset, calls_of, task_view
+from .dataset import Dataset, calls_of, task_view, task_view_rows
 from .periods import PART_TASKS, Part
 from .prompt_cache import SLOT_PROMPT_SIMILARITY, HostCache, Tokens, token_model
 from .errors import UsageError
@@ -97,6 +96,10 @@ WORKLOAD_COLUMNS = tl.GROUP + [
     "truncated", "status", "line", "file", "release_line", "total_ms", "n_tokens_released", "prompt_tokens",
     "has_timings", "has_release", "time_resolution_s", "call_id", "purpose", "user", "lora", "queue_ms", "ttft_ms",
     "call_total_ms"]
+# What the workload is made of (the replayed tasks' other columns are read back as they are measured).
+WORKLOAD_READ = tl.GROUP + [
+    "task_id", "status", "first_token_s", "queue_ms", "launch_s", "release_s", "call_total_ms", "prompt_tokens_new",
+    "prompt_tokens_cached", "n_gen", "lora", "user", "purpose", "call_id"]
 SETTING_NAMES = ("n_batch", "n_ubatch", "slots", "lora", "ctx")
 DEFAULT_N_BATCH = 2048  # llama-server's -b default (used when the logs show no full pass)
 DEFAULT_N_UBATCH = 512  # -ub default: not in the log at verbosity 3
@@ -180,11 +183,30 @@ def _positive(name: str, value: str) -> int:
 # The workload
 
 
+@dataclass(frozen=True)
+class TaskRows:
+    """The replayed tasks' rows of the task view (:data:`WORKLOAD_COLUMNS`), read from it when
+    asked: the view waits on disk (:meth:`Dataset.keep_on_disk`)."""
+
+    ds: Dataset
+    rows: np.ndarray  # their positions in the task view
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def read(self, rows: np.ndarray | None = None) -> pd.DataFrame:
+        """Every replayed task's row, or those at positions ``rows`` of them."""
+        return task_view_rows(self.ds, self.rows if rows is None else self.rows[rows], WORKLOAD_COLUMNS)
+
+    def column(self, name: str) -> pd.Series:
+        return task_view_rows(self.ds, self.rows, [name])[name]
+
+
 @dataclass
 class Workload:
     """The tasks to replay, one row each, in the task view's order (``tv`` rows ``row``)."""
 
-    tv: store.StoredTable  # the logged tasks replayed (task view rows, one per task), on disk
+    tv: TaskRows  # the logged tasks replayed (task view rows, one per task)
     view_row: np.ndarray  # each one's position in the task view
     group: np.ndarray  # session code (tasks of different server sessions never meet)
     send_s: np.ndarray  # logged send time on the server clock (launch - queue)
@@ -252,10 +274,7 @@ def workload(ds: Dataset, tv: pd.DataFrame, open_loop: bool = False) -> Workload
         # A call sent before the previous one ended (the app ran two at once) is not waiting
         # for it: it keeps its logged offset from the previous send instead (think < 0 marks it).
         think[has] = np.where(gap >= 0, gap, -(send[has] - send[prev[has]]) - 1e-9)
-    # The rows wait on disk in stretches of tasks, as the replay's measures read them back.
-    stored = store.StoredTable.of_parts((tv.iloc[i:i + PART_TASKS] for i in range(0, max(n, 1), PART_TASKS)),
-                                        "replayed tasks")
-    return Workload(tv=stored, view_row=view_row, group=group, send_s=send, prev=prev, think_s=think, end_lag_s=end_lag, new=new,
+    return Workload(tv=TaskRows(ds, view_row), view_row=view_row, group=group, send_s=send, prev=prev, think_s=think, end_lag_s=end_lag, new=new,
                     cached=cached, n_gen=n_gen, lora=list(lora), conv=conv, user=user, cluster=cluster, closed=closed,
                     tokens=tokens)
 
@@ -970,7 +989,7 @@ def replayed_dataset(ds: Dataset, w: Workload, rp: Replay, r: Resolved,
     rows = np.arange(len(w.tv)) if rows is None else np.asarray(rows, dtype=np.int64)
     at = np.full(len(w.tv), -1, dtype=np.int64)
     at[rows] = np.arange(len(rows))
-    tv = w.tv.take(rows)
+    tv = w.tv.read(rows)
     rp = dataclasses.replace(rp, **{f: getattr(rp, f)[rows] for f in (
         "slot", "send", "launch", "prefill_start", "first_token", "release", "n_gen", "new", "cached", "refused")},
         lora=[rp.lora[i] for i in rows.tolist()])
@@ -1276,7 +1295,7 @@ def prepare(ds: Dataset, open_loop: bool = False, opts: Options | None = None) -
     metrics), a part at a time as the report reads them."""
     opts = opts or Options()
     ds.keep_on_disk()
-    w = workload(ds, task_view(ds, WORKLOAD_COLUMNS), open_loop)
+    w = workload(ds, task_view(ds, WORKLOAD_READ), open_loop)
     lora = np.array(w.lora, dtype=object)
     n_view = int(w.view_row.max(initial=-1)) + 1
     at = np.full(n_view, -1, dtype=np.int64)
