@@ -17,7 +17,7 @@ the tasks that run across the cut are in both parts, as context in the later one
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 import pandas as pd
@@ -272,20 +272,22 @@ class PartStore:
     def n_parts(self) -> int:
         return 1 if self._whole is not None else self.partition.n_parts
 
-    def parts(self, heartbeats: bool = True) -> Iterator[Part]:
-        """Every part, in order; without ``heartbeats``, their ``gen`` table empty (not read)."""
+    def parts(self, heartbeats: bool = True, columns: Sequence[str] | None = None) -> Iterator[Part]:
+        """Every part, in order; without ``heartbeats``, their ``gen`` table empty (not read);
+        with ``columns``, their tasks only those of them (all: None)."""
         for k in range(self.n_parts):
-            yield self.part(k, heartbeats)
+            yield self.part(k, heartbeats, columns)
         if self._whole is None:
             store.release_memory()
 
-    def part(self, k: int, heartbeats: bool = True) -> Part:
+    def part(self, k: int, heartbeats: bool = True, columns: Sequence[str] | None = None) -> Part:
         """Part ``k`` alone (see :meth:`parts`), in any order."""
         if self._whole is not None:
             return self._whole
         store.release_memory()  # (what the last part read here was made of, and what was asked of it)
         kinds = ("gen", "prefill") if heartbeats else ("prefill",)
-        frames = self._buckets.part(k, ("tasks",) + kinds)
+        frames = self._buckets.part(k, ("tasks",) + kinds,
+                                    {"tasks": [*columns, "row", "counted"]} if columns is not None else None)
         tasks = frames["tasks"]
         rows = tasks.pop("row").to_numpy()
         counted = tasks.pop("counted").to_numpy()

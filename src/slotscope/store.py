@@ -566,9 +566,11 @@ class Buckets:
             self._tmp = temp_dir("the analysis' parts")
         return self._tmp.name
 
-    def part(self, k: int, names: Sequence[str] | None = None) -> dict[str, pd.DataFrame]:
-        """{table: its rows} of part ``k`` alone; only the tables ``names`` (None: all)."""
-        return {name: self._frame(name, self._part(name, k)) for name in names or self.names}
+    def part(self, k: int, names: Sequence[str] | None = None,
+             columns: dict[str, Sequence[str]] | None = None) -> dict[str, pd.DataFrame]:
+        """{table: its rows} of part ``k`` alone; only the tables ``names`` (None: all), and of a
+        table in ``columns`` only those of its columns."""
+        return {name: self._frame(name, self._part(name, k), (columns or {}).get(name)) for name in names or self.names}
 
     def _part(self, name: str, k: int) -> pa.Table:
         """Part ``k``'s rows of table ``name``, sorted by row."""
@@ -583,11 +585,12 @@ class Buckets:
             table = table.take(pa.array(np.argsort(rows, kind="stable")))
         return table
 
-    def _frame(self, name: str, table: pa.Table) -> pd.DataFrame:
-        df = table.drop_columns(["_part"]).to_pandas()
+    def _frame(self, name: str, table: pa.Table, columns: Sequence[str] | None = None) -> pd.DataFrame:
+        keep = [c for c in table.column_names if c != "_part" and (columns is None or c in columns)]
+        df = table.select(keep).to_pandas()
         dtypes = self._dtypes.get(name)
         if dtypes is not None:
-            df = df.astype({c: t for c, t in dtypes.items() if df[c].dtype != t})
+            df = df.astype({c: t for c, t in dtypes.items() if c in df.columns and df[c].dtype != t})
         return df
 
     def discard(self) -> None:

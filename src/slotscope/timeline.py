@@ -497,12 +497,16 @@ def count_point_arrays(qcode: np.ndarray, qs: np.ndarray, qe: np.ndarray, pcode:
     return out
 
 
+PROGRESS_TASK_COLUMNS = GROUP + ["task_id", "slot", "prompt_tokens_new", "line", "prefill_start_s", "first_token_s"]
+
+
 def progress_lines(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The prefills of ``tv`` (task keys, slot, ``prompt_tokens_new``, line, floats ``ps``,
     ``ft``, ``new``, ``pid`` = row) and their progress lines (``pid``, ``t_s``, ``n_tokens``,
-    ``step_tokens``, ``step_s``; by prefill, then time)."""
+    ``step_tokens``, ``step_s``; by prefill, then time). ``tv``: at least
+    :data:`PROGRESS_TASK_COLUMNS`."""
     keys = GROUP + ["task_id"]
-    pre = pd.DataFrame({c: column(tv, c) for c in keys + ["slot", "prompt_tokens_new", "line", "prefill_start_s", "first_token_s"]})
+    pre = pd.DataFrame({c: column(tv, c) for c in PROGRESS_TASK_COLUMNS})
     pre["ps"], pre["ft"] = floats(pre["prefill_start_s"]), floats(pre["first_token_s"])
     pre["new"] = floats(pre["prompt_tokens_new"])
     pre = pre[(pre["ft"] > pre["ps"])].drop(columns=["prefill_start_s", "first_token_s"]).reset_index(drop=True)

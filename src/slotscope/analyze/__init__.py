@@ -61,13 +61,15 @@ class Question:
     ``prepare``: for a question that needs something of every period first (a session's
     typical step), ``(of_part, combine)``: ``of_part(part, opts)`` per part (whose ``gen``
     table, the heartbeats, is left empty), ``combine`` of all of them, handed to
-    ``per_part(part, opts, prepared)`` in a second pass.
+    ``per_part(part, opts, prepared)`` in a second pass. ``prepare_columns``: the task columns
+    ``of_part`` reads (the first pass reads only those; None: all).
     """
 
     tables: tuple[str, ...]
     per_part: Callable[..., Any]
     merge: Callable[[list[Any], Options, Dataset], dict[str, pd.DataFrame]]
     prepare: tuple[Callable[[Part, Options], Any], Callable[[list[Any]], Any]] | None = None
+    prepare_columns: tuple[str, ...] | None = None
 
 
 QUESTIONS: dict[str, Question] = {}  # by table name
@@ -116,7 +118,9 @@ def answer(questions: list[Question], ds: Dataset, opts: Options, part_tasks: in
         early = [i for i, q in enumerate(questions) if q.prepare is not None]
         if early:
             firsts: dict[int, list[Any]] = {i: [] for i in early}
-            for part in periods.parts(heartbeats=False):  # (what a first pass asks needs none)
+            wanted = [questions[i].prepare_columns for i in early]
+            columns = None if None in wanted else sorted({c for cols in wanted for c in cols or ()})
+            for part in periods.parts(heartbeats=False, columns=columns):  # (what a first pass asks needs no heartbeats)
                 for i in early:
                     firsts[i].append(attempt(i, lambda: questions[i].prepare[0](part, opts)))  # type: ignore[index]
             prepared = {i: attempt(i, lambda: questions[i].prepare[1](firsts[i])) for i in early}  # type: ignore[index]

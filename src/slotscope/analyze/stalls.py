@@ -455,7 +455,8 @@ def _worst_table(cand: pd.DataFrame, info: pd.DataFrame, opts: Options) -> pd.Da
     return out
 
 
-QUESTION = ask(Question(("stalls", "stalls-worst"), per_part, merge, prepare=(line_steps, typical_of)))
+QUESTION = ask(Question(("stalls", "stalls-worst"), per_part, merge, prepare=(line_steps, typical_of),
+                        prepare_columns=tuple(tl.PROGRESS_TASK_COLUMNS)))
 
 
 def _whole(ds: Dataset, tv: pd.DataFrame | None = None) -> Part:
