@@ -121,6 +121,19 @@ def test_logged_ttft_per_condition_is_compares(data: dict[str, Dataset], name: s
     assert behind > 10 * alone if name == "before" else behind < 5 * alone  # (`after`: -b 512)
 
 
+def test_terminal_summary_shows_metric_names_whole(data: dict[str, Dataset]) -> None:
+    # On a 100-column terminal the names used to fold mid-word ("short_ttft_median_s:noth" /
+    # "ing_else_running"); each setting's rows now come under its label, the names whole.
+    tables = W.run(data["before"], W.parse_settings(["n_batch=512"]), n_boot=0)
+    buf = io.StringIO()
+    W.render(tables, file=buf, width=100)
+    text = buf.getvalue()
+    assert "setting: n_batch=512" in text
+    for metric in tables["summary"]["metric"]:
+        assert any(line.split()[:1] == [metric] for line in text.splitlines()), metric
+    assert max(len(line.rstrip()) for line in text.splitlines()) <= 100
+
+
 def test_cli_summary_csv_and_sweep(monkeypatch: pytest.MonkeyPatch) -> None:
     r = runner.invoke(app, ["whatif", str(REAL / "after" / "logs"), "--sweep", "n_batch=512,2048",
                             "--table", "summary", "-f", "csv", "--resamples", "50", "-q"])

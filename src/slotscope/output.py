@@ -18,7 +18,7 @@ import re
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Iterable, Iterator, Literal
+from typing import IO, Iterable, Iterator, Literal, Sequence
 
 import numpy as np
 import pandas as pd
@@ -567,17 +567,19 @@ def _cell(v: object) -> str:
     return str(v)
 
 
-def rich_table(df: pd.DataFrame, title: str | None = None, max_rows: int | None = None) -> Table:
+def rich_table(df: pd.DataFrame, title: str | None = None, max_rows: int | None = None,
+               whole: Sequence[str] = ()) -> Table:
     """A rich Table of a DataFrame (numbers right-aligned, blanks for missing values): each
-    column exactly as wide as its values (up to 24 characters; longer ones fold) or its
-    header's longest word, the header wrapped between words to it."""
+    column exactly as wide as its values (up to 24 characters, longer ones fold, but never in
+    the columns ``whole``: names) or its header's longest word, the header wrapped between
+    words to it."""
     table = Table(title=title, title_justify="left", show_lines=False, pad_edge=False, header_style="bold",
                   box=box.SIMPLE_HEAD, collapse_padding=True)
     rows = df if max_rows is None else df.head(max_rows)
-    for c, (cells, width) in _columns(rows).items():
+    for c, (cells, width) in _columns(rows, whole).items():
         numeric = pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c])
         table.add_column(_header(c), justify="right" if numeric else "left", overflow="fold", width=width)
-    for rec in zip(*(cells for cells, _ in _columns(rows).values())):
+    for rec in zip(*(cells for cells, _ in _columns(rows, whole).values())):
         table.add_row(*rec)
     if max_rows is not None and len(df) > max_rows:
         table.caption = f"{len(df) - max_rows:,} more rows; use --format csv for all"
@@ -601,27 +603,28 @@ def _is_share(c: object) -> bool:
     return str(c) == "share" or str(c).endswith("_share")
 
 
-def _columns(rows: pd.DataFrame) -> dict[object, tuple[list[str], int]]:
+def _columns(rows: pd.DataFrame, whole: Sequence[str] = ()) -> dict[object, tuple[list[str], int]]:
     """Each column's cells and width (see :func:`rich_table`)."""
     out = {}
     for c in rows.columns:
         cells = [(_percent if _is_share(c) else _cell)(v) for v in rows[c].tolist()]
-        width = min(max((len(x) for x in cells), default=0), 24)
+        width = max((len(x) for x in cells), default=0)
+        width = width if c in whole else min(width, 24)
         out[c] = (cells, max([width, *(len(w) for w in _header(c).split())]))
     return out
 
 
 def print_table(console: Console, df: pd.DataFrame, title: str | None = None, max_rows: int | None = None,
-                caption: str | None = None) -> None:
+                caption: str | None = None, whole: Sequence[str] = ()) -> None:
     """Print ``df`` as :func:`rich_table` does, never wider than the console and never a value
     cut: the columns that fit, in order, and a caption naming the others (``--format csv``
     shows every column). A table wider than the console would lose its last columns at the
     edge, or rich would squeeze them into words broken over lines."""
     rows = df if max_rows is None else df.head(max_rows)
     # A column takes its width and a space each side (what rich draws these tables with).
-    ends = np.cumsum([w + 2 for _, w in _columns(rows).values()])
+    ends = np.cumsum([w + 2 for _, w in _columns(rows, whole).values()])
     n = max(1, int(np.searchsorted(ends, console.width, "right")))
-    table = rich_table(df.iloc[:, :n], title=title, max_rows=max_rows)
+    table = rich_table(df.iloc[:, :n], title=title, max_rows=max_rows, whole=whole)
     hidden = [str(c) for c in df.columns[n:]]
     notes = [str(table.caption or ""), caption]
     if hidden:

@@ -1470,4 +1470,9 @@ def render(tables: dict[str, pd.DataFrame], file: IO[str] | None = None, width: 
             for r in df.itertuples(index=False):
                 console.print(f"- {r.finding}", markup=False)
             continue
+        if name == "summary" and len(df):  # (a setting's rows under its label: the metric names whole)
+            for label, rows in df.groupby("setting", sort=False):
+                console.print(f"setting: {label}", markup=False)
+                print_table(console, rows.drop(columns="setting").round(3), whole=["metric"])
+            continue
         print_table(console, df.round(3) if len(df) else df)
