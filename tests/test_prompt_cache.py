@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from slotscope.prompt_cache import HostCache, Tokens
@@ -44,9 +46,9 @@ def test_lru_pick_saves_the_slot_and_similarity_keeps_it() -> None:
     assert hc.pick(0, [0, 1], [5.0, 1.0]) == 0 and hc.entries == [3] and hc.held[0] == 3
     # With no similar slot (the header alone, 80 of 1000), the least recently released one
     # (slot 1) is saved and reloaded.
-    hc = HostCache(_tokens(), np.array([200, 400, 1, 1]), 2, 1 << 20)
+    tk = dataclasses.replace(_tokens(), persona=np.zeros(4, dtype=np.int64))
+    hc = HostCache(tk, np.array([200, 400, 1, 1]), 2, 1 << 20)
     hc.held = [2, 1]
-    hc.tk.persona[:] = 0
     assert hc.pick(3, [0, 1], [5.0, 1.0]) == 1 and hc.entries == [1]
 
 
