@@ -117,7 +117,7 @@ class HostCache:
         self.persona: list[int] = tk.persona.tolist()
         self.head: list[int] = tk.header[tk.kind].tolist()  # per row: its header class's tokens
         self.held = [-1] * n_slots
-        self.entries: list[int] = []
+        self.entries: dict[int, int] = {}  # row -> its state's tokens (its call is done: they stay), oldest first
         self.limit_tokens, self.tokens = limit_tokens, 0
 
     def common_prefix(self, a: int, b: int) -> int:
@@ -168,10 +168,10 @@ class HostCache:
         the floor (a model of real size reaches it; the captures' tiny one would keep more)."""
         a = self.held[s]
         if a >= 0 and a not in self.entries:
-            self.entries.append(a)
-            self.tokens += self.size(a)
+            self.entries[a] = self.size(a)
+            self.tokens += self.entries[a]
             while len(self.entries) > 1 and self.tokens > self.limit_tokens:
-                self.tokens -= self.size(self.entries.pop(0))
+                self.tokens -= self.entries.pop(next(iter(self.entries)))
 
     def load(self, s: int, b: int) -> None:
         """server_prompt_cache::load: oldest first, the entry that beats the slot's own tokens
@@ -183,15 +183,14 @@ class HostCache:
         keep = n / self.size(a) if a >= 0 else -1.0
         sim = n / p
         best = -1
-        for k, e in enumerate(self.entries):
-            size = self.size(e)
+        for e, size in self.entries.items():
             n = min(self.common_prefix(e, b), size, self.prompt[b])
             k_e, s_e = n / size, n / p
             if k_e >= KEEP_FOR_LOAD and keep < k_e and sim < s_e:
-                keep, sim, best = k_e, s_e, k
+                keep, sim, best = k_e, s_e, e
         if best >= 0:
-            self.held[s] = self.entries.pop(best)
-            self.tokens -= self.size(self.held[s])
+            self.held[s] = best
+            self.tokens -= self.entries.pop(best)
 
     def launched(self, s: int, b: int, idle: list[int]) -> None:
         """Call ``b`` launched on slot ``s`` (its tokens from now on); every other idle slot is
