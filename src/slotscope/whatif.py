@@ -742,6 +742,12 @@ class _Session:
         self.t_first = [0.0] * n
         self.cur_lora: str | None = None
         self.t = self.heap[0][0] if self.heap else 0.0
+        # The slots a batch is made of, listed again only when a slot changes state.
+        self.listed = False
+        self.gens: list[int] = []  # the generating slots of the batch's LoRA setting (the first one's)
+        self.gen_lora: str | None = None
+        self.gen_ubatches = 0  # the ubatches of their tokens alone
+        self.prompting: list[int] = []  # the slots processing a prompt
 
     def run(self, on_idle: Callable[[Replay], None] | None) -> None:
         """Pass after pass: the calls sent by now queued, queued calls admitted to idle slots,
@@ -791,6 +797,7 @@ class _Session:
             res.model_cached[i], res.cached[i], res.new[i] = model, cached, self.prompt[i] - cached
             self.cache.launched(s, i, idle)
             self.task[s], self.state[s], self.slot_lora[s] = i, PROMPT, res.lora[i]
+            self.listed = False
             res.slot[i], res.launch[i] = s, self.t
             self.new[s], self.cached[s], self.goal[s] = int(res.new[i]), cached, int(w.n_gen[i])
             self.t_prefill[s], self.done_p[s], self.gen[s] = math.nan, 0, 0
@@ -799,19 +806,31 @@ class _Session:
         """The next pass's batch: generating slots first, in slot order, one token each, the
         first setting the batch's LoRA (slots of another are left out); then prompt slots in
         slot order, of the same LoRA, filling the batch up to ``n_batch``."""
+        if not self.listed:
+            self._list_slots()
+        batch = _Batch(lora=self.gen_lora, gens=self.gens, chunks=[], size=len(self.gens))
+        self._take_prompts(batch)
+        return batch
+
+    def _list_slots(self) -> None:
+        """The generating slots of the first one's LoRA setting (and their ubatches), and the
+        prompt slots, each in slot order."""
         lora = self.res.lora
-        batch_lora: str | None = None
-        gens: list[int] = []
+        self.gen_lora, self.gens, self.prompting = None, [], []
         for s in range(self.n_slots):
             if self.state[s] == GENERATING:
                 la = lora[self.task[s]]
-                if batch_lora is None:
-                    batch_lora = la
-                if la == batch_lora:
-                    gens.append(s)
-        batch = _Batch(lora=batch_lora, gens=gens, chunks=[], size=len(gens))
-        self._take_prompts(batch)
-        return batch
+                if self.gen_lora is None:
+                    self.gen_lora = la
+                if la == self.gen_lora:
+                    self.gens.append(s)
+            elif self.state[s] == PROMPT:
+                self.prompting.append(s)
+        per_slot = [0] * self.n_slots
+        for s in self.gens:
+            per_slot[s] = 1
+        self.gen_ubatches = _ubatches(tuple(per_slot), self.n_ubatch)
+        self.listed = True
 
     def _take_prompts(self, batch: _Batch) -> None:
         """Prompt slots into ``batch``, up to ``n_batch``. A prompt's first chunk starts its
@@ -819,11 +838,9 @@ class _Session:
         refuses it); a prefill running for :data:`PROGRESS_S` prints a progress line a pass."""
         res, t = self.res, self.t
         new, cached, done_p = self.new, self.cached, self.done_p
-        for s in range(self.n_slots):
+        for s in self.prompting:
             if batch.size >= self.n_batch:
                 break
-            if self.state[s] != PROMPT:
-                continue
             i = self.task[s]
             la = res.lora[i]
             if batch.lora is not None and la != batch.lora:
@@ -854,10 +871,7 @@ class _Session:
         g = len(gens)
         ag = sum(self.ctx[s] for s in gens) / 1e6
         k = min(goal[s] - gen[s] for s in gens)
-        per_slot = [0] * self.n_slots
-        for s in gens:
-            per_slot[s] = 1
-        base = c_ub * ubatches(per_slot, self.n_ubatch) + c_g * g + (c_l * g if lora_on else 0.0)
+        base = c_ub * self.gen_ubatches + c_g * g + (c_l * g if lora_on else 0.0)
         if self.heap and IDLE in self.state:
             per = base + c_ag * ag
             k = max(1, min(k, math.ceil((self.heap[0][0] - t) / max(per, 1e-9))))
@@ -878,22 +892,26 @@ class _Session:
         by what it put in, and the slots done released."""
         c_ub, c_p, c_ap, c_g, c_ag, c_l, c_s = self.coef
         gens, chunks, ctx = batch.gens, batch.chunks, self.ctx
-        p = sum(take for _, take in chunks)
-        ap = sum(_positions(ctx[s], take) for s, take in chunks)
         g = len(gens)
         ag = sum(ctx[s] for s in gens) / 1e6
         per_slot = [0] * self.n_slots
         for s in gens:
             per_slot[s] = 1
+        p, ap = 0, 0.0
         for s, take in chunks:
             per_slot[s] += take
-        dt = (c_ub * ubatches(per_slot, self.n_ubatch) + c_p * p + c_ap * ap + c_g * g + c_ag * ag
+            p += take
+            ap += _positions(ctx[s], take)
+        dt = (c_ub * _ubatches(tuple(per_slot), self.n_ubatch) + c_p * p + c_ap * ap + c_g * g + c_ag * ag
               + (c_l * batch.size if lora_on else 0.0) + c_s * switch)
         self.t += dt
         self.res.passes += 1
         self._advance_generation(gens, dt)
         self._advance_prompts(chunks)
-        for s in gens + [s for s, _ in chunks]:
+        for s in gens:
+            if self.gen[s] >= self.goal[s]:
+                self.release(s, self.t)
+        for s, _ in chunks:
             if self.state[s] == GENERATING and self.gen[s] >= self.goal[s]:
                 self.release(s, self.t)
 
@@ -915,7 +933,7 @@ class _Session:
             self.done_p[s] += take
             self.ctx[s] += take
             if self.done_p[s] >= self.new[s]:
-                self.state[s] = GENERATING
+                self.state[s], self.listed = GENERATING, False
                 self.gen[s] = 1
                 self.res.first_token[self.task[s]] = t
                 self.t_print[s], self.n_print[s], self.t_first[s] = t, 0, t
@@ -932,6 +950,7 @@ class _Session:
         res.n_gen[i] = self.gen[s]
         res.finished.append(i)
         self.state[s], self.task[s], self.used[s] = IDLE, -1, now
+        self.listed = False
         j = int(self.nxt[i])
         if j >= 0:
             think = float(w.think_s[j])
