@@ -688,7 +688,7 @@ def replay(w: Workload, r: Resolved, costs: PassCosts, open_loop: bool = False,
 IDLE, PROMPT, GENERATING = 0, 1, 2  # a slot's state in the replay
 
 
-@dataclass
+@dataclass(slots=True)
 class _Batch:
     """One pass's batch: the generating slots (a token each) and the prompt slots with the
     tokens each puts in, all of one LoRA setting (None: an empty batch)."""
@@ -794,12 +794,13 @@ class _Session:
             model = self.cache.reused(s, i) if keep else 0
             agree = w.model_logged is None or model == w.model_logged[i]
             cached = int(w.cached[i]) if agree else model
-            res.model_cached[i], res.cached[i], res.new[i] = model, cached, self.prompt[i] - cached
+            new = int(self.prompt[i]) - cached
+            res.model_cached[i], res.cached[i], res.new[i] = model, cached, new
             self.cache.launched(s, i, idle)
             self.task[s], self.state[s], self.slot_lora[s] = i, PROMPT, res.lora[i]
             self.listed = False
             res.slot[i], res.launch[i] = s, self.t
-            self.new[s], self.cached[s], self.goal[s] = int(res.new[i]), cached, int(w.n_gen[i])
+            self.new[s], self.cached[s], self.goal[s] = new, cached, int(w.n_gen[i])
             self.t_prefill[s], self.done_p[s], self.gen[s] = math.nan, 0, 0
 
     def batch(self) -> _Batch:
@@ -808,7 +809,7 @@ class _Session:
         slot order, of the same LoRA, filling the batch up to ``n_batch``."""
         if not self.listed:
             self._list_slots()
-        batch = _Batch(lora=self.gen_lora, gens=self.gens, chunks=[], size=len(self.gens))
+        batch = _Batch(self.gen_lora, self.gens, [], len(self.gens))
         self._take_prompts(batch)
         return batch
 
