@@ -101,16 +101,6 @@ def _headers(cached: np.ndarray, chat: np.ndarray, purpose: np.ndarray, group: n
     return kind, header
 
 
-def common_prefix(tk: Tokens, a: int, b: int) -> int:
-    """Tokens of call ``b``'s prompt that call ``a``'s prompt and reply start with."""
-    if tk.run[a] >= 0 and tk.run[a] == tk.run[b] and tk.step[a] < tk.step[b]:
-        return int(tk.prompt[a])
-    head = int(min(tk.header[tk.kind[a]], tk.header[tk.kind[b]]))
-    if tk.run[a] >= 0 and tk.run[b] >= 0 and tk.user[a] >= 0 and tk.user[a] == tk.user[b]:
-        return max(int(tk.persona[b]), head)
-    return head
-
-
 class HostCache:
     """One server session's slots' tokens and its host prompt cache, in the token model: a
     slot or an entry is the row of the call whose prompt and reply it holds (-1: empty);
@@ -118,32 +108,52 @@ class HostCache:
 
     def __init__(self, tk: Tokens, n_gen: np.ndarray, n_slots: int, limit_tokens: int) -> None:
         self.tk, self.n_gen = tk, n_gen
+        # The replay asks of one row at a time, where a numpy element costs more than the
+        # arithmetic done with it: the token model as Python lists.
+        self.prompt: list[int] = tk.prompt.tolist()
+        self.run: list[int] = tk.run.tolist()
+        self.step: list[int] = tk.step.tolist()
+        self.user: list[int] = tk.user.tolist()
+        self.persona: list[int] = tk.persona.tolist()
+        self.head: list[int] = tk.header[tk.kind].tolist()  # per row: its header class's tokens
         self.held = [-1] * n_slots
-        self.entries: list[int] = []
+        self.entries: dict[int, int] = {}  # row -> its state's tokens (its call is done: they stay), oldest first
         self.limit_tokens, self.tokens = limit_tokens, 0
+
+    def common_prefix(self, a: int, b: int) -> int:
+        """Tokens of call ``b``'s prompt that call ``a``'s prompt and reply start with."""
+        run_a = self.run[a]
+        if run_a >= 0 and run_a == self.run[b] and self.step[a] < self.step[b]:
+            return self.prompt[a]
+        head = min(self.head[a], self.head[b])
+        if run_a >= 0 and self.run[b] >= 0 and self.user[a] >= 0 and self.user[a] == self.user[b]:
+            return max(self.persona[b], head)
+        return head
 
     def size(self, a: int) -> int:
         """Tokens of the state of row ``a``: its prompt and reply but the last token."""
-        return int(self.tk.prompt[a] + max(int(self.n_gen[a]), 1) - 1)
+        return self.prompt[a] + max(int(self.n_gen[a]), 1) - 1
 
     def lcp(self, a: int, b: int) -> int:
         """Common prefix of the state of row ``a`` (-1: empty) with the prompt of row ``b``."""
         if a < 0:
             return 0
-        return min(common_prefix(self.tk, a, b), self.size(a), int(self.tk.prompt[b]))
+        return min(self.common_prefix(a, b), self.size(a), self.prompt[b])
 
     def pick(self, b: int, idle: list[int], used: list[float]) -> int:
         """get_available_slot (server-context.cpp): the idle slot whose tokens are the largest
         share of the prompt, above :data:`SLOT_PROMPT_SIMILARITY`, else the least recently
         released (ties: the highest id). A slot picked the second way, or keeping less than
         :data:`KEEP_FOR_SAVE` of its tokens, is saved to the cache and reloaded for ``b``."""
-        p = max(int(self.tk.prompt[b]), 1)
-        best, pick = SLOT_PROMPT_SIMILARITY, -1
+        p = max(self.prompt[b], 1)
+        best, pick, n_pick = SLOT_PROMPT_SIMILARITY, -1, 0
         for s in idle:
             a = self.held[s]
-            if a >= 0 and self.lcp(a, b) / p > best:
-                best, pick = self.lcp(a, b) / p, s
-        if pick >= 0 and self.lcp(self.held[pick], b) / self.size(self.held[pick]) >= KEEP_FOR_SAVE:
+            if a >= 0:
+                n = self.lcp(a, b)
+                if n / p > best:
+                    best, pick, n_pick = n / p, s, n
+        if pick >= 0 and n_pick / self.size(self.held[pick]) >= KEEP_FOR_SAVE:
             return pick
         s = pick if pick >= 0 else min(idle, key=lambda s: (used[s], -s))
         self.save(s)
@@ -158,28 +168,29 @@ class HostCache:
         the floor (a model of real size reaches it; the captures' tiny one would keep more)."""
         a = self.held[s]
         if a >= 0 and a not in self.entries:
-            self.entries.append(a)
-            self.tokens += self.size(a)
+            self.entries[a] = self.size(a)
+            self.tokens += self.entries[a]
             while len(self.entries) > 1 and self.tokens > self.limit_tokens:
-                self.tokens -= self.size(self.entries.pop(0))
+                self.tokens -= self.entries.pop(next(iter(self.entries)))
 
     def load(self, s: int, b: int) -> None:
         """server_prompt_cache::load: oldest first, the entry that beats the slot's own tokens
         (and every entry before it) on both the share of itself kept and the share of the
         prompt; entries keeping less than :data:`KEEP_FOR_LOAD` are skipped. The one found
         moves into the slot."""
-        a, p = self.held[s], max(int(self.tk.prompt[b]), 1)
-        keep = self.lcp(a, b) / self.size(a) if a >= 0 else -1.0
-        sim = self.lcp(a, b) / p
+        a, p = self.held[s], max(self.prompt[b], 1)
+        n = self.lcp(a, b)
+        keep = n / self.size(a) if a >= 0 else -1.0
+        sim = n / p
         best = -1
-        for k, e in enumerate(self.entries):
-            n = self.lcp(e, b)
-            k_e, s_e = n / self.size(e), n / p
+        for e, size in self.entries.items():
+            n = min(self.common_prefix(e, b), size, self.prompt[b])
+            k_e, s_e = n / size, n / p
             if k_e >= KEEP_FOR_LOAD and keep < k_e and sim < s_e:
-                keep, sim, best = k_e, s_e, k
+                keep, sim, best = k_e, s_e, e
         if best >= 0:
-            self.held[s] = self.entries.pop(best)
-            self.tokens -= self.size(self.held[s])
+            self.held[s] = best
+            self.tokens -= self.entries.pop(best)
 
     def launched(self, s: int, b: int, idle: list[int]) -> None:
         """Call ``b`` launched on slot ``s`` (its tokens from now on); every other idle slot is
@@ -192,4 +203,4 @@ class HostCache:
     def reused(self, s: int, b: int) -> int:
         """Prompt tokens of ``b`` that slot ``s`` holds: the common prefix, but never the whole
         prompt (the last token is always processed)."""
-        return max(min(self.lcp(self.held[s], b), int(self.tk.prompt[b]) - 1), 0)
+        return max(min(self.lcp(self.held[s], b), self.prompt[b] - 1), 0)

@@ -697,9 +697,8 @@ def replay(w: Workload, r: Resolved, costs: PassCosts, open_loop: bool = False,
                  n_gen=np.zeros(n, dtype=np.int64), new=w.new.copy(), cached=w.cached.copy(), refused=np.zeros(n, dtype=bool),
                  lora=lora_labels(w, r), heartbeats=[], progress=[], passes=0,
                  model_cached=np.zeros(n, dtype=np.int64))
-    target = w.n_gen.copy()  # (shortened where a generation would overflow the slot's context)
     for g in np.unique(w.group):
-        _Session(w, r, costs, res, np.flatnonzero(w.group == g), open_loop or not w.closed, target).run(on_idle)
+        _Session(w, r, costs, res, np.flatnonzero(w.group == g), open_loop or not w.closed).run(on_idle)
     if on_idle is not None:
         on_idle(res)
     return res
@@ -708,7 +707,7 @@ def replay(w: Workload, r: Resolved, costs: PassCosts, open_loop: bool = False,
 IDLE, PROMPT, GENERATING = 0, 1, 2  # a slot's state in the replay
 
 
-@dataclass
+@dataclass(slots=True)
 class _Batch:
     """One pass's batch: the generating slots (a token each) and the prompt slots with the
     tokens each puts in, all of one LoRA setting (None: an empty batch)."""
@@ -721,11 +720,15 @@ class _Batch:
 
 class _Session:
     """The scheduler over one server session's tasks: the calls waiting to be sent, the queue,
-    the slots and the clock. :meth:`run` replays them into ``res`` (the whole workload's)."""
+    the slots and the clock. :meth:`run` replays them into ``res`` (the whole workload's).
 
-    def __init__(self, w: Workload, r: Resolved, costs: PassCosts, res: Replay, rows: np.ndarray, open_loop: bool,
-                 target: np.ndarray) -> None:
-        self.w, self.res, self.target = w, res, target
+    A slot's task's figures are Python numbers, read from the workload's arrays when it is
+    launched and written back at its prefill start, first token and release: the passes
+    read them one at a time, where a numpy element costs more than the arithmetic."""
+
+    def __init__(self, w: Workload, r: Resolved, costs: PassCosts, res: Replay, rows: np.ndarray,
+                 open_loop: bool) -> None:
+        self.w, self.res = w, res
         self.coef = tuple(costs.coef[t] for t in TERMS)
         self.n_batch, self.n_ubatch, self.n_slots = r.n_batch, r.n_ubatch, r.slots
         self.n_ctx_slot = r.ctx // r.slots
@@ -746,6 +749,10 @@ class _Session:
         self.used = [-1.0] * n  # when the slot was last released
         self.cache = HostCache(w.tokens, res.n_gen, n, r.ctx)
         self.slot_lora: list[str | None] = [None] * n  # the LoRA setting the slot last ran with
+        self.new = [0] * n  # prompt tokens the slot's task processes
+        self.cached = [0] * n  # prompt tokens it reuses
+        self.goal = [0] * n  # tokens it generates (cut where they would overflow the slot's context)
+        self.t_prefill = [math.nan] * n  # when its prefill started
         self.done_p = [0] * n  # prompt tokens processed of the slot's task
         self.gen = [0] * n
         self.ctx = [0] * n  # tokens in the slot's context
@@ -754,6 +761,12 @@ class _Session:
         self.t_first = [0.0] * n
         self.cur_lora: str | None = None
         self.t = self.heap[0][0] if self.heap else 0.0
+        # The slots a batch is made of, listed again only when a slot changes state.
+        self.listed = False
+        self.gens: list[int] = []  # the generating slots of the batch's LoRA setting (the first one's)
+        self.gen_lora: str | None = None
+        self.gen_ubatches = 0  # the ubatches of their tokens alone
+        self.prompting: list[int] = []  # the slots processing a prompt
 
     def run(self, on_idle: Callable[[Replay], None] | None) -> None:
         """Pass after pass: the calls sent by now queued, queued calls admitted to idle slots,
@@ -797,60 +810,73 @@ class _Session:
             idle = [s for s, st in enumerate(self.state) if st == IDLE]
             s = self.cache.pick(i, idle, self.used)
             keep = self.slot_lora[s] is None or self.slot_lora[s] == res.lora[i]
-            res.model_cached[i] = self.cache.reused(s, i) if keep else 0
-            agree = w.model_logged is None or res.model_cached[i] == w.model_logged[i]
-            res.cached[i] = w.cached[i] if agree else res.model_cached[i]
-            res.new[i] = self.prompt[i] - res.cached[i]
+            model = self.cache.reused(s, i) if keep else 0
+            agree = w.model_logged is None or model == w.model_logged[i]
+            cached = int(w.cached[i]) if agree else model
+            new = int(self.prompt[i]) - cached
+            res.model_cached[i], res.cached[i], res.new[i] = model, cached, new
             self.cache.launched(s, i, idle)
             self.task[s], self.state[s], self.slot_lora[s] = i, PROMPT, res.lora[i]
+            self.listed = False
             res.slot[i], res.launch[i] = s, self.t
-            self.done_p[s], self.gen[s] = 0, 0
+            self.new[s], self.cached[s], self.goal[s] = new, cached, int(w.n_gen[i])
+            self.t_prefill[s], self.done_p[s], self.gen[s] = math.nan, 0, 0
 
     def batch(self) -> _Batch:
         """The next pass's batch: generating slots first, in slot order, one token each, the
         first setting the batch's LoRA (slots of another are left out); then prompt slots in
         slot order, of the same LoRA, filling the batch up to ``n_batch``."""
+        if not self.listed:
+            self._list_slots()
+        batch = _Batch(self.gen_lora, self.gens, [], len(self.gens))
+        self._take_prompts(batch)
+        return batch
+
+    def _list_slots(self) -> None:
+        """The generating slots of the first one's LoRA setting (and their ubatches), and the
+        prompt slots, each in slot order."""
         lora = self.res.lora
-        batch_lora: str | None = None
-        gens: list[int] = []
+        self.gen_lora, self.gens, self.prompting = None, [], []
         for s in range(self.n_slots):
             if self.state[s] == GENERATING:
                 la = lora[self.task[s]]
-                if batch_lora is None:
-                    batch_lora = la
-                if la == batch_lora:
-                    gens.append(s)
-        batch = _Batch(lora=batch_lora, gens=gens, chunks=[], size=len(gens))
-        self._take_prompts(batch)
-        return batch
+                if self.gen_lora is None:
+                    self.gen_lora = la
+                if la == self.gen_lora:
+                    self.gens.append(s)
+            elif self.state[s] == PROMPT:
+                self.prompting.append(s)
+        per_slot = [0] * self.n_slots
+        for s in self.gens:
+            per_slot[s] = 1
+        self.gen_ubatches = _ubatches(tuple(per_slot), self.n_ubatch)
+        self.listed = True
 
     def _take_prompts(self, batch: _Batch) -> None:
         """Prompt slots into ``batch``, up to ``n_batch``. A prompt's first chunk starts its
         prefill (a prompt that does not fit the slot's context is refused there, as the server
         refuses it); a prefill running for :data:`PROGRESS_S` prints a progress line a pass."""
         res, t = self.res, self.t
-        new, cached = res.new, res.cached
-        for s in range(self.n_slots):
+        new, cached, done_p = self.new, self.cached, self.done_p
+        for s in self.prompting:
             if batch.size >= self.n_batch:
                 break
-            if self.state[s] != PROMPT:
-                continue
             i = self.task[s]
             la = res.lora[i]
             if batch.lora is not None and la != batch.lora:
                 continue
-            if self.done_p[s] == 0 and math.isnan(res.prefill_start[i]):
-                res.prefill_start[i] = t
-                if cached[i] + new[i] >= self.n_ctx_slot:
+            if done_p[s] == 0 and math.isnan(self.t_prefill[s]):
+                self.t_prefill[s] = res.prefill_start[i] = t
+                if cached[s] + new[s] >= self.n_ctx_slot:
                     res.refused[i] = True
                     res.first_token[i] = t
                     self.release(s, t)
                     continue
-                self.ctx[s] = int(cached[i])
-            elif t - res.prefill_start[i] >= PROGRESS_S:
-                res.progress.append((i, t, self.done_p[s], (cached[i] + self.done_p[s]) / max(cached[i] + new[i], 1),
-                                     t - res.prefill_start[i]))
-            take = min(int(new[i]) - self.done_p[s], self.n_batch - batch.size)
+                self.ctx[s] = cached[s]
+            elif t - self.t_prefill[s] >= PROGRESS_S:
+                res.progress.append((i, t, done_p[s], (cached[s] + done_p[s]) / max(cached[s] + new[s], 1),
+                                     t - self.t_prefill[s]))
+            take = min(new[s] - done_p[s], self.n_batch - batch.size)
             batch.chunks.append((s, take))
             batch.size += take
             if batch.lora is None:
@@ -861,28 +887,24 @@ class _Session:
         that an idle slot would take: those passes at once, each at the mean of their times
         (the context grows by a token a pass)."""
         c_ub, _, _, c_g, c_ag, c_l, c_s = self.coef
-        target, gen, t = self.target, self.gen, self.t
+        goal, gen, t = self.goal, self.gen, self.t
         g = len(gens)
         ag = sum(self.ctx[s] for s in gens) / 1e6
-        k = min(target[self.task[s]] - gen[s] for s in gens)
-        per_slot = [0] * self.n_slots
-        for s in gens:
-            per_slot[s] = 1
-        base = c_ub * ubatches(per_slot, self.n_ubatch) + c_g * g + (c_l * g if lora_on else 0.0)
+        k = min(goal[s] - gen[s] for s in gens)
+        base = c_ub * self.gen_ubatches + c_g * g + (c_l * g if lora_on else 0.0)
         if self.heap and IDLE in self.state:
             per = base + c_ag * ag
             k = max(1, min(k, math.ceil((self.heap[0][0] - t) / max(per, 1e-9))))
         dt = base + c_ag * (ag + (k - 1) / 2 * g / 1e6)
         t_start = t + c_s * switch
         for s in gens:
-            _heartbeats(self.res.heartbeats, self.task[s], t_start, dt, k, gen[s], self.t_print, self.n_print,
-                        self.t_first, s)
+            self.heartbeats(s, t_start, dt, k, gen[s])
             gen[s] += k
             self.ctx[s] += k
         self.res.passes += k
         self.t = t_start + k * dt
         for s in gens:
-            if gen[s] >= target[self.task[s]]:
+            if gen[s] >= goal[s]:
                 self.release(s, self.t)
 
     def run_pass(self, batch: _Batch, switch: float, lora_on: bool) -> None:
@@ -890,23 +912,27 @@ class _Session:
         by what it put in, and the slots done released."""
         c_ub, c_p, c_ap, c_g, c_ag, c_l, c_s = self.coef
         gens, chunks, ctx = batch.gens, batch.chunks, self.ctx
-        p = sum(take for _, take in chunks)
-        ap = sum(_positions(ctx[s], take) for s, take in chunks)
         g = len(gens)
         ag = sum(ctx[s] for s in gens) / 1e6
         per_slot = [0] * self.n_slots
         for s in gens:
             per_slot[s] = 1
+        p, ap = 0, 0.0
         for s, take in chunks:
             per_slot[s] += take
-        dt = (c_ub * ubatches(per_slot, self.n_ubatch) + c_p * p + c_ap * ap + c_g * g + c_ag * ag
+            p += take
+            ap += _positions(ctx[s], take)
+        dt = (c_ub * _ubatches(tuple(per_slot), self.n_ubatch) + c_p * p + c_ap * ap + c_g * g + c_ag * ag
               + (c_l * batch.size if lora_on else 0.0) + c_s * switch)
         self.t += dt
         self.res.passes += 1
         self._advance_generation(gens, dt)
         self._advance_prompts(chunks)
-        for s in gens + [s for s, _ in chunks]:
-            if self.state[s] == GENERATING and self.gen[s] >= self.target[self.task[s]]:
+        for s in gens:
+            if self.gen[s] >= self.goal[s]:
+                self.release(s, self.t)
+        for s, _ in chunks:
+            if self.state[s] == GENERATING and self.gen[s] >= self.goal[s]:
                 self.release(s, self.t)
 
     def _advance_generation(self, gens: list[int], dt: float) -> None:
@@ -917,25 +943,23 @@ class _Session:
             gen[s] += 1
             self.ctx[s] += 1
             if gen[s] >= HEARTBEAT_TOKENS and t - self.t_print[s] >= HEARTBEAT_S:
-                _heartbeats(self.res.heartbeats, self.task[s], t - dt, dt, 1, gen[s] - 1, self.t_print, self.n_print,
-                            self.t_first, s)
+                self.heartbeats(s, t - dt, dt, 1, gen[s] - 1)
 
     def _advance_prompts(self, chunks: list[tuple[int, int]]) -> None:
         """Each prompt slot's chunk processed; a prompt done gives its first token, and a
         generation that would overflow the slot's context is cut to what fits."""
-        res, t, target = self.res, self.t, self.target
+        t = self.t
         for s, take in chunks:
             self.done_p[s] += take
             self.ctx[s] += take
-            i = self.task[s]
-            if self.done_p[s] >= res.new[i]:
-                self.state[s] = GENERATING
+            if self.done_p[s] >= self.new[s]:
+                self.state[s], self.listed = GENERATING, False
                 self.gen[s] = 1
-                res.first_token[i] = t
+                self.res.first_token[self.task[s]] = t
                 self.t_print[s], self.n_print[s], self.t_first[s] = t, 0, t
-                limit = self.n_ctx_slot - int(res.cached[i] + res.new[i])
-                if limit < target[i]:
-                    target[i] = max(limit, 1)
+                limit = self.n_ctx_slot - (self.cached[s] + self.new[s])
+                if limit < self.goal[s]:
+                    self.goal[s] = max(limit, 1)
 
     def release(self, s: int, now: float) -> None:
         """The slot's task done at ``now``; closed loop, its user's next call sent after their
@@ -946,36 +970,37 @@ class _Session:
         res.n_gen[i] = self.gen[s]
         res.finished.append(i)
         self.state[s], self.task[s], self.used[s] = IDLE, -1, now
+        self.listed = False
         j = int(self.nxt[i])
         if j >= 0:
             think = float(w.think_s[j])
             send = now + float(w.end_lag_s[i]) + think if think >= 0 else float(res.send[i]) - think
             heapq.heappush(self.heap, (max(send, now), j))
 
+    def heartbeats(self, s: int, t0: float, dt: float, k: int, n0: int) -> None:
+        """print_timings_tg after each of ``k`` tokens slot ``s`` sampled at ``t0 + (j + 1) * dt``
+        (it had ``n0`` before them): from n_gen >= 100, at least 3 s after the last print."""
+        t_print, n_print, t_first = self.t_print, self.n_print, self.t_first
+        j = max(0, HEARTBEAT_TOKENS - n0 - 1)
+        while j < k:
+            if dt > 0:
+                j = max(j, math.ceil((t_print[s] + HEARTBEAT_S - t0) / dt - 1 - 1e-9))
+            if j >= k:
+                return
+            t_now = t0 + (j + 1) * dt
+            if t_now - t_print[s] < HEARTBEAT_S:  # (rounding)
+                j += 1
+                continue
+            n_now = n0 + j + 1
+            window = t_now - t_print[s]
+            self.res.heartbeats.append((self.task[s], t_now, n_now, (n_now - 1) / max(t_now - t_first[s], 1e-9),
+                                        (n_now - n_print[s]) / window, window))
+            t_print[s], n_print[s] = t_now, n_now
+            j += 1
+
 
 def _positions(p0: int, p: int) -> float:
     return (p * p0 + p * (p - 1) / 2) / 1e6
-
-
-def _heartbeats(hb: list[tuple[int, float, int, float, float, float]], i: int, t0: float, dt: float, k: int, n0: int,
-                t_print: list[float], n_print: list[int], t_first: list[float], s: int) -> None:
-    """print_timings_tg after each of ``k`` tokens sampled at ``t0 + (j + 1) * dt`` (the slot
-    had ``n0`` before them): from n_gen >= 100, at least 3 s after the last print."""
-    j = max(0, HEARTBEAT_TOKENS - n0 - 1)
-    while j < k:
-        if dt > 0:
-            j = max(j, math.ceil((t_print[s] + HEARTBEAT_S - t0) / dt - 1 - 1e-9))
-        if j >= k:
-            return
-        t_now = t0 + (j + 1) * dt
-        if t_now - t_print[s] < HEARTBEAT_S:  # (rounding)
-            j += 1
-            continue
-        n_now = n0 + j + 1
-        window = t_now - t_print[s]
-        hb.append((i, t_now, n_now, (n_now - 1) / max(t_now - t_first[s], 1e-9), (n_now - n_print[s]) / window, window))
-        t_print[s], n_print[s] = t_now, n_now
-        j += 1
 
 
 # --------------------------------------------------------------------------------------------
