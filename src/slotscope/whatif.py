@@ -550,7 +550,8 @@ def _pass_ubatches(masks: np.ndarray, slot: np.ndarray, chunk: np.ndarray, n_uba
     out = np.ones(len(masks))
     if not len(masks):
         return out
-    combos, inv = np.unique(np.c_[masks, slot, np.asarray(chunk, dtype=np.int64)], axis=0, return_inverse=True)
+    # (hashed, not sorted: np.unique over rows sorts them all)
+    inv, combos = pd.MultiIndex.from_arrays([masks, slot, np.asarray(chunk, dtype=np.int64)]).factorize()
     counts = np.empty(len(combos))
     for k, (mask, sl, c) in enumerate(combos.tolist()):
         width = max(int(mask).bit_length(), sl + 1, 1)
@@ -558,7 +559,7 @@ def _pass_ubatches(masks: np.ndarray, slot: np.ndarray, chunk: np.ndarray, n_uba
         if sl >= 0:
             tokens[sl] += c
         counts[k] = max(ubatches(tokens, n_ubatch), 1)
-    return counts[np.asarray(inv).reshape(-1)]
+    return counts[inv]
 
 
 def fit_pass_costs(obs: pd.DataFrame) -> PassCosts:
