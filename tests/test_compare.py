@@ -199,14 +199,16 @@ def test_intervals_are_seeded_and_reproducible() -> None:
 
 @pytest.mark.parametrize("kind,fn", [("median", np.median), ("p90", lambda v: np.quantile(v, 0.9)),
                                      ("p95", lambda v: np.quantile(v, 0.95)), ("sum", np.sum), ("max", np.max)])
-def test_weighted_statistic_equals_numpy_on_the_resample(kind: str, fn) -> None:
+@pytest.mark.parametrize("n,k", [(13, 13), (700, 40), (1000, 1000)])  # (700, 1000: runs of the search)
+def test_weighted_statistic_equals_numpy_on_the_resample(kind: str, fn, n: int, k: int) -> None:
     rng = np.random.default_rng(2)
-    xs = np.sort(rng.normal(size=13))
-    counts = rng.integers(0, 3, size=(50, 13))
+    xs = np.sort(np.round(rng.normal(size=n), 1))  # (ties)
+    codes = rng.permutation(np.arange(n) % k)  # each unit's values anywhere in the order
+    counts = rng.integers(0, 3, size=(50, k))
     counts[:, 0] += 1  # no empty resample
-    got = cmp._stat(xs, counts, kind)
-    want = [fn(np.repeat(xs, c)) for c in counts]
-    np.testing.assert_allclose(got, want)
+    got = cmp._Resampled(xs, codes, k).stat(counts, kind)
+    want = [fn(np.repeat(xs, c[codes])) for c in counts]
+    np.testing.assert_allclose(got, want, atol=1e-12)  # (a sum's float order differs)
 
 
 def test_clusters_are_resampled_whole() -> None:

@@ -362,23 +362,55 @@ class Estimate:
     lumpy: bool = False  # an interval was left out: its resamples did not contain the estimate
 
 
-def _stat(xs: np.ndarray, w: np.ndarray, kind: str) -> np.ndarray:
-    """The statistic of each weighted resample (a row of counts ``w``) of sorted values ``xs``.
+RUN = 256  # sorted values per run of a quantile's search (see _Resampled)
 
-    Quantiles match ``numpy.quantile`` (linear) on the sample the counts expand to.
-    """
-    if kind == "sum":
-        return w @ xs
-    if kind == "max":
-        return xs[w.shape[1] - 1 - np.argmax(w[:, ::-1] > 0, axis=1)]
-    q = {"median": 0.5, "p90": 0.9, "p95": 0.95}[kind]
-    m = w.sum(axis=1)
-    h = (m - 1) * q
-    lo = np.floor(h)
-    cum = np.cumsum(w, axis=1)
-    i_lo = np.argmax(cum > lo[:, None], axis=1)
-    i_hi = np.argmax(cum > np.minimum(lo + 1, m - 1)[:, None], axis=1)
-    return xs[i_lo] + (h - lo) * (xs[i_hi] - xs[i_lo])
+
+class _Resampled:
+    """Sorted values ``xs`` with each one's unit (``codes``, of ``k``), and their statistic over
+    resamples given as counts per unit (a row per resample).
+
+    A quantile is found run by run, then within its run: the sorted positions are cut into runs
+    of :data:`RUN` values, each held as the units in it and how many of its values each has, so
+    a resample's weight per run costs one product per distinct (run, unit) pair rather than one
+    per value (few sessions with many values: a few pairs per run). Quantiles match
+    ``numpy.quantile`` (linear) on the sample the counts expand to."""
+
+    def __init__(self, xs: np.ndarray, codes: np.ndarray, k: int) -> None:
+        self.xs, self.codes, self.k = xs, codes, k
+        n = len(xs)
+        pairs, self.pair_n = np.unique(np.arange(n) // RUN * k + codes, return_counts=True)
+        self.pair_unit = pairs % k
+        self.run_first = np.searchsorted(pairs // k, np.arange(-(-n // RUN)))
+
+    def cells(self) -> int:
+        """Cells a resample costs (what the caller's blocks are sized by)."""
+        return max(len(self.pair_unit), self.k, RUN)
+
+    def stat(self, counts: np.ndarray, kind: str) -> np.ndarray:
+        xs, codes = self.xs, self.codes
+        if kind == "sum":
+            return counts[:, codes] @ xs
+        if kind == "max":
+            w = counts[:, codes]
+            return xs[w.shape[1] - 1 - np.argmax(w[:, ::-1] > 0, axis=1)]
+        q = {"median": 0.5, "p90": 0.9, "p95": 0.95}[kind]
+        per_run = np.add.reduceat(counts[:, self.pair_unit] * self.pair_n, self.run_first, axis=1)
+        cum = np.cumsum(per_run, axis=1)
+        m = cum[:, -1]
+        h = (m - 1) * q
+        lo = np.floor(h)
+        i_lo, i_hi = self._first_past(counts, per_run, cum, lo), self._first_past(counts, per_run, cum, np.minimum(lo + 1, m - 1))
+        return xs[i_lo] + (h - lo) * (xs[i_hi] - xs[i_lo])
+
+    def _first_past(self, counts: np.ndarray, per_run: np.ndarray, cum: np.ndarray, rank: np.ndarray) -> np.ndarray:
+        """Per resample, the first sorted position whose running count passes ``rank``."""
+        b = np.arange(len(counts))
+        run = np.argmax(cum > rank[:, None], axis=1)
+        pos = run[:, None] * RUN + np.arange(RUN)
+        inside = pos < len(self.xs)
+        w = np.where(inside, counts[b[:, None], self.codes[np.minimum(pos, len(self.xs) - 1)]], 0)
+        within = (cum[b, run] - per_run[b, run])[:, None] + np.cumsum(w, axis=1)
+        return run * RUN + np.argmax(within > rank[:, None], axis=1)
 
 
 def resampled_stats(values: np.ndarray, clusters: np.ndarray | None, kind: str, rng: np.random.Generator,
@@ -389,13 +421,14 @@ def resampled_stats(values: np.ndarray, clusters: np.ndarray | None, kind: str, 
     xs = values[order]
     codes = pd.factorize(clusters[order])[0] if clusters is not None else np.arange(len(xs))
     k = int(codes.max()) + 1
+    sample = _Resampled(xs, codes, k)
     out = np.empty(n_boot)
-    rows = max(1, _BLOCK_CELLS // max(len(xs), k))
+    rows = max(1, _BLOCK_CELLS // (len(xs) if kind in ("sum", "max") else sample.cells()))
     for b0 in range(0, n_boot, rows):
         b = min(rows, n_boot - b0)
         idx = rng.integers(0, k, size=(b, k))
         counts = np.bincount((idx + k * np.arange(b)[:, None]).ravel(), minlength=b * k).reshape(b, k)
-        out[b0:b0 + b] = _stat(xs, counts[:, codes], kind)
+        out[b0:b0 + b] = sample.stat(counts, kind)
     return out
 
 
@@ -403,7 +436,7 @@ def _point(values: np.ndarray, kind: str) -> float:
     if not len(values):
         return float("nan")
     xs = np.sort(values)
-    return float(_stat(xs, np.ones((1, len(xs)), dtype=np.int64), kind)[0])
+    return float(_Resampled(xs, np.arange(len(xs)), len(xs)).stat(np.ones((1, len(xs)), dtype=np.int64), kind)[0])
 
 
 def estimate(name: str, before: np.ndarray, after: np.ndarray, kind: str, *, seed: int = 0, n_boot: int = 2000,
