@@ -204,10 +204,9 @@ class TaskRows:
 
 @dataclass
 class Workload:
-    """The tasks to replay, one row each, in the task view's order (``tv`` rows ``row``)."""
+    """The tasks to replay, one row each, in the task view's order (``tv.rows``: their places in it)."""
 
     tv: TaskRows  # the logged tasks replayed (task view rows, one per task)
-    view_row: np.ndarray  # each one's position in the task view
     group: np.ndarray  # session code (tasks of different server sessions never meet)
     send_s: np.ndarray  # logged send time on the server clock (launch - queue)
     prev: np.ndarray  # closed loop: the row of the same user's previous call, -1: none
@@ -274,7 +273,7 @@ def workload(ds: Dataset, tv: pd.DataFrame, open_loop: bool = False) -> Workload
         # A call sent before the previous one ended (the app ran two at once) is not waiting
         # for it: it keeps its logged offset from the previous send instead (think < 0 marks it).
         think[has] = np.where(gap >= 0, gap, -(send[has] - send[prev[has]]) - 1e-9)
-    return Workload(tv=TaskRows(ds, view_row), view_row=view_row, group=group, send_s=send, prev=prev, think_s=think, end_lag_s=end_lag, new=new,
+    return Workload(tv=TaskRows(ds, view_row), group=group, send_s=send, prev=prev, think_s=think, end_lag_s=end_lag, new=new,
                     cached=cached, n_gen=n_gen, lora=list(lora), conv=conv, user=user, cluster=cluster, closed=closed,
                     tokens=tokens)
 
@@ -1079,11 +1078,7 @@ class Sample:
     values: np.ndarray
     clusters: np.ndarray
     kind: str  # median | p90 | p95 | sum | share (no interval)
-    n: int = -1  # units measured (-1: the finite values)
-
-    def __post_init__(self) -> None:
-        if self.n < 0:
-            self.n = int(np.isfinite(self.values).sum())
+    n: int  # units measured
 
 
 class Gather:
@@ -1091,23 +1086,28 @@ class Gather:
     :meth:`add` measures one stretch's tasks; :meth:`result` gives the whole run's samples."""
 
     def __init__(self) -> None:
+        # Per set of values (named by its first metric): the stretches' values and clusters; a
+        # sum's units (its values are per cluster). Per metric: its set and statistic.
         self.values: dict[str, list[np.ndarray]] = {}
         self.clusters: dict[str, list[np.ndarray]] = {}
-        self.kinds: dict[str, str] = {}
-        self.units: dict[str, int] = {}  # a sum's units (its values are per cluster)
+        self.units: dict[str, int] = {}
+        self.metrics: dict[str, tuple[str, str]] = {}
         self.busy = {2: 0.0, 4: 0.0}
         self.spans: dict[tuple[object, ...], list[float]] = {}  # per session: first and last step
 
-    def _put(self, name: str, values: np.ndarray, clusters: np.ndarray, kind: str) -> None:
+    def _put(self, values: np.ndarray, clusters: np.ndarray, *metrics: tuple[str, str]) -> None:
+        """One stretch's ``values`` (and their ``clusters``) of the ``metrics`` (name, statistic)
+        that are statistics of them: the values are kept once for all of them."""
+        key, kind = metrics[0]
         values, clusters = np.asarray(values, dtype=float), np.asarray(clusters, dtype=np.int64)
         if kind == "sum":  # (a resample of clusters sums their sums: one value per cluster is enough)
             ok = np.isfinite(values)
-            self.units[name] = self.units.get(name, 0) + int(ok.sum())
+            self.units[key] = self.units.get(key, 0) + int(ok.sum())
             codes, clusters = pd.factorize(clusters[ok])
             values = np.bincount(codes, weights=values[ok], minlength=len(clusters))
-        self.values.setdefault(name, []).append(values)
-        self.clusters.setdefault(name, []).append(np.asarray(clusters, dtype=np.int64))
-        self.kinds[name] = kind
+        self.values.setdefault(key, []).append(values)
+        self.clusters.setdefault(key, []).append(np.asarray(clusters, dtype=np.int64))
+        self.metrics.update((name, (key, kind)) for name, kind in metrics)
 
     def add(self, ds: Dataset, tv: pd.DataFrame, cluster: np.ndarray, opts: Options,
             counted: np.ndarray | None = None, span: tuple[float, float] | None = None) -> None:
@@ -1120,23 +1120,18 @@ class Gather:
         chat = is_chat_turn(tv["purpose"]).to_numpy() if "purpose" in tv.columns else np.zeros(n, dtype=bool)
         ttft = tl.floats(tv["ttft_ms"]) / 1000 if "ttft_ms" in tv.columns else np.full(n, np.nan)
         m = chat & np.isfinite(ttft) & counted
-        turns = ttft[m], cluster[m]  # (one copy for the three statistics of them)
-        for kind in ("median", "p90", "p95"):
-            self._put(f"chat_ttft_{kind}_s", *turns, kind)
+        self._put(ttft[m], cluster[m], *((f"chat_ttft_{kind}_s", kind) for kind in ("median", "p90", "p95")))
         # compare's same-conditions classes: short turns by what else ran from send to first token
         short = np.flatnonzero(m & (tl.floats(tv["prompt_tokens_new"]) < SHORT_TOKENS))
-        cond = turn_conditions(tv.iloc[short], tv, ds.server.sessions, opts.big_prefill_tokens) if len(short) else \
-            np.zeros(0, dtype=object)
+        cond = turn_conditions(tv.iloc[short], tv, ds.server.sessions, opts.big_prefill_tokens)
         for c in CONDITIONS:
             pick = short[cond == c]
-            these = ttft[pick], cluster[pick]
-            for kind in ("median", "p90"):
-                self._put(f"short_ttft_{kind}_s:{c}", *these, kind)
+            self._put(ttft[pick], cluster[pick], *((f"short_ttft_{kind}_s:{c}", kind) for kind in ("median", "p90")))
         total = tl.floats(tv["call_total_ms"]) / 1000 if "call_total_ms" in tv.columns else np.full(n, np.nan)
         k = np.isfinite(total) & counted
         if "call_id" in tv.columns:
             k &= tv["call_id"].notna().to_numpy()
-        self._put("call_total_median_s", total[k], cluster[k], "median")
+        self._put(total[k], cluster[k], ("call_total_median_s", "median"))
         keys = tv[tl.GROUP + ["task_id"]]
         pieces = segment_pieces(ds, opts, tv)
         pieces = pieces[(pieces["class"] == "long_prefill") & (pieces["seconds"] >= MIN_PIECE_S)]
@@ -1145,18 +1140,18 @@ class Gather:
         own[f] = counted[rr]
         pc = np.full(len(pieces), -1)
         pc[f] = cluster[rr]
-        self._put("gen_tps_during_long_prefill", pieces["tok_per_s"].to_numpy(dtype=float)[own], pc[own], "median")
+        self._put(pieces["tok_per_s"].to_numpy(dtype=float)[own], pc[own], ("gen_tps_during_long_prefill", "median"))
         wait = tl.floats(tv["wait_before_prefill_ms"]) >= opts.wait_threshold_s * 1000
-        self._put("waits_over_1s_count", wait[counted].astype(float), cluster[counted], "sum")
+        self._put(wait[counted].astype(float), cluster[counted], ("waits_over_1s_count", "sum"))
         waits = classify_waits(ds, opts, tv)
         f, rr = tl.join_tasks(waits, keys)
         cause = np.full(n, "", dtype=object)
         cause[rr] = waits["cause"].astype("object").to_numpy()[f]
         for c in CAUSES:
             if c != "deferred":
-                self._put(f"waits_{c}_count", (cause == c)[counted].astype(float), cluster[counted], "sum")
+                self._put((cause == c)[counted].astype(float), cluster[counted], (f"waits_{c}_count", "sum"))
         refused = (tv["status"].astype("object") == "error").to_numpy() if "status" in tv.columns else np.zeros(n, bool)
-        self._put("calls_refused_count", refused[counted].astype(float), cluster[counted], "sum")
+        self._put(refused[counted].astype(float), cluster[counted], ("calls_refused_count", "sum"))
         steps = tl.concurrency(tv, ds.server.sessions)
         if len(steps):
             t0, t1 = tl.floats(steps["start_s"]), tl.floats(steps["end_s"])
@@ -1177,16 +1172,14 @@ class Gather:
         """Every metric's samples (the shares of time as whole-run figures)."""
         out: dict[str, Sample] = {}
         whole = sum(last - first for first, last in self.spans.values())
-        joined: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}  # statistics of the same values share them
-        for name in self.values:
-            key = tuple(map(id, self.values[name] + self.clusters[name]))
-            if key not in joined:
-                joined[key] = np.concatenate(self.values[name]), np.concatenate(self.clusters[name])
+        joined = {key: (np.concatenate(v), np.concatenate(self.clusters[key])) for key, v in self.values.items()}
+        for name, (key, kind) in self.metrics.items():
             if name == "calls_refused_count":
                 for need, secs in self.busy.items():
                     share = secs / whole if whole > 0 else math.nan
-                    out[f"share_{need}plus_running"] = Sample(np.array([share]), np.zeros(1, dtype=np.int64), "share")
-            out[name] = Sample(*joined[key], self.kinds[name], self.units.get(name, -1))
+                    out[f"share_{need}plus_running"] = Sample(np.array([share]), np.zeros(1, dtype=np.int64), "share", 1)
+            values, clusters = joined[key]
+            out[name] = Sample(values, clusters, kind, self.units[key] if kind == "sum" else int(np.isfinite(values).sum()))
         return out
 
 
@@ -1323,9 +1316,9 @@ def prepare(ds: Dataset, open_loop: bool = False, opts: Options | None = None) -
     ds.keep_on_disk()
     w = workload(ds, task_view(ds, WORKLOAD_READ), open_loop)
     lora = np.array(w.lora, dtype=object)
-    n_view = int(w.view_row.max(initial=-1)) + 1
+    n_view = int(w.tv.rows.max(initial=-1)) + 1
     at = np.full(n_view, -1, dtype=np.int64)
-    at[w.view_row] = np.arange(len(w.view_row))
+    at[w.tv.rows] = np.arange(len(w.tv))
 
     def rows_of(part: Part) -> tuple[np.ndarray, pd.DataFrame, np.ndarray]:
         wr = np.where(part.rows < n_view, at[np.minimum(part.rows, max(n_view - 1, 0))], -1) if n_view else \
