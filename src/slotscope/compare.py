@@ -22,6 +22,7 @@ so a turn just after the window's start still sees the prefill that started befo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import zlib
@@ -377,14 +378,18 @@ class _Resampled:
 
     def __init__(self, xs: np.ndarray, codes: np.ndarray, k: int) -> None:
         self.xs, self.codes, self.k = xs, codes, k
-        n = len(xs)
-        pairs, self.pair_n = np.unique(np.arange(n) // RUN * k + codes, return_counts=True)
-        self.pair_unit = pairs % k
-        self.run_first = np.searchsorted(pairs // k, np.arange(-(-n // RUN)))
 
-    def cells(self) -> int:
-        """Cells a resample costs (what the caller's blocks are sized by)."""
-        return max(len(self.pair_unit), self.k, RUN)
+    @functools.cached_property
+    def runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per distinct (run, unit) pair, in run order: the unit and its values in the run; and
+        where each run's pairs begin."""
+        n, k = len(self.xs), self.k
+        pairs, values = np.unique(np.arange(n) // RUN * k + self.codes, return_counts=True)
+        return pairs % k, values, np.searchsorted(pairs // k, np.arange(-(-n // RUN)))
+
+    def cells(self, kind: str) -> int:
+        """Cells a resample of the statistic costs (what the caller's blocks are sized by)."""
+        return len(self.xs) if kind in ("sum", "max") else max(len(self.runs[0]), self.k, RUN)
 
     def stat(self, counts: np.ndarray, kind: str) -> np.ndarray:
         xs, codes = self.xs, self.codes
@@ -394,7 +399,8 @@ class _Resampled:
             w = counts[:, codes]
             return xs[w.shape[1] - 1 - np.argmax(w[:, ::-1] > 0, axis=1)]
         q = {"median": 0.5, "p90": 0.9, "p95": 0.95}[kind]
-        per_run = np.add.reduceat(counts[:, self.pair_unit] * self.pair_n, self.run_first, axis=1)
+        unit, values, first = self.runs
+        per_run = np.add.reduceat(counts[:, unit] * values, first, axis=1)
         cum = np.cumsum(per_run, axis=1)
         m = cum[:, -1]
         h = (m - 1) * q
@@ -423,7 +429,7 @@ def resampled_stats(values: np.ndarray, clusters: np.ndarray | None, kind: str, 
     k = int(codes.max()) + 1
     sample = _Resampled(xs, codes, k)
     out = np.empty(n_boot)
-    rows = max(1, _BLOCK_CELLS // (len(xs) if kind in ("sum", "max") else sample.cells()))
+    rows = max(1, _BLOCK_CELLS // sample.cells(kind))
     for b0 in range(0, n_boot, rows):
         b = min(rows, n_boot - b0)
         idx = rng.integers(0, k, size=(b, k))
