@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from slotscope import compare as cmp
+from slotscope.resample import Resampled, resampled_stats
 from slotscope.analyze import Options
 from slotscope.cli import app
 from slotscope.dataset import Dataset, load, task_view
@@ -206,7 +207,7 @@ def test_weighted_statistic_equals_numpy_on_the_resample(kind: str, fn, n: int, 
     codes = rng.permutation(np.arange(n) % k)  # each unit's values anywhere in the order
     counts = rng.integers(0, 3, size=(50, k))
     counts[:, 0] += 1  # no empty resample
-    got = cmp._Resampled(xs, codes, k).stat(counts, kind)
+    got = Resampled(xs, codes, k).stat(counts, kind)
     want = [fn(np.repeat(xs, c[codes])) for c in counts]
     np.testing.assert_allclose(got, want, atol=1e-12)  # (a sum's float order differs)
 
@@ -215,7 +216,7 @@ def test_clusters_are_resampled_whole() -> None:
     # Two prefills: one stalled its neighbour (0.3 tok/s three times), one did not (40 tok/s once).
     values = np.array([0.3, 0.3, 0.3, 40.0])
     clusters = np.array([0, 0, 0, 1])
-    out = cmp.resampled_stats(values, clusters, "median", np.random.default_rng(0), 500)
+    out = resampled_stats(values, clusters, "median", np.random.default_rng(0), 500)
     assert set(np.round(out, 6)) <= {0.3, 20.15, 40.0}  # only whole-cluster mixes
     assert (out == 40.0).any()
 

@@ -22,7 +22,6 @@ so a turn just after the window's start still sees the prefill that started befo
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 import zlib
@@ -38,11 +37,12 @@ from . import store, timeline as tl
 from .analyze import Options
 from .analyze.prefill_speed import effective_chunk_tokens
 from .analyze.stalls import MIN_PIECE_S, segment_pieces
-from .analyze.turns import is_chat_turn
+from .analyze.turns import CONDITIONS, SHORT_TOKENS, is_chat_turn, turn_conditions
 from .analyze.waits import classify_waits
 from .dataset import Dataset, task_view
 from .errors import SlotscopeError
 from .output import UsageError, print_table
+from .resample import point as _point, resampled_stats
 from .timeline import floats as _f
 
 TABLE_NAMES = ["overall", "same-conditions", "indicators", "changes"]
@@ -53,15 +53,10 @@ SAME_COLUMNS = ["condition", "before_median_s", "before_p90_s", "before_n", "aft
 INDICATOR_COLUMNS = ["indicator", *_ESTIMATE_COLUMNS]
 CHANGE_COLUMNS = ["setting", "before", "after", "changed", "note"]
 CAUTION_COLUMNS = ["about", "caution"]
-CONDITIONS = ["nothing_else_running", "overlapping_another_task", "overlapping_prefill_5k_plus"]
-
-SHORT_TOKENS = 1_000  # a "short" turn has fewer new prompt tokens than this
 LEVEL = 0.90
 LOAD_RATIO = 1.25  # load differing by more than 25% between the sides is worth a caution
 BUSY_TASKS = 4  # "4 or more tasks running at once" is a condition that matters
 UNKNOWN = "unknown"
-# Resample counts are drawn in blocks of at most this many cells, so a day of tasks stays in memory.
-_BLOCK_CELLS = 4_000_000
 _Z = 1.6448536269514722  # two-sided 90%
 # Clusters per side below which a cluster bootstrap's statistic takes only a handful of values:
 # no interval, and no sample-size hint from its spread.
@@ -283,25 +278,6 @@ def _turns(ds: Dataset, tv: pd.DataFrame, subj: np.ndarray, opts: Options, short
     return out, len(out) + int((~measured).sum())
 
 
-def turn_conditions(t: pd.DataFrame, tv: pd.DataFrame, sessions: pd.DataFrame, big_prefill_tokens: int) -> np.ndarray:
-    """The condition (of :data:`CONDITIONS`) each turn met from its send to its first token:
-    ``t``, the turns' tasks (keys, ``launch_s``, ``queue_ms``, ``prefill_start_s``,
-    ``first_token_s``, ``prompt_tokens_new``); ``tv``, the task view they ran among."""
-    keys = tl.GROUP + ["task_id"]
-    launch = _f(t["launch_s"])
-    span = t[tl.GROUP].assign(start_s=launch - np.nan_to_num(_f(t["queue_ms"]) / 1000), end_s=_f(t["first_token_s"]))
-    # What else ran: every task from launch to end, the turn's own left out.
-    run = tv[tl.GROUP].assign(start_s=_f(tv["launch_s"]), end_s=tl.task_ends(tv, sessions))
-    own_end = t[keys].merge(tv[keys].assign(_e=run["end_s"].to_numpy()), on=keys, how="left")["_e"].to_numpy(dtype="float64")
-    others = tl.overlaps(span, run, own_start=launch, own_end=own_end)["max_count"].to_numpy()
-    ph = tl.phases(tv)
-    big = ph[(ph["phase"] == "prefill") & (_f(ph["prompt_tokens_new"]) >= big_prefill_tokens)]
-    own_big = _f(t["prompt_tokens_new"]) >= big_prefill_tokens  # (its own prefill is one of them: left out)
-    big_cov = tl.overlaps(span, big, own_start=np.where(own_big, _f(t["prefill_start_s"]), np.nan),
-                          own_end=np.where(own_big, _f(t["first_token_s"]), np.nan))["covered_s"].to_numpy()
-    return np.select([big_cov > 0, others >= 1], CONDITIONS[:0:-1], CONDITIONS[0])
-
-
 def _in_window(calls: pd.DataFrame, lo: float, hi: float) -> np.ndarray:
     """Which calls were launched (else started: not matched) in [lo, hi) (wall µs)."""
     at = calls["launch_at"].where(calls["launch_at"].notna(), calls["start_at"]) if "launch_at" in calls.columns else calls["start_at"]
@@ -361,88 +337,6 @@ class Estimate:
     after_units: int = 0
     unit: str = ""
     lumpy: bool = False  # an interval was left out: its resamples did not contain the estimate
-
-
-RUN = 256  # sorted values per run of a quantile's search (see _Resampled)
-
-
-class _Resampled:
-    """Sorted values ``xs`` with each one's unit (``codes``, of ``k``), and their statistic over
-    resamples given as counts per unit (a row per resample).
-
-    A quantile is found run by run, then within its run: the sorted positions are cut into runs
-    of :data:`RUN` values, each held as the units in it and how many of its values each has, so
-    a resample's weight per run costs one product per distinct (run, unit) pair rather than one
-    per value (few sessions with many values: a few pairs per run). Quantiles match
-    ``numpy.quantile`` (linear) on the sample the counts expand to."""
-
-    def __init__(self, xs: np.ndarray, codes: np.ndarray, k: int) -> None:
-        self.xs, self.codes, self.k = xs, codes, k
-
-    @functools.cached_property
-    def runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per distinct (run, unit) pair, in run order: the unit and its values in the run; and
-        where each run's pairs begin."""
-        n, k = len(self.xs), self.k
-        pairs, values = np.unique(np.arange(n) // RUN * k + self.codes, return_counts=True)
-        return pairs % k, values, np.searchsorted(pairs // k, np.arange(-(-n // RUN)))
-
-    def cells(self, kind: str) -> int:
-        """Cells a resample of the statistic costs (what the caller's blocks are sized by)."""
-        return len(self.xs) if kind in ("sum", "max") else max(len(self.runs[0]), self.k, RUN)
-
-    def stat(self, counts: np.ndarray, kind: str) -> np.ndarray:
-        xs, codes = self.xs, self.codes
-        if kind == "sum":
-            return counts[:, codes] @ xs
-        if kind == "max":
-            w = counts[:, codes]
-            return xs[w.shape[1] - 1 - np.argmax(w[:, ::-1] > 0, axis=1)]
-        q = {"median": 0.5, "p90": 0.9, "p95": 0.95}[kind]
-        unit, values, first = self.runs
-        per_run = np.add.reduceat(counts[:, unit] * values, first, axis=1)
-        cum = np.cumsum(per_run, axis=1)
-        m = cum[:, -1]
-        h = (m - 1) * q
-        lo = np.floor(h)
-        i_lo, i_hi = self._first_past(counts, per_run, cum, lo), self._first_past(counts, per_run, cum, np.minimum(lo + 1, m - 1))
-        return xs[i_lo] + (h - lo) * (xs[i_hi] - xs[i_lo])
-
-    def _first_past(self, counts: np.ndarray, per_run: np.ndarray, cum: np.ndarray, rank: np.ndarray) -> np.ndarray:
-        """Per resample, the first sorted position whose running count passes ``rank``."""
-        b = np.arange(len(counts))
-        run = np.argmax(cum > rank[:, None], axis=1)
-        pos = run[:, None] * RUN + np.arange(RUN)
-        inside = pos < len(self.xs)
-        w = np.where(inside, counts[b[:, None], self.codes[np.minimum(pos, len(self.xs) - 1)]], 0)
-        within = (cum[b, run] - per_run[b, run])[:, None] + np.cumsum(w, axis=1)
-        return run * RUN + np.argmax(within > rank[:, None], axis=1)
-
-
-def resampled_stats(values: np.ndarray, clusters: np.ndarray | None, kind: str, rng: np.random.Generator,
-                    n_boot: int) -> np.ndarray:
-    """``n_boot`` bootstrap values of the statistic; units (clusters, else values) are drawn with
-    replacement as one 2-D array of indices per block."""
-    order = np.argsort(values, kind="stable")
-    xs = values[order]
-    codes = pd.factorize(clusters[order])[0] if clusters is not None else np.arange(len(xs))
-    k = int(codes.max()) + 1
-    sample = _Resampled(xs, codes, k)
-    out = np.empty(n_boot)
-    rows = max(1, _BLOCK_CELLS // sample.cells(kind))
-    for b0 in range(0, n_boot, rows):
-        b = min(rows, n_boot - b0)
-        idx = rng.integers(0, k, size=(b, k))
-        counts = np.bincount((idx + k * np.arange(b)[:, None]).ravel(), minlength=b * k).reshape(b, k)
-        out[b0:b0 + b] = sample.stat(counts, kind)
-    return out
-
-
-def _point(values: np.ndarray, kind: str) -> float:
-    if not len(values):
-        return float("nan")
-    xs = np.sort(values)
-    return float(_Resampled(xs, np.arange(len(xs)), len(xs)).stat(np.ones((1, len(xs)), dtype=np.int64), kind)[0])
 
 
 def estimate(name: str, before: np.ndarray, after: np.ndarray, kind: str, *, seed: int = 0, n_boot: int = 2000,

@@ -72,12 +72,12 @@ from rich.rule import Rule
 from . import timeline as tl
 from .analyze import Options
 from .analyze.stalls import MIN_PIECE_S, generation_segments, segment_pieces
-from .analyze.turns import is_chat_turn
+from .analyze.turns import CONDITIONS, SHORT_TOKENS, is_chat_turn, turn_conditions
 from .analyze.waits import CAUSES, classify_waits
-from .compare import CONDITIONS, SHORT_TOKENS, resampled_stats, turn_conditions
+from .resample import resampled_stats
 from .dataset import Dataset, calls_of, task_view, task_view_rows
 from .periods import PART_TASKS, Part
-from .prompt_cache import SLOT_PROMPT_SIMILARITY, HostCache, Tokens, token_model
+from .prompt_cache import HostCache, Tokens, token_model
 from .errors import UsageError
 from .filters import matching
 from .output import print_table

@@ -146,3 +146,28 @@ def turns(ds: Dataset, opts: Options) -> pd.DataFrame:
     if not ok.all():
         table = pd.concat([table, _left_out(calls.loc[~ok])], ignore_index=True)
     return table[COLUMNS]
+
+
+# compare's same-conditions classes of a chat turn, by what else ran from its send to its first token.
+CONDITIONS = ["nothing_else_running", "overlapping_another_task", "overlapping_prefill_5k_plus"]
+SHORT_TOKENS = 1_000  # a "short" turn has fewer new prompt tokens than this
+
+
+def turn_conditions(t: pd.DataFrame, tv: pd.DataFrame, sessions: pd.DataFrame, big_prefill_tokens: int) -> np.ndarray:
+    """The condition (of :data:`CONDITIONS`) each turn met from its send to its first token:
+    ``t``, the turns' tasks (keys, ``launch_s``, ``queue_ms``, ``prefill_start_s``,
+    ``first_token_s``, ``prompt_tokens_new``); ``tv``, the task view they ran among."""
+    keys = tl.GROUP + ["task_id"]
+    launch = tl.floats(t["launch_s"])
+    span = t[tl.GROUP].assign(start_s=launch - np.nan_to_num(tl.floats(t["queue_ms"]) / 1000),
+                              end_s=tl.floats(t["first_token_s"]))
+    # What else ran: every task from launch to end, the turn's own left out.
+    run = tv[tl.GROUP].assign(start_s=tl.floats(tv["launch_s"]), end_s=tl.task_ends(tv, sessions))
+    own_end = t[keys].merge(tv[keys].assign(_e=run["end_s"].to_numpy()), on=keys, how="left")["_e"].to_numpy(dtype="float64")
+    others = tl.overlaps(span, run, own_start=launch, own_end=own_end)["max_count"].to_numpy()
+    ph = tl.phases(tv)
+    big = ph[(ph["phase"] == "prefill") & (tl.floats(ph["prompt_tokens_new"]) >= big_prefill_tokens)]
+    own_big = tl.floats(t["prompt_tokens_new"]) >= big_prefill_tokens  # (its own prefill is one of them: left out)
+    big_cov = tl.overlaps(span, big, own_start=np.where(own_big, tl.floats(t["prefill_start_s"]), np.nan),
+                          own_end=np.where(own_big, tl.floats(t["first_token_s"]), np.nan))["covered_s"].to_numpy()
+    return np.select([big_cov > 0, others >= 1], CONDITIONS[:0:-1], CONDITIONS[0])
