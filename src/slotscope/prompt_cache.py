@@ -84,8 +84,7 @@ def _headers(cached: np.ndarray, chat: np.ndarray, purpose: np.ndarray, group: n
     reused by the calls of the class that share nothing more with any other call (calls that
     are no chat turn, and each user's first chat turn); a class without one gets the smallest
     header found (0 if none)."""
-    labels = np.where(chat, "\0chat", pd.Series(purpose, dtype="object").fillna("\0none").astype(str).to_numpy())
-    kind, names = pd.factorize(pd.Series(labels, dtype="object"))
+    kind, names = pd.factorize(np.where(chat, -2, purpose))  # (chat turns one class, and calls without a purpose one)
     kind = kind.astype(np.int64)
     lone = ~chat.copy()
     if len(starts):

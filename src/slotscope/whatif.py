@@ -96,10 +96,6 @@ WORKLOAD_COLUMNS = tl.GROUP + [
     "truncated", "status", "line", "file", "release_line", "total_ms", "n_tokens_released", "prompt_tokens",
     "has_timings", "has_release", "time_resolution_s", "call_id", "purpose", "user", "lora", "queue_ms", "ttft_ms",
     "call_total_ms"]
-# What the workload is made of (the replayed tasks' other columns are read back as they are measured).
-WORKLOAD_READ = tl.GROUP + [
-    "task_id", "status", "first_token_s", "queue_ms", "launch_s", "release_s", "call_total_ms", "prompt_tokens_new",
-    "prompt_tokens_cached", "n_gen", "lora", "user", "purpose", "call_id"]
 SETTING_NAMES = ("n_batch", "n_ubatch", "slots", "lora", "ctx")
 DEFAULT_N_BATCH = 2048  # llama-server's -b default (used when the logs show no full pass)
 DEFAULT_N_UBATCH = 512  # -ub default: not in the log at verbosity 3
@@ -228,35 +224,53 @@ def _labels(s: pd.Series) -> np.ndarray:
     return s.astype("object").where(s.notna(), None).to_numpy() if len(s) else np.zeros(0, dtype=object)
 
 
-def workload(ds: Dataset, tv: pd.DataFrame, open_loop: bool = False) -> Workload:
-    """The logged tasks as a workload to replay (see the module's docstring)."""
+def _codes(s: pd.Series) -> np.ndarray:
+    """Codes of a column's values in order of appearance, -1: NA (no Python object per row)."""
+    return pd.factorize(s, use_na_sentinel=True)[0].astype(np.int64)
+
+
+def workload(ds: Dataset, open_loop: bool = False) -> Workload:
+    """The logged tasks as a workload to replay (see the module's docstring). The task view is
+    read a column at a time: each becomes one compact array."""
     keys = tl.GROUP + ["task_id"]
-    tv = tv.reset_index(drop=True)
-    ok = tv["status"].astype("object").isin(["complete"]).to_numpy() & np.isfinite(tl.floats(tv["first_token_s"]))
-    tv = tv[ok].drop_duplicates(keys)
-    view_row = tv.index.to_numpy(dtype=np.int64)
-    tv = tv.reset_index(drop=True)
-    n = len(tv)
-    group = tl.key_codes([tv], tl.GROUP)[0] if n else np.zeros(0, dtype=np.int64)
-    queue = np.nan_to_num(tl.floats(tl.column(tv, "queue_ms")) / 1000) if "queue_ms" in tv.columns else np.zeros(n)
-    launch = tl.floats(tv["launch_s"])
-    send = launch - np.maximum(queue, 0)
-    release = tl.floats(tv["release_s"])
-    total = tl.floats(tv["call_total_ms"]) / 1000 if "call_total_ms" in tv.columns else np.full(n, np.nan)
+    head = task_view(ds, keys + ["status", "first_token_s"]).reset_index(drop=True)
+    ok = np.asarray((head["status"] == "complete").fillna(False), dtype=bool) & np.isfinite(tl.floats(head["first_token_s"]))
+    ok[ok] = ~head.loc[ok, keys].duplicated().to_numpy()
+    view_row = np.flatnonzero(ok).astype(np.int64)
+    n = len(view_row)
+    group = tl.key_codes([head[ok]], tl.GROUP)[0] if n else np.zeros(0, dtype=np.int64)
+    del head
+
+    def column(name: str) -> pd.Series | None:
+        got = task_view(ds, [name])
+        return got[name][ok].reset_index(drop=True) if name in got.columns else None
+
+    def floats(name: str, missing: float = np.nan) -> np.ndarray:
+        c = column(name)
+        return np.full(n, missing) if c is None else tl.floats(c)
+
+    def codes(name: str) -> np.ndarray:
+        c = column(name)
+        return np.full(n, -1, dtype=np.int64) if c is None else _codes(c)
+
+    send = floats("launch_s") - np.maximum(np.nan_to_num(floats("queue_ms", 0.0) / 1000), 0)
+    release = floats("release_s")
+    total = floats("call_total_ms") / 1000
     end_lag = np.where(np.isfinite(total), send + total - release, 0.0)
     end_lag = np.clip(np.nan_to_num(end_lag), 0, None)
-    new = np.nan_to_num(tl.floats(tv["prompt_tokens_new"])).astype(np.int64)
-    cached = np.nan_to_num(tl.floats(tv["prompt_tokens_cached"])).astype(np.int64)
-    n_gen = np.maximum(np.nan_to_num(tl.floats(tv["n_gen"])).astype(np.int64), 1)
-    lora_raw = _labels(tv["lora"]) if "lora" in tv.columns else np.full(n, None, dtype=object)
-    lora = _fill_lora(lora_raw, group)
-    users = _labels(tv["user"]) if "user" in tv.columns else np.full(n, None, dtype=object)
-    conv_labels = _app_sessions(ds, tv)
-    user = _codes(users)
-    conv = _codes(conv_labels)
+    new = np.nan_to_num(floats("prompt_tokens_new")).astype(np.int64)
+    cached = np.nan_to_num(floats("prompt_tokens_cached")).astype(np.int64)
+    n_gen = np.maximum(np.nan_to_num(floats("n_gen")).astype(np.int64), 1)
+    lora_col = column("lora")
+    lora = _fill_lora(_labels(lora_col) if lora_col is not None else np.full(n, None, dtype=object), group)
+    user = codes("user")
+    call_id = column("call_id")
+    conv = _app_sessions(ds, call_id) if call_id is not None else np.full(n, -1, dtype=np.int64)
     cluster = np.where(conv >= 0, conv, conv.max(initial=-1) + 1 + np.arange(n))
-    chat = is_chat_turn(tv["purpose"]).to_numpy() if "purpose" in tv.columns else np.zeros(n, dtype=bool)
-    purpose = _labels(tv["purpose"]) if "purpose" in tv.columns else np.full(n, None, dtype=object)
+    purpose_col = column("purpose")
+    chat = is_chat_turn(purpose_col).to_numpy() if purpose_col is not None else np.zeros(n, dtype=bool)
+    purpose = _codes(purpose_col) if purpose_col is not None else np.full(n, -1, dtype=np.int64)
+    del lora_col, call_id, purpose_col
     tokens = token_model(new + cached, cached, n_gen, send, group, conv, user, chat, purpose)
     prev = np.full(n, -1, dtype=np.int64)
     think = np.zeros(n)
@@ -278,35 +292,35 @@ def workload(ds: Dataset, tv: pd.DataFrame, open_loop: bool = False) -> Workload
                     tokens=tokens)
 
 
-def _codes(labels: np.ndarray) -> np.ndarray:
-    s = pd.Series(labels, dtype="object")
-    codes, _ = pd.factorize(s, use_na_sentinel=True)
-    return codes.astype(np.int64)
-
-
 def _fill_lora(labels: np.ndarray, group: np.ndarray) -> np.ndarray:
     """A task with no LoRA label (no call explains it) runs with its session's most common one."""
     out = labels.copy()
+    missing = pd.isna(pd.Series(labels)).to_numpy()
     for g in np.unique(group):
         rows = group == g
         known = pd.Series(labels[rows]).dropna()
         common = known.value_counts().index[0] if len(known) else NO_ADAPTER
-        miss = rows & pd.isna(pd.Series(labels)).to_numpy()
-        out[miss] = common
+        out[missing & rows] = common
     return out
 
 
-def _app_sessions(ds: Dataset, tv: pd.DataFrame) -> np.ndarray:
-    """Each task's app session (conversation) where its call names one, else None."""
-    n = len(tv)
-    if ds.matches is None or "call_id" not in tv.columns:
-        return np.full(n, None, dtype=object)
+def _app_sessions(ds: Dataset, call_id: pd.Series) -> np.ndarray:
+    """Each task's app session (conversation) code where its call (``call_id``) names one, else -1."""
+    n = len(call_id)
+    if ds.matches is None:
+        return np.full(n, -1, dtype=np.int64)
     calls = calls_of(ds, ["call_id", "app_session"])
     if "app_session" not in calls.columns:
-        return np.full(n, None, dtype=object)
-    m = tv[["call_id"]].astype({"call_id": "object"}).merge(
-        calls.astype({"call_id": "object"}).drop_duplicates("call_id"), on="call_id", how="left")
-    return _labels(m["app_session"])
+        return np.full(n, -1, dtype=np.int64)
+    # A call id's first call names the session; ids coded over both tables at once.
+    ids = _codes(pd.concat([calls["call_id"].astype(call_id.dtype), call_id], ignore_index=True))
+    call_ids, task_ids = ids[:len(calls)], ids[len(calls):]
+    first = np.full(int(ids.max(initial=-1)) + 2, -1, dtype=np.int64)
+    rows = np.arange(len(calls))[::-1]
+    first[call_ids[::-1]] = rows  # (the first row of each id is written last)
+    first[-1] = -1  # (an NA id names none)
+    conv = np.r_[_codes(calls["app_session"]), -1]
+    return conv[first[task_ids]]
 
 
 # --------------------------------------------------------------------------------------------
@@ -1314,7 +1328,7 @@ def prepare(ds: Dataset, open_loop: bool = False, opts: Options | None = None) -
     metrics), a part at a time as the report reads them."""
     opts = opts or Options()
     ds.keep_on_disk()
-    w = workload(ds, task_view(ds, WORKLOAD_READ), open_loop)
+    w = workload(ds, open_loop)
     lora = np.array(w.lora, dtype=object)
     n_view = int(w.tv.rows.max(initial=-1)) + 1
     at = np.full(n_view, -1, dtype=np.int64)
