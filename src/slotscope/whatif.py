@@ -1288,12 +1288,13 @@ def _extrapolates(r: Resolved, costs: PassCosts, w: Workload) -> list[str]:
 @dataclass
 class Logged:
     """What the replays start from: the workload, the settings and pass costs the logs show,
-    the logged run's metric samples and those of its replay with the logged settings."""
+    the logged run's figures (the metrics' points: nothing is resampled of them) and the
+    samples of its replay with the logged settings."""
 
     workload: Workload
     settings: Resolved
     costs: PassCosts
-    samples: dict[str, Sample]
+    figures: dict[str, float]
     replayed: dict[str, Sample]
 
 
@@ -1368,7 +1369,7 @@ def prepare(ds: Dataset, open_loop: bool = False, opts: Options | None = None) -
     # model's own reuse is what a what-if's model is held against (see :meth:`_Session.admit`).
     replayed, rp = _replay_measured(ds, w, logged, costs, open_loop, opts)
     w.model_logged = rp.model_cached
-    return Logged(w, logged, costs, gather.result(), replayed)
+    return Logged(w, logged, costs, {name: _point(x) for name, x in gather.result().items()}, replayed)
 
 
 def measure(ds: Dataset, lg: Logged, r: Resolved, open_loop: bool = False, opts: Options | None = None) -> dict[str, Sample]:
@@ -1403,21 +1404,20 @@ def run(ds: Dataset, settings: Settings | Sequence[Settings] | None = None, *, o
     opts = opts or Options()
     asked = [Settings()] if settings is None else [settings] if isinstance(settings, Settings) else list(settings)
     lg = prepare(ds, open_loop, opts)
-    w, logged, costs, logged_s, base_s = lg.workload, lg.settings, lg.costs, lg.samples, lg.replayed
-    rows, set_rows, findings = [], [], []
-    for st in asked:
-        r = resolve(st, logged, w)
-        same = r == logged
-        what_s = base_s if same else measure(ds, lg, r, open_loop, opts)
-        label = st.label()
+    w, logged, costs = lg.workload, lg.settings, lg.costs
+    plans = [(st.label(), resolve(st, logged, w)) for st in asked]
+    base = {name: _point(x) for name, x in lg.replayed.items()}
+    # A setting that is the logged one is the replay prepare() measured. Its rows are made
+    # first; then only its points are needed, and its samples go before the what-if replays.
+    made = {i: _summary_rows(label, lg.replayed, lg.figures, base, seed, n_boot, opts)
+            for i, (label, r) in enumerate(plans) if r == logged}
+    lg.replayed.clear()
+    rows: list[dict[str, object]] = []
+    set_rows, findings = [], []
+    for i, (label, r) in enumerate(plans):
+        rows += made.pop(i) if i in made else \
+            _summary_rows(label, measure(ds, lg, r, open_loop, opts), lg.figures, base, seed, n_boot, opts)
         notes = _extrapolates(r, costs, w)
-        for name, s in what_s.items():
-            rng = np.random.default_rng([seed, len(name), sum(map(ord, name + label))])
-            lo, hi = _interval(s, rng, n_boot)
-            rows.append({"setting": label, "metric": name, "logged": _point(logged_s[name]),
-                         "replayed": _point(base_s[name]), "whatif": _point(s), "whatif_low": lo, "whatif_high": hi,
-                         "samples": s.n if s.kind != "share" else pd.NA,
-                         "note": _few(s, opts)})
         for name in ("n_batch", "n_ubatch", "slots", "ctx"):
             set_rows.append({"setting": label, "name": name, "logged": getattr(logged, name), "whatif": getattr(r, name),
                              "note": _setting_note(name)})
@@ -1434,6 +1434,20 @@ def run(ds: Dataset, settings: Settings | Sequence[Settings] | None = None, *, o
     return {"summary": summary, "pass-costs": cost_table(costs), "pass-fit": costs.fit,
             "settings": pd.DataFrame(set_rows, columns=SETTING_COLUMNS).astype({"logged": "string", "whatif": "string"}),
             "findings": pd.DataFrame(findings, columns=FINDING_COLUMNS)}
+
+
+def _summary_rows(label: str, what: dict[str, Sample], figures: dict[str, float], base: dict[str, float], seed: int,
+                  n_boot: int, opts: Options) -> list[dict[str, object]]:
+    """The summary's rows of one setting: per metric, the logged and replayed figures and the
+    what-if's with its interval."""
+    rows: list[dict[str, object]] = []
+    for name, s in what.items():
+        rng = np.random.default_rng([seed, len(name), sum(map(ord, name + label))])
+        lo, hi = _interval(s, rng, n_boot)
+        rows.append({"setting": label, "metric": name, "logged": figures[name], "replayed": base[name], "whatif": _point(s),
+                     "whatif_low": lo, "whatif_high": hi, "samples": s.n if s.kind != "share" else pd.NA,
+                     "note": _few(s, opts)})
+    return rows
 
 
 def _setting_note(name: str) -> str:
