@@ -21,6 +21,7 @@ A slot or cache state is its last call's prompt and reply (``prompt + n_gen - 1`
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,6 +101,10 @@ def _headers(cached: np.ndarray, chat: np.ndarray, purpose: np.ndarray, group: n
     return kind, header
 
 
+def _ints(a: np.ndarray) -> array.array[int]:
+    return array.array("q", np.ascontiguousarray(a, dtype=np.int64).tobytes())
+
+
 class HostCache:
     """One server session's slots' tokens and its host prompt cache, in the token model: a
     slot or an entry is the row of the call whose prompt and reply it holds (-1: empty);
@@ -108,13 +113,14 @@ class HostCache:
     def __init__(self, tk: Tokens, n_gen: np.ndarray, n_slots: int, limit_tokens: int) -> None:
         self.tk, self.n_gen = tk, n_gen
         # The replay asks of one row at a time, where a numpy element costs more than the
-        # arithmetic done with it: the token model as Python lists.
-        self.prompt: list[int] = tk.prompt.tolist()
-        self.run: list[int] = tk.run.tolist()
-        self.step: list[int] = tk.step.tolist()
-        self.user: list[int] = tk.user.tolist()
-        self.persona: list[int] = tk.persona.tolist()
-        self.head: list[int] = tk.header[tk.kind].tolist()  # per row: its header class's tokens
+        # arithmetic done with it: the token model as arrays of machine integers (a list
+        # would hold an object per row).
+        self.prompt = _ints(tk.prompt)
+        self.run = _ints(tk.run)
+        self.step = _ints(tk.step)
+        self.user = _ints(tk.user)
+        self.persona = _ints(tk.persona)
+        self.head = _ints(tk.header[tk.kind])  # per row: its header class's tokens
         self.held = [-1] * n_slots
         self.entries: dict[int, int] = {}  # row -> its state's tokens (its call is done: they stay), oldest first
         self.limit_tokens, self.tokens = limit_tokens, 0
