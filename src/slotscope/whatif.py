@@ -1365,11 +1365,13 @@ def prepare(ds: Dataset, open_loop: bool = False, opts: Options | None = None) -
                 _kept(obs, keys, o[counted[o["row"].to_numpy(dtype=np.int64)]].reset_index(drop=True), rng)
             gather.add(pds, tasks, w.cluster[wr], opts, counted, part.span)
     costs = fit_pass_costs(_draw(obs, keys))
+    figures = {name: _point(x) for name, x in gather.result().items()}
+    del gather, obs, keys
     # The replay with the logged settings keeps the logged cache split of every call; its cache
     # model's own reuse is what a what-if's model is held against (see :meth:`_Session.admit`).
     replayed, rp = _replay_measured(ds, w, logged, costs, open_loop, opts)
     w.model_logged = rp.model_cached
-    return Logged(w, logged, costs, {name: _point(x) for name, x in gather.result().items()}, replayed)
+    return Logged(w, logged, costs, figures, replayed)
 
 
 def measure(ds: Dataset, lg: Logged, r: Resolved, open_loop: bool = False, opts: Options | None = None) -> dict[str, Sample]:
