@@ -21,7 +21,6 @@ A slot or cache state is its last call's prompt and reply (``prompt + n_gen - 1`
 
 from __future__ import annotations
 
-import array
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,8 +100,8 @@ def _headers(cached: np.ndarray, chat: np.ndarray, purpose: np.ndarray, group: n
     return kind, header
 
 
-def _ints(a: np.ndarray) -> array.array[int]:
-    return array.array("q", np.ascontiguousarray(a, dtype=np.int64).tobytes())
+def _ints(a: np.ndarray) -> memoryview:
+    return np.ascontiguousarray(a, dtype=np.int64).data
 
 
 class HostCache:
@@ -113,8 +112,8 @@ class HostCache:
     def __init__(self, tk: Tokens, n_gen: np.ndarray, n_slots: int, limit_tokens: int) -> None:
         self.tk, self.n_gen = tk, n_gen
         # The replay asks of one row at a time, where a numpy element costs more than the
-        # arithmetic done with it: the token model as arrays of machine integers (a list
-        # would hold an object per row).
+        # arithmetic done with it: the token model's arrays seen as memoryviews, whose items
+        # are Python ints (a list would hold an object per row).
         self.prompt = _ints(tk.prompt)
         self.run = _ints(tk.run)
         self.step = _ints(tk.step)

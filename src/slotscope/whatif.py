@@ -747,7 +747,7 @@ class _Session:
         self.n_batch, self.n_ubatch, self.n_slots = r.n_batch, r.n_ubatch, r.slots
         self.n_ctx_slot = r.ctx // r.slots
         self.adapter_on = {x: x != NO_ADAPTER for x in set(res.lora[i] for i in rows)}
-        self.prompt = w.new + w.cached
+        self.prompt = w.tokens.prompt  # (new + cached)
         self.nxt = np.full(len(w.prev), -1, dtype=np.int64)  # a call's user's next call (closed loop: sent once this one ends)
         self.heap: list[tuple[float, int]] = []  # (send time, row) of the calls to be sent
         for i in rows.tolist():
