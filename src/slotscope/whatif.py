@@ -56,6 +56,7 @@ model run with the logged settings, on every run.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import functools
 import heapq
@@ -691,8 +692,10 @@ class Replay:
     cached: np.ndarray  # prompt tokens reused: as logged, or the cache model's where it differs from its logged replay
     refused: np.ndarray
     lora: list[str]
-    heartbeats: list[tuple[int, float, int, float, float, float]]  # row, t, n_gen, tg, tg_3s, window
-    progress: list[tuple[int, float, int, float, float]]  # row, t, n_tokens, progress, elapsed
+    # Records laid end to end as float64 (a tuple of Python floats per line would take five times
+    # the room): heartbeats of HB_FIELDS, progress lines of PROGRESS_FIELDS.
+    heartbeats: array.array[float]
+    progress: array.array[float]
     passes: int
     model_cached: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # the cache model's reuse
     finished: list[int] = dataclasses.field(default_factory=list)  # rows released since the last flush
@@ -709,7 +712,7 @@ def replay(w: Workload, r: Resolved, costs: PassCosts, open_loop: bool = False,
     res = Replay(slot=np.full(n, -1), send=np.full(n, np.nan), launch=np.full(n, np.nan),
                  prefill_start=np.full(n, np.nan), first_token=np.full(n, np.nan), release=np.full(n, np.nan),
                  n_gen=np.zeros(n, dtype=np.int64), new=w.new.copy(), cached=w.cached.copy(), refused=np.zeros(n, dtype=bool),
-                 lora=lora_labels(w, r), heartbeats=[], progress=[], passes=0,
+                 lora=lora_labels(w, r), heartbeats=array.array("d"), progress=array.array("d"), passes=0,
                  model_cached=np.zeros(n, dtype=np.int64))
     for g in np.unique(w.group):
         _Session(w, r, costs, res, np.flatnonzero(w.group == g), open_loop or not w.closed).run(on_idle)
@@ -888,7 +891,7 @@ class _Session:
                     continue
                 self.ctx[s] = cached[s]
             elif t - self.t_prefill[s] >= PROGRESS_S:
-                res.progress.append((i, t, done_p[s], (cached[s] + done_p[s]) / max(cached[s] + new[s], 1),
+                res.progress.extend((i, t, done_p[s], (cached[s] + done_p[s]) / max(cached[s] + new[s], 1),
                                      t - self.t_prefill[s]))
             take = min(new[s] - done_p[s], self.n_batch - batch.size)
             batch.chunks.append((s, take))
@@ -1007,7 +1010,7 @@ class _Session:
                 continue
             n_now = n0 + j + 1
             window = t_now - t_print[s]
-            self.res.heartbeats.append((self.task[s], t_now, n_now, (n_now - 1) / max(t_now - t_first[s], 1e-9),
+            self.res.heartbeats.extend((self.task[s], t_now, n_now, (n_now - 1) / max(t_now - t_first[s], 1e-9),
                                         (n_now - n_print[s]) / window, window))
             t_print[s], n_print[s] = t_now, n_now
             j += 1
@@ -1019,6 +1022,16 @@ def _positions(p0: int, p: int) -> float:
 
 # --------------------------------------------------------------------------------------------
 # The replay as a task view and samples, and the metrics of both
+
+
+HB_FIELDS = ("row", "t_s", "n_gen", "tg_tps", "tg_3s_tps", "window_s")
+PROGRESS_FIELDS = ("row", "t_s", "n_tokens", "progress", "elapsed_s")
+
+
+def _records(flat: array.array[float], fields: tuple[str, ...], ints: tuple[str, ...]) -> pd.DataFrame:
+    """A replay's records (``fields`` per record, end to end) as a frame; ``ints`` as int64."""
+    values = np.frombuffer(flat, dtype=np.float64).reshape(-1, len(fields)) if len(flat) else np.zeros((0, len(fields)))
+    return pd.DataFrame({f: values[:, k].astype(np.int64) if f in ints else values[:, k].copy() for k, f in enumerate(fields)})
 
 
 def replayed_dataset(ds: Dataset, w: Workload, rp: Replay, r: Resolved,
@@ -1058,7 +1071,7 @@ def replayed_dataset(ds: Dataset, w: Workload, rp: Replay, r: Resolved,
         if c in tv.columns:
             tv = tv.drop(columns=c)
     base = tv[keys + ["slot"]]
-    hb = pd.DataFrame(rp.heartbeats, columns=["row", "t_s", "n_gen", "tg_tps", "tg_3s_tps", "window_s"])
+    hb = _records(rp.heartbeats, HB_FIELDS, ("row", "n_gen"))
     hb = hb[at[hb["row"].to_numpy(dtype=np.int64)] >= 0]
     gen = base.iloc[at[hb["row"].to_numpy(dtype=np.int64)]].reset_index(drop=True)
     gen = gen.assign(t_s=hb["t_s"].to_numpy(), n_gen=hb["n_gen"].to_numpy(), tg_tps=hb["tg_tps"].to_numpy(),
@@ -1066,7 +1079,7 @@ def replayed_dataset(ds: Dataset, w: Workload, rp: Replay, r: Resolved,
     gen["tokens"] = np.rint(gen["tg_3s_tps"] * gen["window_s"]).astype(np.int64)
     gen["window_start_s"] = gen["t_s"] - gen["window_s"]
     gen = gen.sort_values(keys + ["t_s"], kind="stable").reset_index(drop=True)
-    pr = pd.DataFrame(rp.progress, columns=["row", "t_s", "n_tokens", "progress", "elapsed_s"])
+    pr = _records(rp.progress, PROGRESS_FIELDS, ("row", "n_tokens"))
     pr = pr[at[pr["row"].to_numpy(dtype=np.int64)] >= 0]
     pre = base.iloc[at[pr["row"].to_numpy(dtype=np.int64)]].reset_index(drop=True)
     pre = pre.assign(t_s=pr["t_s"].to_numpy(), n_tokens=pr["n_tokens"].to_numpy(dtype=np.int64),
