@@ -72,7 +72,7 @@ from rich.rule import Rule
 
 from . import timeline as tl
 from .analyze import Options
-from .analyze.stalls import MIN_PIECE_S, generation_segments, segment_pieces
+from .analyze.stalls import MIN_PIECE_S, generation_segments, task_pieces
 from .analyze.turns import CONDITIONS, SHORT_TOKENS, is_chat_turn, turn_conditions
 from .analyze.waits import CAUSES, classify_waits
 from .resample import resampled_stats
@@ -1160,14 +1160,11 @@ class Gather:
             k &= tv["call_id"].notna().to_numpy()
         self._put(total[k], cluster[k], ("call_total_median_s", "median"))
         keys = tv[tl.GROUP + ["task_id"]]
-        pieces = segment_pieces(ds, opts, tv)
+        pieces = task_pieces(ds, opts, tv)
         pieces = pieces[(pieces["class"] == "long_prefill") & (pieces["seconds"] >= MIN_PIECE_S)]
-        f, rr = tl.join_tasks(pieces, keys)
-        own = np.zeros(len(pieces), dtype=bool)
-        own[f] = counted[rr]
-        pc = np.full(len(pieces), -1)
-        pc[f] = cluster[rr]
-        self._put(pieces["tok_per_s"].to_numpy(dtype=float)[own], pc[own], ("gen_tps_during_long_prefill", "median"))
+        rr = pieces["task"].to_numpy()
+        own = counted[rr]
+        self._put(pieces["tok_per_s"].to_numpy(dtype=float)[own], cluster[rr][own], ("gen_tps_during_long_prefill", "median"))
         wait = tl.floats(tv["wait_before_prefill_ms"]) >= opts.wait_threshold_s * 1000
         self._put(wait[counted].astype(float), cluster[counted], ("waits_over_1s_count", "sum"))
         waits = classify_waits(ds, opts, tv)

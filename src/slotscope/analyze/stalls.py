@@ -242,6 +242,18 @@ def _with_shown(pieces: pd.DataFrame, shown: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def task_pieces(ds: Dataset, opts: Options, tv: pd.DataFrame) -> pd.DataFrame:
+    """The pieces of :func:`segment_pieces` with only what a statistic of them needs: ``task``
+    (the row of ``tv`` whose generation it is), ``class``, ``seconds``, ``tokens``, ``tok_per_s``."""
+    tv = tv.reset_index(drop=True)
+    seg = _measured(tv, ds.server.gen_samples, ds.server.prefill_samples, np.arange(len(tv)), opts, None, (-np.inf, np.inf))
+    p = _split(seg)
+    return pd.DataFrame({"task": seg["row"].to_numpy()[p["seg"].to_numpy()],
+                         "class": pd.Categorical.from_codes(p["cls"].to_numpy(), categories=CLASSES),
+                         "seconds": p["seconds"].to_numpy(), "tokens": p["tokens"].to_numpy(),
+                         "tok_per_s": p["tok_per_s"].to_numpy()})
+
+
 def segment_pieces(ds: Dataset, opts: Options, tv: pd.DataFrame | None = None) -> pd.DataFrame:
     """Generation segments split by what the other slots did: one row per (segment, class),
     with the segment's columns and ``cause_task_id`` (the largest other-slot prefill running
