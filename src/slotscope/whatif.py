@@ -1334,12 +1334,23 @@ def _draw(obs: list[pd.DataFrame], keys: list[np.ndarray]) -> pd.DataFrame:
 
 
 def prepare(ds: Dataset, open_loop: bool = False, opts: Options | None = None) -> Logged:
-    """Read the logs for the replays: the workload, then the busy periods twice (the fullest
-    progress-line pass gives n_batch; then the passes for the cost fit and the logged
-    metrics), a part at a time as the report reads them."""
+    """Read the logs for the replays: the workload, then what the logs show of it
+    (:func:`read_logged`), then its replay with the logged settings."""
     opts = opts or Options()
     ds.keep_on_disk()
     w = workload(ds, open_loop)
+    logged, costs, figures = read_logged(ds, w, opts)
+    # The replay with the logged settings keeps the logged cache split of every call; its cache
+    # model's own reuse is what a what-if's model is held against (see :meth:`_Session.admit`).
+    replayed, rp = _replay_measured(ds, w, logged, costs, open_loop, opts)
+    w.model_logged = rp.model_cached
+    return Logged(w, logged, costs, figures, replayed)
+
+
+def read_logged(ds: Dataset, w: Workload, opts: Options) -> tuple[Resolved, PassCosts, dict[str, float]]:
+    """The settings, pass costs and metric figures the logs show: the busy periods read twice
+    (the fullest progress-line pass gives n_batch; then the passes for the cost fit and the
+    logged metrics), a part at a time as the report reads them."""
     lora = np.array(w.lora, dtype=object)
     n_view = int(w.tv.rows.max(initial=-1)) + 1
     at = np.full(n_view, -1, dtype=np.int64)
@@ -1374,14 +1385,7 @@ def prepare(ds: Dataset, open_loop: bool = False, opts: Options | None = None) -
             if len(o):
                 _kept(obs, keys, o[counted[o["row"].to_numpy(dtype=np.int64)]].reset_index(drop=True), rng)
             gather.add(pds, tasks, w.cluster[wr], opts, counted, part.span)
-    costs = fit_pass_costs(_draw(obs, keys))
-    figures = {name: _point(x) for name, x in gather.result().items()}
-    del gather, obs, keys
-    # The replay with the logged settings keeps the logged cache split of every call; its cache
-    # model's own reuse is what a what-if's model is held against (see :meth:`_Session.admit`).
-    replayed, rp = _replay_measured(ds, w, logged, costs, open_loop, opts)
-    w.model_logged = rp.model_cached
-    return Logged(w, logged, costs, figures, replayed)
+    return logged, fit_pass_costs(_draw(obs, keys)), {name: _point(x) for name, x in gather.result().items()}
 
 
 def measure(ds: Dataset, lg: Logged, r: Resolved, open_loop: bool = False, opts: Options | None = None) -> dict[str, Sample]:
