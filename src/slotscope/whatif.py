@@ -230,48 +230,68 @@ def _codes(s: pd.Series) -> np.ndarray:
     return pd.factorize(s, use_na_sentinel=True)[0].astype(np.int64)
 
 
-def workload(ds: Dataset, open_loop: bool = False) -> Workload:
-    """The logged tasks as a workload to replay (see the module's docstring). The task view is
-    read a column at a time: each becomes one compact array."""
+@dataclass
+class WorkloadTasks:
+    """The logged tasks a replay takes and what reading the logs for them needs (the rest of
+    the workload is read after that: :func:`workload`). Their columns are read from the task
+    view one at a time: each becomes one compact array."""
+
+    tv: TaskRows
+    replayed: np.ndarray  # per task view row: whether it is one of them
+    group: np.ndarray  # session code
+    lora: list[str]  # the LoRA setting, as a label
+    conv: np.ndarray  # conversation code (app session), -1: none
+    cluster: np.ndarray  # resampling unit: the app session, else the task itself
+
+    def column(self, name: str) -> pd.Series | None:
+        """Their values of a task view column (None: the view has none)."""
+        got = task_view(self.tv.ds, [name])
+        return got[name][self.replayed].reset_index(drop=True) if name in got.columns else None
+
+    def floats(self, name: str, missing: float = np.nan) -> np.ndarray:
+        c = self.column(name)
+        return np.full(len(self.tv), missing) if c is None else tl.floats(c)
+
+    def codes(self, name: str) -> np.ndarray:
+        c = self.column(name)
+        return np.full(len(self.tv), -1, dtype=np.int64) if c is None else _codes(c)
+
+
+def workload_tasks(ds: Dataset) -> WorkloadTasks:
+    """The tasks replayed: every complete one with a first token, once per task."""
     keys = tl.GROUP + ["task_id"]
     head = task_view(ds, keys + ["status", "first_token_s"]).reset_index(drop=True)
     ok = np.asarray((head["status"] == "complete").fillna(False), dtype=bool) & np.isfinite(tl.floats(head["first_token_s"]))
     ok[ok] = ~head.loc[ok, keys].duplicated().to_numpy()
-    view_row = np.flatnonzero(ok).astype(np.int64)
-    n = len(view_row)
+    n = int(ok.sum())
     group = tl.key_codes([head[ok]], tl.GROUP)[0] if n else np.zeros(0, dtype=np.int64)
     del head
+    wt = WorkloadTasks(tv=TaskRows(ds, np.flatnonzero(ok).astype(np.int64)), replayed=ok, group=group, lora=[],
+                       conv=np.zeros(0, dtype=np.int64), cluster=np.zeros(0, dtype=np.int64))
+    lora = wt.column("lora")
+    wt.lora = list(_fill_lora(_labels(lora) if lora is not None else np.full(n, None, dtype=object), group))
+    call_id = wt.column("call_id")
+    wt.conv = _app_sessions(ds, call_id) if call_id is not None else np.full(n, -1, dtype=np.int64)
+    wt.cluster = np.where(wt.conv >= 0, wt.conv, wt.conv.max(initial=-1) + 1 + np.arange(n))
+    return wt
 
-    def column(name: str) -> pd.Series | None:
-        got = task_view(ds, [name])
-        return got[name][ok].reset_index(drop=True) if name in got.columns else None
 
-    def floats(name: str, missing: float = np.nan) -> np.ndarray:
-        c = column(name)
-        return np.full(n, missing) if c is None else tl.floats(c)
-
-    def codes(name: str) -> np.ndarray:
-        c = column(name)
-        return np.full(n, -1, dtype=np.int64) if c is None else _codes(c)
-
-    send = floats("launch_s") - np.maximum(np.nan_to_num(floats("queue_ms", 0.0) / 1000), 0)
-    release = floats("release_s")
-    total = floats("call_total_ms") / 1000
+def workload(wt: WorkloadTasks, open_loop: bool = False) -> Workload:
+    """The logged tasks as a workload to replay (see the module's docstring)."""
+    n, group, conv = len(wt.tv), wt.group, wt.conv
+    send = wt.floats("launch_s") - np.maximum(np.nan_to_num(wt.floats("queue_ms", 0.0) / 1000), 0)
+    release = wt.floats("release_s")
+    total = wt.floats("call_total_ms") / 1000
     end_lag = np.where(np.isfinite(total), send + total - release, 0.0)
     end_lag = np.clip(np.nan_to_num(end_lag), 0, None)
-    new = np.nan_to_num(floats("prompt_tokens_new")).astype(np.int64)
-    cached = np.nan_to_num(floats("prompt_tokens_cached")).astype(np.int64)
-    n_gen = np.maximum(np.nan_to_num(floats("n_gen")).astype(np.int64), 1)
-    lora_col = column("lora")
-    lora = _fill_lora(_labels(lora_col) if lora_col is not None else np.full(n, None, dtype=object), group)
-    user = codes("user")
-    call_id = column("call_id")
-    conv = _app_sessions(ds, call_id) if call_id is not None else np.full(n, -1, dtype=np.int64)
-    cluster = np.where(conv >= 0, conv, conv.max(initial=-1) + 1 + np.arange(n))
-    purpose_col = column("purpose")
+    new = np.nan_to_num(wt.floats("prompt_tokens_new")).astype(np.int64)
+    cached = np.nan_to_num(wt.floats("prompt_tokens_cached")).astype(np.int64)
+    n_gen = np.maximum(np.nan_to_num(wt.floats("n_gen")).astype(np.int64), 1)
+    user = wt.codes("user")
+    purpose_col = wt.column("purpose")
     chat = is_chat_turn(purpose_col).to_numpy() if purpose_col is not None else np.zeros(n, dtype=bool)
     purpose = _codes(purpose_col) if purpose_col is not None else np.full(n, -1, dtype=np.int64)
-    del lora_col, call_id, purpose_col
+    del purpose_col
     tokens = token_model(new + cached, cached, n_gen, send, group, conv, user, chat, purpose)
     prev = np.full(n, -1, dtype=np.int64)
     think = np.zeros(n)
@@ -288,8 +308,8 @@ def workload(ds: Dataset, open_loop: bool = False) -> Workload:
         # A call sent before the previous one ended (the app ran two at once) is not waiting
         # for it: it keeps its logged offset from the previous send instead (think < 0 marks it).
         think[has] = np.where(gap >= 0, gap, -(send[has] - send[prev[has]]) - 1e-9)
-    return Workload(tv=TaskRows(ds, view_row), group=group, send_s=send, prev=prev, think_s=think, end_lag_s=end_lag, new=new,
-                    cached=cached, n_gen=n_gen, lora=list(lora), conv=conv, user=user, cluster=cluster, closed=closed,
+    return Workload(tv=wt.tv, group=group, send_s=send, prev=prev, think_s=think, end_lag_s=end_lag, new=new,
+                    cached=cached, n_gen=n_gen, lora=wt.lora, conv=conv, user=user, cluster=wt.cluster, closed=closed,
                     tokens=tokens)
 
 
@@ -1334,12 +1354,14 @@ def _draw(obs: list[pd.DataFrame], keys: list[np.ndarray]) -> pd.DataFrame:
 
 
 def prepare(ds: Dataset, open_loop: bool = False, opts: Options | None = None) -> Logged:
-    """Read the logs for the replays: the workload, then what the logs show of it
-    (:func:`read_logged`), then its replay with the logged settings."""
+    """Read the logs for the replays: the tasks replayed, what the logs show of them
+    (:func:`read_logged`), the rest of the workload, then its replay with the logged settings."""
     opts = opts or Options()
     ds.keep_on_disk()
-    w = workload(ds, open_loop)
-    logged, costs, figures = read_logged(ds, w, opts)
+    wt = workload_tasks(ds)
+    logged, costs, figures = read_logged(ds, wt, opts)  # (before the workload's other columns are read)
+    w = workload(wt, open_loop)
+    del wt
     # The replay with the logged settings keeps the logged cache split of every call; its cache
     # model's own reuse is what a what-if's model is held against (see :meth:`_Session.admit`).
     replayed, rp = _replay_measured(ds, w, logged, costs, open_loop, opts)
@@ -1347,7 +1369,7 @@ def prepare(ds: Dataset, open_loop: bool = False, opts: Options | None = None) -
     return Logged(w, logged, costs, figures, replayed)
 
 
-def read_logged(ds: Dataset, w: Workload, opts: Options) -> tuple[Resolved, PassCosts, dict[str, float]]:
+def read_logged(ds: Dataset, w: WorkloadTasks, opts: Options) -> tuple[Resolved, PassCosts, dict[str, float]]:
     """The settings, pass costs and metric figures the logs show: the busy periods read twice
     (the fullest progress-line pass gives n_batch; then the passes for the cost fit and the
     logged metrics), a part at a time as the report reads them."""
