@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from ..dataset import Dataset, calls_at, calls_of
+from ..timeline import aggregate
 from . import Options, register
 from .turns import as_text, is_chat_turn, is_text, measured_calls, needs_app_log, text_codes
 
@@ -118,8 +119,8 @@ def cache(ds: Dataset, opts: Options) -> pd.DataFrame:
     other_slot = pd.Series(slot.iloc[pairs["pos"].to_numpy()].array != slot.iloc[pairs["prev_pos"].to_numpy()].array)
     pairs["other_slot"] = pairs["miss"] & other_slot.fillna(False)
     counts = ["consecutive_turns", "misses", "misses_on_other_slot"]
-    by_user = pairs.groupby("user", sort=True).agg(
-        consecutive_turns=("miss", "size"), misses=("miss", "sum"), misses_on_other_slot=("other_slot", "sum"))
+    by_user = aggregate(pairs.groupby("user", sort=True),
+                        consecutive_turns=("miss", "size"), misses=("miss", "sum"), misses_on_other_slot=("other_slot", "sum"))
     total = pd.DataFrame({"consecutive_turns": [len(pairs)], "misses": [int(pairs["miss"].sum())],
                           "misses_on_other_slot": [int(pairs["other_slot"].sum())]}, index=pd.Index(["all"], name="user"))
     table = pd.concat([by_user, total]).reset_index(names="user")
