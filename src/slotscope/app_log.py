@@ -15,7 +15,6 @@ import json
 import math
 import os
 import re
-import tomllib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, islice
@@ -163,6 +162,8 @@ def parse_column_spec(spec: str) -> dict[str, str]:
 
 def load_column_file(path: str | PathLike[str]) -> dict[str, str]:
     """Read a column mapping from the ``[columns]`` table of a small TOML file."""
+    import tomllib  # (here: only an --app-columns file needs it)
+
     with open(path, "rb") as f:
         table = tomllib.load(f).get("columns")
     if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):

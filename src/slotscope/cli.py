@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import sys
 import time
@@ -96,6 +97,7 @@ def command(name: str | None = None) -> Callable[[Callable[..., None]], Callable
     def deco(fn: Callable[..., None]) -> Callable[..., None]:
         @functools.wraps(fn)
         def wrapper(*args: object, **kwargs: object) -> None:
+            frozen = gc.get_freeze_count()  # (a caller's own freeze is left as it was)
             try:
                 fn(*args, **kwargs)
             except BrokenPipeError:
@@ -108,6 +110,9 @@ def command(name: str | None = None) -> Callable[[Callable[..., None]], Callable
                     raise
                 err.print(f"error: {e}", markup=False)
                 raise typer.Exit(2 if isinstance(e, UsageError) else 1) from None
+            finally:
+                if not frozen:
+                    gc.unfreeze()  # (what `_load` froze: collected as usual after the command)
 
         return app.command(name, cls=_Command)(wrapper)
 
@@ -323,6 +328,12 @@ def _load(paths: list[str], tz: str, app_columns: Optional[str], server_start: O
     from .dataset import load
     from .filters import parse_when
 
+    # What is alive now, the modules mostly, lives until the command ends: frozen, it is not
+    # walked again by every collection of the run (load's and the automatic ones). Only at the
+    # first load: a second (compare's) would freeze the first dataset's tables, whose cycles
+    # the collector must still free when they are unloaded.
+    if not gc.get_freeze_count():
+        gc.freeze()
     start = parse_when(server_start) if server_start else None
     if start is not None and not isinstance(start, pd.Timestamp):
         raise UsageError(None, None, "--server-start needs a wall time (ISO-8601)")

@@ -568,18 +568,18 @@ def _cell(v: object) -> str:
 
 
 def rich_table(df: pd.DataFrame, title: str | None = None, max_rows: int | None = None,
-               whole: Sequence[str] = ()) -> Table:
+               whole: Sequence[str] = (), columns: dict[object, tuple[list[str], int]] | None = None) -> Table:
     """A rich Table of a DataFrame (numbers right-aligned, blanks for missing values): each
     column exactly as wide as its values (up to 24 characters, longer ones fold, but never in
     the columns ``whole``: names) or its header's longest word, the header wrapped between
-    words to it."""
+    words to it. ``columns``: the cells and widths already made of these rows (``_columns``)."""
     table = Table(title=title, title_justify="left", show_lines=False, pad_edge=False, header_style="bold",
                   box=box.SIMPLE_HEAD, collapse_padding=True)
-    rows = df if max_rows is None else df.head(max_rows)
-    for c, (cells, width) in _columns(rows, whole).items():
+    cols = _columns(df if max_rows is None else df.head(max_rows), whole) if columns is None else columns
+    for c, (cells, width) in cols.items():
         numeric = pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c])
         table.add_column(_header(c), justify="right" if numeric else "left", overflow="fold", width=width)
-    for rec in zip(*(cells for cells, _ in _columns(rows, whole).values())):
+    for rec in zip(*(cells for cells, _ in cols.values())):
         table.add_row(*rec)
     if max_rows is not None and len(df) > max_rows:
         table.caption = f"{len(df) - max_rows:,} more rows; use --format csv for all"
@@ -620,11 +620,12 @@ def print_table(console: Console, df: pd.DataFrame, title: str | None = None, ma
     cut: the columns that fit, in order, and a caption naming the others (``--format csv``
     shows every column). A table wider than the console would lose its last columns at the
     edge, or rich would squeeze them into words broken over lines."""
-    rows = df if max_rows is None else df.head(max_rows)
+    cols = _columns(df if max_rows is None else df.head(max_rows), whole)
     # A column takes its width and a space each side (what rich draws these tables with).
-    ends = np.cumsum([w + 2 for _, w in _columns(rows, whole).values()])
+    ends = np.cumsum([w + 2 for _, w in cols.values()])
     n = max(1, int(np.searchsorted(ends, console.width, "right")))
-    table = rich_table(df.iloc[:, :n], title=title, max_rows=max_rows, whole=whole)
+    shown = df.iloc[:, :n]
+    table = rich_table(shown, title=title, max_rows=max_rows, whole=whole, columns={c: cols[c] for c in shown.columns})
     hidden = [str(c) for c in df.columns[n:]]
     notes = [str(table.caption or ""), caption]
     if hidden:

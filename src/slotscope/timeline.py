@@ -536,7 +536,14 @@ def typical_steps(steps: pd.DataFrame) -> pd.DataFrame:
     """Per session of :func:`line_steps`' ``steps``: the median ``step_tokens`` (``s_chunk``)
     and ``step_s`` (``s_pass``)."""
     g = steps.groupby(GROUP, dropna=False, observed=True, sort=False)
-    return g.agg(s_chunk=("step_tokens", "median"), s_pass=("step_s", "median")).reset_index()
+    return aggregate(g, s_chunk=("step_tokens", "median"), s_pass=("step_s", "median")).reset_index()
+
+
+def aggregate(g: Any, **named: tuple[str, str]) -> pd.DataFrame:
+    """``g.agg(**named)`` of a DataFrameGroupBy (``name=(column, function)``), the same frame,
+    made a column at a time: pandas' named aggregation builds and factorizes an index of the
+    (column, function) pairs on every call, more work than a small table's sums."""
+    return pd.DataFrame({name: getattr(g[col], how)() for name, (col, how) in named.items()})
 
 
 def median(v: np.ndarray) -> float:
@@ -589,9 +596,8 @@ def prefill_steps(tv: pd.DataFrame, prefill_samples: pd.DataFrame | None,
     pre, lines = progress_lines(tv, prefill_samples)
     ps, ft = pre["ps"].to_numpy(), pre["ft"].to_numpy()
     # Typical chunk and pass length: the task's own, else its session's, else defaults.
-    own = lines.groupby("pid", observed=True).agg(chunk=("step_tokens", "median"), pass_s=("step_s", "median"),
-                                   first_t=("t_s", "first"), first_n=("n_tokens", "first"),
-                                   last_t=("t_s", "last"), last_n=("n_tokens", "last"))
+    own = aggregate(lines.groupby("pid", observed=True), chunk=("step_tokens", "median"), pass_s=("step_s", "median"),
+                    first_t=("t_s", "first"), first_n=("n_tokens", "first"), last_t=("t_s", "last"), last_n=("n_tokens", "last"))
     sess = typical_steps(line_steps(pre, lines)) if typical is None else typical
     pre = pre.merge(own, left_on="pid", right_index=True, how="left").merge(sess, on=GROUP, how="left")
     del own, sess

@@ -13,14 +13,17 @@ the work runs in the calling process instead; the results are the same either wa
 
 from __future__ import annotations
 
-import multiprocessing
+import itertools
 import os
 from collections import deque
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, TypeVar
 
 from .errors import SlotscopeError
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future, ProcessPoolExecutor
+
+# (multiprocessing is imported when workers start: a log of one block never needs it)
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -82,6 +85,9 @@ class Pool:
         if self.jobs < 2:
             return None
         if self._executor is None:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
             try:
                 ctx = multiprocessing.get_context("fork")
                 self._executor = ProcessPoolExecutor(max_workers=self.jobs, mp_context=ctx, initializer=_worker_start)
@@ -97,14 +103,19 @@ class Pool:
         by ``fn`` is raised here, when its item's turn comes; one raised by ``items`` after the
         results of the items it gave before (as the one-process ``map`` would).
         """
+        it = iter(items)
+        for first in it:
+            break
+        else:  # (no work: no workers started)
+            return
+        it = itertools.chain((first,), it)
         executor = self._start()
         if executor is None:
-            for item in items:
+            for item in it:
                 yield fn(item)
             return
         limit = ahead or 2 * self.jobs
         pending: deque[Future[R]] = deque()
-        it = iter(items)
         failure: Exception | None = None
         try:
             while True:
@@ -128,6 +139,8 @@ class Pool:
 
 
 def _result(f: "Future[R]") -> R:
+    from concurrent.futures.process import BrokenProcessPool
+
     try:
         return f.result()
     except BrokenProcessPool:

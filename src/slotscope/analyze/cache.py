@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from ..dataset import Dataset, calls_at, calls_of
+from ..timeline import aggregate
 from . import Options, register
 from .turns import as_text, is_chat_turn, is_text, measured_calls, needs_app_log, text_codes
 
@@ -55,15 +56,24 @@ def by_user_and_start(user: pd.Series, start: pd.Series) -> np.ndarray:
     return np.lexsort((at, code))
 
 
-def _latest_summary(calls: pd.DataFrame, user: np.ndarray, turns: pd.DataFrame) -> pd.Series:
+def _latest_summary(calls: pd.DataFrame, user: np.ndarray, turns: pd.DataFrame) -> np.ndarray:
     """For each turn (``user`` code, ``start_at``, in start order), when its user's latest
-    summary call started before it (NaT: none). ``user``: every call's code."""
-    summaries = pd.DataFrame({"user": user, "summary_at": calls["start_at"].array})
-    summaries = summaries.loc[is_text(calls["purpose"], SUMMARY)]
-    summaries = summaries.dropna().sort_values("summary_at", kind="stable")
-    found = pd.merge_asof(turns[["user", "start_at"]], summaries, left_on="start_at", right_on="summary_at",
-                          by="user", direction="backward", allow_exact_matches=False)
-    return found["summary_at"]
+    summary call started before it, in the start times' integer unit (the int64 minimum:
+    none). ``user``: every call's code."""
+    start = calls["start_at"].array
+    summary = is_text(calls["purpose"], SUMMARY) & ~np.isnan(user) & ~np.asarray(start.isna())
+    s_user, s_at = user[summary].astype(np.int64), start[summary].asi8
+    t_user, t_at = turns["user"].to_numpy().astype(np.int64), turns["start_at"].array.asi8
+    # One sortable key per (user, time): the user's code, then the time's rank among them all.
+    times, rank = np.unique(np.concatenate([s_at, t_at]), return_inverse=True)
+    key = np.concatenate([s_user, t_user]) * (len(times) + 1) + rank
+    s_key, t_key = key[:len(s_at)], key[len(s_at):]
+    order = np.argsort(s_key, kind="stable")
+    s_key, s_user, s_at = s_key[order], s_user[order], s_at[order]
+    # The summary just before each turn's key, if it is of the turn's user (strictly earlier).
+    at = np.searchsorted(s_key, t_key, side="left") - 1
+    found = (at >= 0) & (s_user[np.maximum(at, 0)] == t_user) if len(s_key) else np.zeros(len(t_key), dtype=bool)
+    return np.where(found, s_at[np.maximum(at, 0)] if len(s_key) else 0, np.iinfo(np.int64).min)
 
 
 def turn_pairs(calls: pd.DataFrame, opts: Options) -> pd.DataFrame:
@@ -88,7 +98,7 @@ def turn_pairs(calls: pd.DataFrame, opts: Options) -> pd.DataFrame:
         else calls["start_at"].iloc[prev]
     t["gap_s"] = (t["start_at"] - prev_ended.set_axis(t.index)).dt.total_seconds().round(3)
     # A summary between the two turns folded the history: the next prompt is meant to differ.
-    folded = np.asarray(_latest_summary(calls, user, t).array > start.take(prev), dtype=bool)
+    folded = _latest_summary(calls, user, t) > start.take(prev).asi8
     if "app_session" in calls:
         session = text_codes(calls["app_session"])
         s, s_prev = session[pos], session[prev]
@@ -118,8 +128,8 @@ def cache(ds: Dataset, opts: Options) -> pd.DataFrame:
     other_slot = pd.Series(slot.iloc[pairs["pos"].to_numpy()].array != slot.iloc[pairs["prev_pos"].to_numpy()].array)
     pairs["other_slot"] = pairs["miss"] & other_slot.fillna(False)
     counts = ["consecutive_turns", "misses", "misses_on_other_slot"]
-    by_user = pairs.groupby("user", sort=True).agg(
-        consecutive_turns=("miss", "size"), misses=("miss", "sum"), misses_on_other_slot=("other_slot", "sum"))
+    by_user = aggregate(pairs.groupby("user", sort=True),
+                        consecutive_turns=("miss", "size"), misses=("miss", "sum"), misses_on_other_slot=("other_slot", "sum"))
     total = pd.DataFrame({"consecutive_turns": [len(pairs)], "misses": [int(pairs["miss"].sum())],
                           "misses_on_other_slot": [int(pairs["other_slot"].sum())]}, index=pd.Index(["all"], name="user"))
     table = pd.concat([by_user, total]).reset_index(names="user")

@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from ..dataset import Dataset, calls_of, task_view
+from ..timeline import aggregate
 from . import Options, register
 from .cache import SUMMARY, TURN_COLUMNS, by_user_and_start, turn_pairs
 from .turns import as_text, is_text, needs_app_log, text_codes
@@ -86,8 +87,8 @@ def prefills(ds: Dataset, opts: Options) -> pd.DataFrame:
     rows = {"all": [label], "cause": CAUSES + ([UNLOGGED] if (big["cause"] == UNLOGGED).any() else [])}
     parts = []
     for by in ("all", "purpose", "cause"):
-        g = big.groupby(by, sort=False).agg(
-            count=("task_id", "size"), new_tokens_total=("prompt_tokens_new", "sum"), seconds_total=("seconds", "sum"))
+        g = aggregate(big.groupby(by, sort=False),
+                      count=("task_id", "size"), new_tokens_total=("prompt_tokens_new", "sum"), seconds_total=("seconds", "sum"))
         g = g.reindex(rows[by]) if by in rows else g.sort_values("count", ascending=False, kind="stable")
         parts.append(g.rename_axis("value").reset_index().assign(by=by))
     table = pd.concat(parts, ignore_index=True)
