@@ -381,8 +381,12 @@ def test_help_and_the_glossary_import_no_pandas(args: list[str]) -> None:
 @pytest.mark.parametrize("shape,said", [
     ("array", "a JSON array; app call logs are read as one JSON object per line (JSONL): convert it first, e.g. jq -c '.[]' FILE"),
     ("pretty", "pretty-printed JSON; app call logs are read as one JSON object per line (JSONL): convert it first, e.g. jq -c . FILE"),
-    ("utf-16", "UTF-16 text; slotscope reads UTF-8: convert it first, e.g. iconv -f UTF-16 -t UTF-8 FILE"),
-    ("utf-16-le", "UTF-16 text; slotscope reads UTF-8"),
+    ("utf-16-le", "UTF-16 text without a byte-order mark; slotscope reads UTF-8, and UTF-16 files that start with "
+                  "a byte-order mark: convert it first, e.g. iconv -f UTF-16LE -t UTF-8 FILE"),
+    ("utf-16-be", "UTF-16 text without a byte-order mark; slotscope reads UTF-8, and UTF-16 files that start with "
+                  "a byte-order mark: convert it first, e.g. iconv -f UTF-16BE -t UTF-8 FILE"),
+    ("utf-16.gz", "compressed UTF-16 text; slotscope reads UTF-8, and UTF-16 files that start with a byte-order "
+                  "mark: convert it first, e.g. iconv -f UTF-16LE -t UTF-8 FILE"),
 ])
 def test_an_app_log_in_another_shape_says_what_it_is_and_how_to_convert(tmp_path: Path, shape: str, said: str) -> None:
     """The real app log as a JSON array, one pretty-printed record, or UTF-16 (with or without a
@@ -396,7 +400,14 @@ def test_an_app_log_in_another_shape_says_what_it_is_and_how_to_convert(tmp_path
     elif shape == "pretty":
         f.write_text(json.dumps(records[0], indent=2))
     else:
-        f.write_bytes("".join(json.dumps(r) + "\n" for r in records).encode(shape))
+        text = "".join(json.dumps(r) + "\n" for r in records)
+        if shape == "utf-16.gz":  # (python's utf-16 writes a byte-order mark, little-endian here)
+            import gzip
+
+            f = tmp_path / "calls.json.gz"
+            f.write_bytes(gzip.compress(text.encode("utf-16")))
+        else:
+            f.write_bytes(text.encode(shape))
     res = run("calls", str(f))
     assert res.exit_code == 1 and "Traceback" not in res.stderr
     assert res.stderr.strip().startswith(f"error: {f}: {said}")

@@ -7,6 +7,7 @@ A path may be a file, a directory (every file in it; rotated ``x.log.2.gz``, ``x
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import glob
 import io
@@ -129,6 +130,8 @@ def open_binary(path: str) -> BinaryIO:
                 "pip install 'slotscope[zstd]'"
             ) from None
         return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)  # type: ignore[return-value]
+    if head[:2] in UTF16_BOMS:
+        return cast(BinaryIO, _Utf16Stream(raw))
     return raw
 
 
@@ -188,11 +191,14 @@ def _other_encoding_or_shape(sample: bytes) -> str | None:
     """What a file is when it holds the logs in a form slotscope does not read, with how to
     convert it: UTF-16 text, or JSON records as one array or pretty-printed (app logs are read
     as one JSON object per line); None otherwise."""
-    utf16 = sample[:2] in (b"\xff\xfe", b"\xfe\xff") or (
-        len(sample) >= 64 and (sample[1:64:2].count(0) > 28 or sample[0:64:2].count(0) > 28))
-    if utf16:
-        return ("UTF-16 text; slotscope reads UTF-8: convert it first, e.g. "
-                "iconv -f UTF-16 -t UTF-8 FILE > FILE.utf8")
+    # (UTF-16 with a byte-order mark is read as UTF-8 by open_binary; this is what is left: a
+    # compressed copy, or no mark, where the byte order would be a guess)
+    marked = sample[:2] in UTF16_BOMS
+    little = sample[:2] == b"\xff\xfe" or (len(sample) >= 64 and sample[1:64:2].count(0) > 28)
+    if marked or little or (len(sample) >= 64 and sample[0:64:2].count(0) > 28):
+        what = "compressed UTF-16 text" if marked else "UTF-16 text without a byte-order mark"
+        return (f"{what}; slotscope reads UTF-8, and UTF-16 files that start with a byte-order mark: convert it "
+                f"first, e.g. iconv -f UTF-16{'LE' if little else 'BE'} -t UTF-8 FILE > FILE.utf8")
     lines = sample.lstrip(b"\xef\xbb\xbf \t\r\n").split(b"\n", 2)
     first = lines[0].strip()
     if first.startswith(b"[") and (first == b"[" or first.startswith(b"[{") or first.startswith(b"[ {")):
@@ -341,6 +347,36 @@ class _GzipStream(io.RawIOBase):
     def close(self) -> None:
         if self._raw is not sys.stdin.buffer:
             self._raw.close()
+        super().close()
+
+
+UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")  # little- and big-endian byte-order marks
+
+
+class _Utf16Stream(io.RawIOBase):
+    """UTF-16 text that starts with a byte-order mark (PowerShell's ``>`` writes it), handed
+    out as UTF-8 as it is read: the readers see the lines they read in UTF-8 files, one block
+    at a time. Bytes that are not UTF-16 become U+FFFD, as invalid UTF-8 does elsewhere."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self._raw = raw
+        self._decoder = codecs.getincrementaldecoder("utf-16")(errors="replace")  # (reads the mark, drops it)
+        self._done = False
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:  # type: ignore[override]
+        while not self._done:  # (b"" only at the end: a read of one odd byte decodes to nothing)
+            data = self._raw.read(-1 if n < 0 else max(2 * n, 2))
+            self._done = not data
+            text = self._decoder.decode(data, final=self._done)
+            if text:
+                return text.encode("utf-8")
+        return b""
+
+    def close(self) -> None:
+        self._raw.close()
         super().close()
 
 
