@@ -535,3 +535,51 @@ def test_decimal_commas_read_alike_in_chunks_of_any_size(tmp_path: Path, chunk_r
             read_app_logs([path])
     else:
         assert read_app_logs([path]).calls.set_index("line")["duration_ms"][2] == 9245.0
+
+
+def test_a_json_array_reads_alike_in_parts_of_any_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real app log as an indented JSON array with a byte-order mark, a record that names a
+    key twice, one that is no object and one missing its start: the same calls, problems and
+    notes as the JSON lines, read in parts of 1 KB and 7 bytes too (a record, a number, a
+    multi-byte character cut by a part's end), each call at the line its record starts on."""
+    from slotscope import app_log
+
+    records: list = _jsonl(REAL / "before" / "logs" / "app.jsonl")
+    records[3]["user"] = "u\u00e9\u00e8"
+    records.insert(5, [1, 2])
+    del records[8]["start"]
+    lines = [json.dumps(r) for r in records]
+    lines[10] = lines[10][:-1] + ', "purpose": "other"}'  # the key twice: the last value counts
+    jsonl = tmp_path / "app.jsonl"
+    jsonl.write_text("\n".join(lines) + "\n")
+    doc = tmp_path / "app.json"
+    pretty = "[\n" + ",\n".join("  " + ln for ln in lines) + "\n]\n"
+    doc.write_text("\ufeff" + pretty)
+    want = read_app_logs([jsonl])
+    ref = read_app_logs([doc])
+    moved = ref.calls.assign(line=ref.calls["line"] - 1)  # (the array's "[" line comes first)
+    pd.testing.assert_frame_equal(moved.drop(columns="file"), want.calls.drop(columns="file"))
+    assert ref.accounting.lines_read == pretty.count("\n") == want.accounting.lines_read + 2
+    assert [(p.line - 1, p.reason) for p in ref.accounting.problems] == [(p.line, p.reason) for p in want.accounting.problems]
+    assert [n.replace(str(doc), "F").replace(":12:", ":11:") for n in ref.accounting.notes] == [
+        n.replace(str(jsonl), "F") for n in want.accounting.notes]
+    for size in (1000, 7):
+        monkeypatch.setattr(app_log, "SPAN_BYTES", size)
+        got = _read_with_workers(doc, 2)
+        pd.testing.assert_frame_equal(got.calls, ref.calls)  # type: ignore[attr-defined]
+        assert got.accounting == ref.accounting  # type: ignore[attr-defined]
+
+
+def test_a_json_array_cut_short_keeps_its_records_and_names_the_cut_one(tmp_path: Path) -> None:
+    """An array cut inside a record (the writer crashed): the records before it are calls, the
+    cut one a problem at its first line, every line counted."""
+    records = _jsonl(REAL / "before" / "logs" / "app.jsonl")
+    text = json.dumps(records, indent=2)
+    starts = [i + 1 for i, ln in enumerate(text.splitlines()) if ln.startswith("  {")]
+    cut = text[: text.index('"c-00010"')]
+    path = tmp_path / "app.json"
+    path.write_text(cut)
+    log = read_app_logs([path])
+    assert sorted(log.calls["line"]) == starts[:9]
+    assert log.accounting.lines_read == cut.count("\n") + 1
+    assert [(p.line, p.reason) for p in log.accounting.problems] == [(starts[9], "the file ends inside this record")]

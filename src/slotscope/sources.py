@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator, Literal, Mapping, Sequence, cast
 
 from .app_fields import looks_like_app_log
+from .json_documents import first_records, is_document
 from .ollama_hints import looks_like_ollama
 from . import store
 from .errors import InputError
@@ -184,13 +185,12 @@ def sniff(head: bytes, app_columns: Mapping[str, str] | None = None) -> Kind | s
         return "ollama"
     if _SERVER_HINTS.search(sample):
         return "server"
-    return "neither a llama-server log nor an app call log"
+    return _document_seen(sample) or "neither a llama-server log nor an app call log"
 
 
 def _other_encoding_or_shape(sample: bytes) -> str | None:
     """What a file is when it holds the logs in a form slotscope does not read, with how to
-    convert it: UTF-16 text, or JSON records as one array or pretty-printed (app logs are read
-    as one JSON object per line); None otherwise."""
+    convert it: UTF-16 text it cannot decode; None otherwise."""
     # (UTF-16 with a byte-order mark is read as UTF-8 by open_binary; this is what is left: a
     # compressed copy, or no mark, where the byte order would be a guess)
     marked = sample[:2] in UTF16_BOMS
@@ -199,15 +199,19 @@ def _other_encoding_or_shape(sample: bytes) -> str | None:
         what = "compressed UTF-16 text" if marked else "UTF-16 text without a byte-order mark"
         return (f"{what}; slotscope reads UTF-8, and UTF-16 files that start with a byte-order mark: convert it "
                 f"first, e.g. iconv -f UTF-16{'LE' if little else 'BE'} -t UTF-8 FILE > FILE.utf8")
-    lines = sample.lstrip(b"\xef\xbb\xbf \t\r\n").split(b"\n", 2)
-    first = lines[0].strip()
-    if first.startswith(b"[") and (first == b"[" or first.startswith(b"[{") or first.startswith(b"[ {")):
-        return ("a JSON array; app call logs are read as one JSON object per line (JSONL): convert it first, "
-                "e.g. jq -c '.[]' FILE > calls.jsonl")
-    if first == b"{" and len(lines) > 1 and lines[1].lstrip().startswith(b'"'):
-        return ("pretty-printed JSON; app call logs are read as one JSON object per line (JSONL): convert it "
-                "first, e.g. jq -c . FILE > calls.jsonl")
     return None
+
+
+def _document_seen(sample: bytes) -> str | None:
+    """What a JSON document (an array, pretty-printed records) that is no app log holds, with
+    what an app log's records need; None for anything else."""
+    if not is_document(sample[:SNIFF_BYTES].decode("utf-8", "replace")):
+        return None
+    keys = dict.fromkeys(k for rec in first_records(sample) for k in rec)
+    shown = ", ".join(list(keys)[:8]) + (", ..." if len(keys) > 8 else "")
+    return (f"a JSON document whose first records {f'have the keys {shown}' if keys else 'are no JSON objects'}; "
+            "an app call log's records need a start time and one of end, duration_ms, prompt_tokens, "
+            "completion_tokens, purpose, lora (--app-columns maps other names)")
 
 
 def collect(paths: Sequence[str | os.PathLike[str]], app_columns: Mapping[str, str] | None = None) -> Inputs:
