@@ -32,7 +32,7 @@ import pyarrow.json as pa_json
 from .app_fields import (
     CANDIDATES, ALIASES, TIMINGS, csv_header, field_names, nested_paths, path_index, resolve_fields,
 )
-from .decimal_marks import DecimalMarks
+from .decimal_marks import CommaCsvNumbers, DecimalMarks
 from .errors import AppLogError
 from .sources import CHUNK_SIZE, Span, is_plain, iter_chunks, iter_spans, open_binary, read_span
 from . import json_documents, store
@@ -108,7 +108,7 @@ class _Tally:
     examples: list[Problem] = field(default_factory=list)
     notes: dict[str, None] = field(default_factory=dict)  # ordered set
     header_line: int | None = None
-    marks: DecimalMarks | None = None  # a CSV file's decimal mark, where its delimiter is no comma
+    marks: DecimalMarks | CommaCsvNumbers | None = None  # how a CSV file's numbers with a comma or point read
     files: dict[str, int] = field(default_factory=dict)  # file -> order read
     naive: dict[str, tuple[int, str]] = field(default_factory=dict)  # file -> (count, zone)
     twice: dict[str, tuple[int, int, str]] = field(default_factory=dict)  # file -> (records, first line, what)
@@ -475,8 +475,8 @@ def _csv_rows(name: str, numbered: Iterable[tuple[int, str]], tally: _Tally) -> 
         raise AppLogError(name, first, f"the CSV header names {', '.join(map(repr, twice))} twice; rename one "
                           "(--app-columns maps a field to a column name)")
     tally.header_line = first
-    if delimiter != ",":  # (a spreadsheet that writes decimal commas separates fields with another mark)
-        tally.marks = DecimalMarks(name)
+    # (A spreadsheet that writes decimal commas separates fields with another mark, or quotes them.)
+    tally.marks = DecimalMarks(name) if delimiter != "," else CommaCsvNumbers(name)
     reader, done = csv.reader((text + "\n" for _, text in numbered), delimiter=delimiter), 0  # (newlines kept in quotes)
     while True:
         start = first + 1 + done
