@@ -480,3 +480,25 @@ def test_how_an_app_log_was_read_is_said_on_stderr(tmp_path: Path) -> None:
     assert res.exit_code == 0
     assert res.stderr.splitlines()[-1] == f"note: {f}: 90 timestamp(s) without a zone read as UTC (set --tz if wrong)"
     assert "note:" not in run("calls", str(REAL / "before" / "logs" / "app.jsonl"), "-f", "csv").stderr
+
+
+@pytest.mark.parametrize("shape", ["array", "pretty"])
+def test_log_lines_as_one_json_document_say_how_to_convert_them(tmp_path: Path, shape: str) -> None:
+    """`journalctl -o json-pretty` (or the records as an array): the server's lines in JSON
+    records that span lines. Neither an app log nor server lines to read line by line (every
+    line would be unrecognized): one error line that says what it is and how to write it one
+    record per line."""
+    import json
+
+    from .conftest import FORMATS
+
+    records = [json.loads(line) for line in (FORMATS / "journald_json.log").read_text().splitlines()]
+    f = tmp_path / "journal.json"
+    f.write_text(json.dumps(records, indent=1) if shape == "array" else "".join(json.dumps(r, indent=8) + "\n"
+                                                                                for r in records))
+    res = run("tasks", str(f))
+    assert res.exit_code == 1 and "Traceback" not in res.stderr
+    assert res.stderr.strip() == (f"error: {f}: log lines as one JSON document (an array, or pretty-printed); JSON "
+                                  "log lines are read as one object per line: convert it first, e.g. jq -c '.[]' "
+                                  "FILE (an array) or jq -c . FILE (pretty-printed) > FILE.jsonl (journalctl: "
+                                  "-o json, not json-pretty)")

@@ -181,11 +181,14 @@ def sniff(head: bytes, app_columns: Mapping[str, str] | None = None) -> Kind | s
         return "binary data, not a text log"
     if looks_like_app_log(sample, app_columns):
         return "app"
+    seen = _document_seen(sample)
+    if seen:
+        return seen
     if looks_like_ollama(sample):
         return "ollama"
     if _SERVER_HINTS.search(sample):
         return "server"
-    return _document_seen(sample) or "neither a llama-server log nor an app call log"
+    return "neither a llama-server log nor an app call log"
 
 
 def _other_encoding_or_shape(sample: bytes) -> str | None:
@@ -207,7 +210,14 @@ def _document_seen(sample: bytes) -> str | None:
     what an app log's records need; None for anything else."""
     if not is_document(sample[:SNIFF_BYTES].decode("utf-8", "replace")):
         return None
-    keys = dict.fromkeys(k for rec in first_records(sample) for k in rec)
+    records = first_records(sample)
+    # journald, docker json-file, llama-server's 2024 JSON: log lines, read one object per line
+    if any(k in r for r in records for k in ("MESSAGE", "__CURSOR", "msg", "message")) or \
+            any("log" in r and "stream" in r for r in records):
+        return ("log lines as one JSON document (an array, or pretty-printed); JSON log lines are read as one "
+                "object per line: convert it first, e.g. jq -c '.[]' FILE (an array) or jq -c . FILE "
+                "(pretty-printed) > FILE.jsonl (journalctl: -o json, not json-pretty)")
+    keys = dict.fromkeys(k for rec in records for k in rec)
     shown = ", ".join(list(keys)[:8]) + (", ..." if len(keys) > 8 else "")
     return (f"a JSON document whose first records {f'have the keys {shown}' if keys else 'are no JSON objects'}; "
             "an app call log's records need a start time and one of end, duration_ms, prompt_tokens, "
