@@ -40,6 +40,8 @@ _GRAMMAR = {  # the grouping mark (groups of three, after a first one of 1-3 dig
 }
 _GROUPED = re.compile(rf"\d{_SPACES}\d")  # thousands grouped by spaces
 _SPACE = re.compile(_SPACES)
+# What may be a number with a comma or spaces in it: one test per field, which a date fails early.
+_COMMA_OR_SPACES = re.compile(rf"\s*[+-]?\d[\d.]*(?:[,{_SPACES[1:-1]}]\d[\d.]*)+(?:[eE][+-]?\d+)?\s*")
 
 
 def reading(text: str, mark: str) -> float | None:
@@ -52,9 +54,18 @@ def reading(text: str, mark: str) -> float | None:
     return float(_SPACE.sub("", text).replace(group, "").replace(mark, "."))
 
 
-def _marked(value: Any, marks: str) -> bool:
-    """Whether a field's text has one of ``marks`` or thousands grouped by spaces in it."""
-    return isinstance(value, str) and (any(m in value for m in marks) or _GROUPED.search(value) is not None)
+def _marked(value: Any) -> bool:
+    """Whether a field's text has a decimal or grouping mark in it (spaces: between digits)."""
+    if not isinstance(value, str):
+        return False
+    if COMMA in value or POINT in value:
+        return True
+    return (" " in value or "\u00a0" in value or "\u202f" in value) and _GROUPED.search(value) is not None
+
+
+def _comma_or_spaces(value: Any) -> bool:
+    return isinstance(value, str) and ("," in value or " " in value or "\u00a0" in value or "\u202f" in value) \
+        and _COMMA_OR_SPACES.fullmatch(value) is not None
 
 
 def _fits(value: float | None, count: bool) -> bool:
@@ -112,7 +123,7 @@ class DecimalMarks:
         both marks."""
         both: dict[str, dict[int, _Readings]] = {}  # field -> row -> its readings
         for key, vals in values.items():
-            got = {i: _readings(v, key in counts) for i, v in enumerate(vals) if _marked(v, COMMA + POINT)}
+            got = {i: _readings(v, key in counts) for i, v in enumerate(vals) if _marked(v)}
             if got:
                 both[key] = got
         for mark in (COMMA, POINT):
@@ -179,9 +190,11 @@ class CommaCsvNumbers:
         text no mark reads stays as it is); never raises."""
         out = {}
         for key, vals in values.items():
-            if any(_marked(v, COMMA) for v in vals):
-                out[key] = [self._value(_readings(v, key in counts), int(lines[i]), key) if _marked(v, COMMA) else v
-                            for i, v in enumerate(vals)]
+            marked = [i for i, v in enumerate(vals) if _comma_or_spaces(v)]
+            if marked:
+                col = out[key] = list(vals)
+                for i in marked:
+                    col[i] = self._value(_readings(vals[i], key in counts), int(lines[i]), key)
         return out
 
     def _value(self, r: _Readings, line: int, key: str) -> Any:
