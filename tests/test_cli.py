@@ -449,8 +449,8 @@ def test_a_bad_record_in_a_json_array_is_one_error_naming_its_line(tmp_path: Pat
     res = run("calls", str(f))
     assert res.exit_code == 1 and "Traceback" not in res.stderr
     assert res.stderr.strip() == (f"error: {f}:{bad + 2}: invalid JSON: Expecting ',' delimiter; a JSON document "
-                                  "cannot be read on past a bad record (JSON lines can: jq -c '.[]' FILE > "
-                                  "calls.jsonl shows where)")
+                                  "cannot be read on past a bad record: mend it, or write one record per line "
+                                  "(JSONL), where a bad line is dropped")
 
 
 def test_a_json_array_of_no_calls_says_what_its_records_hold(tmp_path: Path) -> None:

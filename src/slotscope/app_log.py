@@ -424,8 +424,8 @@ def _document_rows(name: str, blocks: Iterable[bytes], tally: _Tally) -> _Rows:
                 yield lineno, rec
             pairs.twice.clear()
     except json_documents.DocumentError as e:
-        raise AppLogError(name, e.line, f"{e.reason}; a JSON document cannot be read on past a bad record "
-                          "(JSON lines can: jq -c '.[]' FILE > calls.jsonl shows where)") from None
+        raise AppLogError(name, e.line, f"{e.reason}; a JSON document cannot be read on past a bad record: mend "
+                          "it, or write one record per line (JSONL), where a bad line is dropped") from None
     tally.lines_read = before + values.lines
     if values.cut_at is not None:
         tally.drop(name, values.cut_at, "the file ends inside this record")
