@@ -31,11 +31,16 @@ class DocumentError(ValueError):
         self.line, self.reason = line, reason
 
 
+_OPENS_RECORDS = re.compile(r"\[\s*[{\[]")  # an array of objects (or of arrays); not `[34m`, `[8080]`
+
+
 def is_document(head: str) -> bool:
     """Whether the start of a file (as text) is a JSON document rather than JSON lines or CSV:
-    it opens an array, or its first line is a lone ``{`` (no JSON line is that)."""
+    it opens an array of records, or its first line is a lone ``{`` (no JSON line is that).
+    Log lines may start with ``[`` too: a colour code that lost its ESC, a router's port, a
+    bracketed stamp."""
     text = head.lstrip("\ufeff \t\r\n")
-    return text.startswith("[") or text.split("\n", 1)[0].rstrip() == "{"
+    return _OPENS_RECORDS.match(text) is not None or text.split("\n", 1)[0].rstrip() == "{"
 
 
 def first_records(sample: bytes, n: int = 20) -> list[dict[str, Any]]:
