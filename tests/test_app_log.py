@@ -535,3 +535,110 @@ def test_decimal_commas_read_alike_in_chunks_of_any_size(tmp_path: Path, chunk_r
             read_app_logs([path])
     else:
         assert read_app_logs([path]).calls.set_index("line")["duration_ms"][2] == 9245.0
+
+
+def test_a_json_array_reads_alike_in_parts_of_any_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real app log as an indented JSON array with a byte-order mark, a record that names a
+    key twice, one that is no object and one missing its start: the same calls, problems and
+    notes as the JSON lines, read in parts of 1 KB and 7 bytes too (a record, a number, a
+    multi-byte character cut by a part's end), each call at the line its record starts on."""
+    from slotscope import app_log
+
+    records: list = _jsonl(REAL / "before" / "logs" / "app.jsonl")
+    records[3]["user"] = "u\u00e9\u00e8"
+    records.insert(5, [1, 2])
+    del records[8]["start"]
+    lines = [json.dumps(r) for r in records]
+    lines[10] = lines[10][:-1] + ', "purpose": "other"}'  # the key twice: the last value counts
+    jsonl = tmp_path / "app.jsonl"
+    jsonl.write_text("\n".join(lines) + "\n")
+    doc = tmp_path / "app.json"
+    pretty = "[\n" + ",\n".join("  " + ln for ln in lines) + "\n]\n"
+    doc.write_text("\ufeff" + pretty)
+    want = read_app_logs([jsonl])
+    ref = read_app_logs([doc])
+    moved = ref.calls.assign(line=ref.calls["line"] - 1)  # (the array's "[" line comes first)
+    pd.testing.assert_frame_equal(moved.drop(columns="file"), want.calls.drop(columns="file"))
+    assert ref.accounting.lines_read == pretty.count("\n") == want.accounting.lines_read + 2
+    assert [(p.line - 1, p.reason) for p in ref.accounting.problems] == [(p.line, p.reason) for p in want.accounting.problems]
+    assert [n.replace(str(doc), "F").replace(":12:", ":11:") for n in ref.accounting.notes] == [
+        n.replace(str(jsonl), "F") for n in want.accounting.notes]
+    for size in (1000, 7):
+        monkeypatch.setattr(app_log, "SPAN_BYTES", size)
+        got = _read_with_workers(doc, 2)
+        pd.testing.assert_frame_equal(got.calls, ref.calls)  # type: ignore[attr-defined]
+        assert got.accounting == ref.accounting  # type: ignore[attr-defined]
+
+
+def test_a_json_array_cut_short_keeps_its_records_and_names_the_cut_one(tmp_path: Path) -> None:
+    """An array cut inside a record (the writer crashed): the records before it are calls, the
+    cut one a problem at its first line, every line counted."""
+    records = _jsonl(REAL / "before" / "logs" / "app.jsonl")
+    text = json.dumps(records, indent=2)
+    starts = [i + 1 for i, ln in enumerate(text.splitlines()) if ln.startswith("  {")]
+    cut = text[: text.index('"c-00010"')]
+    path = tmp_path / "app.json"
+    path.write_text(cut)
+    log = read_app_logs([path])
+    assert sorted(log.calls["line"]) == starts[:9]
+    assert log.accounting.lines_read == cut.count("\n") + 1
+    assert [(p.line, p.reason) for p in log.accounting.problems] == [(starts[9], "the file ends inside this record")]
+
+
+def _french(field: str, value: object) -> str:
+    """A number as a spreadsheet in a French locale shows it: 12 419 tokens, 9 244,8 ms (the
+    groups split by a narrow no-break space)."""
+    return f"{value:,}".replace(",", "\u202f").replace(".", ",")
+
+
+def _american(field: str, value: object) -> str:
+    """A number with its thousands grouped, as a spreadsheet in an English locale shows it."""
+    return f"{value:,}"
+
+
+_CALL_COLUMNS = ["call_id", "start_us", "end_us", "duration_ms", "prompt_tokens", "completion_tokens", "status"]
+
+
+@pytest.mark.parametrize("delimiter,number,note", [
+    (",", _french, "numbers with a comma and no grouping point read with a decimal comma (as line 2's "
+                   "duration_ms '9\\u202f244,8')"),  # (the note shows the space as written)
+    (";", _french, "numbers read with a decimal comma (as line 2's duration_ms '9\\u202f244,8')"),
+    (",", _american, None),
+])
+@pytest.mark.parametrize("chunk_rows", [1, 7, 10_000])
+def test_grouped_and_quoted_numbers_in_a_csv_read_as_the_jsonl(tmp_path: Path, delimiter: str, number: Callable,
+                                                               note: str | None, chunk_rows: int,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real app log from a spreadsheet that groups thousands by spaces (``12 419``) or
+    quotes numbers with a comma in a comma-separated file (``"9244,8"``, ``"12,419"``): the
+    calls of the JSONL, no problem and at most one note, in chunks of any size. They were a
+    problem per row ("non-numeric duration_ms: '9244,8'", "non-numeric prompt_tokens: '2 281'")."""
+    from slotscope import app_log
+
+    monkeypatch.setattr(app_log, "CHUNK_ROWS", chunk_rows)
+    want = read_app_logs([REAL / "before" / "logs" / "app.jsonl"]).calls
+    path = _spreadsheet_csv(tmp_path, delimiter, number)
+    text = path.read_text()
+    assert ("\"9,244.8\"" if number is _american else "9\u202f244,8") in text and "12" in text
+    log = read_app_logs([path])
+    assert log.accounting.problems == () and log.accounting.rows_with_problems == 0
+    pd.testing.assert_frame_equal(log.calls[_CALL_COLUMNS], want[_CALL_COLUMNS])
+    assert log.accounting.notes == ((f"{path}: {note}",) if note else ())
+
+
+def test_a_quoted_number_either_mark_reads_is_read_with_the_files_point(tmp_path: Path) -> None:
+    """In a comma-separated file, ``"1,234"`` ms reads 1234 (its comma grouping thousands, as
+    the file's other numbers have decimal points), ``"5,6"`` reads 5.6 (no grouping allows
+    it), ``"2,5"`` tokens stay a problem that quotes them; one note names the first guess."""
+    path = tmp_path / "calls.csv"
+    path.write_text("start,duration_ms,prompt_tokens\n2026-11-29T07:31:47.961Z,12.5,7\n"
+                    "2026-11-29T07:32:47Z,\"1,234\",8\n2026-11-29T07:33:47Z,\"5,6\",\"2,5\"\n"
+                    "2026-11-29T07:34:47Z,\"1,234.5\",\"1 024\"\n")
+    log = read_app_logs([path])
+    assert log.calls["duration_ms"].tolist() == [12.5, 1234.0, 5.6, 1234.5]
+    assert log.calls["prompt_tokens"].tolist()[:2] + log.calls["prompt_tokens"].tolist()[3:] == [7, 8, 1024]
+    assert [(p.line, p.reason) for p in log.accounting.problems] == [(4, "prompt_tokens is no count: '2,5'")]
+    assert log.accounting.notes == (
+        f"{path}: numbers with a comma and no grouping point read with a decimal comma (as line 4's duration_ms '5,6')",
+        f"{path}:3: duration_ms '1,234' read as 1234, its comma grouping thousands as the file's points are decimal "
+        "ones (with a decimal comma: 1.234)")

@@ -190,3 +190,48 @@ def test_analyze_tables_do_not_depend_on_block_edges_or_workers(tmp_path: Path, 
         assert list(got) == list(want)
         for name, table in want.items():
             pd.testing.assert_frame_equal(got[name], table, check_exact=True, obj=f"{name}, {chunk}-byte blocks, {jobs} job(s)")
+
+
+def _restarted_without_llama_clock(lines: list[bytes], hours: int) -> list[bytes]:
+    """The `ts`-stamped capture's lines as a second process would print them an hour later
+    started without ``--log-timestamps``: the outer stamp moved on, llama's own stamp gone."""
+    import datetime as dt
+    import re
+
+    out = []
+    for line in lines:
+        stamp, rest = line.split(b" ", 1)
+        at = dt.datetime.strptime(stamp.decode(), "%Y-%m-%dT%H:%M:%S.%f%z") + dt.timedelta(hours=hours)
+        rest = re.sub(rb"^\d+\.\d\d\.\d{3}\.\d{3} ", b"", rest)
+        out.append(at.strftime("%Y-%m-%dT%H:%M:%S.%f%z").encode() + b" " + rest)
+    return out
+
+
+@pytest.mark.parametrize("llama_clock_first", [True, False])
+def test_a_stream_that_mixes_clocks_is_timed_the_same_in_any_blocks(tmp_path: Path, llama_clock_first: bool) -> None:
+    """One `ts`-stamped stream, two processes: one with llama's own clock, one without. Each
+    block chose its clock by its own lines: a block holding both kinds left the lines without
+    llama's stamp untimed, one holding those alone timed them by the outer stamp, so tasks
+    and sessions changed with the block size and the workers. The stream's first timed line
+    decides its clock, for the whole stream."""
+    captured = _lines("wallclock")
+    bare = _restarted_without_llama_clock(captured, 1)
+    lines = captured + bare if llama_clock_first else _restarted_without_llama_clock(captured, -1) + captured
+    path = tmp_path / "llama-server.log"
+    path.write_bytes(b"".join(lines))
+    want = _read(path)
+    tasks = want["tasks"]
+    assert isinstance(tasks, pd.DataFrame)
+    launches = sum(b"processing task" in ln for ln in lines)
+    assert len(tasks) == launches and (tasks["status"] == "complete").all()
+    timed = tasks["launch_s"].notna()
+    if llama_clock_first:  # llama's clock: the lines without it stay untimed
+        assert timed.sum() == launches // 2
+        alone = read_server_logs([REAL / "wallclock" / "logs" / "llama-server.log"]).tasks
+        pd.testing.assert_series_equal(tasks.loc[timed, "launch_s"], alone["launch_s"], check_exact=True)
+    else:  # the outer stamps time every line, across the restart
+        assert timed.all()
+        assert len(want["sessions"]) == 2  # type: ignore[arg-type]
+    for chunk in (SMALL, 50_000):
+        for jobs in (1, 2):
+            _assert_same(_read(path, chunk, jobs), want, f"{chunk}-byte blocks, {jobs} job(s)")

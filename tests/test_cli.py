@@ -379,27 +379,95 @@ def test_help_and_the_glossary_import_no_pandas(args: list[str]) -> None:
 
 
 @pytest.mark.parametrize("shape,said", [
-    ("array", "a JSON array; app call logs are read as one JSON object per line (JSONL): convert it first, e.g. jq -c '.[]' FILE"),
-    ("pretty", "pretty-printed JSON; app call logs are read as one JSON object per line (JSONL): convert it first, e.g. jq -c . FILE"),
-    ("utf-16", "UTF-16 text; slotscope reads UTF-8: convert it first, e.g. iconv -f UTF-16 -t UTF-8 FILE"),
-    ("utf-16-le", "UTF-16 text; slotscope reads UTF-8"),
+    ("utf-16-le", "UTF-16 text without a byte-order mark; slotscope reads UTF-8, and UTF-16 files that start with "
+                  "a byte-order mark: convert it first, e.g. iconv -f UTF-16LE -t UTF-8 FILE"),
+    ("utf-16-be", "UTF-16 text without a byte-order mark; slotscope reads UTF-8, and UTF-16 files that start with "
+                  "a byte-order mark: convert it first, e.g. iconv -f UTF-16BE -t UTF-8 FILE"),
+    ("utf-16.gz", "compressed UTF-16 text; slotscope reads UTF-8, and UTF-16 files that start with a byte-order "
+                  "mark: convert it first, e.g. iconv -f UTF-16LE -t UTF-8 FILE"),
 ])
 def test_an_app_log_in_another_shape_says_what_it_is_and_how_to_convert(tmp_path: Path, shape: str, said: str) -> None:
-    """The real app log as a JSON array, one pretty-printed record, or UTF-16 (with or without a
-    BOM): one error line that names what was seen and the command that converts it."""
+    """The real app log in UTF-16 without a byte-order mark, or compressed: one error line that
+    names what was seen and the command that converts it."""
     import json
 
     records = [json.loads(line) for line in (REAL / "before" / "logs" / "app.jsonl").read_text().splitlines()]
+    text = "".join(json.dumps(r) + "\n" for r in records)
     f = tmp_path / "calls.json"
-    if shape == "array":
-        f.write_text(json.dumps(records))
-    elif shape == "pretty":
-        f.write_text(json.dumps(records[0], indent=2))
+    if shape == "utf-16.gz":  # (python's utf-16 writes a byte-order mark, little-endian here)
+        import gzip
+
+        f = tmp_path / "calls.json.gz"
+        f.write_bytes(gzip.compress(text.encode("utf-16")))
     else:
-        f.write_bytes("".join(json.dumps(r) + "\n" for r in records).encode(shape))
+        f.write_bytes(text.encode(shape))
     res = run("calls", str(f))
     assert res.exit_code == 1 and "Traceback" not in res.stderr
     assert res.stderr.strip().startswith(f"error: {f}: {said}")
+
+
+@pytest.mark.parametrize("shape", ["array", "array-one-line", "pretty"])
+def test_an_app_log_as_a_json_document_reads_the_calls_of_its_lines(tmp_path: Path, shape: str) -> None:
+    """The real app log as a JSON array (indented, or on one line) or as pretty-printed records
+    one after another (`jq .`): the calls of the JSON lines, each at the line its record starts
+    on, and every line counted (they were refused as "a JSON array; convert it first")."""
+    import json
+
+    jsonl = REAL / "before" / "logs" / "app.jsonl"
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    text = {"array": json.dumps(records, indent=2) + "\n", "array-one-line": json.dumps(records),
+            "pretty": "".join(json.dumps(r, indent=2) + "\n" for r in records)}[shape]
+    f = tmp_path / "calls.json"
+    f.write_text(text)
+    res, want = run("calls", str(f), "-f", "csv"), run("calls", str(jsonl), "-f", "csv")
+    assert res.exit_code == 0 and "Traceback" not in res.stderr
+    got_rows, want_rows = res.stdout.splitlines(), want.stdout.splitlines()
+    assert len(got_rows) == len(records) + 1
+    header = got_rows[0].split(",")
+    at = header.index("line")
+    starts = [int(row.split(",")[at]) for row in got_rows[1:]]
+    lines = text.splitlines()
+    assert all(lines[n - 1].lstrip("[ ").startswith("{") for n in starts)
+    other = {at, header.index("file")}
+    strip = lambda rows: [",".join(c for i, c in enumerate(r.split(",")) if i not in other) for r in rows]  # noqa: E731
+    assert strip(got_rows) == strip(want_rows)
+    n, used = len(lines), min(len(lines), len(records))  # (one line of many records is one line used)
+    assert res.stderr.splitlines()[0] == f"lines read {n}: used {used}, known and ignored {n - used}, unrecognized 0"
+
+
+def test_a_bad_record_in_a_json_array_is_one_error_naming_its_line(tmp_path: Path) -> None:
+    """A record broken in the middle of an indented array: one error line at the line where the
+    JSON breaks (a document cannot be read on past it)."""
+    import json
+
+    records = [json.loads(line) for line in (REAL / "before" / "logs" / "app.jsonl").read_text().splitlines()]
+    lines = json.dumps(records, indent=2).splitlines()
+    bad = next(i for i, ln in enumerate(lines) if '"c-00010"' in ln)
+    lines[bad] = lines[bad].rstrip(",")  # (a comma lost)
+    f = tmp_path / "calls.json"
+    f.write_text("\n".join(lines) + "\n")
+    res = run("calls", str(f))
+    assert res.exit_code == 1 and "Traceback" not in res.stderr
+    assert res.stderr.strip() == (f"error: {f}:{bad + 2}: invalid JSON: Expecting ',' delimiter; a JSON document "
+                                  "cannot be read on past a bad record: mend it, or write one record per line "
+                                  "(JSONL), where a bad line is dropped")
+
+
+def test_a_json_array_of_no_calls_says_what_its_records_hold(tmp_path: Path) -> None:
+    """A JSON array that is not a call log (here: the format variants' manifest): what was
+    seen, and what an app log's records need."""
+    import json
+
+    from .conftest import FORMATS
+
+    variants = json.loads((FORMATS / "manifest.json").read_text())["variants"]
+    f = tmp_path / "variants.json"
+    f.write_text(json.dumps([{"variant": k, "lines": v["physical_lines"]} for k, v in variants.items()], indent=2))
+    res = run("calls", str(f))
+    assert res.exit_code == 1 and "Traceback" not in res.stderr
+    assert res.stderr.strip() == (f"error: {f}: a JSON document whose first records have the keys variant, lines; an app "
+                                  "call log's records need a start time and one of end, duration_ms, prompt_tokens, "
+                                  "completion_tokens, purpose, lora (--app-columns maps other names)")
 
 
 def test_how_an_app_log_was_read_is_said_on_stderr(tmp_path: Path) -> None:
@@ -412,3 +480,25 @@ def test_how_an_app_log_was_read_is_said_on_stderr(tmp_path: Path) -> None:
     assert res.exit_code == 0
     assert res.stderr.splitlines()[-1] == f"note: {f}: 90 timestamp(s) without a zone read as UTC (set --tz if wrong)"
     assert "note:" not in run("calls", str(REAL / "before" / "logs" / "app.jsonl"), "-f", "csv").stderr
+
+
+@pytest.mark.parametrize("shape", ["array", "pretty"])
+def test_log_lines_as_one_json_document_say_how_to_convert_them(tmp_path: Path, shape: str) -> None:
+    """`journalctl -o json-pretty` (or the records as an array): the server's lines in JSON
+    records that span lines. Neither an app log nor server lines to read line by line (every
+    line would be unrecognized): one error line that says what it is and how to write it one
+    record per line."""
+    import json
+
+    from .conftest import FORMATS
+
+    records = [json.loads(line) for line in (FORMATS / "journald_json.log").read_text().splitlines()]
+    f = tmp_path / "journal.json"
+    f.write_text(json.dumps(records, indent=1) if shape == "array" else "".join(json.dumps(r, indent=8) + "\n"
+                                                                                for r in records))
+    res = run("tasks", str(f))
+    assert res.exit_code == 1 and "Traceback" not in res.stderr
+    assert res.stderr.strip() == (f"error: {f}: log lines as one JSON document (an array, or pretty-printed); JSON "
+                                  "log lines are read as one object per line: convert it first, e.g. jq -c '.[]' "
+                                  "FILE (an array) or jq -c . FILE (pretty-printed) > FILE.jsonl (journalctl: "
+                                  "-o json, not json-pretty)")

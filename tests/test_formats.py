@@ -202,3 +202,26 @@ def test_lmstudio_log_file_stamps_in_brackets_read_the_same(tmp_path) -> None:
     assert got.accounting.files[0].wrapper == "lmstudio-file" and got.accounting.unrecognized == 0
     cols = [c for c in want.tasks.columns if c not in _PLACE]
     pd.testing.assert_frame_equal(got.tasks[cols], want.tasks[cols])
+
+
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be"])
+def test_utf16_with_a_byte_order_mark_reads_as_utf8(tmp_path, encoding: str) -> None:
+    """Windows PowerShell's `>` writes UTF-16 with a byte-order mark and CRLF: the real capture
+    and its app log written so read to the same tasks, calls and line counts as captured,
+    in small blocks and by workers too (they were refused as "UTF-16 text")."""
+    from slotscope import load
+
+    captured = REAL / "restart" / "logs"
+    for name in ("llama-server.log", "app.jsonl"):
+        text = (captured / name).read_text().replace("\n", "\r\n")
+        (tmp_path / name).write_bytes("\ufeff".encode(encoding) + text.encode(encoding))
+    want, got = load([captured]), load([tmp_path])
+    assert [(f.kind, f.lines, f.used, f.ignored, f.unrecognized) for f in got.accounting.files] == [
+        (f.kind, f.lines, f.used, f.ignored, f.unrecognized) for f in want.accounting.files]
+    assert len(got.server.tasks) == 40
+    pd.testing.assert_frame_equal(got.server.tasks.drop(columns=["source", "file"]),
+                                  want.server.tasks.drop(columns=["source", "file"]), check_exact=True)
+    pd.testing.assert_frame_equal(got.app.calls.drop(columns="file"), want.app.calls.drop(columns="file"), check_exact=True)
+    for jobs in (1, 2):
+        small = read_server_logs([tmp_path / "llama-server.log"], chunk_size=3 << 10, jobs=jobs).tasks
+        pd.testing.assert_frame_equal(small, got.server.tasks, check_exact=True)

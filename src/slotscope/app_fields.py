@@ -12,6 +12,8 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from .json_documents import first_records, is_document
+
 # Specific names before generic ones: a record with both `start` and `ts` usually means
 # `ts` is when the line was written, i.e. the end of the call.
 CANDIDATES: dict[str, tuple[str, ...]] = {
@@ -106,24 +108,30 @@ def csv_header(header: str) -> tuple[list[str], str]:
     return [h.strip() for h in next(csv.reader([header], delimiter=delimiter))], delimiter
 
 
+def _line_records(lines: Iterable[str]) -> list[dict[str, Any]]:
+    records = []
+    for ln in lines:
+        try:
+            rec = json.loads(ln)
+        except ValueError:
+            continue  # the sample may end mid-line
+        if isinstance(rec, dict):
+            records.append(rec)
+    return records
+
+
 def looks_like_app_log(sample: bytes, override: Mapping[str, str] | None = None) -> bool:
     """True if the (decompressed) start of a file reads as an app call log, JSONL or CSV, with
     the field names it knows or those of ``override`` (--app-columns).
 
     llama-server text lines and journald/docker JSON wrappers around them are not app logs.
     """
-    lines = [ln for ln in sample.decode("utf-8", "replace").lstrip("\ufeff").splitlines() if ln.strip()][:20]
+    text = sample.decode("utf-8", "replace")
+    lines = [ln for ln in text.lstrip("\ufeff").splitlines() if ln.strip()][:20]
     if not lines:
         return False
-    if lines[0].lstrip().startswith("{"):
-        records = []
-        for ln in lines:
-            try:
-                rec = json.loads(ln)
-            except ValueError:
-                continue  # the sample may end mid-line
-            if isinstance(rec, dict):
-                records.append(rec)
+    if lines[0].lstrip().startswith("{") or is_document(text):
+        records = first_records(sample) if is_document(text) else _line_records(lines)
         # journald (`journalctl -o json`) and docker json-file wrap server lines in JSON
         if not records or any("MESSAGE" in r or "__CURSOR" in r or ("log" in r and "stream" in r) for r in records):
             return False

@@ -31,10 +31,10 @@ import pyarrow.json as pa_json
 from .app_fields import (
     CANDIDATES, ALIASES, TIMINGS, csv_header, field_names, nested_paths, path_index, resolve_fields,
 )
-from .decimal_marks import DecimalMarks
+from .decimal_marks import CommaCsvNumbers, DecimalMarks
 from .errors import AppLogError
 from .sources import CHUNK_SIZE, Span, is_plain, iter_chunks, iter_spans, open_binary, read_span
-from . import store
+from . import json_documents, store
 from .store import StoredField
 from .workers import Pool
 
@@ -107,7 +107,7 @@ class _Tally:
     examples: list[Problem] = field(default_factory=list)
     notes: dict[str, None] = field(default_factory=dict)  # ordered set
     header_line: int | None = None
-    marks: DecimalMarks | None = None  # a CSV file's decimal mark, where its delimiter is no comma
+    marks: DecimalMarks | CommaCsvNumbers | None = None  # how a CSV file's numbers with a comma or point read
     files: dict[str, int] = field(default_factory=dict)  # file -> order read
     naive: dict[str, tuple[int, str]] = field(default_factory=dict)  # file -> (count, zone)
     twice: dict[str, tuple[int, int, str]] = field(default_factory=dict)  # file -> (records, first line, what)
@@ -302,7 +302,11 @@ def _parse(
         return []
     blocks = chain([first], blocks)
     head = read_span(Span(first.path, first.start, min(first.length, 1 << 16))) if isinstance(first, Span) else first
-    if not head[: 1 << 16].decode("utf-8", "replace").lstrip("\ufeff").lstrip().startswith("{"):
+    text = head[: 1 << 16].decode("utf-8", "replace")
+    if json_documents.is_document(text):
+        whole = (read_span(b) if isinstance(b, Span) else b for b in blocks)
+        frames = [keep(f) for f in _frames(name, _document_rows(name, whole, tally), override, zone, tally)]
+    elif not text.lstrip("\ufeff").lstrip().startswith("{"):
         # (blank for 64 KiB: _rows finds the first line that is not)
         lines = chain.from_iterable(_block_lines(read_span(b) if isinstance(b, Span) else b) for b in blocks)
         frames = [keep(f) for f in _frames(name, _rows(name, lines, tally), override, zone, tally)]
@@ -363,35 +367,69 @@ def _decoded(lines: Iterable[bytes], tally: _Tally, bom: bool = True) -> Iterato
         yield (text.lstrip("\ufeff") if i == 0 and bom else text).rstrip("\r\n")
 
 
-def _json_rows(name: str, numbered: Iterable[tuple[int, str]], tally: _Tally) -> _Rows:
-    twice: list[tuple[dict[str, Any], list[tuple[str, Any]]]] = []  # (object, its pairs) of a key named twice
+class _Pairs:
+    """JSON's object hook: the last value of a key counts, as in json.loads; ``twice`` keeps
+    the objects (with their pairs) that name a key twice, for the record being read."""
 
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        obj = dict(items)  # (the last value of a key counts, as in json.loads)
+    def __init__(self) -> None:
+        self.twice: list[tuple[dict[str, Any], list[tuple[str, Any]]]] = []
+
+    def __call__(self, items: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj = dict(items)
         if len(obj) < len(items):
-            twice.append((obj, items))
+            self.twice.append((obj, items))
         return obj
 
+
+def _record(name: str, lineno: int, rec: Any, text: str, pairs: _Pairs, tally: _Tally) -> dict[str, Any] | None:
+    """A decoded JSON value as a call record (None: dropped, with the reason kept)."""
+    if not isinstance(rec, dict):
+        tally.drop(name, lineno, f"not a JSON object: {text[:40]!r}")
+        return None
+    if pairs.twice:
+        n, line, what = tally.twice[name] if name in tally.twice else (0, lineno, _named_twice(rec, *pairs.twice[-1]))
+        tally.twice[name] = (n + 1, line, what)
+    if "\\ud" in text or "\\uD" in text:  # maybe a lone surrogate escape: not text anything can write
+        rec = _no_surrogates(rec)
+    return rec
+
+
+def _json_rows(name: str, numbered: Iterable[tuple[int, str]], tally: _Tally) -> _Rows:
+    pairs = _Pairs()
     decode = json.JSONDecoder(object_pairs_hook=pairs).decode
     for lineno, text in numbered:
         if not text.strip():
             tally.empty_lines += 1
             continue
-        twice.clear()
+        pairs.twice.clear()
         try:
-            rec = decode(text)
+            value = decode(text)
         except json.JSONDecodeError as e:
             tally.drop(name, lineno, f"invalid JSON: {e.msg} (column {e.colno})")
             continue
-        if not isinstance(rec, dict):
-            tally.drop(name, lineno, f"not a JSON object: {text[:40]!r}")
-            continue
-        if twice:
-            n, line, what = tally.twice[name] if name in tally.twice else (0, lineno, _named_twice(rec, *twice[-1]))
-            tally.twice[name] = (n + 1, line, what)
-        if "\\ud" in text or "\\uD" in text:  # maybe a lone surrogate escape: not text anything can write
-            rec = _no_surrogates(rec)
-        yield lineno, rec
+        if (rec := _record(name, lineno, value, text, pairs, tally)) is not None:
+            yield lineno, rec
+
+
+def _document_rows(name: str, blocks: Iterable[bytes], tally: _Tally) -> _Rows:
+    """The records of a JSON document (an array, or pretty-printed objects one after another;
+    see :mod:`slotscope.json_documents`), each at the line it starts on; the document's lines
+    are counted, those outside a record's first line known and ignored."""
+    pairs = _Pairs()
+    values = json_documents.Records(blocks, json.JSONDecoder(object_pairs_hook=pairs).raw_decode)
+    before = tally.lines_read
+    try:
+        for lineno, value, text in values:
+            tally.lines_read = before + values.lines
+            if (rec := _record(name, lineno, value, text, pairs, tally)) is not None:
+                yield lineno, rec
+            pairs.twice.clear()
+    except json_documents.DocumentError as e:
+        raise AppLogError(name, e.line, f"{e.reason}; a JSON document cannot be read on past a bad record: mend "
+                          "it, or write one record per line (JSONL), where a bad line is dropped") from None
+    tally.lines_read = before + values.lines
+    if values.cut_at is not None:
+        tally.drop(name, values.cut_at, "the file ends inside this record")
 
 
 def _named_twice(rec: dict[str, Any], obj: dict[str, Any], items: list[tuple[str, Any]]) -> str:
@@ -438,8 +476,8 @@ def _csv_rows(name: str, numbered: Iterable[tuple[int, str]], tally: _Tally) -> 
         raise AppLogError(name, first, f"the CSV header names {', '.join(map(repr, twice))} twice; rename one "
                           "(--app-columns maps a field to a column name)")
     tally.header_line = first
-    if delimiter != ",":  # (a spreadsheet that writes decimal commas separates fields with another mark)
-        tally.marks = DecimalMarks(name)
+    # (A spreadsheet that writes decimal commas separates fields with another mark, or quotes them.)
+    tally.marks = DecimalMarks(name) if delimiter != "," else CommaCsvNumbers(name)
     reader, done = csv.reader((text + "\n" for _, text in numbered), delimiter=delimiter), 0  # (newlines kept in quotes)
     while True:
         start = first + 1 + done

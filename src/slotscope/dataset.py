@@ -121,9 +121,12 @@ def read_app(inputs: Inputs, *, columns: dict[str, str] | None = None, tz: str =
             logs.append(log)
             a = log.accounting
             # Rows loaded are used (a bad field becomes NA and is reported); dropped rows are the
-            # unrecognized ones; empty lines and a CSV header are known and ignored.
-            acc = FileAccount(path=lf.path, kind="app", lines=a.lines_read, used=a.rows_loaded,
-                              ignored=a.lines_read - a.rows_loaded - a.rows_dropped, unrecognized=a.rows_dropped)
+            # unrecognized ones; empty lines and a CSV header are known and ignored. (A JSON
+            # array may hold many records on a line: a line counts once, used before dropped.)
+            used = min(a.rows_loaded, a.lines_read)
+            dropped = min(a.rows_dropped, a.lines_read - used)
+            acc = FileAccount(path=lf.path, kind="app", lines=a.lines_read, used=used,
+                              ignored=a.lines_read - used - dropped, unrecognized=dropped)
             acc.examples = [(p.line, p.reason) for p in a.problems][:5]
             acc.notes = list(a.notes)
             accounts.append(acc)

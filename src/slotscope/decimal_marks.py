@@ -8,6 +8,14 @@ thousands). A number that only one way reads (``5,6``, ``0,25``, ``1.234,5``; ``
 a file that shows both is refused. A count is read only as a whole number, so ``2.281``
 tokens show a decimal comma. A number both ways read differently (``1.234``) in a file that
 shows no mark is read with its mark as the decimal mark, and one note says so.
+
+In a file separated by commas (:class:`CommaCsvNumbers`), a number with a comma in it was
+quoted (``"5,6"``, ``"1,234.5"``) by a spreadsheet; there a point is the decimal mark of
+every other number, so each such number is read by the one reading it has, one that both
+read (``"1,234"``) with a decimal point, and one note per file says so.
+
+Thousands grouped by spaces (``1 234,5``, also the no-break spaces a French locale writes)
+are read in either kind of file: a space is no decimal mark.
 """
 
 from __future__ import annotations
@@ -23,20 +31,41 @@ from .errors import AppLogError
 
 COMMA, POINT = ",", "."
 _NAMES = {COMMA: "a decimal comma", POINT: "a decimal point"}
+_SPACES = "[ \u00a0\u202f]"  # a space, a no-break space, a narrow no-break space
 _GRAMMAR = {  # the grouping mark (groups of three, after a first one of 1-3 digits), then the decimal mark
-    COMMA: re.compile(r"[+-]?(?:[1-9]\d{0,2}(?:\.\d{3})+|\d+)(?:,\d+)?(?:[eE][+-]?\d+)?"),
-    POINT: re.compile(r"[+-]?(?:[1-9]\d{0,2}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][+-]?\d+)?"),
+    COMMA: re.compile(rf"[+-]?(?:[1-9]\d{{0,2}}(?:\.\d{{3}})+|[1-9]\d{{0,2}}(?:{_SPACES}\d{{3}})+|\d+)(?:,\d+)?"
+                      r"(?:[eE][+-]?\d+)?"),
+    POINT: re.compile(rf"[+-]?(?:[1-9]\d{{0,2}}(?:,\d{{3}})+|[1-9]\d{{0,2}}(?:{_SPACES}\d{{3}})+|\d+)(?:\.\d+)?"
+                      r"(?:[eE][+-]?\d+)?"),
 }
+_GROUPED = re.compile(rf"\d{_SPACES}\d")  # thousands grouped by spaces
+_SPACE = re.compile(_SPACES)
+# What may be a number with a comma or spaces in it: one test per field, which a date fails early.
+_COMMA_OR_SPACES = re.compile(rf"\s*[+-]?\d[\d.]*(?:[,{_SPACES[1:-1]}]\d[\d.]*)+(?:[eE][+-]?\d+)?\s*")
 
 
 def reading(text: str, mark: str) -> float | None:
-    """``text`` read as a number with ``mark`` as its decimal mark (the other one grouping
-    thousands); None where it is no such number."""
+    """``text`` read as a number with ``mark`` as its decimal mark (the other one, or spaces,
+    grouping thousands); None where it is no such number."""
     text = text.strip()
     if not _GRAMMAR[mark].fullmatch(text):
         return None
     group = POINT if mark == COMMA else COMMA
-    return float(text.replace(group, "").replace(mark, "."))
+    return float(_SPACE.sub("", text).replace(group, "").replace(mark, "."))
+
+
+def _marked(value: Any) -> bool:
+    """Whether a field's text has a decimal or grouping mark in it (spaces: between digits)."""
+    if not isinstance(value, str):
+        return False
+    if COMMA in value or POINT in value:
+        return True
+    return (" " in value or "\u00a0" in value or "\u202f" in value) and _GROUPED.search(value) is not None
+
+
+def _comma_or_spaces(value: Any) -> bool:
+    return isinstance(value, str) and ("," in value or " " in value or "\u00a0" in value or "\u202f" in value) \
+        and _COMMA_OR_SPACES.fullmatch(value) is not None
 
 
 def _fits(value: float | None, count: bool) -> bool:
@@ -94,8 +123,7 @@ class DecimalMarks:
         both marks."""
         both: dict[str, dict[int, _Readings]] = {}  # field -> row -> its readings
         for key, vals in values.items():
-            got = {i: _readings(v, key in counts) for i, v in enumerate(vals)
-                   if isinstance(v, str) and (COMMA in v or POINT in v)}
+            got = {i: _readings(v, key in counts) for i, v in enumerate(vals) if _marked(v)}
             if got:
                 both[key] = got
         for mark in (COMMA, POINT):
@@ -144,3 +172,52 @@ class DecimalMarks:
         return [f"{self.name}:{sign.line}: {sign} read as {_number(value)}: no number in the file shows whether "
                 f"{mark!r} is its decimal mark or groups thousands (then {_number(other)})"
                 for mark, (sign, value, other) in sorted(self.guessed.items(), key=lambda kv: kv[1][0].line)]
+
+
+@dataclass
+class CommaCsvNumbers:
+    """The numbers of a file separated by commas that have a comma, or spaces grouping
+    thousands, in them: each read by itself (see the module's text), so that no chunk
+    depends on another; what needed saying, one note per file."""
+
+    name: str
+    comma: Sign | None = None  # the first number read with a decimal comma
+    grouped: tuple[Sign, float, float] | None = None  # the first one both marks read: as read, and else
+
+    def read(self, lines: np.ndarray, values: Mapping[str, Sequence[Any]],
+             counts: Collection[str]) -> dict[str, list[Any]]:
+        """As :meth:`DecimalMarks.read`, for the numbers with a comma or spaces in them (a
+        text no mark reads stays as it is); never raises."""
+        out = {}
+        for key, vals in values.items():
+            marked = [i for i, v in enumerate(vals) if _comma_or_spaces(v)]
+            if marked:
+                col = out[key] = list(vals)
+                for i in marked:
+                    col[i] = self._value(_readings(vals[i], key in counts), int(lines[i]), key)
+        return out
+
+    def _value(self, r: _Readings, line: int, key: str) -> Any:
+        if r.only == COMMA:
+            if self.comma is None or line < self.comma.line:
+                self.comma = Sign(line, key, r.text)
+            return r.comma
+        if r.only is None and r.both_fit and r.comma != r.point and COMMA in r.text:
+            assert r.comma is not None and r.point is not None
+            if self.grouped is None or line < self.grouped[0].line:
+                self.grouped = (Sign(line, key, r.text), r.point, r.comma)
+        # (where no reading fits, such as a count's 2,5: the one it has, which is then a problem)
+        got = r.point if r.only == POINT or r.both_fit else r.comma if r.comma is not None else r.point
+        return r.text if got is None else got
+
+    def notes(self) -> list[str]:
+        """Which numbers were read with a decimal comma, and the first read by the file's point."""
+        notes = []
+        if self.comma is not None:
+            notes.append(f"{self.name}: numbers with a comma and no grouping point read with a decimal comma "
+                         f"(as line {self.comma.line}'s {self.comma})")
+        if self.grouped is not None:
+            sign, value, other = self.grouped
+            notes.append(f"{self.name}:{sign.line}: {sign} read as {_number(value)}, its comma grouping thousands "
+                         f"as the file's points are decimal ones (with a decimal comma: {_number(other)})")
+        return notes

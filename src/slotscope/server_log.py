@@ -96,6 +96,12 @@ _ANSI = re.compile(rb"\x1b?\[[0-9;]*m")
 _ANSI_ANY = re.compile(rb"\[[0-9;]*m")  # same hits as _ANSI, found faster (literal first)
 _USE_SCANNER = True  # tests turn it off to compare with FAST_PATTERN alone
 TASK_ROWS = 1 << 16  # finished tasks held in memory at a time while they go to disk
+# What times a stream's lines: llama's own `M.SS.mmm.uuu` stamps, or a wrapper's wall-clock
+# stamps (journald, docker, `ts`) where llama printed none. The stream's first timed line
+# decides, once: deciding per block made the times depend on where blocks were cut, and one
+# clock per stream keeps a session's times on one scale (lines without the chosen clock stay
+# untimed).
+LLAMA_CLOCK, WALL_CLOCK = "llama", "wall"
 
 
 @dataclass
@@ -111,7 +117,8 @@ class StreamState:
     session: dict[int, int] = field(default_factory=dict)  # port -> current session number
     session_has_lines: dict[int, bool] = field(default_factory=dict)
     last_header: tuple[int, int, int, int] | None = None  # (port, slot, task, ts) of a bare print_timing header
-    wall_origin: int | None = None  # for logs with wall-clock stamps but no relative ones
+    clock: str | None = None  # LLAMA_CLOCK or WALL_CLOCK: what times the stream (None: no timed line yet)
+    wall_origin: int | None = None  # the stream's first wall-clock stamp: 0 s on a WALL_CLOCK stream
     header_wall: int = -1  # the stamp of the last header line (LM Studio), for the lines after it
 
 
@@ -436,21 +443,27 @@ def assign_sessions(ev: pd.DataFrame, state: StreamState) -> pd.DataFrame:
 
 
 def _fill_times(ev: pd.DataFrame | dict[str, np.ndarray], state: StreamState) -> None:
-    """Times that depend on earlier lines: a relative clock from wall-clock stamps (logs
-    without llama's own), and the header's slot/task/time on older multi-line timing blocks.
+    """Times that depend on earlier lines: the stream's clock (see :data:`LLAMA_CLOCK`), a
+    relative one from wall-clock stamps where that is the wrapper's, and the header's
+    slot/task/time on older multi-line timing blocks.
     ``ev``: a table or a dict of columns (changed columns are replaced, in either)."""
     ts = np.asarray(ev["ts_us"]).copy()
     wall = np.asarray(ev["wall_us"])
     if (wall == prefixes.UNKNOWN_WALL).any():  # a header stamp from an earlier block (LM Studio)
         wall = np.where(wall == prefixes.UNKNOWN_WALL, state.header_wall, wall)
         ev["wall_us"] = wall
-    if (ts < 0).all() and (wall >= 0).any():
-        if state.wall_origin is None:
-            state.wall_origin = int(wall[wall >= 0][0])
+    cont = np.asarray(ev["cont"])
+    if state.wall_origin is None and (wall >= 0).any():
+        state.wall_origin = int(wall[wall >= 0][0])
+    if state.clock is None:
+        timed = np.flatnonzero(~cont & ((ts >= 0) | (wall >= 0)))
+        if len(timed):
+            state.clock = LLAMA_CLOCK if ts[timed[0]] >= 0 else WALL_CLOCK
+    if state.clock == WALL_CLOCK:
+        assert state.wall_origin is not None  # (the deciding line had a stamp)
         ts = np.where(wall >= 0, wall - state.wall_origin, -1)
         ev["ts_us"] = ts
     # Older multi-line blocks: continuation rows take slot/task/time from their header.
-    cont = np.asarray(ev["cont"])
     hdr = np.asarray(ev["kind"]) == TIMING_HEADER
     if cont.any() or hdr.any():  # a header's lines may follow in the next block
         port, slot, task = (np.asarray(ev[c]) for c in ("port", "slot", "task"))
@@ -472,11 +485,13 @@ def _fill_times(ev: pd.DataFrame | dict[str, np.ndarray], state: StreamState) ->
 def _needs_earlier_lines(ev: pd.DataFrame | dict[str, np.ndarray], state: StreamState) -> bool:
     """Whether :func:`_fill_times` would need what earlier blocks left in ``state``."""
     ts, wall = np.asarray(ev["ts_us"]), np.asarray(ev["wall_us"])
-    if len(ts) and (ts < 0).all() and (wall >= 0).any() and state.wall_origin is None:
+    cont = np.asarray(ev["cont"])
+    if state.wall_origin is None and (wall >= 0).any():
+        return True
+    if state.clock is None and (~cont & ((ts >= 0) | (wall >= 0))).any():
         return True
     if (wall == prefixes.UNKNOWN_WALL).any():
         return True
-    cont = np.asarray(ev["cont"])
     if cont.any():
         hdr = np.flatnonzero(np.asarray(ev["kind"]) == TIMING_HEADER)
         return not len(hdr) or np.flatnonzero(cont)[0] < hdr[0]
@@ -708,7 +723,7 @@ def _given(state: StreamState) -> StreamState:
     """What a worker needs of the stream's state (small: no per-port tables), as a new object
     for each block: parsing it may change it."""
     return StreamState(source="", wrapper=state.wrapper, wrapper_known=True, year=state.year, tz=state.tz,
-                       wall_origin=state.wall_origin, header_wall=prefixes.UNKNOWN_WALL)
+                       clock=state.clock, wall_origin=state.wall_origin, header_wall=prefixes.UNKNOWN_WALL)
 
 
 def _add(asm: TaskAssembler, state: StreamState, account: FileAccount, ev: pd.DataFrame) -> None:

@@ -7,6 +7,7 @@ A path may be a file, a directory (every file in it; rotated ``x.log.2.gz``, ``x
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import glob
 import io
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator, Literal, Mapping, Sequence, cast
 
 from .app_fields import looks_like_app_log
+from .json_documents import first_records, is_document
 from .ollama_hints import looks_like_ollama
 from . import store
 from .errors import InputError
@@ -129,6 +131,8 @@ def open_binary(path: str) -> BinaryIO:
                 "pip install 'slotscope[zstd]'"
             ) from None
         return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)  # type: ignore[return-value]
+    if head[:2] in UTF16_BOMS:
+        return cast(BinaryIO, _Utf16Stream(raw))
     return raw
 
 
@@ -177,6 +181,9 @@ def sniff(head: bytes, app_columns: Mapping[str, str] | None = None) -> Kind | s
         return "binary data, not a text log"
     if looks_like_app_log(sample, app_columns):
         return "app"
+    seen = _document_seen(sample)
+    if seen:
+        return seen
     if looks_like_ollama(sample):
         return "ollama"
     if _SERVER_HINTS.search(sample):
@@ -186,22 +193,35 @@ def sniff(head: bytes, app_columns: Mapping[str, str] | None = None) -> Kind | s
 
 def _other_encoding_or_shape(sample: bytes) -> str | None:
     """What a file is when it holds the logs in a form slotscope does not read, with how to
-    convert it: UTF-16 text, or JSON records as one array or pretty-printed (app logs are read
-    as one JSON object per line); None otherwise."""
-    utf16 = sample[:2] in (b"\xff\xfe", b"\xfe\xff") or (
-        len(sample) >= 64 and (sample[1:64:2].count(0) > 28 or sample[0:64:2].count(0) > 28))
-    if utf16:
-        return ("UTF-16 text; slotscope reads UTF-8: convert it first, e.g. "
-                "iconv -f UTF-16 -t UTF-8 FILE > FILE.utf8")
-    lines = sample.lstrip(b"\xef\xbb\xbf \t\r\n").split(b"\n", 2)
-    first = lines[0].strip()
-    if first.startswith(b"[") and (first == b"[" or first.startswith(b"[{") or first.startswith(b"[ {")):
-        return ("a JSON array; app call logs are read as one JSON object per line (JSONL): convert it first, "
-                "e.g. jq -c '.[]' FILE > calls.jsonl")
-    if first == b"{" and len(lines) > 1 and lines[1].lstrip().startswith(b'"'):
-        return ("pretty-printed JSON; app call logs are read as one JSON object per line (JSONL): convert it "
-                "first, e.g. jq -c . FILE > calls.jsonl")
+    convert it: UTF-16 text it cannot decode; None otherwise."""
+    # (UTF-16 with a byte-order mark is read as UTF-8 by open_binary; this is what is left: a
+    # compressed copy, or no mark, where the byte order would be a guess)
+    marked = sample[:2] in UTF16_BOMS
+    little = sample[:2] == b"\xff\xfe" or (len(sample) >= 64 and sample[1:64:2].count(0) > 28)
+    if marked or little or (len(sample) >= 64 and sample[0:64:2].count(0) > 28):
+        what = "compressed UTF-16 text" if marked else "UTF-16 text without a byte-order mark"
+        return (f"{what}; slotscope reads UTF-8, and UTF-16 files that start with a byte-order mark: convert it "
+                f"first, e.g. iconv -f UTF-16{'LE' if little else 'BE'} -t UTF-8 FILE > FILE.utf8")
     return None
+
+
+def _document_seen(sample: bytes) -> str | None:
+    """What a JSON document (an array, pretty-printed records) that is no app log holds, with
+    what an app log's records need; None for anything else."""
+    if not is_document(sample[:SNIFF_BYTES].decode("utf-8", "replace")):
+        return None
+    records = first_records(sample)
+    # journald, docker json-file, llama-server's 2024 JSON: log lines, read one object per line
+    if any(k in r for r in records for k in ("MESSAGE", "__CURSOR", "msg", "message")) or \
+            any("log" in r and "stream" in r for r in records):
+        return ("log lines as one JSON document (an array, or pretty-printed); JSON log lines are read as one "
+                "object per line: convert it first, e.g. jq -c '.[]' FILE (an array) or jq -c . FILE "
+                "(pretty-printed) > FILE.jsonl (journalctl: -o json, not json-pretty)")
+    keys = dict.fromkeys(k for rec in records for k in rec)
+    shown = ", ".join(list(keys)[:8]) + (", ..." if len(keys) > 8 else "")
+    return (f"a JSON document whose first records {f'have the keys {shown}' if keys else 'are no JSON objects'}; "
+            "an app call log's records need a start time and one of end, duration_ms, prompt_tokens, "
+            "completion_tokens, purpose, lora (--app-columns maps other names)")
 
 
 def collect(paths: Sequence[str | os.PathLike[str]], app_columns: Mapping[str, str] | None = None) -> Inputs:
@@ -341,6 +361,36 @@ class _GzipStream(io.RawIOBase):
     def close(self) -> None:
         if self._raw is not sys.stdin.buffer:
             self._raw.close()
+        super().close()
+
+
+UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")  # little- and big-endian byte-order marks
+
+
+class _Utf16Stream(io.RawIOBase):
+    """UTF-16 text that starts with a byte-order mark (PowerShell's ``>`` writes it), handed
+    out as UTF-8 as it is read: the readers see the lines they read in UTF-8 files, one block
+    at a time. Bytes that are not UTF-16 become U+FFFD, as invalid UTF-8 does elsewhere."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self._raw = raw
+        self._decoder = codecs.getincrementaldecoder("utf-16")(errors="replace")  # (reads the mark, drops it)
+        self._done = False
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:  # type: ignore[override]
+        while not self._done:  # (b"" only at the end: a read of one odd byte decodes to nothing)
+            data = self._raw.read(-1 if n < 0 else max(2 * n, 2))
+            self._done = not data
+            text = self._decoder.decode(data, final=self._done)
+            if text:
+                return text.encode("utf-8")
+        return b""
+
+    def close(self) -> None:
+        self._raw.close()
         super().close()
 
 
