@@ -206,14 +206,13 @@ class Workload:
     tv: TaskRows  # the logged tasks replayed (task view rows, one per task)
     group: np.ndarray  # session code (tasks of different server sessions never meet)
     send_s: np.ndarray  # logged send time on the server clock (launch - queue)
-    prev: np.ndarray  # closed loop: the row of the same user's previous call, -1: none
+    next_call: np.ndarray  # closed loop: the row of the same user's next call (sent once this one ends), -1: none
     think_s: np.ndarray  # closed loop: logged time from the previous call's end to this send
     end_lag_s: np.ndarray  # logged time from release to the call's end (the client's end)
     new: np.ndarray  # prompt tokens processed, as logged
     cached: np.ndarray  # prompt tokens reused, as logged
     n_gen: np.ndarray  # tokens to generate
     lora: list[str]  # the LoRA setting, as a label
-    conv: np.ndarray  # conversation code (app session), -1: none
     user: np.ndarray  # user code, -1: none
     cluster: np.ndarray  # resampling unit: the app session, else the task itself
     closed: bool
@@ -308,8 +307,10 @@ def workload(wt: WorkloadTasks, open_loop: bool = False) -> Workload:
         # A call sent before the previous one ended (the app ran two at once) is not waiting
         # for it: it keeps its logged offset from the previous send instead (think < 0 marks it).
         think[has] = np.where(gap >= 0, gap, -(send[has] - send[prev[has]]) - 1e-9)
-    return Workload(tv=wt.tv, group=group, send_s=send, prev=prev, think_s=think, end_lag_s=end_lag, new=new,
-                    cached=cached, n_gen=n_gen, lora=wt.lora, conv=conv, user=user, cluster=wt.cluster, closed=closed,
+    next_call = np.full(n, -1, dtype=np.int64)
+    next_call[prev[prev >= 0]] = np.flatnonzero(prev >= 0)
+    return Workload(tv=wt.tv, group=group, send_s=send, next_call=next_call, think_s=think, end_lag_s=end_lag, new=new,
+                    cached=cached, n_gen=n_gen, lora=wt.lora, user=user, cluster=wt.cluster, closed=closed,
                     tokens=tokens)
 
 
@@ -771,14 +772,13 @@ class _Session:
         self.n_ctx_slot = r.ctx // r.slots
         self.adapter_on = {x: x != NO_ADAPTER for x in set(res.lora[i] for i in rows)}
         self.prompt = w.tokens.prompt  # (new + cached)
-        self.nxt = np.full(len(w.prev), -1, dtype=np.int64)  # a call's user's next call (closed loop: sent once this one ends)
+        # Closed loop, a call is sent once its user's previous one ends (its next call, then).
+        self.nxt = w.next_call if not open_loop else np.full(len(w.next_call), -1, dtype=np.int64)
+        waits = np.zeros(len(w.next_call), dtype=bool)
+        waits[self.nxt[rows][self.nxt[rows] >= 0]] = True
         self.heap: list[tuple[float, int]] = []  # (send time, row) of the calls to be sent
-        for i in rows.tolist():
-            p = int(w.prev[i])
-            if open_loop or p < 0:
-                heapq.heappush(self.heap, (float(w.send_s[i]), i))
-            else:
-                self.nxt[p] = i
+        for i in rows[~waits[rows]].tolist():
+            heapq.heappush(self.heap, (float(w.send_s[i]), i))
         self.queue: deque[int] = deque()
         n = r.slots
         self.task = [-1] * n
