@@ -119,7 +119,8 @@ class HostCache:
         self.step = _ints(tk.step)
         self.user = _ints(tk.user)
         self.persona = _ints(tk.persona)
-        self.head = _ints(tk.header[tk.kind])  # per row: its header class's tokens
+        self.kind = _ints(tk.kind)  # per row: its header class
+        self.header: list[int] = tk.header.tolist()  # per class: its header's tokens
         self.held = [-1] * n_slots
         self.entries: dict[int, int] = {}  # row -> its state's tokens (its call is done: they stay), oldest first
         self.limit_tokens, self.tokens = limit_tokens, 0
@@ -129,7 +130,7 @@ class HostCache:
         run_a = self.run[a]
         if run_a >= 0 and run_a == self.run[b] and self.step[a] < self.step[b]:
             return self.prompt[a]
-        head = min(self.head[a], self.head[b])
+        head = min(self.header[self.kind[a]], self.header[self.kind[b]])
         if run_a >= 0 and self.run[b] >= 0 and self.user[a] >= 0 and self.user[a] == self.user[b]:
             return max(self.persona[b], head)
         return head

@@ -690,11 +690,12 @@ def lora_labels(w: Workload, r: Resolved) -> list[str]:
     calls ``assign``'s condition picks, which get its label."""
     if r.unify is not None:
         return [r.unify] * len(w.lora)
+    if r.assign is None:
+        return w.lora  # (read only: as logged)
     labels = list(w.lora)
-    if r.assign is not None:
-        label, condition = r.assign
-        for i in np.flatnonzero(matching(w.tv.read(), condition, "--set lora=LABEL where").to_numpy()):
-            labels[i] = label
+    label, condition = r.assign
+    for i in np.flatnonzero(matching(w.tv.read(), condition, "--set lora=LABEL where").to_numpy()):
+        labels[i] = label
     return labels
 
 
@@ -718,7 +719,7 @@ class Replay:
     heartbeats: array.array[float]
     progress: array.array[float]
     passes: int
-    model_cached: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # the cache model's reuse
+    model_cached: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # the cache model's reuse (of the replay with the logged settings only)
     finished: list[int] = dataclasses.field(default_factory=list)  # rows released since the last flush
 
 
@@ -734,7 +735,7 @@ def replay(w: Workload, r: Resolved, costs: PassCosts, open_loop: bool = False,
                  prefill_start=np.full(n, np.nan), first_token=np.full(n, np.nan), release=np.full(n, np.nan),
                  n_gen=np.zeros(n, dtype=np.int64), new=w.new.copy(), cached=w.cached.copy(), refused=np.zeros(n, dtype=bool),
                  lora=lora_labels(w, r), heartbeats=array.array("d"), progress=array.array("d"), passes=0,
-                 model_cached=np.zeros(n, dtype=np.int64))
+                 model_cached=np.zeros(n if w.model_logged is None else 0, dtype=np.int64))
     for g in np.unique(w.group):
         _Session(w, r, costs, res, np.flatnonzero(w.group == g), open_loop or not w.closed).run(on_idle)
     if on_idle is not None:
@@ -848,10 +849,13 @@ class _Session:
             s = self.cache.pick(i, idle, self.used)
             keep = self.slot_lora[s] is None or self.slot_lora[s] == res.lora[i]
             model = self.cache.reused(s, i) if keep else 0
-            agree = w.model_logged is None or model == w.model_logged[i]
-            cached = int(w.cached[i]) if agree else model
+            if w.model_logged is None:  # (the replay with the logged settings: its model is what later ones are held to)
+                res.model_cached[i] = model
+                cached = int(w.cached[i])
+            else:
+                cached = int(w.cached[i]) if model == w.model_logged[i] else model
             new = int(self.prompt[i]) - cached
-            res.model_cached[i], res.cached[i], res.new[i] = model, cached, new
+            res.cached[i], res.new[i] = cached, new
             self.cache.launched(s, i, idle)
             self.task[s], self.state[s], self.slot_lora[s] = i, PROMPT, res.lora[i]
             self.listed = False
