@@ -61,7 +61,9 @@ def token_model(prompt: np.ndarray, cached: np.ndarray, n_gen: np.ndarray, send:
     step[turns] = np.arange(len(turns)) - first
     persona = _personas(turns[starts], cached, group, user, n)
     kind, header = _headers(cached, chat, purpose, group, user, send, turns[starts])
-    return Tokens(prompt=prompt.astype(np.int64), run=run, step=step, user=user, persona=persona, kind=kind, header=header)
+    # (run, step and kind are codes: int32, as the workload's)
+    return Tokens(prompt=prompt.astype(np.int64), run=run.astype(np.int32), step=step.astype(np.int32), user=user,
+                  persona=persona, kind=kind.astype(np.int32), header=header)
 
 
 def _personas(starts: np.ndarray, cached: np.ndarray, group: np.ndarray, user: np.ndarray, n: int) -> np.ndarray:
@@ -101,7 +103,7 @@ def _headers(cached: np.ndarray, chat: np.ndarray, purpose: np.ndarray, group: n
 
 
 def _ints(a: np.ndarray) -> memoryview:
-    return np.ascontiguousarray(a, dtype=np.int64).data
+    return np.ascontiguousarray(a).data
 
 
 class HostCache:

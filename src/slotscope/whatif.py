@@ -263,15 +263,16 @@ def workload_tasks(ds: Dataset) -> WorkloadTasks:
     ok = np.asarray((head["status"] == "complete").fillna(False), dtype=bool) & np.isfinite(tl.floats(head["first_token_s"]))
     ok[ok] = ~head.loc[ok, keys].duplicated().to_numpy()
     n = int(ok.sum())
-    group = tl.key_codes([head[ok]], tl.GROUP)[0] if n else np.zeros(0, dtype=np.int64)
+    # Codes and row numbers (below the number of tasks) are held as int32: half the room a task.
+    group = tl.key_codes([head[ok]], tl.GROUP)[0].astype(np.int32) if n else np.zeros(0, dtype=np.int32)
     del head
     wt = WorkloadTasks(tv=TaskRows(ds, np.flatnonzero(ok).astype(np.int64)), replayed=ok, group=group, lora=[],
-                       conv=np.zeros(0, dtype=np.int64), cluster=np.zeros(0, dtype=np.int64))
+                       conv=np.zeros(0, dtype=np.int32), cluster=np.zeros(0, dtype=np.int32))
     lora = wt.column("lora")
     wt.lora = list(_fill_lora(_labels(lora) if lora is not None else np.full(n, None, dtype=object), group))
     call_id = wt.column("call_id")
-    wt.conv = _app_sessions(ds, call_id) if call_id is not None else np.full(n, -1, dtype=np.int64)
-    wt.cluster = np.where(wt.conv >= 0, wt.conv, wt.conv.max(initial=-1) + 1 + np.arange(n))
+    wt.conv = (_app_sessions(ds, call_id) if call_id is not None else np.full(n, -1)).astype(np.int32)
+    wt.cluster = np.where(wt.conv >= 0, wt.conv, wt.conv.max(initial=-1) + 1 + np.arange(n)).astype(np.int32)
     return wt
 
 
@@ -286,7 +287,7 @@ def workload(wt: WorkloadTasks, open_loop: bool = False) -> Workload:
     new = np.nan_to_num(wt.floats("prompt_tokens_new")).astype(np.int64)
     cached = np.nan_to_num(wt.floats("prompt_tokens_cached")).astype(np.int64)
     n_gen = np.maximum(np.nan_to_num(wt.floats("n_gen")).astype(np.int64), 1)
-    user = wt.codes("user")
+    user = wt.codes("user").astype(np.int32)
     purpose_col = wt.column("purpose")
     chat = is_chat_turn(purpose_col).to_numpy() if purpose_col is not None else np.zeros(n, dtype=bool)
     purpose = _codes(purpose_col) if purpose_col is not None else np.full(n, -1, dtype=np.int64)
@@ -307,7 +308,7 @@ def workload(wt: WorkloadTasks, open_loop: bool = False) -> Workload:
         # A call sent before the previous one ended (the app ran two at once) is not waiting
         # for it: it keeps its logged offset from the previous send instead (think < 0 marks it).
         think[has] = np.where(gap >= 0, gap, -(send[has] - send[prev[has]]) - 1e-9)
-    next_call = np.full(n, -1, dtype=np.int64)
+    next_call = np.full(n, -1, dtype=np.int32)
     next_call[prev[prev >= 0]] = np.flatnonzero(prev >= 0)
     return Workload(tv=wt.tv, group=group, send_s=send, next_call=next_call, think_s=think, end_lag_s=end_lag, new=new,
                     cached=cached, n_gen=n_gen, lora=wt.lora, user=user, cluster=wt.cluster, closed=closed,
@@ -774,7 +775,7 @@ class _Session:
         self.adapter_on = {x: x != NO_ADAPTER for x in set(res.lora[i] for i in rows)}
         self.prompt = w.tokens.prompt  # (new + cached)
         # Closed loop, a call is sent once its user's previous one ends (its next call, then).
-        self.nxt = w.next_call if not open_loop else np.full(len(w.next_call), -1, dtype=np.int64)
+        self.nxt = w.next_call if not open_loop else np.full(len(w.next_call), -1, dtype=np.int32)
         waits = np.zeros(len(w.next_call), dtype=bool)
         waits[self.nxt[rows][self.nxt[rows] >= 0]] = True
         self.heap: list[tuple[float, int]] = []  # (send time, row) of the calls to be sent
@@ -1150,14 +1151,14 @@ class Gather:
         """One stretch's ``values`` (and their ``clusters``) of the ``metrics`` (name, statistic)
         that are statistics of them: the values are kept once for all of them."""
         key, kind = metrics[0]
-        values, clusters = np.asarray(values, dtype=float), np.asarray(clusters, dtype=np.int64)
+        values, clusters = np.asarray(values, dtype=float), np.asarray(clusters, dtype=np.int32)
         if kind == "sum":  # (a resample of clusters sums their sums: one value per cluster is enough)
             ok = np.isfinite(values)
             self.units[key] = self.units.get(key, 0) + int(ok.sum())
             codes, clusters = pd.factorize(clusters[ok])
             values = np.bincount(codes, weights=values[ok], minlength=len(clusters))
         self.values.setdefault(key, []).append(values)
-        self.clusters.setdefault(key, []).append(np.asarray(clusters, dtype=np.int64))
+        self.clusters.setdefault(key, []).append(np.asarray(clusters, dtype=np.int32))
         self.metrics.update((name, (key, kind)) for name, kind in metrics)
 
     def add(self, ds: Dataset, tv: pd.DataFrame, cluster: np.ndarray, opts: Options,
