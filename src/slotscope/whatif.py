@@ -266,7 +266,7 @@ def workload_tasks(ds: Dataset) -> WorkloadTasks:
     # Codes and row numbers (below the number of tasks) are held as int32: half the room a task.
     group = tl.key_codes([head[ok]], tl.GROUP)[0].astype(np.int32) if n else np.zeros(0, dtype=np.int32)
     del head
-    wt = WorkloadTasks(tv=TaskRows(ds, np.flatnonzero(ok).astype(np.int64)), replayed=ok, group=group, lora=[],
+    wt = WorkloadTasks(tv=TaskRows(ds, np.flatnonzero(ok).astype(np.int32)), replayed=ok, group=group, lora=[],
                        conv=np.zeros(0, dtype=np.int32), cluster=np.zeros(0, dtype=np.int32))
     lora = wt.column("lora")
     wt.lora = list(_fill_lora(_labels(lora) if lora is not None else np.full(n, None, dtype=object), group))
@@ -732,7 +732,7 @@ def replay(w: Workload, r: Resolved, costs: PassCosts, open_loop: bool = False,
     ``finished`` is done, with its heartbeats and progress lines; the callee may take them
     (and empty the three lists) to measure the replay a stretch at a time."""
     n = len(w.tv)
-    res = Replay(slot=np.full(n, -1), send=np.full(n, np.nan), launch=np.full(n, np.nan),
+    res = Replay(slot=np.full(n, -1, dtype=np.int32), send=np.full(n, np.nan), launch=np.full(n, np.nan),
                  prefill_start=np.full(n, np.nan), first_token=np.full(n, np.nan), release=np.full(n, np.nan),
                  n_gen=np.zeros(n, dtype=np.int64), new=w.new.copy(), cached=w.cached.copy(), refused=np.zeros(n, dtype=bool),
                  lora=lora_labels(w, r), heartbeats=array.array("d"), progress=array.array("d"), passes=0,
