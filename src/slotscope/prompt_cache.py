@@ -112,7 +112,7 @@ class HostCache:
     ``n_gen`` is each row's tokens generated (read when a state is measured)."""
 
     def __init__(self, tk: Tokens, n_gen: np.ndarray, n_slots: int, limit_tokens: int) -> None:
-        self.tk, self.n_gen = tk, n_gen
+        self.n_gen = n_gen
         # The replay asks of one row at a time, where a numpy element costs more than the
         # arithmetic done with it: the token model's arrays seen as memoryviews, whose items
         # are Python ints (a list would hold an object per row).

@@ -225,8 +225,9 @@ def _labels(s: pd.Series) -> np.ndarray:
 
 
 def _codes(s: pd.Series) -> np.ndarray:
-    """Codes of a column's values in order of appearance, -1: NA (no Python object per row)."""
-    return pd.factorize(s, use_na_sentinel=True)[0].astype(np.int64)
+    """Codes of a column's values in order of appearance, -1: NA (no Python object per row);
+    int32, as the workload holds its codes."""
+    return pd.factorize(s, use_na_sentinel=True)[0].astype(np.int32)
 
 
 @dataclass
@@ -253,7 +254,7 @@ class WorkloadTasks:
 
     def codes(self, name: str) -> np.ndarray:
         c = self.column(name)
-        return np.full(len(self.tv), -1, dtype=np.int64) if c is None else _codes(c)
+        return np.full(len(self.tv), -1, dtype=np.int32) if c is None else _codes(c)
 
 
 def workload_tasks(ds: Dataset) -> WorkloadTasks:
@@ -271,7 +272,7 @@ def workload_tasks(ds: Dataset) -> WorkloadTasks:
     lora = wt.column("lora")
     wt.lora = list(_fill_lora(_labels(lora) if lora is not None else np.full(n, None, dtype=object), group))
     call_id = wt.column("call_id")
-    wt.conv = (_app_sessions(ds, call_id) if call_id is not None else np.full(n, -1)).astype(np.int32)
+    wt.conv = _app_sessions(ds, call_id) if call_id is not None else np.full(n, -1, dtype=np.int32)
     wt.cluster = np.where(wt.conv >= 0, wt.conv, wt.conv.max(initial=-1) + 1 + np.arange(n)).astype(np.int32)
     return wt
 
@@ -287,10 +288,10 @@ def workload(wt: WorkloadTasks, open_loop: bool = False) -> Workload:
     new = np.nan_to_num(wt.floats("prompt_tokens_new")).astype(np.int64)
     cached = np.nan_to_num(wt.floats("prompt_tokens_cached")).astype(np.int64)
     n_gen = np.maximum(np.nan_to_num(wt.floats("n_gen")).astype(np.int64), 1)
-    user = wt.codes("user").astype(np.int32)
+    user = wt.codes("user")
     purpose_col = wt.column("purpose")
     chat = is_chat_turn(purpose_col).to_numpy() if purpose_col is not None else np.zeros(n, dtype=bool)
-    purpose = _codes(purpose_col) if purpose_col is not None else np.full(n, -1, dtype=np.int64)
+    purpose = _codes(purpose_col) if purpose_col is not None else np.full(n, -1, dtype=np.int32)
     del purpose_col
     tokens = token_model(new + cached, cached, n_gen, send, group, conv, user, chat, purpose)
     prev = np.full(n, -1, dtype=np.int64)
@@ -331,18 +332,17 @@ def _app_sessions(ds: Dataset, call_id: pd.Series) -> np.ndarray:
     """Each task's app session (conversation) code where its call (``call_id``) names one, else -1."""
     n = len(call_id)
     if ds.matches is None:
-        return np.full(n, -1, dtype=np.int64)
+        return np.full(n, -1, dtype=np.int32)
     calls = calls_of(ds, ["call_id", "app_session"])
     if "app_session" not in calls.columns:
-        return np.full(n, -1, dtype=np.int64)
-    # A call id's first call names the session; ids coded over both tables at once.
+        return np.full(n, -1, dtype=np.int32)
+    # A call id's first call names the session; ids coded over both tables at once (-1: NA).
     ids = _codes(pd.concat([calls["call_id"].astype(call_id.dtype), call_id], ignore_index=True))
     call_ids, task_ids = ids[:len(calls)], ids[len(calls):]
-    first = np.full(int(ids.max(initial=-1)) + 2, -1, dtype=np.int64)
-    rows = np.arange(len(calls))[::-1]
-    first[call_ids[::-1]] = rows  # (the first row of each id is written last)
-    first[-1] = -1  # (an NA id names none)
-    conv = np.r_[_codes(calls["app_session"]), -1]
+    first = np.full(int(ids.max(initial=-1)) + 2, -1, dtype=np.int64)  # (the last place: NA's, naming none)
+    known, at = np.unique(call_ids, return_index=True)
+    first[known[known >= 0]] = at[known >= 0]
+    conv = np.r_[_codes(calls["app_session"]), -1].astype(np.int32)
     return conv[first[task_ids]]
 
 
@@ -776,8 +776,9 @@ class _Session:
         self.prompt = w.tokens.prompt  # (new + cached)
         # Closed loop, a call is sent once its user's previous one ends (its next call, then).
         self.nxt = w.next_call if not open_loop else np.full(len(w.next_call), -1, dtype=np.int32)
+        nxt = self.nxt[rows]
         waits = np.zeros(len(w.next_call), dtype=bool)
-        waits[self.nxt[rows][self.nxt[rows] >= 0]] = True
+        waits[nxt[nxt >= 0]] = True
         self.heap: list[tuple[float, int]] = []  # (send time, row) of the calls to be sent
         for i in rows[~waits[rows]].tolist():
             heapq.heappush(self.heap, (float(w.send_s[i]), i))
@@ -1155,10 +1156,10 @@ class Gather:
         if kind == "sum":  # (a resample of clusters sums their sums: one value per cluster is enough)
             ok = np.isfinite(values)
             self.units[key] = self.units.get(key, 0) + int(ok.sum())
-            codes, clusters = pd.factorize(clusters[ok])
-            values = np.bincount(codes, weights=values[ok], minlength=len(clusters))
+            codes, uniques = pd.factorize(clusters[ok])
+            values, clusters = np.bincount(codes, weights=values[ok], minlength=len(uniques)), uniques.astype(np.int32)
         self.values.setdefault(key, []).append(values)
-        self.clusters.setdefault(key, []).append(np.asarray(clusters, dtype=np.int32))
+        self.clusters.setdefault(key, []).append(clusters)
         self.metrics.update((name, (key, kind)) for name, kind in metrics)
 
     def add(self, ds: Dataset, tv: pd.DataFrame, cluster: np.ndarray, opts: Options,
