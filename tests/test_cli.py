@@ -29,6 +29,13 @@ def run(*args: str):
     return runner.invoke(app, list(args))
 
 
+def refused(*args: str) -> str:
+    """The stderr of a command that must refuse its input: exit 1, no traceback."""
+    res = run(*args)
+    assert res.exit_code == 1 and "Traceback" not in res.stderr, res.stderr
+    return res.stderr.strip()
+
+
 @pytest.mark.parametrize("cmd", ["tasks", "samples", "calls", "match", "analyze", "demo", "explain", "compare", "timeline", "whatif"])
 def test_every_command_has_help(cmd: str) -> None:
     res = run(cmd, "--help")
@@ -303,9 +310,8 @@ def test_a_log_that_only_starts_like_gzip_is_one_clear_error(tmp_path: Path) -> 
     class (isal's, not zlib's) ended in a traceback. One line names the file instead."""
     log = tmp_path / "llama-server.log"
     log.write_bytes(b"\x1f\x8b" + (REAL / "before" / "logs" / "llama-server.log").read_bytes()[:4000])
-    res = run("analyze", str(log))
-    assert res.exit_code == 1 and "Traceback" not in res.stderr
-    assert res.stderr.strip().splitlines()[-1].startswith(f"error: {log}: cannot read: ")
+    err = refused("analyze", str(log))
+    assert err.splitlines()[-1].startswith(f"error: {log}: cannot read: ")
 
 
 def test_a_server_log_without_tasks_is_an_empty_report_that_says_why(tmp_path: Path) -> None:
@@ -401,9 +407,8 @@ def test_an_app_log_in_another_shape_says_what_it_is_and_how_to_convert(tmp_path
         f.write_bytes(gzip.compress(text.encode("utf-16")))
     else:
         f.write_bytes(text.encode(shape))
-    res = run("calls", str(f))
-    assert res.exit_code == 1 and "Traceback" not in res.stderr
-    assert res.stderr.strip().startswith(f"error: {f}: {said}")
+    err = refused("calls", str(f))
+    assert err.startswith(f"error: {f}: {said}")
 
 
 @pytest.mark.parametrize("shape", ["array", "array-one-line", "pretty"])
@@ -446,11 +451,10 @@ def test_a_bad_record_in_a_json_array_is_one_error_naming_its_line(tmp_path: Pat
     lines[bad] = lines[bad].rstrip(",")  # (a comma lost)
     f = tmp_path / "calls.json"
     f.write_text("\n".join(lines) + "\n")
-    res = run("calls", str(f))
-    assert res.exit_code == 1 and "Traceback" not in res.stderr
-    assert res.stderr.strip() == (f"error: {f}:{bad + 2}: invalid JSON: Expecting ',' delimiter; a JSON document "
-                                  "cannot be read on past a bad record: mend it, or write one record per line "
-                                  "(JSONL), where a bad line is dropped")
+    err = refused("calls", str(f))
+    assert err == (f"error: {f}:{bad + 2}: invalid JSON: Expecting ',' delimiter; a JSON document "
+                   "cannot be read on past a bad record: mend it, or write one record per line "
+                   "(JSONL), where a bad line is dropped")
 
 
 def test_a_json_array_of_no_calls_says_what_its_records_hold(tmp_path: Path) -> None:
@@ -463,11 +467,10 @@ def test_a_json_array_of_no_calls_says_what_its_records_hold(tmp_path: Path) -> 
     variants = json.loads((FORMATS / "manifest.json").read_text())["variants"]
     f = tmp_path / "variants.json"
     f.write_text(json.dumps([{"variant": k, "lines": v["physical_lines"]} for k, v in variants.items()], indent=2))
-    res = run("calls", str(f))
-    assert res.exit_code == 1 and "Traceback" not in res.stderr
-    assert res.stderr.strip() == (f"error: {f}: a JSON document whose first records have the keys variant, lines; an app "
-                                  "call log's records need a start time and one of end, duration_ms, prompt_tokens, "
-                                  "completion_tokens, purpose, lora (--app-columns maps other names)")
+    err = refused("calls", str(f))
+    assert err == (f"error: {f}: a JSON document whose first records have the keys variant, lines; an app "
+                   "call log's records need a start time and one of end, duration_ms, prompt_tokens, "
+                   "completion_tokens, purpose, lora (--app-columns maps other names)")
 
 
 def test_how_an_app_log_was_read_is_said_on_stderr(tmp_path: Path) -> None:
@@ -496,9 +499,8 @@ def test_log_lines_as_one_json_document_say_how_to_convert_them(tmp_path: Path, 
     f = tmp_path / "journal.json"
     f.write_text(json.dumps(records, indent=1) if shape == "array" else "".join(json.dumps(r, indent=8) + "\n"
                                                                                 for r in records))
-    res = run("tasks", str(f))
-    assert res.exit_code == 1 and "Traceback" not in res.stderr
-    assert res.stderr.strip() == (f"error: {f}: log lines as one JSON document (an array, or pretty-printed); JSON "
-                                  "log lines are read as one object per line: convert it first, e.g. jq -c '.[]' "
-                                  "FILE (an array) or jq -c . FILE (pretty-printed) > FILE.jsonl (journalctl: "
-                                  "-o json, not json-pretty)")
+    err = refused("tasks", str(f))
+    assert err == (f"error: {f}: log lines as one JSON document (an array, or pretty-printed); JSON "
+                   "log lines are read as one object per line: convert it first, e.g. jq -c '.[]' "
+                   "FILE (an array) or jq -c . FILE (pretty-printed) > FILE.jsonl (journalctl: "
+                   "-o json, not json-pretty)")
