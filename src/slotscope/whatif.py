@@ -586,10 +586,16 @@ def _pass_ubatches(masks: np.ndarray, slot: np.ndarray, chunk: np.ndarray, n_uba
     out = np.ones(len(masks))
     if not len(masks):
         return out
-    # (hashed, not sorted: np.unique over rows sorts them all)
-    inv, combos = pd.MultiIndex.from_arrays([masks, slot, np.asarray(chunk, dtype=np.int64)]).factorize()
-    counts = np.empty(len(combos))
-    for k, (mask, sl, c) in enumerate(combos.tolist()):
+    # The distinct passes, hashed (np.unique over rows sorts them all; a MultiIndex's factorize
+    # builds a tuple per row): each column coded, the codes joined into one key column by column.
+    inv = np.zeros(len(masks), dtype=np.int64)
+    for col in (masks, slot, np.asarray(chunk, dtype=np.int64)):
+        codes, uniques = pd.factorize(col)
+        inv, _ = pd.factorize(inv * len(uniques) + codes)
+    first = np.unique(inv, return_index=True)[1]
+    combos = zip(masks[first].tolist(), slot[first].tolist(), np.asarray(chunk, dtype=np.int64)[first].tolist())
+    counts = np.empty(len(first))
+    for k, (mask, sl, c) in enumerate(combos):
         width = max(int(mask).bit_length(), sl + 1, 1)
         tokens = _mask_tokens(int(mask), width)
         if sl >= 0:
