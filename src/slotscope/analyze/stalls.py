@@ -127,13 +127,13 @@ def generation_segments(ds: Dataset, tv: pd.DataFrame | None = None) -> pd.DataF
 
 
 def _measure(tasks: pd.DataFrame, prefill: pd.DataFrame | None, seg: pd.DataFrame, opts: Options,
-             typical: pd.DataFrame | None, window: tuple[float, float]) -> pd.DataFrame:
+             typical: pd.DataFrame | None, window: tuple[float, float], causes: bool = True) -> pd.DataFrame:
     """What the other slots did during each segment's share of ``window`` (the part's stretch):
     seconds under long prefills (``cov_long``) and under any (``cov_any``), server passes
     ending in it (``p_all``, ``p_long``: of a long prefill; a pass ending within SAME_PASS_S of
     the segment's start made its first token, one at its end its last), another slot
     generating (``others_gen``), and the largest long and short prefill (``*_new``, the task's
-    row ``*_cause``, -1: none)."""
+    row ``*_cause``, -1: none; all -1 unless ``causes``)."""
     t0, t1 = window
     active, steps, info = tl.prefill_steps(tasks, prefill, typical)
     acode, tcode, icode = tl.key_codes([active, tasks, info], tl.GROUP)
@@ -149,6 +149,11 @@ def _measure(tasks: pd.DataFrame, prefill: pd.DataFrame | None, seg: pd.DataFram
     out = pd.DataFrame(index=seg.index)
     is_long = new >= opts.long_prefill_tokens
     for name, sel, need in (("long", is_long, ("covered",)), ("short", ~is_long, ())):
+        if not causes:  # (the largest prefill is the costly query: skipped where no cause is shown)
+            if name == "long":
+                out["cov_long"] = tl.overlap_arrays(scode, qs, qe, acode[sel], a_start[sel], a_end[sel], need=need)[0]
+            out[f"{name}_new"], out[f"{name}_cause"] = np.nan, -1
+            continue
         cov, _, _, pos = tl.overlap_arrays(scode, qs, qe, acode[sel], a_start[sel], a_end[sel], vals=new[sel], need=need)
         if name == "long":
             out["cov_long"] = cov
@@ -222,11 +227,11 @@ def _shown(tasks: pd.DataFrame, gen: pd.DataFrame | None, seg: pd.DataFrame, row
 
 
 def _measured(tasks: pd.DataFrame, gen: pd.DataFrame | None, prefill: pd.DataFrame | None, rows: np.ndarray,
-              opts: Options, typical: pd.DataFrame | None, window: tuple[float, float]) -> pd.DataFrame:
+              opts: Options, typical: pd.DataFrame | None, window: tuple[float, float], causes: bool = True) -> pd.DataFrame:
     """Every segment of ``tasks`` with its :func:`_measure` over ``window``; causes as rows of
     the view (``rows``: each task's)."""
     seg = _segments(tasks, gen)
-    m = _measure(tasks, prefill, seg, opts, typical, window)
+    m = _measure(tasks, prefill, seg, opts, typical, window, causes)
     for c in ("long_cause", "short_cause"):
         r = m[c].to_numpy()
         m[c] = np.where(r >= 0, rows[np.maximum(r, 0)] if len(rows) else -1, -1)
@@ -246,7 +251,8 @@ def task_pieces(ds: Dataset, opts: Options, tv: pd.DataFrame) -> pd.DataFrame:
     """The pieces of :func:`segment_pieces` with only what a statistic of them needs: ``task``
     (the row of ``tv`` whose generation it is), ``class``, ``seconds``, ``tokens``, ``tok_per_s``."""
     tv = tv.reset_index(drop=True)
-    seg = _measured(tv, ds.server.gen_samples, ds.server.prefill_samples, np.arange(len(tv)), opts, None, (-np.inf, np.inf))
+    seg = _measured(tv, ds.server.gen_samples, ds.server.prefill_samples, np.arange(len(tv)), opts, None, (-np.inf, np.inf),
+                    causes=False)
     p = _split(seg)
     return pd.DataFrame({"task": seg["row"].to_numpy()[p["seg"].to_numpy()],
                          "class": pd.Categorical.from_codes(p["cls"].to_numpy(), categories=CLASSES),
