@@ -14,6 +14,8 @@ from datetime import datetime
 import pandas as pd
 import pytest
 
+import slotscope
+import slotscope.analyze
 from slotscope.server_log import read_server_logs
 
 from .conftest import FORMATS, REAL
@@ -132,6 +134,18 @@ def test_times_from_one_second_stamps_stay_within_what_the_stamps_allow() -> Non
     both = coarse.index[timed].intersection(fine.index)
     diff = (coarse.loc[both, "wait_before_prefill_ms"] - fine.loc[both, "wait_before_prefill_ms"]).abs()
     assert (diff <= 1000 + 1e-6).all()
+
+
+def test_the_waits_table_says_when_waits_are_timed_by_whole_seconds() -> None:
+    """A wait under the stamps' resolution reads 0, so the waits table's basis says how many
+    tasks are timed by whole-second stamps; the microsecond log's basis does not."""
+    ds = slotscope.load([str(FORMATS / "json2024.log")])
+    n = len(ds.server.tasks)
+    coarse = slotscope.analyze.run(ds, names=["waits"], strict=True)["waits"]
+    fine = slotscope.analyze.run(slotscope.load([str(FORMATS / "plain.log")]), names=["waits"], strict=True)["waits"]
+    waits = coarse["cause"] != "deferred"
+    assert coarse.loc[waits, "basis"].str.endswith(f"; {n} of {n} tasks timed by whole-second stamps: a wait under 1 s reads 0").all()
+    assert (fine.loc[fine["cause"] != "deferred", "basis"] == "wait before prefill >= 1 s").all()
 
 
 LMSTUDIO = FORMATS / "lmstudio.log"

@@ -175,7 +175,7 @@ TERMS: dict[str, str] = {
     "effective_chunk_tokens": "Prompt tokens one batch pass takes from one slot: n_batch minus one token per slot generating in the same pass.",
     "max_running": "The most tasks that ran at once.",
     "n_slots": "Slots of the server (llama-server's -np).",
-    "waits basis": "The waits rows count waits before prefill of at least --wait-threshold s (1 s); the deferred row counts launches <= 5 ms after a release while all slots were busy, with the app's queue_ms as their seconds.",
+    "waits basis": "The waits rows count waits before prefill of at least --wait-threshold s (1 s); the deferred row counts launches <= 5 ms after a release while all slots were busy, with the app's queue_ms as their seconds. Where tasks are timed by whole-second stamps (the 2024 formats, Ollama's runner lines), the basis counts them: a wait under 1 s reads 0 there.",
     # the classes of stalls, and the bases of stalls and context
     "long_prefill": "Stretches when another slot prefilled a long prompt (--long-prefill, 15,000+ new tokens).",
     "other_prefill": "Stretches when only shorter prefills of other slots ran.",

@@ -257,10 +257,12 @@ def merge(answers: list[PartWaits], opts: Options, ds: Dataset) -> dict[str, pd.
         w[COVERED] = got.groupby("row", sort=True)[COVERED].sum().loc[w["row"]].to_numpy()
     w = _with_cause(w)
     # (the deferred launches are a question of each session's sequence of tasks: no periods)
-    t = _times(task_view(ds, TIME_COLUMNS), ds.server.sessions)
+    view = task_view(ds, TIME_COLUMNS + ["time_resolution_s"])
+    t = _times(view, ds.server.sessions)
     d = _deferred(t, tl.floats(ds.server.sessions.drop_duplicates(tl.GROUP)["n_slots"]))
     labels = pd.unique(np.concatenate([a.labels for a in answers]))
-    return {"waits": _table(w, d["queue_ms"].to_numpy() / 1000, opts),
+    coarse = int((tl.floats(view["time_resolution_s"]) >= 1).sum()) if "time_resolution_s" in view.columns else 0
+    return {"waits": _table(w, d["queue_ms"].to_numpy() / 1000, opts, (coarse, len(view))),
             "waits-worst": _worst_table(answers, w, pd.Series(labels).dtype, opts.worst)}
 
 
@@ -288,9 +290,11 @@ def _worst_table(answers: list[PartWaits], w: pd.DataFrame, lora_type: object, k
     })
 
 
-def _table(w: pd.DataFrame, queue_s: np.ndarray, opts: Options) -> pd.DataFrame:
+def _table(w: pd.DataFrame, queue_s: np.ndarray, opts: Options, coarse: tuple[int, int] = (0, 0)) -> pd.DataFrame:
     """Count, total, longest and median wait per cause; ``share`` of all waits' seconds for the
-    wait causes. ``deferred``'s seconds are the app's queue time (NA without an app log)."""
+    wait causes. ``deferred``'s seconds are the app's queue time (NA without an app log).
+    ``coarse``: the tasks timed by whole-second stamps, of all: the basis says that their waits
+    under a second read 0, since such stamps cannot show them."""
     causes = CAUSES[:3] + (["unknown_lora"] if (w["cause"] == "unknown_lora").any() else [])
     g = w.groupby("cause", observed=True)["wait_s"]
     stats = pd.DataFrame({"count": g.size(), "total_s": g.sum(), "max_s": g.max(), "median_s": g.median()}).reindex(causes)
@@ -298,7 +302,8 @@ def _table(w: pd.DataFrame, queue_s: np.ndarray, opts: Options) -> pd.DataFrame:
     stats["total_s"] = stats["total_s"].fillna(0.0)
     all_s = w["wait_s"].sum()
     stats["share"] = stats["total_s"] / all_s if all_s > 0 else np.nan
-    stats["basis"] = f"wait before prefill >= {opts.wait_threshold_s:g} s"
+    stats["basis"] = f"wait before prefill >= {opts.wait_threshold_s:g} s" + (
+        f"; {coarse[0]:,} of {coarse[1]:,} tasks timed by whole-second stamps: a wait under 1 s reads 0" if coarse[0] else "")
     qs = pd.Series(queue_s)
     has_q = qs.notna().any()
     stats.loc["deferred"] = {
