@@ -6,6 +6,8 @@ sprinkled with random bytes and invalid UTF-8, joined without a final newline.
 
 from __future__ import annotations
 
+import warnings
+
 from pathlib import Path
 
 import pandas as pd
@@ -178,6 +180,29 @@ def test_numbers_beyond_what_a_count_can_be_read_as_missing(tmp_path: Path, old:
     else:
         g = got.gen_samples
         assert len(g) == len(want.gen_samples) and int(g["n_gen"].isna().sum()) == 1
+
+
+@pytest.mark.parametrize("task_id", [2**53 + 1, 2**63 - 1, 10**20])
+def test_a_task_id_beyond_what_a_float_holds_leaves_its_lines_unrecognized(tmp_path: Path, task_id: int) -> None:
+    """Task ids travel as floats: 2**53 + 1 read as its neighbour 2**53, and 2**63 - 1 or 1e20
+    became -2**63 with a RuntimeWarning on stderr. A task id of 2**53 or more (a damaged line:
+    no server counts that far) leaves its lines unrecognized; the other tasks stay."""
+    text = (FORMATS / "plain.log").read_text()
+    lines = text.count("| task 0 |")
+    assert lines > 2
+    log = tmp_path / "llama-server.log"
+    log.write_text(text.replace("| task 0 |", f"| task {task_id} |"))
+    want = read_server_logs([str(FORMATS / "plain.log")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got = read_server_logs([str(log)])
+    assert got.accounting.lines == want.accounting.lines
+    assert got.accounting.unrecognized == want.accounting.unrecognized + lines
+    assert set(got.tasks["task_id"]) == set(want.tasks["task_id"]) - {0}
+    def others(t: pd.DataFrame) -> pd.DataFrame:
+        return t[t["task_id"] != 0].drop(columns=["source", "file"]).reset_index(drop=True)
+
+    pd.testing.assert_frame_equal(others(got.tasks), others(want.tasks), check_exact=True)
 
 
 @pytest.mark.parametrize("field, value", [("prompt_tokens", 2**64), ("duration_ms", 1e308)])

@@ -357,6 +357,13 @@ def _read_lines(lines: pa.Array) -> _Exact:
                            *zip(read.v, ex.v)):
             full[asked] = part
         read.text.update((int(asked[r]), t) for r, t in ex.text.items())
+    # A task id a float may not hold exactly (2**53 or more: no server counts that far, a damaged
+    # line does) would join the line to a wrong task: the line is unrecognized instead.
+    with np.errstate(invalid="ignore"):
+        huge = np.abs(read.task) >= 2.0**53
+    if huge.any():
+        read.bad |= huge
+        read.kind[huge], read.task[huge] = 0, np.nan
     return read
 
 
