@@ -153,6 +153,22 @@ def test_cli_report_and_errors() -> None:
     assert runner.invoke(app, ["whatif", "--help"]).exit_code == 0
 
 
+def test_a_server_log_alone_replays_its_tasks_at_their_launches(tmp_path) -> None:
+    """With no app log, every task is an unlogged call: it replays at its logged launch (open
+    loop), and the replay with the logged settings gives back the logged share of time with two
+    or more tasks running. Such a log, having no chat turn, once ended in an IndexError."""
+    from .conftest import FORMATS
+
+    ds = load([FORMATS / "plain.log"])
+    assert ds.matches is None
+    tables = W.run(ds, W.parse_settings(["n_batch=512"]), n_boot=0)
+    s = tables["summary"]
+    assert "open loop" in tables["settings"].to_string()
+    share = s[s["metric"] == "share_2plus_running"].iloc[0]
+    assert 0 < share["logged"] <= 1 and abs(share["replayed"] - share["logged"]) < 0.2 * share["logged"]
+    assert np.isnan(s.loc[s["metric"] == "chat_ttft_median_s", "logged"]).all()  # (no chat turn is known)
+
+
 # ---- the issue's checks ------------------------------------------------------------------
 
 def _xfail(figure: str) -> pytest.MarkDecorator:

@@ -52,9 +52,11 @@ def token_model(prompt: np.ndarray, cached: np.ndarray, n_gen: np.ndarray, send:
     step = np.zeros(n, dtype=np.int64)
     turns = np.flatnonzero(chat & (conv >= 0))
     turns = turns[np.lexsort((send[turns], conv[turns], group[turns]))]
-    same = np.r_[False, (conv[turns][1:] == conv[turns][:-1]) & (group[turns][1:] == group[turns][:-1])]
+    # A turn goes on from the one before it: same conversation and session, and its prompt holds
+    # that turn's prompt and reply (no chat turn at all: none does).
     i, j = turns[:-1], turns[1:]
-    goes_on = np.r_[False, same[1:] & (prompt[i] + n_gen[i] <= prompt[j])]
+    goes_on = np.zeros(len(turns), dtype=bool)
+    goes_on[1:] = (conv[j] == conv[i]) & (group[j] == group[i]) & (prompt[i] + n_gen[i] <= prompt[j])
     starts = ~goes_on
     run[turns] = np.cumsum(starts) - 1
     first = np.maximum.accumulate(np.where(starts, np.arange(len(turns)), 0))
