@@ -958,7 +958,8 @@ class _Session:
 
     def run_pass(self, batch: _Batch, switch: float, lora_on: bool) -> None:
         """One pass with prompt tokens: its time from the pass costs, then each slot advanced
-        by what it put in, and the slots done released."""
+        by what it put in, and the slots done released; when none changed state, the passes
+        alike to it (:meth:`repeat_pass`)."""
         c_ub, c_p, c_ap, c_g, c_ag, c_l, c_s = self.coef
         gens, chunks, ctx = batch.gens, batch.chunks, self.ctx
         g = len(gens)
@@ -971,8 +972,9 @@ class _Session:
             per_slot[s] += take
             p += take
             ap += _positions(ctx[s], take)
-        dt = (c_ub * _ubatches(tuple(per_slot), self.n_ubatch) + c_p * p + c_ap * ap + c_g * g + c_ag * ag
-              + (c_l * batch.size if lora_on else 0.0) + c_s * switch)
+        ub = _ubatches(tuple(per_slot), self.n_ubatch)
+        dt = (c_ub * ub + c_p * p + c_ap * ap + c_g * g + c_ag * ag + (c_l * batch.size if lora_on else 0.0)
+              + c_s * switch)
         self.t += dt
         self.res.passes += 1
         self._advance_generation(gens, dt)
@@ -983,6 +985,74 @@ class _Session:
         for s, _ in chunks:
             if self.state[s] == GENERATING and self.gen[s] >= self.goal[s]:
                 self.release(s, self.t)
+        if self.listed and len(chunks) == 1:
+            self.repeat_pass(batch, ub, lora_on)
+
+    def repeat_pass(self, batch: _Batch, ubatches: int, lora_on: bool) -> None:
+        """The passes after ``batch``'s (of ``ubatches``), while they are alike to it: the same
+        generating slots and the same prompt slot filling the batch, until its prompt's last
+        (smaller) chunk, a generation's last token or a call that an idle slot would take. They
+        run back to back, each with the time :meth:`run_pass` gives it (the contexts grow a pass
+        at a time), its progress line and its heartbeats. A call arriving with no slot idle
+        waits as it would: :meth:`receive` queues it in order of sending once they are run."""
+        c_ub, c_p, c_ap, c_g, c_ag, c_l, _ = self.coef  # (no LoRA switch: the pass before ran this batch)
+        gens, (s, take) = batch.gens, batch.chunks[0]
+        gen, ctx, goal = self.gen, self.ctx, self.goal
+        n = (self.new[s] - self.done_p[s] - 1) // take  # passes before the prompt's last chunk ...
+        ag = 0
+        for k in gens:
+            n = min(n, goal[k] - gen[k] - 1)  # ... and before a generation's last token
+            ag += ctx[k]
+        if n <= 0:
+            return
+        # run_pass's sum, term by term in its order (_positions inlined): the same float each pass.
+        head, half = c_ub * ubatches + c_p * take, take * (take - 1) / 2
+        g, gen_term, lora_term = len(gens), c_g * len(gens), (c_l * batch.size if lora_on else 0.0)
+        arrival = self.heap[0][0] if self.heap and IDLE in self.state else math.inf
+        i, t_pre, cached, whole = self.task[s], self.t_prefill[s], self.cached[s], max(self.cached[s] + self.new[s], 1)
+        t, p0, done, progress = self.t, ctx[s], self.done_p[s], self.res.progress
+        t_print, j_hb = self._heartbeat_gate(gens, 0)
+        j = 0
+        while j < n and arrival > t + 1e-12:
+            if t - t_pre >= PROGRESS_S:
+                progress.extend((i, t, done, (cached + done) / whole, t - t_pre))
+            dt = head + c_ap * ((take * p0 + half) / 1e6) + gen_term + c_ag * (ag / 1e6) + lora_term
+            t += dt
+            j += 1
+            p0 += take
+            done += take
+            ag += g
+            if j >= j_hb or t - t_print >= HEARTBEAT_S:
+                self._repeat_heartbeats(gens, t, dt, j)
+                t_print, j_hb = self._heartbeat_gate(gens, j)
+        for k in gens:
+            gen[k] += j
+            ctx[k] += j
+        ctx[s], self.done_p[s] = p0, done
+        self.res.passes += j
+        self.t = t
+
+    def _repeat_heartbeats(self, gens: list[int], t: float, dt: float, j: int) -> None:
+        """:meth:`_advance_generation`'s heartbeats after the ``j``-th pass of
+        :meth:`repeat_pass` (ended at ``t``; ``gen`` is as before the first)."""
+        gen, t_print = self.gen, self.t_print
+        for k in gens:
+            if gen[k] + j >= HEARTBEAT_TOKENS and t - t_print[k] >= HEARTBEAT_S:
+                self.heartbeats(k, t - dt, dt, 1, gen[k] + j - 1)
+
+    def _heartbeat_gate(self, gens: list[int], j: int) -> tuple[float, int]:
+        """Before the passes after the ``j``-th of :meth:`repeat_pass`, when a heartbeat may
+        next be due: the least recent print of the slots that have the tokens for one (no
+        other is due before it: ``t - t_print`` only shrinks as ``t_print`` grows), and the
+        pass at which the next slot gets them."""
+        gen, t_print = self.gen, self.t_print
+        least, at = math.inf, 1 << 62
+        for k in gens:
+            if gen[k] + j + 1 >= HEARTBEAT_TOKENS:
+                least = min(least, t_print[k])
+            else:
+                at = min(at, HEARTBEAT_TOKENS - gen[k])
+        return least, at
 
     def _advance_generation(self, gens: list[int], dt: float) -> None:
         """A token for each generating slot of a pass of ``dt`` that ended now, and its heartbeat
