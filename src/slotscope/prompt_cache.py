@@ -126,7 +126,9 @@ class HostCache:
         self.kind = _ints(tk.kind)  # per row: its header class
         self.header: list[int] = tk.header.tolist()  # per class: its header's tokens
         self.held = [-1] * n_slots
-        self.entries: dict[int, int] = {}  # row -> its state's tokens (its call is done: they stay), oldest first
+        # row -> its state's tokens (its call is done: they stay) and whether the header alone
+        # keeps less than KEEP_FOR_LOAD of them; oldest first
+        self.entries: dict[int, tuple[int, bool]] = {}
         self.limit_tokens, self.tokens = limit_tokens, 0
 
     def common_prefix(self, a: int, b: int) -> int:
@@ -177,10 +179,11 @@ class HostCache:
         the floor (a model of real size reaches it; the captures' tiny one would keep more)."""
         a = self.held[s]
         if a >= 0 and a not in self.entries:
-            self.entries[a] = self.size(a)
-            self.tokens += self.entries[a]
+            size = self.size(a)
+            self.entries[a] = size, 4 * self.header[self.kind[a]] < size
+            self.tokens += size
             while len(self.entries) > 1 and self.tokens > self.limit_tokens:
-                self.tokens -= self.entries.pop(next(iter(self.entries)))
+                self.tokens -= self.entries.pop(next(iter(self.entries)))[0]
 
     def load(self, s: int, b: int) -> None:
         """server_prompt_cache::load: oldest first, the entry that beats the slot's own tokens
@@ -192,14 +195,20 @@ class HostCache:
         keep = n / self.size(a) if a >= 0 else -1.0
         sim = n / p
         best = -1
-        for e, size in self.entries.items():
+        run_b, user_b = self.run[b], self.user[b]
+        for e, (size, kin_only) in self.entries.items():
+            # An entry shares only a header with a prompt that is neither a later turn of its run
+            # nor its user's (common_prefix): one whose header keeps too little of it is skipped
+            # unasked, as most are, each being another user's.
+            if kin_only and (run_b < 0 or (self.run[e] != run_b and self.user[e] != user_b)):
+                continue
             n = min(self.common_prefix(e, b), size, self.prompt[b])
             k_e, s_e = n / size, n / p
             if k_e >= KEEP_FOR_LOAD and keep < k_e and sim < s_e:
                 keep, sim, best = k_e, s_e, e
         if best >= 0:
             self.held[s] = best
-            self.tokens -= self.entries.pop(best)
+            self.tokens -= self.entries.pop(best)[0]
 
     def launched(self, s: int, b: int, idle: list[int]) -> None:
         """Call ``b`` launched on slot ``s`` (its tokens from now on); every other idle slot is
