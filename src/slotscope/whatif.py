@@ -936,10 +936,14 @@ class _Session:
         that an idle slot would take: those passes at once, each at the mean of their times
         (the context grows by a token a pass)."""
         c_ub, _, _, c_g, c_ag, c_l, c_s = self.coef
-        goal, gen, t = self.goal, self.gen, self.t
+        goal, gen, ctx, t = self.goal, self.gen, self.ctx, self.t
         g = len(gens)
-        ag = sum(self.ctx[s] for s in gens) / 1e6
-        k = min(goal[s] - gen[s] for s in gens)
+        ag, k = 0, goal[gens[0]] - gen[gens[0]]
+        for s in gens:  # (a loop: a batch has a few slots, too few for generators to pay)
+            ag += ctx[s]
+            if goal[s] - gen[s] < k:
+                k = goal[s] - gen[s]
+        ag /= 1e6
         base = c_ub * self.gen_ubatches + c_g * g + (c_l * g if lora_on else 0.0)
         if self.heap and IDLE in self.state:
             per = base + c_ag * ag
@@ -949,7 +953,7 @@ class _Session:
         for s in gens:
             self.heartbeats(s, t_start, dt, k, gen[s])
             gen[s] += k
-            self.ctx[s] += k
+            ctx[s] += k
         self.res.passes += k
         self.t = t_start + k * dt
         for s in gens:
@@ -1099,23 +1103,24 @@ class _Session:
     def heartbeats(self, s: int, t0: float, dt: float, k: int, n0: int) -> None:
         """print_timings_tg after each of ``k`` tokens slot ``s`` sampled at ``t0 + (j + 1) * dt``
         (it had ``n0`` before them): from n_gen >= 100, at least 3 s after the last print."""
-        t_print, n_print, t_first = self.t_print, self.n_print, self.t_first
+        t_print, n_print, t_first, task, out = self.t_print[s], self.n_print[s], self.t_first[s], self.task[s], \
+            self.res.heartbeats
         j = max(0, HEARTBEAT_TOKENS - n0 - 1)
         while j < k:
             if dt > 0:
-                j = max(j, math.ceil((t_print[s] + HEARTBEAT_S - t0) / dt - 1 - 1e-9))
+                j = max(j, math.ceil((t_print + HEARTBEAT_S - t0) / dt - 1 - 1e-9))
             if j >= k:
-                return
+                break
             t_now = t0 + (j + 1) * dt
-            if t_now - t_print[s] < HEARTBEAT_S:  # (rounding)
+            if t_now - t_print < HEARTBEAT_S:  # (rounding)
                 j += 1
                 continue
             n_now = n0 + j + 1
-            window = t_now - t_print[s]
-            self.res.heartbeats.extend((self.task[s], t_now, n_now, (n_now - 1) / max(t_now - t_first[s], 1e-9),
-                                        (n_now - n_print[s]) / window, window))
-            t_print[s], n_print[s] = t_now, n_now
+            window = t_now - t_print
+            out.extend((task, t_now, n_now, (n_now - 1) / max(t_now - t_first, 1e-9), (n_now - n_print) / window, window))
+            t_print, n_print = t_now, n_now
             j += 1
+        self.t_print[s], self.n_print[s] = t_print, n_print
 
 
 def _positions(p0: int, p: int) -> float:
