@@ -191,9 +191,14 @@ class TaskRows:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def read(self, rows: np.ndarray | None = None) -> pd.DataFrame:
+    def read(self, rows: np.ndarray | None = None, columns: Sequence[str] = WORKLOAD_COLUMNS) -> pd.DataFrame:
         """Every replayed task's row, or those at positions ``rows`` of them."""
-        return task_view_rows(self.ds, self.rows if rows is None else self.rows[rows], WORKLOAD_COLUMNS)
+        return task_view_rows(self.ds, self.rows if rows is None else self.rows[rows], columns)
+
+    @functools.cached_property
+    def shape(self) -> pd.DataFrame:
+        """No row: the columns the view has and their types."""
+        return self.read(np.zeros(0, dtype=np.int64))
 
     def column(self, name: str) -> pd.Series:
         return task_view_rows(self.ds, self.rows, [name])[name]
@@ -1131,6 +1136,10 @@ def _positions(p0: int, p: int) -> float:
 # The replay as a task view and samples, and the metrics of both
 
 
+# The task view's columns a replay gives anew (the others are as logged).
+REPLAYED_COLUMNS = {"slot", "launch_s", "prefill_start_s", "first_token_s", "release_s", "wait_before_prefill_ms",
+                    "prompt_eval_ms", "eval_ms", "n_gen", "prompt_tokens_new", "prompt_tokens_cached", "prefill_tps",
+                    "gen_tps", "lora", "queue_ms", "ttft_ms", "call_total_ms", "status"}
 HB_FIELDS = ("row", "t_s", "n_gen", "tg_tps", "tg_3s_tps", "window_s")
 PROGRESS_FIELDS = ("row", "t_s", "n_tokens", "progress", "elapsed_s")
 
@@ -1148,13 +1157,14 @@ def replayed_dataset(ds: Dataset, w: Workload, rp: Replay, r: Resolved,
     rows = np.arange(len(w.tv)) if rows is None else np.asarray(rows, dtype=np.int64)
     at = np.full(len(w.tv), -1, dtype=np.int64)
     at[rows] = np.arange(len(rows))
-    tv = w.tv.read(rows)
+    shape = w.tv.shape
+    tv = w.tv.read(rows, [c for c in shape.columns if c not in REPLAYED_COLUMNS])  # (the others are the replay's)
     rp = dataclasses.replace(rp, **{f: getattr(rp, f)[rows] for f in (
         "slot", "send", "launch", "prefill_start", "first_token", "release", "n_gen", "new", "cached", "refused")},
         lora=[rp.lora[i] for i in rows.tolist()])
     end_lag = w.end_lag_s[rows]
     keys = tl.GROUP + ["task_id"]
-    tv["slot"] = pd.array(rp.slot, dtype=tv["slot"].dtype if rp.slot.size else "Int64")
+    tv["slot"] = pd.array(rp.slot, dtype=shape["slot"].dtype if rp.slot.size else "Int64")
     tv["launch_s"] = rp.launch
     tv["prefill_start_s"] = rp.prefill_start
     tv["first_token_s"] = rp.first_token
@@ -1162,21 +1172,19 @@ def replayed_dataset(ds: Dataset, w: Workload, rp: Replay, r: Resolved,
     tv["wait_before_prefill_ms"] = (rp.prefill_start - rp.launch) * 1000
     tv["prompt_eval_ms"] = (rp.first_token - rp.prefill_start) * 1000
     tv["eval_ms"] = (rp.release - rp.first_token) * 1000
-    tv["n_gen"] = pd.array(rp.n_gen, dtype=tv["n_gen"].dtype)
-    tv["prompt_tokens_new"] = pd.array(rp.new, dtype=tv["prompt_tokens_new"].dtype)
-    tv["prompt_tokens_cached"] = pd.array(rp.cached, dtype=tv["prompt_tokens_cached"].dtype)
+    tv["n_gen"] = pd.array(rp.n_gen, dtype=shape["n_gen"].dtype)
+    tv["prompt_tokens_new"] = pd.array(rp.new, dtype=shape["prompt_tokens_new"].dtype)
+    tv["prompt_tokens_cached"] = pd.array(rp.cached, dtype=shape["prompt_tokens_cached"].dtype)
     with np.errstate(divide="ignore", invalid="ignore"):
         tv["prefill_tps"] = rp.new / (tv["prompt_eval_ms"].to_numpy() / 1000)
         tv["gen_tps"] = (rp.n_gen - 1) / (tv["eval_ms"].to_numpy() / 1000)
-    if "lora" in tv.columns:
+    if "lora" in shape.columns:
         tv["lora"] = pd.Categorical(rp.lora)
     tv["queue_ms"] = (rp.launch - rp.send) * 1000
     tv["ttft_ms"] = np.where(rp.refused, np.nan, (rp.first_token - rp.send) * 1000)
     tv["call_total_ms"] = (rp.release + end_lag - rp.send) * 1000
     tv["status"] = np.where(rp.refused, "error", "complete")
-    for c in ("launch_at", "prefill_start_at", "first_token_at", "release_at"):
-        if c in tv.columns:
-            tv = tv.drop(columns=c)
+    tv = tv[[c for c in shape.columns if c in tv.columns] + [c for c in tv.columns if c not in shape.columns]]
     base = tv[keys + ["slot"]]
     hb = _records(rp.heartbeats, HB_FIELDS, ("row", "n_gen"))
     hb = hb[at[hb["row"].to_numpy(dtype=np.int64)] >= 0]
