@@ -943,12 +943,12 @@ class _Session:
         c_ub, _, _, c_g, c_ag, c_l, c_s = self.coef
         goal, gen, ctx, t = self.goal, self.gen, self.ctx, self.t
         g = len(gens)
-        ag, k = 0, goal[gens[0]] - gen[gens[0]]
+        held, k = 0, goal[gens[0]] - gen[gens[0]]
         for s in gens:  # (a loop: a batch has a few slots, too few for generators to pay)
-            ag += ctx[s]
+            held += ctx[s]
             if goal[s] - gen[s] < k:
                 k = goal[s] - gen[s]
-        ag /= 1e6
+        ag = held / 1e6
         base = c_ub * self.gen_ubatches + c_g * g + (c_l * g if lora_on else 0.0)
         if self.heap and IDLE in self.state:
             per = base + c_ag * ag
