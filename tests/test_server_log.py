@@ -213,7 +213,7 @@ def test_samples_kept_on_disk_build_the_same_tables(scenario, tmp_path, monkeypa
 
     name, logs = scenario
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    lazy = read_server_logs([REAL / name / "logs"], samples_on_disk=True)
+    lazy = read_server_logs([REAL / name / "logs"])
     assert isinstance(lazy.__dict__["_gen_samples"], Samples)
     assert any(tmp_path.iterdir())  # the rows are on disk, not only in memory
     pd.testing.assert_frame_equal(lazy.tasks, logs.tasks)

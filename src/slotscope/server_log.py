@@ -748,8 +748,6 @@ def read_server_logs(
     inputs: Inputs | None = None,
     chunk_size: int | None = None,
     jobs: int | None = None,
-    samples_on_disk: bool = False,
-    tasks_on_disk: bool = False,
 ) -> ServerLogs:
     """Read llama-server logs (files, directories, globs, ``-``) into task and sample tables.
 
@@ -761,8 +759,7 @@ def read_server_logs(
     assembled here in order. The finished tasks and the samples wait in a temporary directory
     as they are read; each table is built when first read (see :class:`ServerLogs`), the
     tasks written a batch at a time (:class:`slotscope.store.StoredTable`), never whole in
-    memory. (``samples_on_disk`` and ``tasks_on_disk`` are accepted for callers that still
-    pass them: both are always so.)
+    memory.
     """
     found: list[OllamaLogs] = []
     assemblers, streams, sessions, with_wall, acc = _read_all(
