@@ -95,10 +95,6 @@ class Dataset:
     def tasks(self) -> pd.DataFrame:
         return self.server.tasks
 
-    @property
-    def calls(self) -> pd.DataFrame | None:
-        return self.matches.calls if self.matches is not None else None
-
 
 def read_app(inputs: Inputs, *, columns: dict[str, str] | None = None, tz: str = "UTC",
              on_disk: bool = False) -> tuple[AppLog | None, list[FileAccount]]:
