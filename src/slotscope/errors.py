@@ -26,10 +26,6 @@ class InputError(SlotscopeError):
     """A path cannot be read, is empty, binary junk, or is neither kind of log."""
 
 
-class LogFormatError(SlotscopeError):
-    """A llama-server log line that --strict refuses, or a log we cannot interpret."""
-
-
 class AppLogError(SlotscopeError):
     """An app call log that cannot be interpreted (e.g. no start-time column)."""
 

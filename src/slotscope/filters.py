@@ -50,12 +50,11 @@ def window(
     until: float | pd.Timestamp | None,
     *,
     time_col: str,
-    wall_col: str | None = None,
 ) -> pd.DataFrame:
-    """Rows whose time lies in [since, until). Wall times need a wall-clock column."""
+    """Rows whose time lies in [since, until). Wall times need ``time_col``'s ``*_at`` column."""
     if since is None and until is None:
         return df
-    wall_col = wall_col or (time_col[:-2] + "_at" if time_col.endswith("_s") else None)
+    wall_col = time_col[:-2] + "_at" if time_col.endswith("_s") else None
     keep = pd.Series(True, index=df.index)
     for bound, is_since in ((since, True), (until, False)):
         if bound is None:

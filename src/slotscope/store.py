@@ -67,10 +67,7 @@ def release_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-    try:
-        pa.default_memory_pool().release_unused()
-    except Exception:  # noqa: BLE001 - best effort: an old pyarrow may lack it
-        pass
+    pa.default_memory_pool().release_unused()
 
 
 def new_file(path: str) -> "pa.NativeFile":
