@@ -177,7 +177,7 @@ def _times(tv: pd.DataFrame, sessions: pd.DataFrame) -> pd.DataFrame:
     t = pd.DataFrame({"row": np.arange(len(tv)), "session": session, "task_id": tv["task_id"].to_numpy(),
                       "launch_s": tl.floats(tv["launch_s"]), "release_s": tl.floats(tv["release_s"]),
                       "end_s": tl.task_ends(tv, sessions), "queue_ms": tl.floats(tv["queue_ms"])})
-    return t[session >= 0].reset_index(drop=True)
+    return t if (session >= 0).all() else t[session >= 0].reset_index(drop=True)
 
 
 def _deferred(t: pd.DataFrame, n_slots: np.ndarray) -> pd.DataFrame:
@@ -190,6 +190,7 @@ def _deferred(t: pd.DataFrame, n_slots: np.ndarray) -> pd.DataFrame:
            .rename(columns={"task_id": "released_task_id", "release_s": "release_s_before"}))
     j = pd.merge_asof(launch, rel, left_on="launch_s", right_on="release_s_before", by="session",
                       direction="backward", tolerance=DEFERRED_S, allow_exact_matches=True)
+    del launch, rel  # (a copy of every task's times each: the whole log's, at merge time)
     j = j[j["release_s_before"].notna() & (j["released_task_id"] != j["task_id"])]
     # Tasks running just before that release: launched before it, ending after it began.
     r = tl.floats(j["release_s_before"])
@@ -258,11 +259,14 @@ def merge(answers: list[PartWaits], opts: Options, ds: Dataset) -> dict[str, pd.
     w = _with_cause(w)
     # (the deferred launches are a question of each session's sequence of tasks: no periods)
     view = task_view(ds, TIME_COLUMNS + ["time_resolution_s"])
-    t = _times(view, ds.server.sessions)
-    d = _deferred(t, tl.floats(ds.server.sessions.drop_duplicates(tl.GROUP)["n_slots"]))
-    labels = pd.unique(np.concatenate([a.labels for a in answers]))
     coarse = int((tl.floats(view["time_resolution_s"]) >= 1).sum()) if "time_resolution_s" in view.columns else 0
-    return {"waits": _table(w, d["queue_ms"].to_numpy() / 1000, opts, (coarse, len(view))),
+    n_tasks = len(view)
+    t = _times(view, ds.server.sessions)
+    del view  # (the whole log's rows: only their times are needed now)
+    d = _deferred(t, tl.floats(ds.server.sessions.drop_duplicates(tl.GROUP)["n_slots"]))
+    del t
+    labels = pd.unique(np.concatenate([a.labels for a in answers]))
+    return {"waits": _table(w, d["queue_ms"].to_numpy() / 1000, opts, (coarse, n_tasks)),
             "waits-worst": _worst_table(answers, w, pd.Series(labels).dtype, opts.worst)}
 
 
