@@ -189,6 +189,31 @@ def test_missing_path() -> None:
     assert res.stderr.strip() == "error: /no/such/dir: no such file or directory"
 
 
+def test_a_directory_that_cannot_be_listed_is_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real logs in a directory with mode 000: listing it ended in a PermissionError
+    traceback (found by fault injection). One line names the directory instead."""
+    import os
+    import shutil
+
+    logs = tmp_path / "logs"
+    shutil.copytree(REAL / "before" / "logs", logs)
+    logs.chmod(0)
+    if os.geteuid() == 0:  # (root lists any directory: answer as the kernel does for others)
+        listdir = os.listdir
+
+        def denied(p: object) -> list[str]:
+            if os.fspath(p) == str(logs):  # type: ignore[call-overload]
+                raise PermissionError(13, "Permission denied", str(logs))
+            return listdir(p)  # type: ignore[call-overload]
+
+        monkeypatch.setattr(os, "listdir", denied)
+    try:
+        for cmd in ("tasks", "analyze"):
+            assert refused(cmd, str(logs)) == f"error: {logs}: cannot read: Permission denied"
+    finally:
+        logs.chmod(0o755)
+
+
 def test_strict_fails_on_unrecognized_lines(tmp_path: Path) -> None:
     f = tmp_path / "l.log"
     f.write_bytes((REAL / "before" / "logs" / "llama-server.log").read_bytes() + b"what is this\n")

@@ -93,8 +93,11 @@ def _expand_one(p: str) -> list[str]:
     if p == STDIN:
         return [STDIN]
     if os.path.isdir(p):
-        out = [os.path.join(p, e) for e in sorted(os.listdir(p))
-               if not e.startswith(".") and os.path.isfile(os.path.join(p, e))]
+        try:
+            names = sorted(os.listdir(p))
+        except OSError as e:  # (a directory without read permission)
+            raise InputError(p, None, f"cannot read: {e.strerror or e}") from None
+        out = [os.path.join(p, e) for e in names if not e.startswith(".") and os.path.isfile(os.path.join(p, e))]
         if not out:
             raise InputError(p, None, "directory holds no files")
         return out
