@@ -313,6 +313,22 @@ def test_a_tmpdir_that_is_not_a_directory_is_one_clear_error(kind: str, tmp_path
     assert "Traceback" not in res.stderr
 
 
+def test_no_usable_temporary_directory_is_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TMPDIR unset and none of Python's fallbacks writable (/tmp read-only, found by fault
+    injection): the FileNotFoundError's handler asked Python for the directory again and raised
+    a second time, a traceback. One line says what was tried and what to set."""
+    import tempfile
+
+    gone = tmp_path / "gone"
+    monkeypatch.delenv("TMPDIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    monkeypatch.setattr(tempfile, "_candidate_tempdir_list", lambda: [str(gone)])
+    err = refused("analyze", str(REAL / "before" / "logs"))
+    assert err.splitlines()[-1] == (
+        "error: cannot write finished tasks (~300 bytes per row) to the temporary directory (No usable temporary "
+        f"directory found in [{str(gone)!r}]); set TMPDIR to a directory with room")
+
+
 def test_an_app_log_with_no_usable_call_gives_the_report_and_counts_its_lines(tmp_path: Path) -> None:
     """Every call's start time unreadable (the real app log's, spoiled): no call to join, so
     the report is the server log's, and each app line is counted as unrecognized."""
