@@ -452,6 +452,51 @@ def test_an_app_log_in_another_shape_says_what_it_is_and_how_to_convert(tmp_path
     assert err.startswith(f"error: {f}: {said}")
 
 
+CR_ONLY = ("line ends are CR alone (as classic Mac OS programs write); slotscope reads LF and CRLF line ends: "
+           "convert it first, e.g. tr '\\r' '\\n' < FILE > FILE.txt")
+
+
+def _cr_only(tmp_path: Path, name: str) -> Path:
+    """A real log (the server's, the app's JSONL, or the app's records as a CSV) with each
+    line ending in a CR alone."""
+    import csv
+    import json
+
+    logs = REAL / "before" / "logs"
+    if name == "calls.csv":
+        records = [json.loads(line) for line in (logs / "app.jsonl").read_text().splitlines()]
+        text = io.StringIO()
+        w = csv.writer(text, lineterminator="\r")
+        w.writerow(["id", "start", "purpose", "user", "prompt_tokens", "completion_tokens", "duration_ms"])
+        w.writerows([r["id"], r["start"], r["purpose"], r["user"], r["prompt_tokens"], r["completion_tokens"],
+                     r["duration_ms"]] for r in records)
+        data = text.getvalue().encode()
+    else:
+        data = (logs / name).read_bytes().replace(b"\n", b"\r")
+    f = tmp_path / name
+    f.write_bytes(data)
+    return f
+
+
+@pytest.mark.parametrize("name", ["llama-server.log", "app.jsonl", "calls.csv"])
+def test_a_log_whose_lines_end_in_cr_alone_says_so_and_how_to_convert(tmp_path: Path, name: str) -> None:
+    """Line ends of a CR alone: the CSV app log ended in a csv.Error traceback, the JSONL one
+    was one unrecognized line ("invalid JSON: Extra data"), the server log one line used and
+    no task, without a word. Each is one error line that says what it is and how to convert."""
+    f = _cr_only(tmp_path, name)
+    assert refused("tasks" if name.endswith(".log") else "calls", str(f)) == f"error: {f}: {CR_ONLY}"
+
+
+def test_a_cr_alone_app_log_in_a_folder_is_skipped_with_the_reason(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "llama-server.log").write_bytes((REAL / "before" / "logs" / "llama-server.log").read_bytes())
+    f = _cr_only(logs, "calls.csv")
+    res = run("analyze", str(logs), "--table", "waits", "-f", "csv")
+    assert res.exit_code == 0 and "Traceback" not in res.stderr and res.exception is None
+    assert f"skipped {f}: {CR_ONLY}" in res.stderr.splitlines()
+
+
 @pytest.mark.parametrize("shape", ["array", "array-one-line", "pretty"])
 def test_an_app_log_as_a_json_document_reads_the_calls_of_its_lines(tmp_path: Path, shape: str) -> None:
     """The real app log as a JSON array (indented, or on one line) or as pretty-printed records
