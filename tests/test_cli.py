@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from slotscope import output
 from slotscope.cli import app
 
-from .conftest import REAL
+from .conftest import FORMATS, REAL
 
 runner = CliRunner()
 TASK_COLUMNS = ("source,session,slot,task_id,launch_s,prefill_start_s,first_token_s,release_s,wait_before_prefill_ms,"
@@ -212,6 +212,66 @@ def test_a_directory_that_cannot_be_listed_is_one_clear_error(tmp_path: Path, mo
             assert refused(cmd, str(logs)) == f"error: {logs}: cannot read: Permission denied"
     finally:
         logs.chmod(0o755)
+
+
+def _first_app_record(field: str, value: object) -> str:
+    import json
+
+    lines = (REAL / "before" / "logs" / "app.jsonl").read_text().splitlines()
+    record = json.loads(lines[0])
+    record[field] = value
+    record.pop("end")  # (a duration without an end: the end is derived from it)
+    return "\n".join([json.dumps(record)] + lines[1:]) + "\n"
+
+
+def _header_only_csv() -> str:
+    return "request_id,timestamp,kind,user_id,adapter,input_tokens,output_tokens,cached_tokens,status_code,error,latency_ms\n"
+
+
+# (command, file, its text, the first lines of stderr: {f} is the file) for the fuzz's crash
+# cases (a TypeError, OutOfBoundsDatetime, ArrowNotImplementedError), now each read as the
+# README says: a damaged count or time reads as missing, a task id past 2^53 unrecognized.
+_PLAIN = (FORMATS / "plain.log").read_text()
+CRASHES = {
+    "task id 2^63-1": ("tasks", "llama-server.log", _PLAIN.replace("| task 0 |", "| task 9223372036854775807 |"),
+                       ["lines read 299: used 236, known and ignored 55, unrecognized 8",
+                        "  {f} (server): 299 lines, used 236, ignored 55, unrecognized 8",
+                        "tasks: 24 complete, 0 cancelled, 0 incomplete; server sessions: 1",
+                        "  unrecognized: {f}:11: 0.04.741.786 I slot launch_slot_: id  3 | task 9223372036854775807 | "
+                        "processing task, is_child = 0"]),
+    "n_tokens 1e20": ("tasks", "llama-server.log", _PLAIN.replace("/  2281 tokens", "/  100000000000000000000 tokens", 1),
+                      ["lines read 299: used 243, known and ignored 56, unrecognized 0",
+                       "  {f} (server): 299 lines, used 243, ignored 56, unrecognized 0",
+                       "tasks: 25 complete, 0 cancelled, 0 incomplete; server sessions: 1"]),
+    "n_gen 1e26": ("samples", "llama-server.log", _PLAIN.replace("n_gen =    148,", "n_gen = 100000000000000000000000000,", 1),
+                   ["lines read 299: used 243, known and ignored 56, unrecognized 0",
+                    "  {f} (server): 299 lines, used 243, ignored 56, unrecognized 0",
+                    "tasks: 25 complete, 0 cancelled, 0 incomplete; server sessions: 1"]),
+    "prompt_tokens 2^63": ("calls", "app.jsonl", _first_app_record("prompt_tokens", 2**63),
+                           ["lines read 45: used 45, known and ignored 0, unrecognized 0",
+                            "  {f} (app): 45 lines, used 45, ignored 0, unrecognized 0",
+                            "  unrecognized: {f}:1: prompt_tokens out of range: 9223372036854775808"]),
+    "duration_ms 1e308": ("calls", "app.jsonl", _first_app_record("duration_ms", 1e308),
+                          ["lines read 45: used 45, known and ignored 0, unrecognized 0",
+                           "  {f} (app): 45 lines, used 45, ignored 0, unrecognized 0",
+                           "  unrecognized: {f}:1: duration_ms out of range: 1e+308"]),
+    "header-only CSV": ("calls", "calls.csv", _header_only_csv(),
+                        ["lines read 1: used 0, known and ignored 1, unrecognized 0",
+                         "  {f} (app): 1 lines, used 0, ignored 1, unrecognized 0"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CRASHES))
+def test_the_fuzz_crash_cases_exit_0_with_their_lines_counted(tmp_path: Path, case: str) -> None:
+    """The crash cases of the fuzz, derived from real lines, as the command line meets them:
+    exit 0, stdout the table, and stderr's accounting exactly."""
+    cmd, name, text, want = CRASHES[case]
+    f = tmp_path / name
+    f.write_text(text)
+    res = run(cmd, str(f), "-f", "csv")
+    assert res.exit_code == 0 and res.exception is None, res.stderr
+    assert "Traceback" not in res.stderr and "Warning" not in res.stderr
+    assert res.stderr.splitlines()[: len(want)] == [w.format(f=f) for w in want]
 
 
 def test_strict_fails_on_unrecognized_lines(tmp_path: Path) -> None:
