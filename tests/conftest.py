@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 REAL = ROOT / "fixtures" / "real"
 FORMATS = ROOT / "fixtures" / "formats"
 EXCERPTS = ROOT / "fixtures" / "excerpts"  # real vLLM and Ollama lines from public threads
+OLLAMA = ROOT / "fixtures" / "ollama"  # Ollama logs built from the real captures
 SCENARIOS = ["before", "after", "b2048-unified", "restart", "wallclock"]
 
 

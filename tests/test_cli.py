@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from slotscope import output
 from slotscope.cli import app
 
-from .conftest import REAL
+from .conftest import FORMATS, REAL
 
 runner = CliRunner()
 TASK_COLUMNS = ("source,session,slot,task_id,launch_s,prefill_start_s,first_token_s,release_s,wait_before_prefill_ms,"
@@ -189,6 +189,91 @@ def test_missing_path() -> None:
     assert res.stderr.strip() == "error: /no/such/dir: no such file or directory"
 
 
+def test_a_directory_that_cannot_be_listed_is_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real logs in a directory with mode 000: listing it ended in a PermissionError
+    traceback (found by fault injection). One line names the directory instead."""
+    import os
+    import shutil
+
+    logs = tmp_path / "logs"
+    shutil.copytree(REAL / "before" / "logs", logs)
+    logs.chmod(0)
+    if os.geteuid() == 0:  # (root lists any directory: answer as the kernel does for others)
+        listdir = os.listdir
+
+        def denied(p: object) -> list[str]:
+            if os.fspath(p) == str(logs):  # type: ignore[call-overload]
+                raise PermissionError(13, "Permission denied", str(logs))
+            return listdir(p)  # type: ignore[call-overload]
+
+        monkeypatch.setattr(os, "listdir", denied)
+    try:
+        for cmd in ("tasks", "analyze"):
+            assert refused(cmd, str(logs)) == f"error: {logs}: cannot read: Permission denied"
+    finally:
+        logs.chmod(0o755)
+
+
+def _first_app_record(field: str, value: object) -> str:
+    import json
+
+    lines = (REAL / "before" / "logs" / "app.jsonl").read_text().splitlines()
+    record = json.loads(lines[0])
+    record[field] = value
+    record.pop("end")  # (a duration without an end: the end is derived from it)
+    return "\n".join([json.dumps(record)] + lines[1:]) + "\n"
+
+
+def _header_only_csv() -> str:
+    return "request_id,timestamp,kind,user_id,adapter,input_tokens,output_tokens,cached_tokens,status_code,error,latency_ms\n"
+
+
+# (command, file, its text, the first lines of stderr: {f} is the file) for the fuzz's crash
+# cases (a TypeError, OutOfBoundsDatetime, ArrowNotImplementedError), now each read as the
+# README says: a damaged count or time reads as missing, a task id past 2^53 unrecognized.
+_PLAIN = (FORMATS / "plain.log").read_text()
+CRASHES = {
+    "task id 2^63-1": ("tasks", "llama-server.log", _PLAIN.replace("| task 0 |", "| task 9223372036854775807 |"),
+                       ["lines read 299: used 236, known and ignored 55, unrecognized 8",
+                        "  {f} (server): 299 lines, used 236, ignored 55, unrecognized 8",
+                        "tasks: 24 complete, 0 cancelled, 0 incomplete; server sessions: 1",
+                        "  unrecognized: {f}:11: 0.04.741.786 I slot launch_slot_: id  3 | task 9223372036854775807 | "
+                        "processing task, is_child = 0"]),
+    "n_tokens 1e20": ("tasks", "llama-server.log", _PLAIN.replace("/  2281 tokens", "/  100000000000000000000 tokens", 1),
+                      ["lines read 299: used 243, known and ignored 56, unrecognized 0",
+                       "  {f} (server): 299 lines, used 243, ignored 56, unrecognized 0",
+                       "tasks: 25 complete, 0 cancelled, 0 incomplete; server sessions: 1"]),
+    "n_gen 1e26": ("samples", "llama-server.log", _PLAIN.replace("n_gen =    148,", "n_gen = 100000000000000000000000000,", 1),
+                   ["lines read 299: used 243, known and ignored 56, unrecognized 0",
+                    "  {f} (server): 299 lines, used 243, ignored 56, unrecognized 0",
+                    "tasks: 25 complete, 0 cancelled, 0 incomplete; server sessions: 1"]),
+    "prompt_tokens 2^63": ("calls", "app.jsonl", _first_app_record("prompt_tokens", 2**63),
+                           ["lines read 45: used 45, known and ignored 0, unrecognized 0",
+                            "  {f} (app): 45 lines, used 45, ignored 0, unrecognized 0",
+                            "  unrecognized: {f}:1: prompt_tokens out of range: 9223372036854775808"]),
+    "duration_ms 1e308": ("calls", "app.jsonl", _first_app_record("duration_ms", 1e308),
+                          ["lines read 45: used 45, known and ignored 0, unrecognized 0",
+                           "  {f} (app): 45 lines, used 45, ignored 0, unrecognized 0",
+                           "  unrecognized: {f}:1: duration_ms out of range: 1e+308"]),
+    "header-only CSV": ("calls", "calls.csv", _header_only_csv(),
+                        ["lines read 1: used 0, known and ignored 1, unrecognized 0",
+                         "  {f} (app): 1 lines, used 0, ignored 1, unrecognized 0"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CRASHES))
+def test_the_fuzz_crash_cases_exit_0_with_their_lines_counted(tmp_path: Path, case: str) -> None:
+    """The crash cases of the fuzz, derived from real lines, as the command line meets them:
+    exit 0, stdout the table, and stderr's accounting exactly."""
+    cmd, name, text, want = CRASHES[case]
+    f = tmp_path / name
+    f.write_text(text)
+    res = run(cmd, str(f), "-f", "csv")
+    assert res.exit_code == 0 and res.exception is None, res.stderr
+    assert "Traceback" not in res.stderr and "Warning" not in res.stderr
+    assert res.stderr.splitlines()[: len(want)] == [w.format(f=f) for w in want]
+
+
 def test_strict_fails_on_unrecognized_lines(tmp_path: Path) -> None:
     f = tmp_path / "l.log"
     f.write_bytes((REAL / "before" / "logs" / "llama-server.log").read_bytes() + b"what is this\n")
@@ -286,6 +371,22 @@ def test_a_tmpdir_that_is_not_a_directory_is_one_clear_error(kind: str, tmp_path
     assert res.exit_code == 1
     assert res.stderr.strip().splitlines()[-1].startswith(f"error: {bad}: TMPDIR is not a directory: cannot write ")
     assert "Traceback" not in res.stderr
+
+
+def test_no_usable_temporary_directory_is_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TMPDIR unset and none of Python's fallbacks writable (/tmp read-only, found by fault
+    injection): the FileNotFoundError's handler asked Python for the directory again and raised
+    a second time, a traceback. One line says what was tried and what to set."""
+    import tempfile
+
+    gone = tmp_path / "gone"
+    monkeypatch.delenv("TMPDIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    monkeypatch.setattr(tempfile, "_candidate_tempdir_list", lambda: [str(gone)])
+    err = refused("analyze", str(REAL / "before" / "logs"))
+    assert err.splitlines()[-1] == (
+        "error: cannot write finished tasks (~300 bytes per row) to the temporary directory (No usable temporary "
+        f"directory found in [{str(gone)!r}]); set TMPDIR to a directory with room")
 
 
 def test_an_app_log_with_no_usable_call_gives_the_report_and_counts_its_lines(tmp_path: Path) -> None:
@@ -409,6 +510,51 @@ def test_an_app_log_in_another_shape_says_what_it_is_and_how_to_convert(tmp_path
         f.write_bytes(text.encode(shape))
     err = refused("calls", str(f))
     assert err.startswith(f"error: {f}: {said}")
+
+
+CR_ONLY = ("line ends are CR alone (as classic Mac OS programs write); slotscope reads LF and CRLF line ends: "
+           "convert it first, e.g. tr '\\r' '\\n' < FILE > FILE.txt")
+
+
+def _cr_only(tmp_path: Path, name: str) -> Path:
+    """A real log (the server's, the app's JSONL, or the app's records as a CSV) with each
+    line ending in a CR alone."""
+    import csv
+    import json
+
+    logs = REAL / "before" / "logs"
+    if name == "calls.csv":
+        records = [json.loads(line) for line in (logs / "app.jsonl").read_text().splitlines()]
+        text = io.StringIO()
+        w = csv.writer(text, lineterminator="\r")
+        w.writerow(["id", "start", "purpose", "user", "prompt_tokens", "completion_tokens", "duration_ms"])
+        w.writerows([r["id"], r["start"], r["purpose"], r["user"], r["prompt_tokens"], r["completion_tokens"],
+                     r["duration_ms"]] for r in records)
+        data = text.getvalue().encode()
+    else:
+        data = (logs / name).read_bytes().replace(b"\n", b"\r")
+    f = tmp_path / name
+    f.write_bytes(data)
+    return f
+
+
+@pytest.mark.parametrize("name", ["llama-server.log", "app.jsonl", "calls.csv"])
+def test_a_log_whose_lines_end_in_cr_alone_says_so_and_how_to_convert(tmp_path: Path, name: str) -> None:
+    """Line ends of a CR alone: the CSV app log ended in a csv.Error traceback, the JSONL one
+    was one unrecognized line ("invalid JSON: Extra data"), the server log one line used and
+    no task, without a word. Each is one error line that says what it is and how to convert."""
+    f = _cr_only(tmp_path, name)
+    assert refused("tasks" if name.endswith(".log") else "calls", str(f)) == f"error: {f}: {CR_ONLY}"
+
+
+def test_a_cr_alone_app_log_in_a_folder_is_skipped_with_the_reason(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "llama-server.log").write_bytes((REAL / "before" / "logs" / "llama-server.log").read_bytes())
+    f = _cr_only(logs, "calls.csv")
+    res = run("analyze", str(logs), "--table", "waits", "-f", "csv")
+    assert res.exit_code == 0 and "Traceback" not in res.stderr and res.exception is None
+    assert f"skipped {f}: {CR_ONLY}" in res.stderr.splitlines()
 
 
 @pytest.mark.parametrize("shape", ["array", "array-one-line", "pretty"])

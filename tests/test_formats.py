@@ -18,7 +18,7 @@ import slotscope
 import slotscope.analyze
 from slotscope.server_log import read_server_logs
 
-from .conftest import FORMATS, REAL
+from .conftest import EXCERPTS, FORMATS, REAL
 
 MANIFEST = json.loads((FORMATS / "manifest.json").read_text())["variants"]
 
@@ -105,6 +105,24 @@ def test_journald_with_the_host_and_pid_redacted_reads_the_same_tasks(tmp_path) 
     assert got.accounting.unrecognized == want.accounting.unrecognized
     pd.testing.assert_series_equal(got.tasks["launch_at"], want.tasks["launch_at"])
     assert got.tasks["launch_at"].notna().all()
+
+
+@pytest.mark.parametrize("pid", ["XXXX", "pid", "***", "<pid>", "REDACTED"])
+def test_journald_with_the_pid_replaced_by_a_placeholder_reads_the_same_tasks(tmp_path, pid: str) -> None:
+    """A PID blanked with a placeholder rather than emptied (``ollama[XXXX]:``): every line was
+    unrecognized. The same tasks, at the same wall times, and an Ollama excerpt so redacted
+    reads as the excerpt does."""
+    want = read_server_logs([str(JOURNALD)])
+    got = read_server_logs(_journald_variant(tmp_path, " host llama-server[22304]: ", f" <host> llama-server[{pid}]: "))
+    assert got.accounting.unrecognized == want.accounting.unrecognized == 0
+    pd.testing.assert_series_equal(got.tasks["launch_at"], want.tasks["launch_at"])
+    excerpt = EXCERPTS / "ollama" / "03.log"
+    text = excerpt.read_text(encoding="utf-8")
+    assert " quorra ollama[1543654]: " in text
+    redacted = tmp_path / "ollama.log"
+    redacted.write_text(text.replace(" quorra ollama[1543654]: ", f" <host> ollama[{pid}]: "), encoding="utf-8")
+    a, b = read_server_logs([str(excerpt)]).accounting, read_server_logs([str(redacted)]).accounting
+    assert (b.used, b.ignored, b.unrecognized, b.files[0].wrapper) == (a.used, a.ignored, a.unrecognized, a.files[0].wrapper)
 
 
 @pytest.mark.parametrize("month, number", [("janv.", 1), ("févr.", 2), ("mär", 3), ("juin", 6), ("juil.", 7),

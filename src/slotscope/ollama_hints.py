@@ -9,7 +9,7 @@ import re
 # with a Go source file, journald's ``ollama[pid]:``, or the Go-log lines of old versions.
 HINTS = re.compile(
     rb"\[GIN\] \d{4}/\d\d/\d\d - \d\d:\d\d:\d\d \||level=[A-Z]+ source=[\w.-]+\.go:\d+ msg=|"
-    rb"(?m:^\S.{0,60} ollama\[\d*\]: )|\d\d:\d\d:\d\d [\w.-]+\.go:\d+: (?:INFO |WARN |ERROR )?[a-z]"
+    rb"(?m:^\S.{0,60} ollama\[[^\]\s]*\]: )|\d\d:\d\d:\d\d [\w.-]+\.go:\d+: (?:INFO |WARN |ERROR )?[a-z]"
 )
 
 

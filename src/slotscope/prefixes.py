@@ -25,9 +25,9 @@ _ISO = r"(?P<wall>\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d
 # short run of non-digits, or digits before 月/월 (read by _MONTHS).
 _SYSLOG = r"(?P<wall>(?:[^\s\d]{2,12}|\d{1,2}(?:月|월)) {1,2}\d{1,2} \d\d:\d\d:\d\d(?:\.\d+)?)"
 _UNIX = r"(?P<wall>\d{9,11}\.\d+)"
-# Host, then identifier and PID; pasted logs often have the host or the PID redacted
-# (``Sep 11 00:04:26   ollama[]:``).
-_HOST_IDENT = r" +(?:\S+ +)?[^\s\[:]+(?:\[\d*\])?: ?"
+# Host, then identifier and PID; pasted logs often have the host or the PID redacted, emptied
+# or replaced (``Sep 11 00:04:26   ollama[]:``, ``<host> ollama[XXXX]:``).
+_HOST_IDENT = r" +(?:\S+ +)?[^\s\[:]+(?:\[[^\]\s]*\])?: ?"
 _COMPOSE = r"[\w.-]+ *\| "
 # LM Studio's developer log: a header line ``2026-06-05 10:33:08 [DEBUG]`` (local time, whole
 # seconds) before each llama.cpp line, which is indented by one space; its log files put the

@@ -93,8 +93,11 @@ def _expand_one(p: str) -> list[str]:
     if p == STDIN:
         return [STDIN]
     if os.path.isdir(p):
-        out = [os.path.join(p, e) for e in sorted(os.listdir(p))
-               if not e.startswith(".") and os.path.isfile(os.path.join(p, e))]
+        try:
+            names = sorted(os.listdir(p))
+        except OSError as e:  # (a directory without read permission)
+            raise InputError(p, None, f"cannot read: {e.strerror or e}") from None
+        out = [os.path.join(p, e) for e in names if not e.startswith(".") and os.path.isfile(os.path.join(p, e))]
         if not out:
             raise InputError(p, None, "directory holds no files")
         return out
@@ -179,6 +182,10 @@ def sniff(head: bytes, app_columns: Mapping[str, str] | None = None) -> Kind | s
     text_like = sum(1 for b in sample[:4096] if b >= 32 or b in (9, 10, 13, 27))
     if text_like < 0.9 * min(len(sample), 4096):
         return "binary data, not a text log"
+    # Lines are cut at LF: such a file is one line, read as nothing or as one bad record.
+    if b"\n" not in sample and b"\r" in sample.rstrip(b"\r"):
+        return ("line ends are CR alone (as classic Mac OS programs write); slotscope reads LF and CRLF line ends: "
+                "convert it first, e.g. tr '\\r' '\\n' < FILE > FILE.txt")
     if looks_like_app_log(sample, app_columns):
         return "app"
     seen = _document_seen(sample)

@@ -639,8 +639,14 @@ def _check_tmpdir(what: str) -> None:
 
 
 def _disk_error(e: OSError, what: str) -> SlotscopeError:
-    return SlotscopeError(getattr(e, "filename", None) or tempfile.gettempdir(), None,
-                          f"cannot write {what} to the temporary directory ({e.strerror or e}); set TMPDIR to a directory with room")
+    where = getattr(e, "filename", None)
+    if not where:
+        try:
+            where = tempfile.gettempdir()
+        except OSError:  # (no directory Python can use: the error says which ones it tried)
+            where = None
+    return SlotscopeError(where, None, f"cannot write {what} to the temporary directory ({e.strerror or e}); "
+                          "set TMPDIR to a directory with room")
 
 
 class Spool:
