@@ -28,7 +28,7 @@ import pandas as pd
 from ..dataset import Dataset, task_view
 from ..periods import Part
 from ..timeline import GROUP, clip_span, column, floats, key_codes
-from . import Options, Question, ask
+from .questions import Options, Question, ask
 
 COMPONENTS = ["own_generation", "own_prefill", "contention", "wait", "queue", "unsplit"]
 BREAKDOWN_COLUMNS = [

@@ -22,7 +22,7 @@ import pandas as pd
 
 from ..dataset import Dataset, calls_at, calls_of
 from ..timeline import aggregate
-from . import Options, register
+from .questions import Options, register
 from .turns import as_text, is_chat_turn, is_text, measured_calls, needs_app_log, text_codes
 
 MISS_SHARE = 0.5

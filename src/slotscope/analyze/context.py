@@ -30,7 +30,7 @@ import pandas as pd
 from .. import timeline as tl
 from ..dataset import Dataset
 from ..periods import TASK_KEYS, Part
-from . import Options, Question, ask
+from .questions import Options, Question, ask
 
 EDGES = [0, 2_000, 5_000, 10_000, 15_000, np.inf]
 LABELS = ["0-2K", "2-5K", "5-10K", "10-15K", "15K+"]

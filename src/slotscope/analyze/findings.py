@@ -9,7 +9,7 @@ from __future__ import annotations
 import pandas as pd
 
 from ..dataset import Dataset
-from . import Options, percent
+from .questions import Options, percent
 
 FINDING_COLUMNS = ["finding", "table", "samples", "supported"]
 

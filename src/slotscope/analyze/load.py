@@ -20,7 +20,7 @@ import pandas as pd
 from ..dataset import Dataset
 from ..periods import Part
 from ..timeline import GROUP, floats, key_codes, step_levels
-from . import Options, Question, ask
+from .questions import Options, Question, ask
 
 LOAD_COLUMNS = ["scope", "running", "seconds", "share", "scope_seconds", "max_running", "n_slots"]
 OVERALL = "overall"

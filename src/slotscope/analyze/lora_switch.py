@@ -21,7 +21,7 @@ import pandas as pd
 from ..dataset import Dataset, task_view
 from ..periods import Part
 from ..timeline import GROUP, floats, key_codes
-from . import Options, Question, ask
+from .questions import Options, Question, ask
 from .context import count_during
 from .turns import needs_app_log
 

@@ -29,7 +29,7 @@ from ..dataset import Dataset, tasks_of
 from ..match import MATCH_COLUMNS
 from ..tasks import TASK_COLUMNS as STABLE_TASK_COLUMNS
 from ..ollama import CALL_COLUMNS, TIME_RESOLUTION_S, OllamaLogs
-from . import Options, register
+from .questions import Options, register
 
 END_BEFORE_S = 1.5  # a task's release this long before the call's [GIN] stamp (a slog stamp in between)
 END_AFTER_S = 2.5  # ... or after it (the stamp is cut to the second; borrowed times lag)

@@ -24,7 +24,7 @@ import pandas as pd
 from .. import timeline as tl
 from ..dataset import Dataset
 from ..periods import Part
-from . import Options, Question, ask
+from .questions import Options, Question, ask
 from .context import counted_at, median_of_counts
 
 EDGES = [1, 64, 256, 600, 1500, 2100, np.inf]

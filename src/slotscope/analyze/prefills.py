@@ -24,7 +24,7 @@ import pandas as pd
 
 from ..dataset import Dataset, calls_of, task_view
 from ..timeline import aggregate
-from . import Options, register
+from .questions import Options, register
 from .cache import SUMMARY, TURN_COLUMNS, by_user_and_start, turn_pairs
 from .turns import as_text, is_text, needs_app_log, text_codes
 

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from ..dataset import Dataset, task_view
-from . import Options, percent
+from .questions import Options, percent
 
 RULED_OUT_COLUMNS = ["hypothesis", "figure", "samples", "verdict"]
 # Below these shares a hypothesis cannot explain a slow server.

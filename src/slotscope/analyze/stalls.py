@@ -36,7 +36,7 @@ import pandas as pd
 from .. import timeline as tl
 from ..dataset import Dataset, task_view
 from ..periods import Part
-from . import Options, Question, ask
+from .questions import Options, Question, ask
 
 CLASSES = ["long_prefill", "other_prefill", "generation_only", "alone"]
 STALL_COLUMNS = [

@@ -27,7 +27,7 @@ import pandas as pd
 
 from .. import timeline as tl
 from ..dataset import Dataset, calls_of
-from . import Options, has_server_log, register
+from .questions import Options, has_server_log, register
 
 CHAT = "chat"
 NEEDS_APP_LOG = "needs an app log (purpose/user/LoRA)"

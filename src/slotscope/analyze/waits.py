@@ -27,7 +27,7 @@ import pandas as pd
 from .. import timeline as tl
 from ..dataset import Dataset, task_view
 from ..periods import Part
-from . import Options, Question, answer, ask
+from .questions import Options, Question, answer, ask
 
 CAUSES = ["different_lora", "same_lora", "nothing", "deferred"]
 WAIT_COLUMNS = ["cause", "count", "total_s", "max_s", "median_s", "share", "few_samples", "basis"]
