@@ -12,11 +12,14 @@ from typing import Callable
 import pandas as pd
 
 from ..dataset import Dataset
-from .questions import (APP_LOG_ALONE, QUESTIONS, TABLES, Analyzer, Options, Question, answer, ask,
+from .questions import (QUESTIONS, TABLES, Analyzer, Options, Question, answer, ask, failure_note,
                         has_server_log, percent, register)
 
 __all__ = ["APP_LOG_ALONE", "QUESTIONS", "TABLES", "Analyzer", "Options", "Question", "answer", "ask",
            "has_server_log", "percent", "register", "REPORT_ORDER", "DERIVED", "table_names", "run"]
+
+# The tables an app call log answers alone, from its own times (no server log given).
+APP_LOG_ALONE = ["turns"]
 
 
 REPORT_ORDER = [
@@ -65,7 +68,7 @@ def _plain_table(name: str, ds: Dataset, opts: Options, strict: bool) -> pd.Data
     except Exception as e:  # noqa: BLE001 - one broken table must not hide the rest
         if strict:
             raise
-        return pd.DataFrame({"note": [f"could not compute {name}: {type(e).__name__}: {e}"]})
+        return failure_note(name, e)
     finally:
         ds.unload()  # a table it read whole
 

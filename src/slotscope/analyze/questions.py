@@ -33,8 +33,6 @@ class Options:
 
 Analyzer = Callable[[Dataset, Options], pd.DataFrame]
 TABLES: dict[str, Analyzer] = {}
-# The tables an app call log answers alone, from its own times (no server log given).
-APP_LOG_ALONE = ["turns"]
 
 
 def percent(share: float) -> str:
@@ -42,6 +40,11 @@ def percent(share: float) -> str:
     100%, so that "idle 0%" means none, as the tables' three digits do."""
     p = 100 * share
     return f"{p:.0f}%" if p in (0, 100) or 1 <= p <= 99 else f"{p:.1f}%"
+
+
+def failure_note(name: str, e: Exception) -> pd.DataFrame:
+    """What a table that failed on unusual input shows instead, when the report goes on."""
+    return pd.DataFrame({"note": [f"could not compute {name}: {type(e).__name__}: {e}"]})
 
 
 def has_server_log(ds: Dataset) -> bool:
@@ -139,7 +142,7 @@ def answer(questions: list[Question], ds: Dataset, opts: Options, part_tasks: in
             ds.unload()  # what the merge read
             if i in failed:
                 e = failed[i]
-                tables = {n: pd.DataFrame({"note": [f"could not compute {n}: {type(e).__name__}: {e}"]}) for n in q.tables}
+                tables = {n: failure_note(n, e) for n in q.tables}
             out.update(tables)
     return out
 
