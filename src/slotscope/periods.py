@@ -23,9 +23,8 @@ import numpy as np
 import pandas as pd
 
 from . import store
-from .server_log import Samples
 from .events import HEARTBEAT, PROGRESS
-from .tasks import SampleSource, empty_samples, source_column as _source_column
+from .tasks import Samples, SampleSource, empty_samples, source_column as _source_column
 from .timeline import GROUP, by_code, key_codes, task_ends, within_ranges
 
 TASK_KEYS = GROUP + ["task_id"]
@@ -357,7 +356,7 @@ def _batches(table: object) -> Iterator[tuple[int, pd.DataFrame]]:
 
 def _joined(frames: list[pd.DataFrame], streams: list[SampleSource]) -> pd.DataFrame:
     """A part's samples of each stream as one table, with the dtypes of the whole log's table
-    (:class:`slotscope.server_log.Samples`): with samples in two or more streams, ``source``
+    (:class:`slotscope.tasks.Samples`): with samples in two or more streams, ``source``
     and ``file`` take every such stream's names as categories, sorted."""
     used = [src for src in streams if len(src.store)]
     if len(used) < 2:

@@ -40,12 +40,12 @@ from .errors import InputError
 from .sources import (
     CHUNK_SIZE, STDIN, Inputs, LogFile, Span, collect, is_plain, iter_chunks, iter_spans, read_span, reopen, staged,
 )
-from .store import StoredField, StoredTable, release_memory, table_itself
+from .store import StoredField, StoredTable, release_memory
 from .workers import Pool
 from .scanner import COMP_BUILD, SRV_EVENT, Reading, Scan, scan
 from .tasks import (
     GEN_COLUMNS, PREFILL_COLUMNS, SESSION_COLUMNS, TASK_COLUMNS, BlockTasks, SampleBatch, SampleSource, TaskAssembler,
-    TaskBatch, FirstTokens, empty_samples, empty_task_table, fold_block, shifted_sessions,
+    Samples, TaskBatch, FirstTokens, concat_tables, empty_task_table, fold_block, joined_categories, shifted_sessions,
 )
 
 T = TypeVar("T")
@@ -569,31 +569,6 @@ def resolve_sessions(ports: list[PortSessions], state: StreamState) -> dict[int,
     return shift
 
 
-class Samples:
-    """A samples table kept as read, on disk, and built when first asked (:meth:`table`):
-    the samples are ~5 rows per task, the larger part of a log's tables, and only a few
-    analyzers read them."""
-
-    def __init__(self, parts: list[SampleSource], columns: list[str]) -> None:
-        self.parts, self.columns = parts, columns
-        self._table: pd.DataFrame | None = None
-
-    def table(self) -> pd.DataFrame:
-        if self._table is None:
-            tables = [p.table() for p in self.parts]
-            # (None at all: the empty table with every column a table with rows has.)
-            self._table = (_concat(tables, self.columns) if any(len(t) for t in tables)
-                           else empty_samples(HEARTBEAT if self.columns == GEN_COLUMNS else PROGRESS))
-        return self._table
-
-    @property
-    def built(self) -> bool:
-        return self._table is not None
-
-    def __reduce__(self) -> tuple:
-        return table_itself, (self.table(),)  # pickled as its table: the files are this process'
-
-
 @dataclass
 class ServerLogs:
     """Everything read from llama-server logs: the tables and the line accounting.
@@ -772,7 +747,7 @@ def read_server_logs(
     # _concat gives them (taken from a one-row batch of each stream).
     cats: dict[str, list[str]] = {}
     if len(streams) > 1:
-        cats = _joined_categories([_task_table(dataclasses.replace(parts[0], idx=parts[0].idx[:1]), with_wall)
+        cats = joined_categories([_task_table(dataclasses.replace(parts[0], idx=parts[0].idx[:1]), with_wall)
                                    for _, parts in streams])
 
     def batches() -> Iterator[pd.DataFrame]:
@@ -783,7 +758,7 @@ def read_server_logs(
                 yield table.assign(**{c: table[c].cat.set_categories(v) for c, v in cats.items()}) if cats else table
             asm.discard()  # its finished rows, on disk
 
-    none = [] if streams else [empty_task_table(assemblers[0].source if assemblers else "", _concat(sessions, SESSION_COLUMNS), with_wall)]
+    none = [] if streams else [empty_task_table(assemblers[0].source if assemblers else "", concat_tables(sessions, SESSION_COLUMNS), with_wall)]
     tasks = StoredTable.of_parts(itertools.chain(batches(), none), "tasks")
     samples: tuple[list[SampleSource], list[SampleSource]] = ([], [])
     at = 0
@@ -794,7 +769,7 @@ def read_server_logs(
         at += asm.n_finished
     return ServerLogs(tasks=tasks, gen_samples=Samples(samples[0], GEN_COLUMNS),
                       prefill_samples=Samples(samples[1], PREFILL_COLUMNS),
-                      sessions=_concat(sessions, SESSION_COLUMNS), accounting=acc, ollama=found[0] if found else None)
+                      sessions=concat_tables(sessions, SESSION_COLUMNS), accounting=acc, ollama=found[0] if found else None)
 
 
 def _first_tokens_of(stored: StoredTable, first: int, n: int) -> Callable[[], FirstTokens]:
@@ -903,7 +878,7 @@ def _first_tokens(tasks: pd.DataFrame, i: int) -> pd.DataFrame:
 def _sample_batch(job: tuple[SampleBatch | None, int, Callable[[pd.DataFrame, int], object] | None, str]) -> object:
     """One batch of a samples table (in a worker process, or here); None: the empty table."""
     batch, i, then, kind = job
-    part = batch.table() if batch is not None else _concat([], GEN_COLUMNS if kind == "gen" else PREFILL_COLUMNS)
+    part = batch.table() if batch is not None else concat_tables([], GEN_COLUMNS if kind == "gen" else PREFILL_COLUMNS)
     return then(part, i) if then is not None else part
 
 
@@ -917,7 +892,7 @@ def _task_batch(job: tuple[TaskBatch | None, int, bool, Callable[[pd.DataFrame, 
 def _task_table(batch: TaskBatch | None, with_wall: bool) -> pd.DataFrame:
     """One batch of the task table (None: the empty table); ``with_wall``: with the wall-clock
     columns, NaT where this stream has none (another stream has wall clocks)."""
-    part = batch.table() if batch is not None else _concat([], TASK_COLUMNS)
+    part = batch.table() if batch is not None else concat_tables([], TASK_COLUMNS)
     if with_wall and "launch_at" not in part.columns:
         for c in ("launch_at", "release_at", "prefill_start_at", "first_token_at"):
             part[c] = pd.Series(pd.NaT, index=part.index, dtype="datetime64[us, UTC]")
@@ -974,25 +949,3 @@ def _read_all(
 def _status_counts(tasks: pd.DataFrame) -> tuple[int, int, int, int]:
     """How many tasks are complete, cancelled, incomplete and cut at the log's start."""
     return tuple(int((tasks["status"] == s).sum()) for s in ("complete", "cancelled", "incomplete", "cut_at_start"))  # type: ignore[return-value]
-
-
-def _concat(frames: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:
-    """The non-empty frames joined, each column categorical in all of them (``source``,
-    ``file``) given one set of categories, sorted (so the column sorts as its text does).
-
-    pandas joins categoricals with different categories as text: with two or more server
-    logs, ``source`` and ``file`` would become a string per row, and their dtype would
-    depend on how many servers were read.
-    """
-    frames = [f for f in frames if len(f)]
-    if not frames:
-        return pd.DataFrame({c: pd.Series(dtype="object") for c in columns})
-    for c, cats in (_joined_categories(frames) if len(frames) > 1 else {}).items():
-        frames = [f.assign(**{c: f[c].cat.set_categories(cats)}) for f in frames]
-    return pd.concat(frames, ignore_index=True)
-
-
-def _joined_categories(frames: list[pd.DataFrame]) -> dict[str, list[str]]:
-    """Per column categorical in all the frames: every frame's categories, sorted."""
-    return {c: sorted(set().union(*(f[c].cat.categories for f in frames))) for c in frames[0].columns
-            if all(isinstance(f[c].dtype, pd.CategoricalDtype) for f in frames)}

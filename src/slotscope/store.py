@@ -427,7 +427,7 @@ def table_itself(df: pd.DataFrame) -> pd.DataFrame:
 class StoredField:
     """A dataclass field holding a DataFrame (or None), or what builds one when the field is
     read (its ``table()``: a :class:`StoredTable`, or the samples of
-    :class:`slotscope.server_log.Samples`); read, it is a DataFrame."""
+    :class:`slotscope.tasks.Samples`); read, it is a DataFrame."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.key = "_" + name

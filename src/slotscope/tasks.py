@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 from . import store
-from .store import release_memory
+from .store import release_memory, table_itself
 from .events import (
     BUILD, CANCEL, CONFIG, ERROR, EVAL, HEARTBEAT, LAUNCH, MODEL, PROGRESS, PROMPT_EVAL, RELEASE, TOTAL,
 )
@@ -885,3 +885,50 @@ def _sample_table(kind: int, cols: dict[str, np.ndarray], source: str, files: li
         out = {c: (v[skip:] if v is not None else None) for c, v in out.items()}  # type: ignore[index]
     out["source"] = source_column(source, len(t_s) - skip)
     return pd.DataFrame(out, copy=False)
+
+
+def concat_tables(frames: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:
+    """The non-empty frames joined, each column categorical in all of them (``source``,
+    ``file``) given one set of categories, sorted (so the column sorts as its text does).
+
+    pandas joins categoricals with different categories as text: with two or more server
+    logs, ``source`` and ``file`` would become a string per row, and their dtype would
+    depend on how many servers were read.
+    """
+    frames = [f for f in frames if len(f)]
+    if not frames:
+        return pd.DataFrame({c: pd.Series(dtype="object") for c in columns})
+    for c, cats in (joined_categories(frames) if len(frames) > 1 else {}).items():
+        frames = [f.assign(**{c: f[c].cat.set_categories(cats)}) for f in frames]
+    return pd.concat(frames, ignore_index=True)
+
+
+def joined_categories(frames: list[pd.DataFrame]) -> dict[str, list[str]]:
+    """Per column categorical in all the frames: every frame's categories, sorted."""
+    return {c: sorted(set().union(*(f[c].cat.categories for f in frames))) for c in frames[0].columns
+            if all(isinstance(f[c].dtype, pd.CategoricalDtype) for f in frames)}
+
+
+class Samples:
+    """A samples table kept as read, on disk, and built when first asked (:meth:`table`):
+    the samples are ~5 rows per task, the larger part of a log's tables, and only a few
+    analyzers read them."""
+
+    def __init__(self, parts: list[SampleSource], columns: list[str]) -> None:
+        self.parts, self.columns = parts, columns
+        self._table: pd.DataFrame | None = None
+
+    def table(self) -> pd.DataFrame:
+        if self._table is None:
+            tables = [p.table() for p in self.parts]
+            # (None at all: the empty table with every column a table with rows has.)
+            self._table = (concat_tables(tables, self.columns) if any(len(t) for t in tables)
+                           else empty_samples(HEARTBEAT if self.columns == GEN_COLUMNS else PROGRESS))
+        return self._table
+
+    @property
+    def built(self) -> bool:
+        return self._table is not None
+
+    def __reduce__(self) -> tuple:
+        return table_itself, (self.table(),)  # pickled as its table: the files are this process'
