@@ -322,3 +322,23 @@ def test_lora_where_gives_the_label_to_the_calls_it_picks(data: dict[str, Datase
         W.resolve(W.parse_settings(["lora=style-a@1.0 where nobody == 1"]), lg.settings, lg.workload)
     with pytest.raises(UsageError, match="attribute access"):
         W.resolve(W.parse_settings(["lora=x where user.__class__ == 1"]), lg.settings, lg.workload)
+
+
+def test_a_replay_measured_in_stretches_by_a_worker_gives_the_same_tables(data: dict[str, Dataset],
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long replay is measured a stretch at a time (cut where no slot is busy), each by a
+    worker process while the replay goes on: the figures are those of one piece, and the
+    tables those of the same stretches measured in this process."""
+    st = W.parse_settings(["n_batch=512", "lora=unified"])
+    whole = W.run(data["before"], st, n_boot=200)
+    monkeypatch.setattr(W, "PART_TASKS", 8)  # (the capture's 45 calls: a few stretches)
+    monkeypatch.setenv("SLOTSCOPE_JOBS", "2")
+    forked = W.run(data["before"], st, n_boot=200)
+    monkeypatch.setenv("SLOTSCOPE_JOBS", "1")
+    here = W.run(data["before"], st, n_boot=200)
+    for name in whole:
+        pd.testing.assert_frame_equal(forked[name], here[name])
+    points = ["setting", "metric", "logged", "replayed", "whatif", "samples"]
+    pd.testing.assert_frame_equal(forked["summary"][points], whole["summary"][points])
+    for name in ("pass-costs", "pass-fit", "settings", "findings"):
+        pd.testing.assert_frame_equal(forked[name], whole[name])

@@ -63,7 +63,7 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import IO, Callable, Iterable, Sequence
+from typing import IO, Iterable, Iterator, Sequence
 
 import numpy as np
 import pandas as pd
@@ -82,6 +82,7 @@ from .prompt_cache import HostCache, Tokens, token_model
 from .errors import UsageError
 from .filters import matching
 from .output import print_table
+from .workers import beside
 
 TABLE_NAMES = ["summary", "pass-costs", "pass-fit", "settings", "findings"]
 SUMMARY_COLUMNS = ["setting", "metric", "logged", "replayed", "whatif", "whatif_low", "whatif_high", "samples", "note"]
@@ -735,13 +736,17 @@ class Replay:
     finished: list[int] = dataclasses.field(default_factory=list)  # rows released since the last flush
 
 
-def replay(w: Workload, r: Resolved, costs: PassCosts, open_loop: bool = False,
-           on_idle: Callable[[Replay], None] | None = None) -> Replay:
-    """Run the workload through the scheduler (see the module's docstring), session by session.
+def replay(w: Workload, r: Resolved, costs: PassCosts, open_loop: bool = False) -> Replay:
+    """Run the workload through the scheduler (see the module's docstring), session by session."""
+    for res in replay_stretches(w, r, costs, open_loop):
+        pass
+    return res
 
-    ``on_idle(replay)``: called whenever no slot is busy (and at the end): every task in
-    ``finished`` is done, with its heartbeats and progress lines; the callee may take them
-    (and empty the three lists) to measure the replay a stretch at a time."""
+
+def replay_stretches(w: Workload, r: Resolved, costs: PassCosts, open_loop: bool = False) -> Iterator[Replay]:
+    """:func:`replay`, the replay given whenever no slot is busy (and at the end): every task in
+    ``finished`` is done, with its heartbeats and progress lines; the caller may take them (and
+    empty the three lists) to measure the replay a stretch at a time."""
     n = len(w.tv)
     res = Replay(slot=np.full(n, -1, dtype=np.int32), send=np.full(n, np.nan), launch=np.full(n, np.nan),
                  prefill_start=np.full(n, np.nan), first_token=np.full(n, np.nan), release=np.full(n, np.nan),
@@ -749,10 +754,8 @@ def replay(w: Workload, r: Resolved, costs: PassCosts, open_loop: bool = False,
                  lora=lora_labels(w, r), heartbeats=array.array("d"), progress=array.array("d"), passes=0,
                  model_cached=np.zeros(n if w.model_logged is None else 0, dtype=np.int64))
     for g in np.unique(w.group):
-        _Session(w, r, costs, res, np.flatnonzero(w.group == g), open_loop or not w.closed).run(on_idle)
-    if on_idle is not None:
-        on_idle(res)
-    return res
+        yield from _Session(w, r, costs, res, np.flatnonzero(w.group == g), open_loop or not w.closed).run()
+    yield res
 
 
 IDLE, PROMPT, GENERATING = 0, 1, 2  # a slot's state in the replay
@@ -819,16 +822,16 @@ class _Session:
         self.gen_ubatches = 0  # the ubatches of their tokens alone
         self.prompting: list[int] = []  # the slots processing a prompt
 
-    def run(self, on_idle: Callable[[Replay], None] | None) -> None:
+    def run(self) -> Iterator[Replay]:
         """Pass after pass: the calls sent by now queued, queued calls admitted to idle slots,
-        one pass's batch run; when there is none, the clock jumps to the next send."""
+        one pass's batch run; when there is none, the replay is given (no slot is busy) and the
+        clock jumps to the next send."""
         while True:
             self.receive()
             self.admit()
             batch = self.batch()
             if batch.size == 0:
-                if on_idle is not None:
-                    on_idle(self.res)
+                yield self.res
                 if not self.heap:
                     if self.queue:  # (cannot happen: a queued task has a free slot or a busy one will release)
                         raise RuntimeError("replay stalled with queued tasks")
@@ -1150,18 +1153,30 @@ def _records(flat: array.array[float], fields: tuple[str, ...], ints: tuple[str,
     return pd.DataFrame({f: values[:, k].astype(np.int64) if f in ints else values[:, k].copy() for k, f in enumerate(fields)})
 
 
+def finished_part(rp: Replay) -> tuple[np.ndarray, Replay]:
+    """The tasks the replay finished since the last call (their rows, in order) and its figures
+    of them alone, with the heartbeats and progress lines it holds (copies: it goes on, and
+    they are taken from it)."""
+    rows = np.array(sorted(rp.finished), dtype=np.int64)
+    part = dataclasses.replace(rp, **{f: getattr(rp, f)[rows] for f in (
+        "slot", "send", "launch", "prefill_start", "first_token", "release", "n_gen", "new", "cached", "refused")},
+        lora=[rp.lora[i] for i in rows.tolist()], heartbeats=array.array("d", rp.heartbeats),
+        progress=array.array("d", rp.progress), model_cached=np.zeros(0, dtype=np.int64), finished=[])
+    del rp.finished[:], rp.heartbeats[:], rp.progress[:]
+    return rows, part
+
+
 def replayed_dataset(ds: Dataset, w: Workload, rp: Replay, r: Resolved,
                      rows: np.ndarray | None = None) -> tuple[Dataset, pd.DataFrame]:
     """The replay in the log's shapes: a dataset (samples, sessions) and its task view; of the
-    tasks ``rows`` (default: all) and the heartbeats and progress lines ``rp`` holds."""
-    rows = np.arange(len(w.tv)) if rows is None else np.asarray(rows, dtype=np.int64)
+    whole replay ``rp``, or (``rows``) of those tasks, of which ``rp`` holds the figures alone
+    (:func:`finished_part`)."""
+    if rows is None:
+        rows = np.arange(len(w.tv))
     at = np.full(len(w.tv), -1, dtype=np.int64)
     at[rows] = np.arange(len(rows))
     shape = w.tv.shape
     tv = w.tv.read(rows, [c for c in shape.columns if c not in REPLAYED_COLUMNS])  # (the others are the replay's)
-    rp = dataclasses.replace(rp, **{f: getattr(rp, f)[rows] for f in (
-        "slot", "send", "launch", "prefill_start", "first_token", "release", "n_gen", "new", "cached", "refused")},
-        lora=[rp.lora[i] for i in rows.tolist()])
     end_lag = w.end_lag_s[rows]
     keys = tl.GROUP + ["task_id"]
     tv["slot"] = pd.array(rp.slot, dtype=shape["slot"].dtype if rp.slot.size else "Int64")
@@ -1306,6 +1321,20 @@ class Gather:
                 first, last = float(np.min(t0[grp])), float(np.max(t1[grp]))
                 have = self.spans.setdefault(key if isinstance(key, tuple) else (key,), [first, last])
                 have[0], have[1] = min(have[0], first), max(have[1], last)
+
+    def merge(self, other: Gather) -> None:
+        """What ``other`` gathered, as if its stretches had been added here after these."""
+        for key, values in other.values.items():
+            self.values.setdefault(key, []).extend(values)
+            self.clusters.setdefault(key, []).extend(other.clusters[key])
+        for key, n in other.units.items():
+            self.units[key] = self.units.get(key, 0) + n
+        self.metrics.update(other.metrics)
+        for need, secs in other.busy.items():
+            self.busy[need] += secs
+        for session, (first, last) in other.spans.items():
+            have = self.spans.setdefault(session, [first, last])
+            have[0], have[1] = min(have[0], first), max(have[1], last)
 
     def result(self) -> dict[str, Sample]:
         """Every metric's samples (the shares of time as whole-run figures)."""
@@ -1464,6 +1493,11 @@ def prepare(ds: Dataset, open_loop: bool = False, opts: Options | None = None) -
     return Logged(w, logged, costs, figures, replayed)
 
 
+# A part of the log as read_logged hands it on: tasks, heartbeats, progress lines, each task's
+# resampling cluster, which tasks it counts, its span.
+_LoggedPart = tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, np.ndarray, np.ndarray, "tuple[float, float] | None"]
+
+
 def read_logged(ds: Dataset, w: WorkloadTasks, opts: Options) -> tuple[Resolved, PassCosts, dict[str, float]]:
     """The settings, pass costs and metric figures the logs show: the busy periods read twice
     (the fullest progress-line pass gives n_batch; then the passes for the cost fit and the
@@ -1494,15 +1528,31 @@ def read_logged(ds: Dataset, w: WorkloadTasks, opts: Options) -> tuple[Resolved,
         obs: list[pd.DataFrame] = []
         keys: list[np.ndarray] = []
         rng = np.random.default_rng(0)
+
+        def observed() -> Iterator[_LoggedPart]:
+            """Each part's passes kept for the fit, then the part (for its logged metrics)."""
+            for part in periods.parts():
+                wr, tasks, counted = rows_of(part)
+                o = pass_observations(_part_dataset(ds, tasks, part.gen, part.prefill), tasks, lora[wr], w.group[wr],
+                                      logged.n_batch, logged.n_ubatch)
+                if len(o):
+                    _kept(obs, keys, o[counted[o["row"].to_numpy(dtype=np.int64)]].reset_index(drop=True), rng)
+                yield tasks, part.gen, part.prefill, w.cluster[wr], counted, part.span
+
         gather = Gather()
-        for part in periods.parts():
-            wr, tasks, counted = rows_of(part)
-            pds = _part_dataset(ds, tasks, part.gen, part.prefill)
-            o = pass_observations(pds, tasks, lora[wr], w.group[wr], logged.n_batch, logged.n_ubatch)
-            if len(o):
-                _kept(obs, keys, o[counted[o["row"].to_numpy(dtype=np.int64)]].reset_index(drop=True), rng)
-            gather.add(pds, tasks, w.cluster[wr], opts, counted, part.span)
+        for one in beside(_measure_logged, (ds, opts), observed(), 1 if periods.n_parts < 2 else None):
+            gather.merge(one)
     return logged, fit_pass_costs(_draw(obs, keys)), {name: _point(x) for name, x in gather.result().items()}
+
+
+def _measure_logged(shared: tuple[Dataset, Options], item: _LoggedPart) -> Gather:
+    """:func:`read_logged`'s metrics of one part of the log (in a worker while the next part's
+    passes are read)."""
+    ds, opts = shared
+    tasks, gen, prefill, cluster, counted, span = item
+    gather = Gather()
+    gather.add(_part_dataset(ds, tasks, gen, prefill), tasks, cluster, opts, counted, span)
+    return gather
 
 
 def measure(ds: Dataset, lg: Logged, r: Resolved, open_loop: bool = False, opts: Options | None = None) -> dict[str, Sample]:
@@ -1513,20 +1563,33 @@ def measure(ds: Dataset, lg: Logged, r: Resolved, open_loop: bool = False, opts:
 def _replay_measured(ds: Dataset, w: Workload, r: Resolved, costs: PassCosts, open_loop: bool,
                      opts: Options) -> tuple[dict[str, Sample], Replay]:
     """The replay with the settings ``r`` and its samples, measured a stretch between idle
-    moments of at least :data:`slotscope.periods.PART_TASKS` tasks at a time: memory holds one
-    stretch's heartbeats and rows."""
+    moments of at least :data:`slotscope.periods.PART_TASKS` tasks at a time: memory holds a
+    few stretches' heartbeats and rows. Each stretch is measured by a worker process while the
+    replay goes on (the replay is one loop in this process, its measure pandas work of its
+    own); a replay of one stretch is measured here."""
+    whole: list[Replay] = []
+
+    def stretches() -> Iterator[tuple[np.ndarray, Replay]]:
+        for rp in replay_stretches(w, r, costs, open_loop):
+            if len(rp.finished) >= PART_TASKS:
+                yield finished_part(rp)
+        whole.append(rp)
+        if rp.finished:
+            yield finished_part(rp)
+
     gather = Gather()
+    for part in beside(_measure_part, (ds, w, r, opts), stretches(), 1 if len(w.tv) < 2 * PART_TASKS else None):
+        gather.merge(part)
+    return gather.result(), whole[0]
 
-    def flush(rp: Replay, last: bool = False) -> None:
-        if not rp.finished or (len(rp.finished) < PART_TASKS and not last):
-            return
-        rows = np.array(sorted(rp.finished), dtype=np.int64)
-        gather.add(*replayed_dataset(ds, w, rp, r, rows), w.cluster[rows], opts)
-        del rp.finished[:], rp.heartbeats[:], rp.progress[:]
 
-    rp = replay(w, r, costs, open_loop, on_idle=flush)
-    flush(rp, last=True)
-    return gather.result(), rp
+def _measure_part(shared: tuple[Dataset, Workload, Resolved, Options], item: tuple[np.ndarray, Replay]) -> Gather:
+    """:func:`_replay_measured`'s measure of one stretch of the replay (:func:`finished_part`)."""
+    ds, w, r, opts = shared
+    rows, part = item
+    gather = Gather()
+    gather.add(*replayed_dataset(ds, w, part, r, rows), w.cluster[rows], opts)
+    return gather
 
 
 def run(ds: Dataset, settings: Settings | Sequence[Settings] | None = None, *, open_loop: bool = False,

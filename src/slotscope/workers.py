@@ -6,6 +6,9 @@ process), so blocks are parsed by worker processes while the caller assembles th
 of earlier blocks. At most ``ahead`` items are in flight: memory stays bounded by a few
 blocks whatever the input size.
 
+The what-if replay is one loop that cannot be cut, but measuring what it replayed can run
+beside it: :func:`beside` hands each stretch to one worker while the loop makes the next.
+
 Workers are forked (Linux, macOS with fork available), so they start in milliseconds with
 every module already imported. Where forking is not available, or one core is all there is,
 the work runs in the calling process instead; the results are the same either way.
@@ -16,7 +19,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections import deque
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
 
 from .errors import SlotscopeError
 
@@ -146,3 +149,80 @@ def _result(f: "Future[R]") -> R:
     except BrokenProcessPool:
         raise SlotscopeError(None, None, "a worker process died (out of memory?); "
                              f"try again with fewer workers: {ENV}=1") from None
+
+
+def beside(fn: Callable[[Any, T], R], shared: Any, items: Iterable[T], jobs: int | None = None) -> Iterator[R]:
+    """``fn(shared, item)`` for each item, in order, in one worker process while this one makes
+    the next item (a pipeline of two stages: ``items`` is the first, ``fn`` the second); in
+    this process where ``jobs`` (default :func:`default_jobs`) is 1 or forking is not available.
+
+    The worker is forked with ``shared``, so that is never pickled: large read-only state
+    costs nothing to hand over. Items and results cross a pipe in the calling thread (an
+    executor's threads would pickle them in malloc arenas of their own, which keep what they
+    once held), and an item is sent only once the worker has given back the one before: both
+    sides never wait on each other's sends.
+    """
+    jobs = default_jobs() if jobs is None else jobs
+    ctx = None
+    if jobs >= 2:
+        import multiprocessing
+
+        try:
+            ctx = multiprocessing.get_context("fork")
+        except ValueError:
+            pass
+    if ctx is None:
+        for item in items:
+            yield fn(shared, item)
+        return
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_serve, args=(there, here, fn, shared), daemon=True)
+    started = False
+    try:
+        for item in items:
+            if not started:
+                proc.start()
+                there.close()
+                here.send(item)
+                started = True
+                continue
+            result = _received(here)
+            here.send(item)
+            yield result
+        if started:
+            yield _received(here)
+    finally:
+        here.close()
+        if started:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
+
+
+def _serve(conn: Any, caller: Any, fn: Callable[[Any, T], R], shared: Any) -> None:
+    """:func:`beside`'s worker: an item at a time, its result or the exception it raised sent
+    back, until the caller closes its end (``caller``: the copy this fork has of it)."""
+    caller.close()
+    while True:
+        try:
+            item = conn.recv()
+        except EOFError:
+            return
+        try:
+            result = fn(shared, item)
+        except Exception as e:
+            conn.send((False, e))
+            continue
+        conn.send((True, result))
+
+
+def _received(conn: Any) -> Any:
+    try:
+        ok, value = conn.recv()
+    except EOFError:
+        raise SlotscopeError(None, None, "a worker process died (out of memory?); "
+                             f"try again with fewer workers: {ENV}=1") from None
+    if not ok:
+        raise value
+    return value
