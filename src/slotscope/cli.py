@@ -1,7 +1,5 @@
 """The ``slotscope`` command: option parsing, one library call, one output call per command."""
 
-from __future__ import annotations
-
 import functools
 import gc
 import os
@@ -189,7 +187,7 @@ def _status(paths: list[str]) -> Iterator[Callable[[str], None]]:
         yield lambda text: status.update(text)
 
 
-def _finish(acc: Accounting, strict: bool, quiet: bool) -> None:
+def _finish(acc: "Accounting", strict: bool, quiet: bool) -> None:
     _say(acc.summary_lines(), quiet)
     for path, reason in acc.unusable:
         err.print(f"error: {path}: {reason}", markup=False)
@@ -208,7 +206,7 @@ def _no_input(unusable: list[tuple[str, str]], message: str) -> NoReturn:
     raise InputError(None, None, message)
 
 
-def _need_server(acc: Accounting, what: str = "") -> None:
+def _need_server(acc: "Accounting", what: str = "") -> None:
     """Stop with one line unless a llama-server log was read: the unusable file's reason, or
     what was found instead (app logs: what ``what`` needs, and what they give alone)."""
     if any(f.is_server_log for f in acc.files):
@@ -248,7 +246,7 @@ def _every_table_as_json(table: str | None, fmt: str | None, out: str | None) ->
     return table is None and (fmt == "json" or (fmt is None and out is not None and out.lower().endswith(".json")))
 
 
-def _rows(read: Callable[..., tuple[Any, Accounting]], paths: Optional[list[str]], fmt: str | None, out: str | None,
+def _rows(read: Callable[..., tuple[Any, "Accounting"]], paths: Optional[list[str]], fmt: str | None, out: str | None,
           since: str | None, until: str | None, where: str | None, time_col: str, title: str, columns: list[str],
           strict: bool, quiet: bool, raw_csv: bool, **kw: Any) -> None:
     """``tasks`` and ``samples``: the table read in batches (never held whole, whatever the log's
@@ -272,8 +270,8 @@ def _rows(read: Callable[..., tuple[Any, Accounting]], paths: Optional[list[str]
     _finish(acc, strict, quiet)
 
 
-def _rows_in(batch: pd.DataFrame, i: int, *, since: object, until: object, where: str | None,
-             fmt: output.Format | None, time_col: str, raw_csv: bool = False) -> object:
+def _rows_in(batch: "pd.DataFrame", i: int, *, since: object, until: object, where: str | None,
+             fmt: "output.Format | None", time_col: str, raw_csv: bool = False) -> object:
     """One batch of ``tasks`` or ``samples``: filtered, and as text for CSV/JSON (runs in a
     worker process)."""
     from . import output
@@ -322,7 +320,7 @@ def _app_columns(spec: Optional[str]) -> Optional[dict[str, str]]:
     return parse_column_spec(spec)
 
 
-def _load(paths: list[str], tz: str, app_columns: Optional[str], server_start: Optional[str], keep_samples: bool = True) -> Dataset:
+def _load(paths: list[str], tz: str, app_columns: Optional[str], server_start: Optional[str], keep_samples: bool = True) -> "Dataset":
     import pandas as pd
 
     from .dataset import load
