@@ -89,14 +89,17 @@ GIN_MATCH_TABLE = ["call_id", "start_at", "task_id", "match_method", "queue_ms",
 CALLS_TABLE = ["call_id", "start_at", "purpose", "user", "lora", "prompt_tokens", "completion_tokens", "duration_ms", "status", "line"]
 
 
-def command(name: str | None = None) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """``@app.command`` that maps the core's typed errors to one stderr line and an exit code."""
+def command(name: str | None = None, library: bool = True) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """``@app.command`` that maps the core's typed errors to one stderr line and an exit code.
+    ``library``: the command reads logs, and imports pandas and pyarrow first (:func:`_library`)."""
 
     def deco(fn: Callable[..., None]) -> Callable[..., None]:
         @functools.wraps(fn)
         def wrapper(*args: object, **kwargs: object) -> None:
             frozen = gc.get_freeze_count()  # (a caller's own freeze is left as it was)
             try:
+                if library:
+                    _library()
                 fn(*args, **kwargs)
             except BrokenPipeError:
                 # `slotscope tasks big.log | head`: the reader left; stop without a traceback.
@@ -110,11 +113,28 @@ def command(name: str | None = None) -> Callable[[Callable[..., None]], Callable
                 raise typer.Exit(2 if isinstance(e, UsageError) else 1) from None
             finally:
                 if not frozen:
-                    gc.unfreeze()  # (what `_load` froze: collected as usual after the command)
+                    gc.unfreeze()  # (what `_library` froze: collected as usual after the command)
 
         return app.command(name, cls=_Command)(wrapper)
 
     return deco
+
+
+def _library() -> None:
+    """Import pandas and pyarrow, then freeze what is alive (the modules mostly: it lives until
+    the command ends), so that the collections of the run do not walk it again. The collector
+    is paused for the import: of the some 100k objects it makes, the collections their making
+    would set off (a few hundred) free next to nothing."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        import pandas  # noqa: F401
+        import pyarrow  # noqa: F401
+        if not gc.get_freeze_count():  # (a caller's own freeze is left as it was)
+            gc.freeze()
+    finally:
+        if was_on:
+            gc.enable()
 
 
 def _long_run(paths: list[str]) -> int | None:
@@ -326,12 +346,6 @@ def _load(paths: list[str], tz: str, app_columns: Optional[str], server_start: O
     from .dataset import load
     from .filters import parse_when
 
-    # What is alive now, the modules mostly, lives until the command ends: frozen, it is not
-    # walked again by every collection of the run (load's and the automatic ones). Only at the
-    # first load: a second (compare's) would freeze the first dataset's tables, whose cycles
-    # the collector must still free when they are unloaded.
-    if not gc.get_freeze_count():
-        gc.freeze()
     start = parse_when(server_start) if server_start else None
     if start is not None and not isinstance(start, pd.Timestamp):
         raise UsageError(None, None, "--server-start needs a wall time (ISO-8601)")
@@ -482,7 +496,7 @@ def demo() -> None:
     analyze(paths=None)
 
 
-@command()
+@command(library=False)
 def explain(
     term: Annotated[Optional[list[str]], typer.Argument(help="A table's name or a term the report prints, e.g. basis, few samples, deferred (none: every entry).", show_default=False)] = None,
 ) -> None:
