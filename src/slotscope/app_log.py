@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, islice
 from os import PathLike, fspath
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import numpy as np
@@ -31,12 +31,14 @@ import pyarrow.json as pa_json
 from .app_fields import (
     CANDIDATES, ALIASES, TIMINGS, csv_header, field_names, nested_paths, path_index, resolve_fields,
 )
-from .decimal_marks import CommaCsvNumbers, DecimalMarks
 from .errors import AppLogError
 from .sources import CHUNK_SIZE, Span, is_plain, iter_chunks, iter_spans, open_binary, read_span
 from . import json_documents, store
 from .store import StoredField
 from .workers import Pool
+
+if TYPE_CHECKING:
+    from .decimal_marks import CommaCsvNumbers, DecimalMarks
 
 _TIMING_COLS = tuple(f"timings_{k}" for k in TIMINGS)
 CALL_COLUMNS: tuple[str, ...] = (
@@ -476,6 +478,8 @@ def _csv_rows(name: str, numbered: Iterable[tuple[int, str]], tally: _Tally) -> 
         raise AppLogError(name, first, f"the CSV header names {', '.join(map(repr, twice))} twice; rename one "
                           "(--app-columns maps a field to a column name)")
     tally.header_line = first
+    from .decimal_marks import CommaCsvNumbers, DecimalMarks  # (a CSV's numbers only: JSONL needs none of it)
+
     # (A spreadsheet that writes decimal commas separates fields with another mark, or quotes them.)
     tally.marks = DecimalMarks(name) if delimiter != "," else CommaCsvNumbers(name)
     reader, done = csv.reader((text + "\n" for _, text in numbered), delimiter=delimiter), 0  # (newlines kept in quotes)

@@ -1,7 +1,5 @@
 """The ``slotscope`` command: option parsing, one library call, one output call per command."""
 
-from __future__ import annotations
-
 import functools
 import gc
 import os
@@ -91,14 +89,17 @@ GIN_MATCH_TABLE = ["call_id", "start_at", "task_id", "match_method", "queue_ms",
 CALLS_TABLE = ["call_id", "start_at", "purpose", "user", "lora", "prompt_tokens", "completion_tokens", "duration_ms", "status", "line"]
 
 
-def command(name: str | None = None) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """``@app.command`` that maps the core's typed errors to one stderr line and an exit code."""
+def command(name: str | None = None, library: bool = True) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """``@app.command`` that maps the core's typed errors to one stderr line and an exit code.
+    ``library``: the command reads logs, and imports pandas and pyarrow first (:func:`_library`)."""
 
     def deco(fn: Callable[..., None]) -> Callable[..., None]:
         @functools.wraps(fn)
         def wrapper(*args: object, **kwargs: object) -> None:
             frozen = gc.get_freeze_count()  # (a caller's own freeze is left as it was)
             try:
+                if library:
+                    _library()
                 fn(*args, **kwargs)
             except BrokenPipeError:
                 # `slotscope tasks big.log | head`: the reader left; stop without a traceback.
@@ -112,11 +113,28 @@ def command(name: str | None = None) -> Callable[[Callable[..., None]], Callable
                 raise typer.Exit(2 if isinstance(e, UsageError) else 1) from None
             finally:
                 if not frozen:
-                    gc.unfreeze()  # (what `_load` froze: collected as usual after the command)
+                    gc.unfreeze()  # (what `_library` froze: collected as usual after the command)
 
         return app.command(name, cls=_Command)(wrapper)
 
     return deco
+
+
+def _library() -> None:
+    """Import pandas and pyarrow, then freeze what is alive (the modules mostly: it lives until
+    the command ends), so that the collections of the run do not walk it again. The collector
+    is paused for the import: of the some 100k objects it makes, the collections their making
+    would set off (a few hundred) free next to nothing."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        import pandas  # noqa: F401
+        import pyarrow  # noqa: F401
+        if not gc.get_freeze_count():  # (a caller's own freeze is left as it was)
+            gc.freeze()
+    finally:
+        if was_on:
+            gc.enable()
 
 
 def _long_run(paths: list[str]) -> int | None:
@@ -189,7 +207,7 @@ def _status(paths: list[str]) -> Iterator[Callable[[str], None]]:
         yield lambda text: status.update(text)
 
 
-def _finish(acc: Accounting, strict: bool, quiet: bool) -> None:
+def _finish(acc: "Accounting", strict: bool, quiet: bool) -> None:
     _say(acc.summary_lines(), quiet)
     for path, reason in acc.unusable:
         err.print(f"error: {path}: {reason}", markup=False)
@@ -208,7 +226,7 @@ def _no_input(unusable: list[tuple[str, str]], message: str) -> NoReturn:
     raise InputError(None, None, message)
 
 
-def _need_server(acc: Accounting, what: str = "") -> None:
+def _need_server(acc: "Accounting", what: str = "") -> None:
     """Stop with one line unless a llama-server log was read: the unusable file's reason, or
     what was found instead (app logs: what ``what`` needs, and what they give alone)."""
     if any(f.is_server_log for f in acc.files):
@@ -248,7 +266,7 @@ def _every_table_as_json(table: str | None, fmt: str | None, out: str | None) ->
     return table is None and (fmt == "json" or (fmt is None and out is not None and out.lower().endswith(".json")))
 
 
-def _rows(read: Callable[..., tuple[Any, Accounting]], paths: Optional[list[str]], fmt: str | None, out: str | None,
+def _rows(read: Callable[..., tuple[Any, "Accounting"]], paths: Optional[list[str]], fmt: str | None, out: str | None,
           since: str | None, until: str | None, where: str | None, time_col: str, title: str, columns: list[str],
           strict: bool, quiet: bool, raw_csv: bool, **kw: Any) -> None:
     """``tasks`` and ``samples``: the table read in batches (never held whole, whatever the log's
@@ -272,8 +290,8 @@ def _rows(read: Callable[..., tuple[Any, Accounting]], paths: Optional[list[str]
     _finish(acc, strict, quiet)
 
 
-def _rows_in(batch: pd.DataFrame, i: int, *, since: object, until: object, where: str | None,
-             fmt: output.Format | None, time_col: str, raw_csv: bool = False) -> object:
+def _rows_in(batch: "pd.DataFrame", i: int, *, since: object, until: object, where: str | None,
+             fmt: "output.Format | None", time_col: str, raw_csv: bool = False) -> object:
     """One batch of ``tasks`` or ``samples``: filtered, and as text for CSV/JSON (runs in a
     worker process)."""
     from . import output
@@ -322,18 +340,12 @@ def _app_columns(spec: Optional[str]) -> Optional[dict[str, str]]:
     return parse_column_spec(spec)
 
 
-def _load(paths: list[str], tz: str, app_columns: Optional[str], server_start: Optional[str], keep_samples: bool = True) -> Dataset:
+def _load(paths: list[str], tz: str, app_columns: Optional[str], server_start: Optional[str], keep_samples: bool = True) -> "Dataset":
     import pandas as pd
 
     from .dataset import load
     from .filters import parse_when
 
-    # What is alive now, the modules mostly, lives until the command ends: frozen, it is not
-    # walked again by every collection of the run (load's and the automatic ones). Only at the
-    # first load: a second (compare's) would freeze the first dataset's tables, whose cycles
-    # the collector must still free when they are unloaded.
-    if not gc.get_freeze_count():
-        gc.freeze()
     start = parse_when(server_start) if server_start else None
     if start is not None and not isinstance(start, pd.Timestamp):
         raise UsageError(None, None, "--server-start needs a wall time (ISO-8601)")
@@ -484,7 +496,7 @@ def demo() -> None:
     analyze(paths=None)
 
 
-@command()
+@command(library=False)
 def explain(
     term: Annotated[Optional[list[str]], typer.Argument(help="A table's name or a term the report prints, e.g. basis, few samples, deferred (none: every entry).", show_default=False)] = None,
 ) -> None:
@@ -640,3 +652,9 @@ def main() -> None:
         app()
     except KeyboardInterrupt:
         sys.exit(130)
+    finally:
+        # The process ends here, and the OS takes its memory back: frozen, what is alive is not
+        # walked again by the collections of the interpreter's shutdown (every object of pandas
+        # and pyarrow, each time). Files still open are closed and temporary files removed
+        # as before (by reference counts and atexit, which the collector does not run).
+        gc.freeze()
