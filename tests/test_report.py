@@ -281,3 +281,18 @@ def test_a_source_path_longer_than_the_page_is_not_cut(tmp_path: Path) -> None:
     assert res.exit_code == 0
     lines = res.stdout.splitlines()
     assert lines[1] == "slotscope report:" and lines[2] == f"  {deep / 'llama-server.log'}"
+
+
+def test_names_from_the_logs_print_as_written(tmp_path: Path) -> None:
+    """A user or purpose is the app's own string: rich must not read "[bold]" in it as markup,
+    nor ":fire:" as an emoji code (the before capture's app log, two names changed)."""
+    lines = (REAL / "before" / "logs" / "app.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
+    first["user"], first["purpose"] = "[bold]ana[/bold]", "chat :fire:"
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "app.jsonl").write_text("\n".join([json.dumps(first)] + lines[1:]) + "\n")
+    (logs / "llama-server.log").write_bytes((REAL / "before" / "logs" / "llama-server.log").read_bytes())
+    res = runner.invoke(app, ["calls", str(logs), "-f", "table"])
+    assert res.exit_code == 0, res.output
+    assert "[bold]ana[/bold]" in res.output and "chat :fire:" in res.output

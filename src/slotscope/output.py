@@ -27,6 +27,7 @@ import pyarrow.compute as pc
 from rich import box
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .errors import UsageError  # noqa: F401 - raised here and by the CLI
 from .glossary import label
@@ -573,14 +574,16 @@ def rich_table(df: pd.DataFrame, title: str | None = None, max_rows: int | None 
     column exactly as wide as its values (up to 24 characters, longer ones fold, but never in
     the columns ``whole``: names) or its header's longest word, the header wrapped between
     words to it. ``columns``: the cells and widths already made of these rows (``_columns``)."""
-    table = Table(title=title, title_justify="left", show_lines=False, pad_edge=False, header_style="bold",
-                  box=box.SIMPLE_HEAD, collapse_padding=True)
+    # Cells, headers and the title as Text: they hold the logs' own strings (users, purposes,
+    # paths), which rich would otherwise read as markup ("[bold]") and emoji codes (":fire:").
+    table = Table(title=None if title is None else Text(title), title_justify="left", show_lines=False, pad_edge=False,
+                  header_style="bold", box=box.SIMPLE_HEAD, collapse_padding=True)
     cols = _columns(df if max_rows is None else df.head(max_rows), whole) if columns is None else columns
     for c, (cells, width) in cols.items():
         numeric = pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c])
-        table.add_column(_header(c), justify="right" if numeric else "left", overflow="fold", width=width)
+        table.add_column(Text(_header(c)), justify="right" if numeric else "left", overflow="fold", width=width)
     for rec in zip(*(cells for cells, _ in cols.values())):
-        table.add_row(*rec)
+        table.add_row(*map(Text, rec))
     if max_rows is not None and len(df) > max_rows:
         table.caption = f"{len(df) - max_rows:,} more rows; use --format csv for all"
     return table
