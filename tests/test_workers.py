@@ -16,18 +16,18 @@ def _scaled(shared: dict[str, int], item: int) -> tuple[int, int]:
     return item * shared["factor"], os.getpid()
 
 
-@pytest.mark.parametrize("jobs", [1, 2])
-def test_results_in_order_with_the_shared_state(jobs: int) -> None:
-    out = list(beside(_scaled, {"factor": 3}, iter(range(7)), jobs=jobs))
+@pytest.mark.parametrize("workers", [0, 1, 2, 3])
+def test_results_in_order_with_the_shared_state(workers: int) -> None:
+    out = list(beside(_scaled, {"factor": 3}, iter(range(7)), workers))
     assert [v for v, _ in out] == [3 * i for i in range(7)]
     pids = {pid for _, pid in out}
-    assert (pids == {os.getpid()}) if jobs == 1 else (os.getpid() not in pids and len(pids) == 1)
+    assert (pids == {os.getpid()}) if workers == 0 else (os.getpid() not in pids and len(pids) == workers)
 
 
 def test_an_error_in_the_worker_is_raised_here_after_the_results_before_it() -> None:
     got = []
     with pytest.raises(ValueError, match="negative item -1"):
-        for v, _ in beside(_scaled, {"factor": 2}, [1, 2, -1, 4], jobs=2):
+        for v, _ in beside(_scaled, {"factor": 2}, [1, 2, -1, 4], 2):
             got.append(v)
     assert got == [2, 4]
 
@@ -40,16 +40,16 @@ def _dies(shared: object, item: int) -> int:
 
 def test_a_worker_that_dies_is_one_message() -> None:
     with pytest.raises(SlotscopeError, match="worker process died"):
-        list(beside(_dies, None, [0, 1, 2], jobs=2))
+        list(beside(_dies, None, [0, 1, 2], 2))
 
 
 def test_no_items_start_no_worker() -> None:
-    assert list(beside(_scaled, {"factor": 1}, [], jobs=2)) == []
+    assert list(beside(_scaled, {"factor": 1}, [], 2)) == []
 
 
 def test_the_worker_ends_when_the_items_do() -> None:
     import time
 
     t = time.perf_counter()
-    assert [v for v, _ in beside(_scaled, {"factor": 1}, [5], jobs=2)] == [5]
+    assert [v for v, _ in beside(_scaled, {"factor": 1}, [5], 2)] == [5]
     assert time.perf_counter() - t < 2  # (not the join's time-out: the worker saw its pipe close)

@@ -61,6 +61,9 @@ import dataclasses
 import functools
 import heapq
 import math
+import mmap
+import os
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import IO, Iterable, Iterator, Sequence
@@ -77,12 +80,12 @@ from .analyze.turns import CONDITIONS, SHORT_TOKENS, is_chat_turn, turn_conditio
 from .analyze.waits import CAUSES, classify_waits
 from .resample import resampled_stats
 from .dataset import Dataset, calls_of, task_view, task_view_rows
-from .periods import PART_TASKS, Part
+from .periods import PART_TASKS, Part, PartStore
 from .prompt_cache import HostCache, Tokens, token_model
 from .errors import UsageError
 from .filters import matching
 from .output import print_table
-from .workers import beside
+from .workers import beside, default_jobs
 
 TABLE_NAMES = ["summary", "pass-costs", "pass-fit", "settings", "findings"]
 SUMMARY_COLUMNS = ["setting", "metric", "logged", "replayed", "whatif", "whatif_low", "whatif_high", "samples", "note"]
@@ -104,6 +107,8 @@ DEFAULT_N_UBATCH = 512  # -ub default: not in the log at verbosity 3
 HEARTBEAT_TOKENS = 100  # print_timings_tg: only from n_gen >= 100 ...
 HEARTBEAT_S = 3.0  # ... and at least this long after the last print
 PROGRESS_S = 3.0  # print_timings_pp: only once the prefill has run this long
+NOT_YET = -1  # a call's entry of the cache model's reuse until the replay that writes it has launched it
+WAIT_S = 0.001  # how often a what-if replay waiting on that looks again
 LEVEL = 0.90
 FIT_OBSERVATIONS = 1 << 15  # stretches the pass costs are fitted on: an even draw of all the logs show
 NO_ADAPTER = "none"  # the app log's label of a call without LoRA (scale 0)
@@ -743,16 +748,19 @@ def replay(w: Workload, r: Resolved, costs: PassCosts, open_loop: bool = False) 
     return res
 
 
-def replay_stretches(w: Workload, r: Resolved, costs: PassCosts, open_loop: bool = False) -> Iterator[Replay]:
+def replay_stretches(w: Workload, r: Resolved, costs: PassCosts, open_loop: bool = False,
+                     model_out: np.ndarray | None = None) -> Iterator[Replay]:
     """:func:`replay`, the replay given whenever no slot is busy (and at the end): every task in
     ``finished`` is done, with its heartbeats and progress lines; the caller may take them (and
-    empty the three lists) to measure the replay a stretch at a time."""
+    empty the three lists) to measure the replay a stretch at a time. ``model_out``: where the
+    replay with the logged settings writes its cache model's reuse (default: a new array)."""
     n = len(w.tv)
     res = Replay(slot=np.full(n, -1, dtype=np.int32), send=np.full(n, np.nan), launch=np.full(n, np.nan),
                  prefill_start=np.full(n, np.nan), first_token=np.full(n, np.nan), release=np.full(n, np.nan),
                  n_gen=np.zeros(n, dtype=np.int64), new=w.new.copy(), cached=w.cached.copy(), refused=np.zeros(n, dtype=bool),
                  lora=lora_labels(w, r), heartbeats=array.array("d"), progress=array.array("d"), passes=0,
-                 model_cached=np.zeros(n if w.model_logged is None else 0, dtype=np.int64))
+                 model_cached=np.zeros(0, dtype=np.int64) if w.model_logged is not None else
+                 np.zeros(n, dtype=np.int64) if model_out is None else model_out)
     for g in np.unique(w.group):
         yield from _Session(w, r, costs, res, np.flatnonzero(w.group == g), open_loop or not w.closed).run()
     yield res
@@ -869,7 +877,7 @@ class _Session:
                 res.model_cached[i] = model
                 cached = int(w.cached[i])
             else:
-                cached = int(w.cached[i]) if model == w.model_logged[i] else model
+                cached = int(w.cached[i]) if model == self._logged_model(i) else model
             new = int(self.prompt[i]) - cached
             res.cached[i], res.new[i] = cached, new
             self.cache.launched(s, i, idle)
@@ -878,6 +886,19 @@ class _Session:
             res.slot[i], res.launch[i] = s, self.t
             self.new[s], self.cached[s], self.goal[s] = new, cached, int(w.n_gen[i])
             self.t_prefill[s], self.done_p[s], self.gen[s] = math.nan, 0, 0
+
+    def _logged_model(self, i: int) -> int:
+        """The cache model's reuse of call ``i`` in the replay with the logged settings; where
+        that replay runs beside this one (:func:`run`) and has not launched the call yet
+        (:data:`NOT_YET`), once it has."""
+        assert self.w.model_logged is not None
+        m = int(self.w.model_logged[i])
+        while m == NOT_YET:
+            if os.getppid() != _model_owner:  # (that replay's process is gone: it will not come)
+                raise RuntimeError("the replay with the logged settings ended before it launched a call")
+            time.sleep(WAIT_S)
+            m = int(self.w.model_logged[i])
+        return m
 
     def batch(self) -> _Batch:
         """The next pass's batch: generating slots first, in slot order, one token each, the
@@ -1481,11 +1502,7 @@ def prepare(ds: Dataset, open_loop: bool = False, opts: Options | None = None) -
     """Read the logs for the replays: the tasks replayed, what the logs show of them
     (:func:`read_logged`), the rest of the workload, then its replay with the logged settings."""
     opts = opts or Options()
-    ds.keep_on_disk()
-    wt = workload_tasks(ds)
-    logged, costs, figures = read_logged(ds, wt, opts)  # (before the workload's other columns are read)
-    w = workload(wt, open_loop)
-    del wt
+    w, logged, costs, figures = _read(ds, open_loop, opts)
     # The replay with the logged settings keeps the logged cache split of every call; its cache
     # model's own reuse is what a what-if's model is held against (see :meth:`_Session.admit`).
     replayed, rp = _replay_measured(ds, w, logged, costs, open_loop, opts)
@@ -1493,66 +1510,92 @@ def prepare(ds: Dataset, open_loop: bool = False, opts: Options | None = None) -
     return Logged(w, logged, costs, figures, replayed)
 
 
-# A part of the log as read_logged hands it on: tasks, heartbeats, progress lines, each task's
-# resampling cluster, which tasks it counts, its span.
-_LoggedPart = tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, np.ndarray, np.ndarray, "tuple[float, float] | None"]
+def _read(ds: Dataset, open_loop: bool, opts: Options) -> tuple[Workload, Resolved, PassCosts, dict[str, float]]:
+    """:func:`prepare` but the replay: the workload, and the settings, pass costs and figures
+    the logs show."""
+    ds.keep_on_disk()
+    wt = workload_tasks(ds)
+    logged, costs, figures = read_logged(ds, wt, opts)  # (before the workload's other columns are read)
+    return workload(wt, open_loop), logged, costs, figures
 
 
 def read_logged(ds: Dataset, w: WorkloadTasks, opts: Options) -> tuple[Resolved, PassCosts, dict[str, float]]:
     """The settings, pass costs and metric figures the logs show: the busy periods read twice
     (the fullest progress-line pass gives n_batch; then the passes for the cost fit and the
-    logged metrics), a part at a time as the report reads them."""
-    lora = np.array(w.lora, dtype=object)
+    logged metrics), a part at a time as the report reads them, by workers where there are
+    cores for them."""
     n_view = int(w.tv.rows.max(initial=-1)) + 1
     at = np.full(n_view, -1, dtype=np.int64)
     at[w.tv.rows] = np.arange(len(w.tv))
-
-    def rows_of(part: Part) -> tuple[np.ndarray, pd.DataFrame, np.ndarray]:
-        wr = np.where(part.rows < n_view, at[np.minimum(part.rows, max(n_view - 1, 0))], -1) if n_view else \
-            np.full(len(part.rows), -1)
-        keep = wr >= 0
-        return wr[keep], part.tasks[keep].reset_index(drop=True), part.counted[keep]
-
-    most = 0
+    jobs = default_jobs()
     with ds.periods() as periods:
+        workers = min(jobs, periods.n_parts) if jobs >= 2 and periods.n_parts >= 2 else 0
+        lp = _LoggedParts(ds, periods, np.array(w.lora, dtype=object), w.group, w.cluster, at, opts)
         # n_batch is read from the passes themselves (a step's tokens plus its generating slots),
         # then the passes are read again with it (a short prefill's passes depend on it).
-        for part in periods.parts(heartbeats=False):
-            wr, tasks, counted = rows_of(part)
-            steps = pass_observations(_part_dataset(ds, tasks, part.gen, part.prefill), tasks, lora[wr], w.group[wr],
-                                      1 << 30, DEFAULT_N_UBATCH, steps_only=True)
-            steps = steps[counted[steps["row"].to_numpy(dtype=np.int64)]] if len(steps) else steps
-            if len(steps):
-                most = max(most, int(steps["pass_tokens"].max()))
+        most = max(beside(_fullest_step, lp, range(periods.n_parts), workers), default=0)
         logged = logged_settings(ds, most or None)
+        lp = dataclasses.replace(lp, n_batch=logged.n_batch, n_ubatch=logged.n_ubatch)
         obs: list[pd.DataFrame] = []
         keys: list[np.ndarray] = []
         rng = np.random.default_rng(0)
-
-        def observed() -> Iterator[_LoggedPart]:
-            """Each part's passes kept for the fit, then the part (for its logged metrics)."""
-            for part in periods.parts():
-                wr, tasks, counted = rows_of(part)
-                o = pass_observations(_part_dataset(ds, tasks, part.gen, part.prefill), tasks, lora[wr], w.group[wr],
-                                      logged.n_batch, logged.n_ubatch)
-                if len(o):
-                    _kept(obs, keys, o[counted[o["row"].to_numpy(dtype=np.int64)]].reset_index(drop=True), rng)
-                yield tasks, part.gen, part.prefill, w.cluster[wr], counted, part.span
-
         gather = Gather()
-        for one in beside(_measure_logged, (ds, opts), observed(), 1 if periods.n_parts < 2 else None):
+        for o, one in beside(_logged_part, lp, range(periods.n_parts), workers):
+            if o is not None:
+                _kept(obs, keys, o, rng)
             gather.merge(one)
     return logged, fit_pass_costs(_draw(obs, keys)), {name: _point(x) for name, x in gather.result().items()}
 
 
-def _measure_logged(shared: tuple[Dataset, Options], item: _LoggedPart) -> Gather:
-    """:func:`read_logged`'s metrics of one part of the log (in a worker while the next part's
-    passes are read)."""
-    ds, opts = shared
-    tasks, gen, prefill, cluster, counted, span = item
+@dataclass(frozen=True)
+class _LoggedParts:
+    """What :func:`read_logged` reads a part of the log with: the replayed tasks' LoRA settings,
+    sessions and clusters (by workload row), each task view row's workload row (``at``, -1:
+    not replayed) and the n_batch and n_ubatch of the second reading."""
+
+    ds: Dataset
+    periods: PartStore
+    lora: np.ndarray
+    group: np.ndarray
+    cluster: np.ndarray
+    at: np.ndarray
+    opts: Options
+    n_batch: int = 1 << 30
+    n_ubatch: int = DEFAULT_N_UBATCH
+
+    def read(self, k: int, heartbeats: bool = True) -> tuple[Part, np.ndarray, pd.DataFrame, np.ndarray, Dataset]:
+        """Part ``k``, its replayed tasks' workload rows, task rows and counted flags, and the
+        dataset of them."""
+        part = self.periods.part(k, heartbeats)
+        n_view = len(self.at)
+        wr = np.where(part.rows < n_view, self.at[np.minimum(part.rows, max(n_view - 1, 0))], -1) if n_view else \
+            np.full(len(part.rows), -1)
+        keep = wr >= 0
+        tasks = part.tasks[keep].reset_index(drop=True)
+        return part, wr[keep], tasks, part.counted[keep], _part_dataset(self.ds, tasks, part.gen, part.prefill)
+
+    def passes(self, k: int, steps_only: bool = False) -> tuple[pd.DataFrame, Part, np.ndarray, pd.DataFrame,
+                                                                np.ndarray, Dataset]:
+        """Part ``k``'s passes (``row``: of its replayed tasks), and what :meth:`read` gives of it."""
+        part, wr, tasks, counted, pds = self.read(k, heartbeats=not steps_only)
+        o = pass_observations(pds, tasks, self.lora[wr], self.group[wr], self.n_batch, self.n_ubatch, steps_only)
+        return o, part, wr, tasks, counted, pds
+
+
+def _fullest_step(lp: _LoggedParts, k: int) -> int:
+    """The most tokens a progress-line pass of part ``k`` ran (0: none)."""
+    steps, _, _, _, counted, _ = lp.passes(k, steps_only=True)
+    steps = steps[counted[steps["row"].to_numpy(dtype=np.int64)]] if len(steps) else steps
+    return int(steps["pass_tokens"].max()) if len(steps) else 0
+
+
+def _logged_part(lp: _LoggedParts, k: int) -> tuple[pd.DataFrame | None, Gather]:
+    """Part ``k``'s passes of the tasks it counts, for the fit (None: it has none at all), and
+    its logged metrics."""
+    o, part, wr, tasks, counted, pds = lp.passes(k)
     gather = Gather()
-    gather.add(_part_dataset(ds, tasks, gen, prefill), tasks, cluster, opts, counted, span)
-    return gather
+    gather.add(pds, tasks, lp.cluster[wr], lp.opts, counted, part.span)
+    return (o[counted[o["row"].to_numpy(dtype=np.int64)]].reset_index(drop=True) if len(o) else None), gather
 
 
 def measure(ds: Dataset, lg: Logged, r: Resolved, open_loop: bool = False, opts: Options | None = None) -> dict[str, Sample]:
@@ -1561,7 +1604,7 @@ def measure(ds: Dataset, lg: Logged, r: Resolved, open_loop: bool = False, opts:
 
 
 def _replay_measured(ds: Dataset, w: Workload, r: Resolved, costs: PassCosts, open_loop: bool,
-                     opts: Options) -> tuple[dict[str, Sample], Replay]:
+                     opts: Options, model_out: np.ndarray | None = None) -> tuple[dict[str, Sample], Replay]:
     """The replay with the settings ``r`` and its samples, measured a stretch between idle
     moments of at least :data:`slotscope.periods.PART_TASKS` tasks at a time: memory holds a
     few stretches' heartbeats and rows. Each stretch is measured by a worker process while the
@@ -1570,7 +1613,7 @@ def _replay_measured(ds: Dataset, w: Workload, r: Resolved, costs: PassCosts, op
     whole: list[Replay] = []
 
     def stretches() -> Iterator[tuple[np.ndarray, Replay]]:
-        for rp in replay_stretches(w, r, costs, open_loop):
+        for rp in replay_stretches(w, r, costs, open_loop, model_out):
             if len(rp.finished) >= PART_TASKS:
                 yield finished_part(rp)
         whole.append(rp)
@@ -1578,9 +1621,14 @@ def _replay_measured(ds: Dataset, w: Workload, r: Resolved, costs: PassCosts, op
             yield finished_part(rp)
 
     gather = Gather()
-    for part in beside(_measure_part, (ds, w, r, opts), stretches(), 1 if len(w.tv) < 2 * PART_TASKS else None):
+    for part in beside(_measure_part, (ds, w, r, opts), stretches(), 0 if len(w.tv) < 2 * PART_TASKS else _spare()):
         gather.merge(part)
     return gather.result(), whole[0]
+
+
+def _spare() -> int:
+    """Workers beside the replay: one where there is a core for it."""
+    return 1 if default_jobs() >= 2 else 0
 
 
 def _measure_part(shared: tuple[Dataset, Workload, Resolved, Options], item: tuple[np.ndarray, Replay]) -> Gather:
@@ -1599,20 +1647,41 @@ def run(ds: Dataset, settings: Settings | Sequence[Settings] | None = None, *, o
     logged figure, the replay with the logged settings, the what-if and its interval)."""
     opts = opts or Options()
     asked = [Settings()] if settings is None else [settings] if isinstance(settings, Settings) else list(settings)
-    lg = prepare(ds, open_loop, opts)
-    w, logged, costs = lg.workload, lg.settings, lg.costs
+    w, logged, costs, figures = _read(ds, open_loop, opts)
     plans = [(st.label(), resolve(st, logged, w)) for st in asked]
-    base = {name: _point(x) for name, x in lg.replayed.items()}
-    # A setting that is the logged one is the replay prepare() measured. Its rows are made
-    # first; then only its points are needed, and its samples go before the what-if replays.
-    made = {i: _summary_rows(label, lg.replayed, lg.figures, base, seed, n_boot, opts)
+    whatifs = [r for _, r in plans if r != logged]
+    # The what-if replays hold their cache model against the logged settings' replay's, call
+    # by call. With a core for it, they run in a worker beside that replay, each call waiting
+    # until that replay has launched it (the model's entries are NOT_YET until then).
+    beside_it = 1 if whatifs and default_jobs() >= 2 and len(w.tv) >= 2 * PART_TASKS else 0
+    model = _shared_ints(len(w.tv), NOT_YET)
+    logged_run: list[dict[str, Sample]] = []
+
+    def replays() -> Iterator[Resolved]:
+        if beside_it:
+            yield whatifs[0]
+        logged_run.append(_replay_measured(ds, w, logged, costs, open_loop, opts, model)[0])
+        yield from whatifs[beside_it:]
+
+    measured = beside(_whatif_samples, (ds, dataclasses.replace(w, model_logged=model), costs, open_loop, opts),
+                      replays(), beside_it)
+    # (the logged settings' replay is done once the first what-if is given)
+    first = [next(measured)] if whatifs else []
+    if not whatifs:
+        for _ in replays():  # (only the logged settings' replay)
+            pass
+    w.model_logged = model
+    base = {name: _point(x) for name, x in logged_run[0].items()}
+    # A setting that is the logged one is that replay: its rows are made now, then only its
+    # points are kept.
+    made = {i: _summary_rows(label, logged_run[0], figures, base, seed, n_boot, opts)
             for i, (label, r) in enumerate(plans) if r == logged}
-    lg.replayed.clear()
+    logged_run.clear()
     rows: list[dict[str, object]] = []
     set_rows, findings = [], []
     for i, (label, r) in enumerate(plans):
         rows += made.pop(i) if i in made else \
-            _summary_rows(label, measure(ds, lg, r, open_loop, opts), lg.figures, base, seed, n_boot, opts)
+            _summary_rows(label, first.pop() if first else next(measured), figures, base, seed, n_boot, opts)
         notes = _extrapolates(r, costs, w)
         for name in ("n_batch", "n_ubatch", "slots", "ctx"):
             set_rows.append({"setting": label, "name": name, "logged": getattr(logged, name), "whatif": getattr(r, name),
@@ -1630,6 +1699,25 @@ def run(ds: Dataset, settings: Settings | Sequence[Settings] | None = None, *, o
     return {"summary": summary, "pass-costs": cost_table(costs), "pass-fit": costs.fit,
             "settings": pd.DataFrame(set_rows, columns=SETTING_COLUMNS).astype({"logged": "string", "whatif": "string"}),
             "findings": pd.DataFrame(findings, columns=FINDING_COLUMNS)}
+
+
+def _whatif_samples(shared: tuple[Dataset, Workload, PassCosts, bool, Options], r: Resolved) -> dict[str, Sample]:
+    """:func:`run`'s replay of one what-if setting, measured."""
+    ds, w, costs, open_loop, opts = shared
+    return _replay_measured(ds, w, r, costs, open_loop, opts)[0]
+
+
+def _shared_ints(n: int, fill: int) -> np.ndarray:
+    """``n`` int64 filled with ``fill``, in memory that processes forked after share (what
+    one writes the others read)."""
+    global _model_owner
+    _model_owner = os.getpid()
+    out = np.frombuffer(mmap.mmap(-1, 8 * n), dtype=np.int64) if n else np.zeros(0, dtype=np.int64)
+    out[:] = fill
+    return out
+
+
+_model_owner = 0  # the process whose replay writes the shared model (:func:`_shared_ints`)
 
 
 def _summary_rows(label: str, what: dict[str, Sample], figures: dict[str, float], base: dict[str, float], seed: int,

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import pickle
+import traceback
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
 
@@ -151,20 +153,20 @@ def _result(f: "Future[R]") -> R:
                              f"try again with fewer workers: {ENV}=1") from None
 
 
-def beside(fn: Callable[[Any, T], R], shared: Any, items: Iterable[T], jobs: int | None = None) -> Iterator[R]:
-    """``fn(shared, item)`` for each item, in order, in one worker process while this one makes
-    the next item (a pipeline of two stages: ``items`` is the first, ``fn`` the second); in
-    this process where ``jobs`` (default :func:`default_jobs`) is 1 or forking is not available.
+def beside(fn: Callable[[Any, T], R], shared: Any, items: Iterable[T], workers: int = 1) -> Iterator[R]:
+    """``fn(shared, item)`` for each item, in order, in ``workers`` worker processes (taking the
+    items in turn) while this one makes the next items; in this process where ``workers`` is 0
+    or forking is not available. One worker makes a pipeline of two stages (``items`` the
+    first, ``fn`` the second); more share out a map whose items cost nothing to make.
 
-    The worker is forked with ``shared``, so that is never pickled: large read-only state
-    costs nothing to hand over. Items and results cross a pipe in the calling thread (an
+    The workers are forked with ``shared``, so it is never pickled: large read-only state
+    costs nothing to hand over. Items and results cross pipes in the calling thread (an
     executor's threads would pickle them in malloc arenas of their own, which keep what they
-    once held), and an item is sent only once the worker has given back the one before: both
-    sides never wait on each other's sends.
+    once held), and a worker is sent an item only once it has given back the one before: the
+    two sides never wait on each other's sends.
     """
-    jobs = default_jobs() if jobs is None else jobs
     ctx = None
-    if jobs >= 2:
+    if workers >= 1:
         import multiprocessing
 
         try:
@@ -175,46 +177,62 @@ def beside(fn: Callable[[Any, T], R], shared: Any, items: Iterable[T], jobs: int
         for item in items:
             yield fn(shared, item)
         return
-    here, there = ctx.Pipe()
-    proc = ctx.Process(target=_serve, args=(there, here, fn, shared), daemon=True)
-    started = False
+    ends: list[Any] = []
+    procs: list[Any] = []
+    pending: deque[int] = deque()  # the workers holding an item, oldest item first
     try:
-        for item in items:
-            if not started:
-                proc.start()
-                there.close()
-                here.send(item)
-                started = True
-                continue
-            result = _received(here)
-            here.send(item)
-            yield result
-        if started:
-            yield _received(here)
+        for k, item in enumerate(items):
+            if not procs:
+                for _ in range(workers):
+                    here, there = ctx.Pipe()
+                    ends.append(here)
+                    # (not a daemon: a worker may start workers of its own; it ends when its
+                    # pipe closes, with this process if need be)
+                    proc = ctx.Process(target=_serve, args=(there, ends, fn, shared))
+                    proc.start()
+                    procs.append(proc)
+                    there.close()
+            j = k % workers
+            if len(pending) == workers:  # (each has one: the oldest is worker j's)
+                result = _received(ends[pending.popleft()])
+                ends[j].send(item)
+                pending.append(j)
+                yield result
+            else:
+                ends[j].send(item)
+                pending.append(j)
+        while pending:
+            yield _received(ends[pending.popleft()])
     finally:
-        here.close()
-        if started:
+        for conn in ends:
+            conn.close()
+        for proc in procs:
             proc.join(timeout=5)
             if proc.is_alive():
                 proc.terminate()
                 proc.join()
 
 
-def _serve(conn: Any, caller: Any, fn: Callable[[Any, T], R], shared: Any) -> None:
+def _serve(conn: Any, callers: list[Any], fn: Callable[[Any, T], R], shared: Any) -> None:
     """:func:`beside`'s worker: an item at a time, its result or the exception it raised sent
-    back, until the caller closes its end (``caller``: the copy this fork has of it)."""
-    caller.close()
+    back, until the caller closes its end (``callers``: the caller's ends, which this fork
+    holds copies of: closed, so that the caller's closing is seen)."""
+    for end in callers:
+        end.close()
     while True:
         try:
             item = conn.recv()
         except EOFError:
             return
         try:
-            result = fn(shared, item)
+            reply: tuple[bool, Any] = (True, fn(shared, item))
         except Exception as e:
-            conn.send((False, e))
-            continue
-        conn.send((True, result))
+            e.add_note("(raised in a worker process:)\n" + "".join(traceback.format_tb(e.__traceback__)))
+            reply = (False, e)
+        try:
+            conn.send(reply)
+        except (pickle.PicklingError, TypeError, AttributeError) as e:  # (what cannot cross the pipe is said)
+            conn.send((False, RuntimeError(f"a worker's result could not be handed back: {type(e).__name__}: {e}")))
 
 
 def _received(conn: Any) -> Any:

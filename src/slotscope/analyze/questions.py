@@ -12,6 +12,7 @@ import pandas as pd
 
 from ..dataset import Dataset
 from ..periods import Part
+from ..workers import beside, default_jobs
 
 
 @dataclass(frozen=True)
@@ -126,13 +127,19 @@ def answer(questions: list[Question], ds: Dataset, opts: Options, part_tasks: in
                     firsts[i].append(attempt(i, lambda: questions[i].prepare[0](part, opts)))  # type: ignore[index]
             prepared = {i: attempt(i, lambda: questions[i].prepare[1](firsts[i])) for i in early}  # type: ignore[index]
             del firsts  # (what the first pass gave is folded: the second holds only that)
-        # Each question's answers wait on disk: a merge holds its own question's alone.
+        # Each question's answers wait on disk: a merge holds its own question's alone. The
+        # parts are answered by workers, each reading its own, where there are cores for it.
         answers = [periods.spool(f"the answers for {q.tables[0]}") for q in questions]
-        for part in periods.parts():
-            for i, q in enumerate(questions):
-                args = (part, opts, prepared[i]) if i in prepared else (part, opts)
-                answers[i].append(attempt(i, lambda: q.per_part(*args)))
-        del part
+        jobs = default_jobs()
+        shared = (periods, questions, opts, prepared, set(failed))
+        for got in beside(_part_answers, shared, range(periods.n_parts),
+                          min(jobs, periods.n_parts) if jobs >= 2 and periods.n_parts >= 2 else 0):
+            for i, (ok, value) in enumerate(got):
+                if not ok and i not in failed:
+                    if strict:
+                        raise value
+                    failed[i] = value
+                answers[i].append(None if i in failed else value)
         for i, q in enumerate(questions):
             for name in q.tables:
                 if on_table is not None:
@@ -144,6 +151,23 @@ def answer(questions: list[Question], ds: Dataset, opts: Options, part_tasks: in
                 e = failed[i]
                 tables = {n: failure_note(n, e) for n in q.tables}
             out.update(tables)
+    return out
+
+
+def _part_answers(shared: tuple[Any, list[Question], Options, dict[int, Any], set[int]], k: int) -> list[tuple[bool, Any]]:
+    """Every question's answer for part ``k`` (:func:`answer`'s second pass): ``(True, answer)``,
+    or ``(False, the exception it raised)``; the questions that failed before are skipped."""
+    periods, questions, opts, prepared, failed = shared
+    part = periods.part(k)
+    out: list[tuple[bool, Any]] = []
+    for i, q in enumerate(questions):
+        if i in failed:
+            out.append((True, None))
+            continue
+        try:
+            out.append((True, q.per_part(*((part, opts, prepared[i]) if i in prepared else (part, opts)))))
+        except Exception as e:  # noqa: BLE001 - (answer() decides: raised, or the question's failure note)
+            out.append((False, e))
     return out
 
 
