@@ -11,7 +11,7 @@ from typing import Any, Callable
 import pandas as pd
 
 from ..dataset import Dataset
-from ..periods import Part
+from ..periods import Part, PartStore
 from ..workers import beside, default_jobs
 
 
@@ -101,60 +101,81 @@ def answer(questions: list[Question], ds: Dataset, opts: Options, part_tasks: in
     a question needs a first one, :attr:`Question.prepare`). Unless ``strict``, a question
     that fails gives each of its tables a one-row note and the others go on.
     ``on_table(name)``: the table is made next."""
-    failed: dict[int, Exception] = {}
-
-    def attempt(i: int, fn: Callable[[], Any]) -> Any:
-        if i in failed:
-            return None
-        try:
-            return fn()
-        except Exception as e:  # noqa: BLE001 - one broken question must not hide the rest
-            if strict:
-                raise
-            failed[i] = e
-            return None
-
-    prepared: dict[int, Any] = {}
+    failed = _Failures(strict)
     out: dict[str, pd.DataFrame] = {}
     with ds.periods(part_tasks) as periods:
-        early = [i for i, q in enumerate(questions) if q.prepare is not None]
-        if early:
-            firsts: dict[int, list[Any]] = {i: [] for i in early}
-            wanted = [questions[i].prepare_columns for i in early]
-            columns = None if None in wanted else sorted({c for cols in wanted for c in cols or ()})
-            for part in periods.parts(heartbeats=False, columns=columns):  # (what a first pass asks needs no heartbeats)
-                for i in early:
-                    firsts[i].append(attempt(i, lambda: questions[i].prepare[0](part, opts)))  # type: ignore[index]
-            prepared = {i: attempt(i, lambda: questions[i].prepare[1](firsts[i])) for i in early}  # type: ignore[index]
-            del firsts  # (what the first pass gave is folded: the second holds only that)
-        # Each question's answers wait on disk: a merge holds its own question's alone. The
-        # parts are answered by workers, each reading its own, where there are cores for it.
-        answers = [periods.spool(f"the answers for {q.tables[0]}") for q in questions]
-        jobs = default_jobs()
-        shared = (periods, questions, opts, prepared, set(failed))
-        for got in beside(_part_answers, shared, range(periods.n_parts),
-                          min(jobs, periods.n_parts) if jobs >= 2 and periods.n_parts >= 2 else 0):
-            for i, (ok, value) in enumerate(got):
-                if not ok and i not in failed:
-                    if strict:
-                        raise value
-                    failed[i] = value
-                answers[i].append(None if i in failed else value)
+        prepared = _prepared(questions, periods, opts, failed)
+        answers = _answers(questions, periods, opts, prepared, failed)
         for i, q in enumerate(questions):
             for name in q.tables:
                 if on_table is not None:
                     on_table(name)
-            tables = attempt(i, lambda: q.merge(answers[i].read(), opts, ds))
+            tables = failed.attempt(i, lambda: q.merge(answers[i].read(), opts, ds))
             answers[i].discard()
             ds.unload()  # what the merge read
-            if i in failed:
-                e = failed[i]
+            if i in failed.of:
+                e = failed.of[i]
                 tables = {n: failure_note(n, e) for n in q.tables}
             out.update(tables)
     return out
 
 
-def _part_answers(shared: tuple[Any, list[Question], Options, dict[int, Any], set[int]], k: int) -> list[tuple[bool, Any]]:
+class _Failures:
+    """:func:`answer`'s questions that failed, and why (``strict``: raised instead)."""
+
+    def __init__(self, strict: bool) -> None:
+        self.strict = strict
+        self.of: dict[int, Exception] = {}
+
+    def attempt(self, i: int, fn: Callable[[], Any]) -> Any:
+        """``fn()`` for question ``i``, None once it has failed."""
+        if i in self.of:
+            return None
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - one broken question must not hide the rest
+            return self.took(i, False, e)
+
+    def took(self, i: int, ok: bool, value: Any) -> Any:
+        """What question ``i`` gave (``ok``) or raised (:func:`_part_answers`): None once it
+        has failed."""
+        if not ok and i not in self.of:
+            if self.strict:
+                raise value
+            self.of[i] = value
+        return None if i in self.of else value
+
+
+def _prepared(questions: list[Question], periods: PartStore, opts: Options, failed: _Failures) -> dict[int, Any]:
+    """The first pass, of the questions that need one (:attr:`Question.prepare`): their
+    folded answers, by question."""
+    early = [i for i, q in enumerate(questions) if q.prepare is not None]
+    if not early:
+        return {}
+    firsts: dict[int, list[Any]] = {i: [] for i in early}
+    wanted = [questions[i].prepare_columns for i in early]
+    columns = None if None in wanted else sorted({c for cols in wanted for c in cols or ()})
+    for part in periods.parts(heartbeats=False, columns=columns):  # (what a first pass asks needs no heartbeats)
+        for i in early:
+            firsts[i].append(failed.attempt(i, lambda: questions[i].prepare[0](part, opts)))  # type: ignore[index]
+    return {i: failed.attempt(i, lambda: questions[i].prepare[1](firsts[i])) for i in early}  # type: ignore[index]
+
+
+def _answers(questions: list[Question], periods: PartStore, opts: Options, prepared: dict[int, Any],
+             failed: _Failures) -> list[Any]:
+    """The second pass: each question's answers of every part, in part order, waiting on disk
+    (a merge holds its own question's alone). The parts are answered by workers, each reading
+    its own, where there are cores for it."""
+    answers = [periods.spool(f"the answers for {q.tables[0]}") for q in questions]
+    jobs, n = default_jobs(), periods.n_parts
+    for got in beside(_part_answers, (periods, questions, opts, prepared, set(failed.of)), range(n),
+                      min(jobs, n) if jobs >= 2 and n >= 2 else 0):
+        for i, (ok, value) in enumerate(got):
+            answers[i].append(failed.took(i, ok, value))
+    return answers
+
+
+def _part_answers(shared: tuple[PartStore, list[Question], Options, dict[int, Any], set[int]], k: int) -> list[tuple[bool, Any]]:
     """Every question's answer for part ``k`` (:func:`answer`'s second pass): ``(True, answer)``,
     or ``(False, the exception it raised)``; the questions that failed before are skipped."""
     periods, questions, opts, prepared, failed = shared
