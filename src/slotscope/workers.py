@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import os
 import pickle
+import signal
 import traceback
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
@@ -219,10 +220,11 @@ def _serve(conn: Any, callers: list[Any], fn: Callable[[Any, T], R], shared: Any
     holds copies of: closed, so that the caller's closing is seen)."""
     for end in callers:
         end.close()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (Ctrl-C is the caller's to handle: it closes the pipe)
     while True:
         try:
             item = conn.recv()
-        except EOFError:
+        except (EOFError, ConnectionResetError):  # (the caller is done, or gone)
             return
         try:
             reply: tuple[bool, Any] = (True, fn(shared, item))
@@ -231,6 +233,8 @@ def _serve(conn: Any, callers: list[Any], fn: Callable[[Any, T], R], shared: Any
             reply = (False, e)
         try:
             conn.send(reply)
+        except (BrokenPipeError, ConnectionResetError):  # (the caller stopped, say on Ctrl-C)
+            return
         except (pickle.PicklingError, TypeError, AttributeError) as e:  # (what cannot cross the pipe is said)
             conn.send((False, RuntimeError(f"a worker's result could not be handed back: {type(e).__name__}: {e}")))
 
