@@ -60,6 +60,7 @@ import array
 import dataclasses
 import functools
 import heapq
+import itertools
 import math
 import mmap
 import os
@@ -85,7 +86,7 @@ from .prompt_cache import HostCache, Tokens, token_model
 from .errors import UsageError
 from .filters import matching
 from .output import print_table
-from .workers import beside, default_jobs
+from .workers import beside, workers_for
 
 TABLE_NAMES = ["summary", "pass-costs", "pass-fit", "settings", "findings"]
 SUMMARY_COLUMNS = ["setting", "metric", "logged", "replayed", "whatif", "whatif_low", "whatif_high", "samples", "note"]
@@ -229,6 +230,7 @@ class Workload:
     closed: bool
     tokens: Tokens  # what the prompts have in common (slotscope.prompt_cache)
     model_logged: np.ndarray | None = None  # the cache model's reuse replayed as logged (None: not run yet)
+    model_from: int = 0  # the process writing model_logged while this workload replays (0: written already)
 
 
 def _labels(s: pd.Series) -> np.ndarray:
@@ -759,8 +761,8 @@ def replay_stretches(w: Workload, r: Resolved, costs: PassCosts, open_loop: bool
                  prefill_start=np.full(n, np.nan), first_token=np.full(n, np.nan), release=np.full(n, np.nan),
                  n_gen=np.zeros(n, dtype=np.int64), new=w.new.copy(), cached=w.cached.copy(), refused=np.zeros(n, dtype=bool),
                  lora=lora_labels(w, r), heartbeats=array.array("d"), progress=array.array("d"), passes=0,
-                 model_cached=np.zeros(0, dtype=np.int64) if w.model_logged is not None else
-                 np.zeros(n, dtype=np.int64) if model_out is None else model_out)
+                 model_cached=model_out if model_out is not None else
+                 np.zeros(n if w.model_logged is None else 0, dtype=np.int64))
     for g in np.unique(w.group):
         yield from _Session(w, r, costs, res, np.flatnonzero(w.group == g), open_loop or not w.closed).run()
     yield res
@@ -894,7 +896,7 @@ class _Session:
         assert self.w.model_logged is not None
         m = int(self.w.model_logged[i])
         while m == NOT_YET:
-            if os.getppid() != _model_owner:  # (that replay's process is gone: it will not come)
+            if os.getppid() != self.w.model_from:  # (that replay's process is gone: it will not come)
                 raise RuntimeError("the replay with the logged settings ended before it launched a call")
             time.sleep(WAIT_S)
             m = int(self.w.model_logged[i])
@@ -1527,9 +1529,8 @@ def read_logged(ds: Dataset, w: WorkloadTasks, opts: Options) -> tuple[Resolved,
     n_view = int(w.tv.rows.max(initial=-1)) + 1
     at = np.full(n_view, -1, dtype=np.int64)
     at[w.tv.rows] = np.arange(len(w.tv))
-    jobs = default_jobs()
     with ds.periods() as periods:
-        workers = min(jobs, periods.n_parts) if jobs >= 2 and periods.n_parts >= 2 else 0
+        workers = workers_for(periods.n_parts)
         lp = _LoggedParts(ds, periods, np.array(w.lora, dtype=object), w.group, w.cluster, at, opts)
         # n_batch is read from the passes themselves (a step's tokens plus its generating slots),
         # then the passes are read again with it (a short prefill's passes depend on it).
@@ -1621,14 +1622,15 @@ def _replay_measured(ds: Dataset, w: Workload, r: Resolved, costs: PassCosts, op
             yield finished_part(rp)
 
     gather = Gather()
-    for part in beside(_measure_part, (ds, w, r, opts), stretches(), 0 if len(w.tv) < 2 * PART_TASKS else _spare()):
+    for part in beside(_measure_part, (ds, w, r, opts), stretches(), _beside_replay(w)):
         gather.merge(part)
     return gather.result(), whole[0]
 
 
-def _spare() -> int:
-    """Workers beside the replay: one where there is a core for it."""
-    return 1 if default_jobs() >= 2 else 0
+def _beside_replay(w: Workload) -> int:
+    """Workers beside a replay of ``w``: one where there is a core for it, and it has stretches
+    to hand it (a replay of one is measured in its own process)."""
+    return workers_for(len(w.tv) // PART_TASKS, most=1)
 
 
 def _measure_part(shared: tuple[Dataset, Workload, Resolved, Options], item: tuple[np.ndarray, Replay]) -> Gather:
@@ -1653,7 +1655,7 @@ def run(ds: Dataset, settings: Settings | Sequence[Settings] | None = None, *, o
     # The what-if replays hold their cache model against the logged settings' replay's, call
     # by call. With a core for it, they run in a worker beside that replay, each call waiting
     # until that replay has launched it (the model's entries are NOT_YET until then).
-    beside_it = 1 if whatifs and default_jobs() >= 2 and len(w.tv) >= 2 * PART_TASKS else 0
+    beside_it = _beside_replay(w) if whatifs else 0
     model = _shared_ints(len(w.tv), NOT_YET)
     logged_run: list[dict[str, Sample]] = []
 
@@ -1663,14 +1665,9 @@ def run(ds: Dataset, settings: Settings | Sequence[Settings] | None = None, *, o
         logged_run.append(_replay_measured(ds, w, logged, costs, open_loop, opts, model)[0])
         yield from whatifs[beside_it:]
 
-    measured = beside(_whatif_samples, (ds, dataclasses.replace(w, model_logged=model), costs, open_loop, opts),
-                      replays(), beside_it)
-    # (the logged settings' replay is done once the first what-if is given)
-    first = [next(measured)] if whatifs else []
-    if not whatifs:
-        for _ in replays():  # (only the logged settings' replay)
-            pass
-    w.model_logged = model
+    lg = Logged(dataclasses.replace(w, model_logged=model, model_from=os.getpid()), logged, costs, figures, {})
+    measured = beside(_whatif_samples, (ds, lg, open_loop, opts), replays(), beside_it)
+    first = list(itertools.islice(measured, 1))  # (the logged settings' replay is done by then)
     base = {name: _point(x) for name, x in logged_run[0].items()}
     # A setting that is the logged one is that replay: its rows are made now, then only its
     # points are kept.
@@ -1701,23 +1698,18 @@ def run(ds: Dataset, settings: Settings | Sequence[Settings] | None = None, *, o
             "findings": pd.DataFrame(findings, columns=FINDING_COLUMNS)}
 
 
-def _whatif_samples(shared: tuple[Dataset, Workload, PassCosts, bool, Options], r: Resolved) -> dict[str, Sample]:
+def _whatif_samples(shared: tuple[Dataset, Logged, bool, Options], r: Resolved) -> dict[str, Sample]:
     """:func:`run`'s replay of one what-if setting, measured."""
-    ds, w, costs, open_loop, opts = shared
-    return _replay_measured(ds, w, r, costs, open_loop, opts)[0]
+    ds, lg, open_loop, opts = shared
+    return measure(ds, lg, r, open_loop, opts)
 
 
 def _shared_ints(n: int, fill: int) -> np.ndarray:
     """``n`` int64 filled with ``fill``, in memory that processes forked after share (what
     one writes the others read)."""
-    global _model_owner
-    _model_owner = os.getpid()
     out = np.frombuffer(mmap.mmap(-1, 8 * n), dtype=np.int64) if n else np.zeros(0, dtype=np.int64)
     out[:] = fill
     return out
-
-
-_model_owner = 0  # the process whose replay writes the shared model (:func:`_shared_ints`)
 
 
 def _summary_rows(label: str, what: dict[str, Sample], figures: dict[str, float], base: dict[str, float], seed: int,

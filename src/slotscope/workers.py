@@ -6,8 +6,9 @@ process), so blocks are parsed by worker processes while the caller assembles th
 of earlier blocks. At most ``ahead`` items are in flight: memory stays bounded by a few
 blocks whatever the input size.
 
-The what-if replay is one loop that cannot be cut, but measuring what it replayed can run
-beside it: :func:`beside` hands each stretch to one worker while the loop makes the next.
+:func:`beside` runs the later stages of work the same way, in order: the busy periods'
+answers (each worker reads its own part), and what the what-if replay made (one loop that
+cannot be cut, but measuring each stretch it replayed can run beside it).
 
 Workers are forked (Linux, macOS with fork available), so they start in milliseconds with
 every module already imported. Where forking is not available, or one core is all there is,
@@ -150,8 +151,18 @@ def _result(f: "Future[R]") -> R:
     try:
         return f.result()
     except BrokenProcessPool:
-        raise SlotscopeError(None, None, "a worker process died (out of memory?); "
-                             f"try again with fewer workers: {ENV}=1") from None
+        raise _died() from None
+
+
+def _died() -> SlotscopeError:
+    return SlotscopeError(None, None, f"a worker process died (out of memory?); try again with fewer workers: {ENV}=1")
+
+
+def workers_for(items: int, most: int | None = None) -> int:
+    """Worker processes for :func:`beside` over ``items`` items: one per CPU (:func:`default_jobs`),
+    at most ``items`` and ``most``; none where there is one CPU or one item."""
+    jobs = default_jobs()
+    return 0 if jobs < 2 or items < 2 else min(jobs, items, jobs if most is None else most)
 
 
 def beside(fn: Callable[[Any, T], R], shared: Any, items: Iterable[T], workers: int = 1) -> Iterator[R]:
@@ -243,8 +254,7 @@ def _received(conn: Any) -> Any:
     try:
         ok, value = conn.recv()
     except EOFError:
-        raise SlotscopeError(None, None, "a worker process died (out of memory?); "
-                             f"try again with fewer workers: {ENV}=1") from None
+        raise _died() from None
     if not ok:
         raise value
     return value

@@ -12,7 +12,7 @@ import pandas as pd
 
 from ..dataset import Dataset
 from ..periods import Part, PartStore
-from ..workers import beside, default_jobs
+from ..workers import beside, workers_for
 
 
 @dataclass(frozen=True)
@@ -167,9 +167,8 @@ def _answers(questions: list[Question], periods: PartStore, opts: Options, prepa
     (a merge holds its own question's alone). The parts are answered by workers, each reading
     its own, where there are cores for it."""
     answers = [periods.spool(f"the answers for {q.tables[0]}") for q in questions]
-    jobs, n = default_jobs(), periods.n_parts
-    for got in beside(_part_answers, (periods, questions, opts, prepared, set(failed.of)), range(n),
-                      min(jobs, n) if jobs >= 2 and n >= 2 else 0):
+    n = periods.n_parts
+    for got in beside(_part_answers, (periods, questions, opts, prepared, set(failed.of)), range(n), workers_for(n)):
         for i, (ok, value) in enumerate(got):
             answers[i].append(failed.took(i, ok, value))
     return answers
