@@ -192,6 +192,7 @@ def beside(fn: Callable[[Any, T], R], shared: Any, items: Iterable[T], workers: 
     ends: list[Any] = []
     procs: list[Any] = []
     pending: deque[int] = deque()  # the workers holding an item, oldest item first
+    done = False
     try:
         for k, item in enumerate(items):
             if not procs:
@@ -215,10 +216,13 @@ def beside(fn: Callable[[Any, T], R], shared: Any, items: Iterable[T], workers: 
                 pending.append(j)
         while pending:
             yield _received(ends[pending.popleft()])
+        done = True
     finally:
         for conn in ends:
             conn.close()
         for proc in procs:
+            if not done:  # (stopped early, by an error or Ctrl-C: what the workers do is not wanted)
+                proc.terminate()
             proc.join(timeout=5)
             if proc.is_alive():
                 proc.terminate()
