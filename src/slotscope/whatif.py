@@ -409,10 +409,6 @@ def _ubatches(tokens: tuple[int, ...], n_ubatch: int) -> int:
         n += 1
 
 
-def _mask_tokens(mask: int, n_slots: int) -> list[int]:
-    return [(mask >> k) & 1 for k in range(n_slots)]
-
-
 def _sum_positions(p0: np.ndarray, p: np.ndarray) -> np.ndarray:
     """Sum of positions p0 .. p0+p-1, in millions (the attention work of a prompt chunk)."""
     return (p * p0 + p * (p - 1) / 2) / 1e6
@@ -610,7 +606,7 @@ def _pass_ubatches(masks: np.ndarray, slot: np.ndarray, chunk: np.ndarray, n_uba
     counts = np.empty(len(first))
     for k, (mask, sl, c) in enumerate(combos):
         width = max(int(mask).bit_length(), sl + 1, 1)
-        tokens = _mask_tokens(int(mask), width)
+        tokens = [(int(mask) >> b) & 1 for b in range(width)]
         if sl >= 0:
             tokens[sl] += c
         counts[k] = max(ubatches(tokens, n_ubatch), 1)
@@ -1170,10 +1166,18 @@ HB_FIELDS = ("row", "t_s", "n_gen", "tg_tps", "tg_3s_tps", "window_s")
 PROGRESS_FIELDS = ("row", "t_s", "n_tokens", "progress", "elapsed_s")
 
 
-def _records(flat: array.array[float], fields: tuple[str, ...], ints: tuple[str, ...]) -> pd.DataFrame:
-    """A replay's records (``fields`` per record, end to end) as a frame; ``ints`` as int64."""
+def _records(flat: array.array[float], fields: tuple[str, ...], ints: tuple[str, ...], at: np.ndarray,
+             base: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """A replay's records (``fields`` per record, end to end, the first its workload row) of the
+    tasks that have a row of ``base`` (``at``: each workload row's, -1: none), as that row and
+    the other fields (``ints`` as int64), in order of ``keys`` and time."""
     values = np.frombuffer(flat, dtype=np.float64).reshape(-1, len(fields)) if len(flat) else np.zeros((0, len(fields)))
-    return pd.DataFrame({f: values[:, k].astype(np.int64) if f in ints else values[:, k].copy() for k, f in enumerate(fields)})
+    place = at[values[:, 0].astype(np.int64)]
+    keep = place >= 0
+    out = base.iloc[place[keep]].reset_index(drop=True)
+    out = out.assign(**{f: values[keep, k].astype(np.int64) if f in ints else values[keep, k]
+                        for k, f in enumerate(fields) if k > 0})
+    return out.sort_values(keys + ["t_s"], kind="stable").reset_index(drop=True)
 
 
 def finished_part(rp: Replay) -> tuple[np.ndarray, Replay]:
@@ -1224,22 +1228,12 @@ def replayed_dataset(ds: Dataset, w: Workload, rp: Replay, r: Resolved,
     tv["status"] = np.where(rp.refused, "error", "complete")
     tv = tv[[c for c in shape.columns if c in tv.columns] + [c for c in tv.columns if c not in shape.columns]]
     base = tv[keys + ["slot"]]
-    hb = _records(rp.heartbeats, HB_FIELDS, ("row", "n_gen"))
-    hb = hb[at[hb["row"].to_numpy(dtype=np.int64)] >= 0]
-    gen = base.iloc[at[hb["row"].to_numpy(dtype=np.int64)]].reset_index(drop=True)
-    gen = gen.assign(t_s=hb["t_s"].to_numpy(), n_gen=hb["n_gen"].to_numpy(), tg_tps=hb["tg_tps"].to_numpy(),
-                     tg_3s_tps=hb["tg_3s_tps"].to_numpy(), window_s=hb["window_s"].to_numpy())
+    gen = _records(rp.heartbeats, HB_FIELDS, ("n_gen",), at, base, keys)
     gen["tokens"] = np.rint(gen["tg_3s_tps"] * gen["window_s"]).astype(np.int64)
     gen["window_start_s"] = gen["t_s"] - gen["window_s"]
-    gen = gen.sort_values(keys + ["t_s"], kind="stable").reset_index(drop=True)
-    pr = _records(rp.progress, PROGRESS_FIELDS, ("row", "n_tokens"))
-    pr = pr[at[pr["row"].to_numpy(dtype=np.int64)] >= 0]
-    pre = base.iloc[at[pr["row"].to_numpy(dtype=np.int64)]].reset_index(drop=True)
-    pre = pre.assign(t_s=pr["t_s"].to_numpy(), n_tokens=pr["n_tokens"].to_numpy(dtype=np.int64),
-                     progress=pr["progress"].to_numpy(), elapsed_s=pr["elapsed_s"].to_numpy())
+    pre = _records(rp.progress, PROGRESS_FIELDS, ("n_tokens",), at, base, keys)
     with np.errstate(divide="ignore", invalid="ignore"):
         pre["tps"] = pre["n_tokens"] / pre["elapsed_s"]
-    pre = pre.sort_values(keys + ["t_s"], kind="stable").reset_index(drop=True)
     same = (pre[keys].shift().eq(pre[keys])).all(axis=1).to_numpy()
     pre["step_tokens"] = pd.array(np.where(same, pre["n_tokens"].diff(), np.nan), dtype="float64").astype("Int64")
     pre["step_s"] = np.where(same, pre["t_s"].diff(), np.nan)
@@ -1374,14 +1368,6 @@ class Gather:
         return out
 
 
-def samples(ds: Dataset, tv: pd.DataFrame, cluster: np.ndarray, opts: Options) -> dict[str, Sample]:
-    """The metrics' samples of a dataset and its task view (logged or replayed alike) in one
-    piece; ``cluster`` is each task row's resampling unit."""
-    g = Gather()
-    g.add(ds, tv, cluster, opts)
-    return g.result()
-
-
 def _point(s: Sample) -> float:
     v = s.values[np.isfinite(s.values)]
     if not len(v):
@@ -1412,16 +1398,14 @@ def _interval(s: Sample, rng: np.random.Generator, n_boot: int) -> tuple[float, 
 # The run
 
 
-def logged_settings(ds: Dataset, fullest_step: int | None = None) -> Resolved:
+def logged_settings(ds: Dataset, fullest_step: int = 0) -> Resolved:
     """The settings the logs show: slots and per-slot context from the start-up lines, n_batch
     from the fullest pass (a progress step plus the generating slots it ran with), n_ubatch the
     default (it is not logged at verbosity 3)."""
     s = ds.server.sessions
     slots = int(pd.to_numeric(s["n_slots"], errors="coerce").max()) if len(s) and s["n_slots"].notna().any() else 1
     per = int(pd.to_numeric(s["n_ctx_slot"], errors="coerce").max()) if len(s) and s["n_ctx_slot"].notna().any() else 0
-    n_batch = DEFAULT_N_BATCH
-    if fullest_step:
-        n_batch = int(fullest_step)
+    n_batch = int(fullest_step) if fullest_step else DEFAULT_N_BATCH
     return Resolved(n_batch=n_batch, n_ubatch=min(DEFAULT_N_UBATCH, n_batch), slots=slots,
                     ctx=per * slots if per > 0 else 1 << 40, unify=None)
 
@@ -1429,7 +1413,7 @@ def logged_settings(ds: Dataset, fullest_step: int | None = None) -> Resolved:
 def resolve(settings: Settings, logged: Resolved, w: Workload) -> Resolved:
     """Asked settings over the logged ones."""
     n_batch = settings.n_batch or logged.n_batch
-    n_ubatch = min(settings.n_ubatch or (min(logged.n_ubatch, n_batch) if settings.n_batch is None else min(DEFAULT_N_UBATCH, n_batch)), n_batch)
+    n_ubatch = min(settings.n_ubatch or DEFAULT_N_UBATCH, n_batch)  # (the logged n_ubatch is the default too)
     unify: str | None = None
     assign: tuple[str, str] | None = None
     label, where, condition = settings.lora.partition(" where ")
@@ -1486,18 +1470,18 @@ def _kept(obs: list[pd.DataFrame], keys: list[np.ndarray], fresh: pd.DataFrame, 
     obs.append(fresh)
     keys.append(rng.random(len(fresh)))
     if sum(len(k) for k in keys) > 2 * FIT_OBSERVATIONS:
-        whole, key = pd.concat(obs, ignore_index=True), np.concatenate(keys)
-        keep = np.sort(np.argpartition(key, FIT_OBSERVATIONS)[:FIT_OBSERVATIONS])
-        obs[:], keys[:] = [whole.iloc[keep].reset_index(drop=True)], [key[keep]]
+        whole, key = _draw(obs, keys)
+        obs[:], keys[:] = [whole], [key]
 
 
-def _draw(obs: list[pd.DataFrame], keys: list[np.ndarray]) -> pd.DataFrame:
+def _draw(obs: list[pd.DataFrame], keys: list[np.ndarray]) -> tuple[pd.DataFrame, np.ndarray]:
     if not obs:
-        return pd.DataFrame(columns=OBS_COLUMNS)
+        return pd.DataFrame(columns=OBS_COLUMNS), np.zeros(0)
     whole, key = pd.concat(obs, ignore_index=True), np.concatenate(keys)
     if len(whole) > FIT_OBSERVATIONS:
-        whole = whole.iloc[np.sort(np.argpartition(key, FIT_OBSERVATIONS)[:FIT_OBSERVATIONS])].reset_index(drop=True)
-    return whole
+        keep = np.sort(np.argpartition(key, FIT_OBSERVATIONS)[:FIT_OBSERVATIONS])
+        whole, key = whole.iloc[keep].reset_index(drop=True), key[keep]
+    return whole, key
 
 
 def prepare(ds: Dataset, open_loop: bool = False, opts: Options | None = None) -> Logged:
@@ -1535,7 +1519,7 @@ def read_logged(ds: Dataset, w: WorkloadTasks, opts: Options) -> tuple[Resolved,
         # n_batch is read from the passes themselves (a step's tokens plus its generating slots),
         # then the passes are read again with it (a short prefill's passes depend on it).
         most = max(beside(_fullest_step, lp, range(periods.n_parts), workers), default=0)
-        logged = logged_settings(ds, most or None)
+        logged = logged_settings(ds, most)
         lp = dataclasses.replace(lp, n_batch=logged.n_batch, n_ubatch=logged.n_ubatch)
         obs: list[pd.DataFrame] = []
         keys: list[np.ndarray] = []
@@ -1545,7 +1529,7 @@ def read_logged(ds: Dataset, w: WorkloadTasks, opts: Options) -> tuple[Resolved,
             if o is not None:
                 _kept(obs, keys, o, rng)
             gather.merge(one)
-    return logged, fit_pass_costs(_draw(obs, keys)), {name: _point(x) for name, x in gather.result().items()}
+    return logged, fit_pass_costs(_draw(obs, keys)[0]), {name: _point(x) for name, x in gather.result().items()}
 
 
 @dataclass(frozen=True)
