@@ -90,7 +90,7 @@ def _headers(cached: np.ndarray, chat: np.ndarray, purpose: np.ndarray, group: n
     header found (0 if none)."""
     kind, names = pd.factorize(np.where(chat, -2, purpose))  # (chat turns one class, and calls without a purpose one)
     kind = kind.astype(np.int64)
-    lone = ~chat.copy()
+    lone = ~chat
     if len(starts):
         s = starts[np.lexsort((send[starts], user[starts], group[starts]))]
         first_of_user = np.r_[True, (user[s][1:] != user[s][:-1]) | (group[s][1:] != group[s][:-1])]

@@ -155,7 +155,7 @@ def parse_settings(items: Iterable[str]) -> Settings:
         name, value = name.strip(), value.strip()
         if not sep or name not in SETTING_NAMES or not value:
             raise UsageError(None, None, f"--set {item!r}: give NAME=VALUE with NAME one of {', '.join(SETTING_NAMES)}")
-        values[name] = value if name == "lora" else _positive(name, value)
+        values[name] = _value(name, value)
     return Settings(**values)  # type: ignore[arg-type]
 
 
@@ -165,15 +165,14 @@ def parse_sweep(spec: str, base: Settings) -> list[Settings]:
     name = name.strip()
     if not sep or name not in SETTING_NAMES or not values.strip():
         raise UsageError(None, None, f"--sweep {spec!r}: give NAME=V1,V2,... with NAME one of {', '.join(SETTING_NAMES)}")
-    out = []
-    for v in values.split(","):
-        v = v.strip()
-        value: object = v if name == "lora" else _positive(name, v)
-        out.append(dataclasses.replace(base, **{name: value}))  # type: ignore[arg-type]
-    return out
+    return [dataclasses.replace(base, **{name: _value(name, v.strip())})  # type: ignore[arg-type]
+            for v in values.split(",")]
 
 
-def _positive(name: str, value: str) -> int:
+def _value(name: str, value: str) -> str | int:
+    """A setting's value: lora's as given, the others' a positive whole number."""
+    if name == "lora":
+        return value
     try:
         n = int(value)
     except ValueError:
@@ -374,11 +373,6 @@ class PassCosts:
     max_pass_tokens: int
     max_gen_slots: int
 
-    def seconds(self, ub: float, p: float, ap: float, g: float, ag: float, lora_tokens: float, switch: float) -> float:
-        c = self.coef
-        return (c["ubatch"] * ub + c["prompt_token"] * p + c["prompt_attention"] * ap + c["gen_slot"] * g
-                + c["gen_attention"] * ag + c["lora_token"] * lora_tokens + c["lora_switch"] * switch)
-
 
 def ubatches(tokens: Sequence[int], n_ubatch: int) -> int:
     """:func:`_ubatches` (passes repeat: the count is kept per pass shape)."""
@@ -520,6 +514,7 @@ def pass_observations(ds: Dataset, tv: pd.DataFrame, lora: np.ndarray, group: np
     pre = ds.server.prefill_samples
     lines = pre[pre["task_id"].notna()] if pre is not None and len(pre) else None
     items: list[tuple[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+    has_lines = np.zeros(len(tv), dtype=bool)
     if lines is not None and len(lines):
         row = rows_of(lines)
         t = tl.floats(lines["t_s"])
@@ -534,17 +529,14 @@ def pass_observations(ds: Dataset, tv: pd.DataFrame, lora: np.ndarray, group: np
         r = row[last]
         items.append(("prefill_last_chunk", r, t[last], tl.floats(tv["first_token_s"])[r], new[r] - n_tok[last],
                       cached[r] + n_tok[last]))
-        has_lines = np.zeros(len(tv), dtype=bool)
         has_lines[row[row >= 0]] = True
-    else:
-        has_lines = np.zeros(len(tv), dtype=bool)
     if steps_only:
         items = items[:1]
-    eval_ms = tl.floats(tv["prompt_eval_ms"])
-    short = np.flatnonzero(~has_lines & (eval_ms < PROGRESS_S * 1000) & (new > 0))
-    if not steps_only:
-        items.append(("prefill_whole", short, tl.floats(tv["prefill_start_s"])[short], tl.floats(tv["first_token_s"])[short],
-                      new[short], cached[short]))
+    else:
+        eval_ms = tl.floats(tv["prompt_eval_ms"])
+        short = np.flatnonzero(~has_lines & (eval_ms < PROGRESS_S * 1000) & (new > 0))
+        items.append(("prefill_whole", short, tl.floats(tv["prefill_start_s"])[short],
+                      tl.floats(tv["first_token_s"])[short], new[short], cached[short]))
     for kind, r, t0, t1, p, p0 in items:
         ok = np.isfinite(t0) & np.isfinite(t1) & (t1 > t0) & (p > 0)
         r, t0, t1, p, p0 = r[ok], t0[ok], t1[ok], p[ok], p0[ok]
@@ -636,7 +628,7 @@ def _nonnegative_fit(obs: pd.DataFrame, y: np.ndarray) -> dict[str, float]:
         if (sol >= 0).all():
             coef.update(dict(zip(active, sol.tolist())))
             break
-        active = [t for t, c in zip(active, sol) if c >= 0] if (sol < 0).any() else active
+        active = [t for t, c in zip(active, sol) if c >= 0]
     return coef
 
 
@@ -646,7 +638,7 @@ def _term_ranges(obs: pd.DataFrame) -> tuple[dict[str, tuple[float, float]], dic
     if not len(obs):
         return {}, {t: 0 for t in TERMS}
     per_pass = {t: (obs[t] / obs["passes"]).to_numpy(dtype=float) for t in TERMS[:-1]}
-    seen = {t: (float(np.min(v)), float(np.max(v))) if len(v) else (math.nan, math.nan) for t, v in per_pass.items()}
+    seen = {t: (float(np.min(v)), float(np.max(v))) for t, v in per_pass.items()}
     counts = {t: int((obs[t] > 0).sum()) for t in TERMS[:-1]}
     counts["lora_switch"] = 0
     return seen, counts
@@ -1383,13 +1375,9 @@ def _interval(s: Sample, rng: np.random.Generator, n_boot: int) -> tuple[float, 
     """Percentile interval of the statistic over resamples of the clusters (users' sessions)."""
     ok = np.isfinite(s.values)
     v, c = s.values[ok], s.clusters[ok]
-    if s.kind == "share" or len(v) < 2 or n_boot <= 0:
+    if s.kind == "share" or len(v) < 2 or n_boot <= 0 or len(np.unique(c)) < 2:
         return math.nan, math.nan
-    codes, _ = pd.factorize(pd.Series(c))
-    k = int(codes.max()) + 1
-    if k < 2:
-        return math.nan, math.nan
-    stats = resampled_stats(v, codes, s.kind, rng, n_boot)
+    stats = resampled_stats(v, c, s.kind, rng, n_boot)
     lo, hi = np.nanquantile(stats, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
     return float(lo), float(hi)
 
@@ -1449,14 +1437,12 @@ def _extrapolates(r: Resolved, costs: PassCosts, w: Workload) -> list[str]:
 @dataclass
 class Logged:
     """What the replays start from: the workload, the settings and pass costs the logs show,
-    the logged run's figures (the metrics' points: nothing is resampled of them) and the
-    samples of its replay with the logged settings."""
+    and the logged run's figures (the metrics' points: nothing is resampled of them)."""
 
     workload: Workload
     settings: Resolved
     costs: PassCosts
     figures: dict[str, float]
-    replayed: dict[str, Sample]
 
 
 def _part_dataset(ds: Dataset, tasks: pd.DataFrame, gen: pd.DataFrame, prefill: pd.DataFrame) -> Dataset:
@@ -1491,9 +1477,10 @@ def prepare(ds: Dataset, open_loop: bool = False, opts: Options | None = None) -
     w, logged, costs, figures = _read(ds, open_loop, opts)
     # The replay with the logged settings keeps the logged cache split of every call; its cache
     # model's own reuse is what a what-if's model is held against (see :meth:`_Session.admit`).
-    replayed, rp = _replay_measured(ds, w, logged, costs, open_loop, opts)
+    for rp in replay_stretches(w, logged, costs, open_loop):
+        del rp.finished[:], rp.heartbeats[:], rp.progress[:]  # (only its cache model is kept)
     w.model_logged = rp.model_cached
-    return Logged(w, logged, costs, figures, replayed)
+    return Logged(w, logged, costs, figures)
 
 
 def _read(ds: Dataset, open_loop: bool, opts: Options) -> tuple[Workload, Resolved, PassCosts, dict[str, float]]:
@@ -1649,7 +1636,7 @@ def run(ds: Dataset, settings: Settings | Sequence[Settings] | None = None, *, o
         logged_run.append(_replay_measured(ds, w, logged, costs, open_loop, opts, model)[0])
         yield from whatifs[beside_it:]
 
-    lg = Logged(dataclasses.replace(w, model_logged=model, model_from=os.getpid()), logged, costs, figures, {})
+    lg = Logged(dataclasses.replace(w, model_logged=model, model_from=os.getpid()), logged, costs, figures)
     measured = beside(_whatif_samples, (ds, lg, open_loop, opts), replays(), beside_it)
     first = list(itertools.islice(measured, 1))  # (the logged settings' replay is done by then)
     base = {name: _point(x) for name, x in logged_run[0].items()}
