@@ -48,8 +48,9 @@ def token_model(prompt: np.ndarray, cached: np.ndarray, n_gen: np.ndarray, send:
                 conv: np.ndarray, user: np.ndarray, chat: np.ndarray, purpose: np.ndarray) -> Tokens:
     """The token model of the logged calls (their logged split and order)."""
     n = len(prompt)
-    run = np.full(n, -1, dtype=np.int64)
-    step = np.zeros(n, dtype=np.int64)
+    # (run, step and kind are codes: int32, as the workload's)
+    run = np.full(n, -1, dtype=np.int32)
+    step = np.zeros(n, dtype=np.int32)
     turns = np.flatnonzero(chat & (conv >= 0))
     turns = turns[np.lexsort((send[turns], conv[turns], group[turns]))]
     # A turn goes on from the one before it: same conversation and session, and its prompt holds
@@ -63,9 +64,8 @@ def token_model(prompt: np.ndarray, cached: np.ndarray, n_gen: np.ndarray, send:
     step[turns] = np.arange(len(turns)) - first
     persona = _personas(turns[starts], cached, group, user, n)
     kind, header = _headers(cached, chat, purpose, group, user, send, turns[starts])
-    # (run, step and kind are codes: int32, as the workload's)
-    return Tokens(prompt=prompt.astype(np.int64), run=run.astype(np.int32), step=step.astype(np.int32), user=user,
-                  persona=persona, kind=kind.astype(np.int32), header=header)
+    return Tokens(prompt=prompt.astype(np.int64), run=run, step=step, user=user, persona=persona,
+                  kind=kind.astype(np.int32), header=header)
 
 
 def _personas(starts: np.ndarray, cached: np.ndarray, group: np.ndarray, user: np.ndarray, n: int) -> np.ndarray:
@@ -89,7 +89,6 @@ def _headers(cached: np.ndarray, chat: np.ndarray, purpose: np.ndarray, group: n
     are no chat turn, and each user's first chat turn); a class without one gets the smallest
     header found (0 if none)."""
     kind, names = pd.factorize(np.where(chat, -2, purpose))  # (chat turns one class, and calls without a purpose one)
-    kind = kind.astype(np.int64)
     lone = ~chat
     if len(starts):
         s = starts[np.lexsort((send[starts], user[starts], group[starts]))]

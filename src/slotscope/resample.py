@@ -16,6 +16,7 @@ import pandas as pd
 # stay a small share of the memory bound (and closer to the cache). The draws do not depend on it.
 _BLOCK_CELLS = 1 << 20
 RUN = 256  # sorted values per run of a quantile's search (see Resampled)
+QUANTILES = {"median": 0.5, "p90": 0.9, "p95": 0.95}  # the quantile statistics' levels
 
 
 class Resampled:
@@ -50,7 +51,7 @@ class Resampled:
         if kind == "max":
             w = counts[:, codes]
             return xs[w.shape[1] - 1 - np.argmax(w[:, ::-1] > 0, axis=1)]
-        q = {"median": 0.5, "p90": 0.9, "p95": 0.95}[kind]
+        q = QUANTILES[kind]
         unit, values, first = self.runs
         per_run = np.add.reduceat(counts[:, unit] * values, first, axis=1)
         cum = np.cumsum(per_run, axis=1)

@@ -27,22 +27,16 @@ Three parts, each a model of the mechanism rather than a fit of the outcome:
 
 Prompt-cache rule (:mod:`slotscope.prompt_cache`, after tools/server at b11434): each call's
 prompt is modelled by what it shares with the others (its conversation's earlier turns, its
-user's persona, a header). The slot is picked as get_available_slot (server-context.cpp) picks
-it: the largest share of the prompt an idle slot holds, above 0.1, else the least recently
-released. A slot picked the second way, or keeping under half its tokens, is saved to the host
-cache and loaded for the call (server_prompt_cache::load, server-task.cpp: oldest first, the
-entry beating the slot on both the share of itself kept and the share of the prompt, entries
-keeping under a quarter skipped; it leaves the cache); after each launch every idle slot is
-saved (process_single_task, ``--cache-idle-slots``; server_prompt_cache::alloc keeps one copy
-of a state). A change of LoRA setting then clears the slot (launch_slot_with_task). The call reuses
-the common prefix of what the slot holds and its prompt, never the whole prompt
-(pre_decode). The model is run once with the logged settings: where a replay's cache model
-gives a call the reuse it gives it there, the call keeps its logged split (the logs know the
-prompts; the model does not), and takes the model's figure where a setting changed it (a
-LoRA setting, slots, an order that n_batch changed). The host cache holds at most ``ctx``
-tokens, the oldest out first (its size in bytes is not in the logs). The context is modelled
-too: a prompt that no longer fits the per-slot context (``ctx / slots``) is
-refused, as the server refuses it, and a generation that would overflow it stops there.
+user's persona, a header), and slots are picked, saved to the host cache and loaded from it
+as get_available_slot and server_prompt_cache do (:class:`slotscope.prompt_cache.HostCache`).
+A change of LoRA setting then clears the slot (launch_slot_with_task). The call reuses the
+common prefix of what the slot holds and its prompt, never the whole prompt (pre_decode). The
+model is run once with the logged settings: where a replay's cache model gives a call the reuse
+it gives it there, the call keeps its logged split (the logs know the prompts; the model does
+not), and takes the model's figure where a setting changed it (a LoRA setting, slots, an order
+that n_batch changed). The context is modelled too: a prompt that no longer fits the per-slot
+context (``ctx / slots``) is refused, as the server refuses it, and a generation that would
+overflow it stops there.
 
 Memory: the logs are read a part of the busy periods at a time (:mod:`slotscope.periods`), and
 a replay is measured a stretch between its idle moments at a time (:func:`measure`); what
@@ -79,7 +73,7 @@ from .analyze import Options
 from .analyze.stalls import MIN_PIECE_S, generation_segments, task_pieces
 from .analyze.turns import CONDITIONS, SHORT_TOKENS, is_chat_turn, turn_conditions
 from .analyze.waits import CAUSES, classify_waits
-from .resample import resampled_stats
+from .resample import QUANTILES, resampled_stats
 from .dataset import Dataset, calls_of, task_view, task_view_rows
 from .periods import PART_TASKS, Part, PartStore
 from .prompt_cache import HostCache, Tokens, token_model
@@ -94,6 +88,9 @@ COST_COLUMNS = ["term", "unit", "coefficient_ms", "observations", "seen_min", "s
 FIT_COLUMNS = ["kind", "observations", "passes", "median_error_pct", "p90_abs_error_pct", "bias_pct"]
 SETTING_COLUMNS = ["setting", "name", "logged", "whatif", "note"]
 FINDING_COLUMNS = ["setting", "finding"]
+SETTING_NOTES = {"n_batch": "logged: the fullest pass the progress lines show",
+                 "n_ubatch": "logged: the default (not in the log at verbosity 3)",
+                 "slots": "from the start-up line", "ctx": "the whole context (-c), shared by the slots"}
 
 # What the workload and the replay's metrics read of the task view.
 WORKLOAD_COLUMNS = tl.GROUP + [
@@ -472,15 +469,10 @@ class _Phases:
             rows = (self.group == gg) & (self.lora_code == lc)
             tq = t[q]
             ps, ft, rel = self.ps[rows], self.ft[rows], self.rel[rows]
-            pre[q] = _count_in(ps, ft, tq)
-            gen[q] = _count_in(ft, rel, tq)
+            pre[q] = _sum_in(ps, ft, np.ones(len(ps)), tq)
+            gen[q] = _sum_in(ft, rel, np.ones(len(ft)), tq)
             ctx[q] = _sum_in(ft, rel, self.a[rows], tq) + tq * _sum_in(ft, rel, self.b[rows], tq)
         return pre, gen, ctx
-
-
-def _count_in(s: np.ndarray, e: np.ndarray, t: np.ndarray) -> np.ndarray:
-    ok = np.isfinite(s) & np.isfinite(e)
-    return (np.searchsorted(np.sort(s[ok]), t, "right") - np.searchsorted(np.sort(e[ok]), t, "right")).astype(float)
 
 
 def _sum_in(s: np.ndarray, e: np.ndarray, v: np.ndarray, t: np.ndarray) -> np.ndarray:
@@ -1364,11 +1356,11 @@ def _point(s: Sample) -> float:
     v = s.values[np.isfinite(s.values)]
     if not len(v):
         return math.nan
-    if s.kind in ("sum",):
+    if s.kind == "sum":
         return float(v.sum())
     if s.kind == "share":
         return float(v[0])
-    return float(np.quantile(v, {"median": 0.5, "p90": 0.9, "p95": 0.95}[s.kind]))
+    return float(np.quantile(v, QUANTILES[s.kind]))
 
 
 def _interval(s: Sample, rng: np.random.Generator, n_boot: int) -> tuple[float, float]:
@@ -1651,9 +1643,9 @@ def run(ds: Dataset, settings: Settings | Sequence[Settings] | None = None, *, o
         rows += made.pop(i) if i in made else \
             _summary_rows(label, first.pop() if first else next(measured), figures, base, seed, n_boot, opts)
         notes = _extrapolates(r, costs, w)
-        for name in ("n_batch", "n_ubatch", "slots", "ctx"):
+        for name, note in SETTING_NOTES.items():
             set_rows.append({"setting": label, "name": name, "logged": getattr(logged, name), "whatif": getattr(r, name),
-                             "note": _setting_note(name)})
+                             "note": note})
         set_rows.append({"setting": label, "name": "lora", "logged": "as logged (" + ", ".join(sorted(set(w.lora))) + ")",
                          "whatif": r.unify if r.unify is not None else
                          f"{r.assign[0]} where {r.assign[1]}, else as logged" if r.assign is not None else "as logged",
@@ -1695,11 +1687,6 @@ def _summary_rows(label: str, what: dict[str, Sample], figures: dict[str, float]
                      "whatif_low": lo, "whatif_high": hi, "samples": s.n if s.kind != "share" else pd.NA,
                      "note": _few(s, opts)})
     return rows
-
-
-def _setting_note(name: str) -> str:
-    return {"n_batch": "logged: the fullest pass the progress lines show", "n_ubatch": "logged: the default (not in the log at verbosity 3)",
-            "slots": "from the start-up line", "ctx": "the whole context (-c), shared by the slots"}[name]
 
 
 def _few(s: Sample, opts: Options) -> str:
