@@ -236,7 +236,7 @@ def _labels(s: pd.Series) -> np.ndarray:
 def _codes(s: pd.Series) -> np.ndarray:
     """Codes of a column's values in order of appearance, -1: NA (no Python object per row);
     int32, as the workload holds its codes."""
-    return pd.factorize(s, use_na_sentinel=True)[0].astype(np.int32)
+    return pd.factorize(s)[0].astype(np.int32)
 
 
 @dataclass
@@ -1038,7 +1038,7 @@ class _Session:
             done += take
             ag += g
             if j >= j_hb or t - t_print >= HEARTBEAT_S:
-                self._repeat_heartbeats(gens, t, dt, j)
+                self._heartbeats_due(gens, t, dt, j)
                 t_print, j_hb = self._heartbeat_gate(gens, j)
         for k in gens:
             gen[k] += j
@@ -1047,9 +1047,9 @@ class _Session:
         self.res.passes += j
         self.t = t
 
-    def _repeat_heartbeats(self, gens: list[int], t: float, dt: float, j: int) -> None:
-        """:meth:`_advance_generation`'s heartbeats after the ``j``-th pass of
-        :meth:`repeat_pass` (ended at ``t``; ``gen`` is as before the first)."""
+    def _heartbeats_due(self, gens: list[int], t: float, dt: float, j: int) -> None:
+        """The generating slots' heartbeats due after a pass of ``dt`` ended at ``t``, the
+        ``j``-th since ``gen`` was counted (:meth:`repeat_pass` counts it after its last)."""
         gen, t_print = self.gen, self.t_print
         for k in gens:
             if gen[k] + j >= HEARTBEAT_TOKENS and t - t_print[k] >= HEARTBEAT_S:
@@ -1072,12 +1072,10 @@ class _Session:
     def _advance_generation(self, gens: list[int], dt: float) -> None:
         """A token for each generating slot of a pass of ``dt`` that ended now, and its heartbeat
         where one is due."""
-        gen, t = self.gen, self.t
         for s in gens:
-            gen[s] += 1
+            self.gen[s] += 1
             self.ctx[s] += 1
-            if gen[s] >= HEARTBEAT_TOKENS and t - self.t_print[s] >= HEARTBEAT_S:
-                self.heartbeats(s, t - dt, dt, 1, gen[s] - 1)
+        self._heartbeats_due(gens, self.t, dt, 0)
 
     def _advance_prompts(self, chunks: list[tuple[int, int]]) -> None:
         """Each prompt slot's chunk processed; a prompt done gives its first token, and a
@@ -1728,7 +1726,7 @@ def _finding(label: str, rows: list[dict[str, object]], notes: list[str]) -> str
     return text + "."
 
 
-CAPTIONS = {
+CAPTIONS = {  # (in the order render() prints the tables)
     "findings": "In plain words (logged settings replayed, then each what-if).",
     "summary": "Per metric: as logged, replayed with the logged settings (the model's own error), and the "
                f"what-if with a {LEVEL:.0%} interval from resampling users' sessions.",
@@ -1742,11 +1740,11 @@ def render(tables: dict[str, pd.DataFrame], file: IO[str] | None = None, width: 
     """Print the tables with a caption each, the findings first."""
     console = Console(file=file, width=width, soft_wrap=False, highlight=False)
     console.print(Rule("slotscope whatif", align="left"))
-    for name in ["findings", "summary", "pass-costs", "pass-fit", "settings"]:
+    for name, caption in CAPTIONS.items():
         df = tables[name]
         console.print()
         console.print(Rule(name, align="left"))
-        console.print(CAPTIONS[name], markup=False)
+        console.print(caption, markup=False)
         if name == "findings":
             for r in df.itertuples(index=False):
                 console.print(f"- {r.finding}", markup=False)
