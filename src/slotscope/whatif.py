@@ -61,7 +61,7 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import IO, Iterable, Iterator, Sequence
+from typing import IO, Iterable, Iterator, Sequence, TypeVar
 
 import numpy as np
 import pandas as pd
@@ -111,6 +111,7 @@ LEVEL = 0.90
 FIT_OBSERVATIONS = 1 << 15  # stretches the pass costs are fitted on: an even draw of all the logs show
 NO_ADAPTER = "none"  # the app log's label of a call without LoRA (scale 0)
 _EPS = 1e-3  # a boundary this close to an interval's end belongs to the end
+_Num = TypeVar("_Num", float, np.ndarray)
 OBS_COLUMNS = ["kind", "seconds", "passes", "ubatch", "prompt_token", "prompt_attention", "gen_slot", "gen_attention",
                "lora_token", "pass_tokens", "gen_slots", "row"]
 TERMS = ["ubatch", "prompt_token", "prompt_attention", "gen_slot", "gen_attention", "lora_token", "lora_switch"]
@@ -400,7 +401,7 @@ def _ubatches(tokens: tuple[int, ...], n_ubatch: int) -> int:
         n += 1
 
 
-def _sum_positions(p0: np.ndarray, p: np.ndarray) -> np.ndarray:
+def _positions(p0: _Num, p: _Num) -> _Num:
     """Sum of positions p0 .. p0+p-1, in millions (the attention work of a prompt chunk)."""
     return (p * p0 + p * (p - 1) / 2) / 1e6
 
@@ -548,7 +549,7 @@ def pass_observations(ds: Dataset, tv: pd.DataFrame, lora: np.ndarray, group: np
               + _pass_ubatches(masks, ph.slot[r], last, n_ubatch))
         out.append(pd.DataFrame({
             "kind": kind, "seconds": t1 - t0, "passes": passes, "ubatch": ub, "prompt_token": p,
-            "prompt_attention": _sum_positions(p0, p), "gen_slot": n_gen * passes, "gen_attention": ctx * passes / 1e6,
+            "prompt_attention": _positions(p0, p), "gen_slot": n_gen * passes, "gen_attention": ctx * passes / 1e6,
             "lora_token": np.where(on[r], p + n_gen * passes, 0.0), "pass_tokens": chunk + n_gen, "gen_slots": n_gen,
             "row": r}))
     # Generation between heartbeats (and to the release): one token per pass.
@@ -1132,10 +1133,6 @@ class _Session:
         self.t_print[s], self.n_print[s] = t_print, n_print
 
 
-def _positions(p0: int, p: int) -> float:
-    return (p * p0 + p * (p - 1) / 2) / 1e6
-
-
 # --------------------------------------------------------------------------------------------
 # The replay as a task view and samples, and the metrics of both
 
@@ -1176,12 +1173,9 @@ def finished_part(rp: Replay) -> tuple[np.ndarray, Replay]:
 
 
 def replayed_dataset(ds: Dataset, w: Workload, rp: Replay, r: Resolved,
-                     rows: np.ndarray | None = None) -> tuple[Dataset, pd.DataFrame]:
-    """The replay in the log's shapes: a dataset (samples, sessions) and its task view; of the
-    whole replay ``rp``, or (``rows``) of those tasks, of which ``rp`` holds the figures alone
-    (:func:`finished_part`)."""
-    if rows is None:
-        rows = np.arange(len(w.tv))
+                     rows: np.ndarray) -> tuple[Dataset, pd.DataFrame]:
+    """The replay in the log's shapes: a dataset (samples, sessions) and its task view, of the
+    tasks ``rows``, of which ``rp`` holds the figures alone (:func:`finished_part`)."""
     at = np.full(len(w.tv), -1, dtype=np.int64)
     at[rows] = np.arange(len(rows))
     shape = w.tv.shape
@@ -1562,30 +1556,27 @@ def _logged_part(lp: _LoggedParts, k: int) -> tuple[pd.DataFrame | None, Gather]
 
 def measure(ds: Dataset, lg: Logged, r: Resolved, open_loop: bool = False, opts: Options | None = None) -> dict[str, Sample]:
     """Replay the workload with the settings ``r`` and measure it as the log is measured."""
-    return _replay_measured(ds, lg.workload, r, lg.costs, open_loop, opts or Options())[0]
+    return _replay_measured(ds, lg.workload, r, lg.costs, open_loop, opts or Options())
 
 
 def _replay_measured(ds: Dataset, w: Workload, r: Resolved, costs: PassCosts, open_loop: bool,
-                     opts: Options, model_out: np.ndarray | None = None) -> tuple[dict[str, Sample], Replay]:
-    """The replay with the settings ``r`` and its samples, measured a stretch between idle
+                     opts: Options, model_out: np.ndarray | None = None) -> dict[str, Sample]:
+    """The samples of the replay with the settings ``r``, measured a stretch between idle
     moments of at least :data:`slotscope.periods.PART_TASKS` tasks at a time: memory holds a
     few stretches' heartbeats and rows. Each stretch is measured by a worker process while the
     replay goes on (the replay is one loop in this process, its measure pandas work of its
     own); a replay of one stretch is measured here."""
-    whole: list[Replay] = []
-
     def stretches() -> Iterator[tuple[np.ndarray, Replay]]:
         for rp in replay_stretches(w, r, costs, open_loop, model_out):
             if len(rp.finished) >= PART_TASKS:
                 yield finished_part(rp)
-        whole.append(rp)
         if rp.finished:
             yield finished_part(rp)
 
     gather = Gather()
     for part in beside(_measure_part, (ds, w, r, opts), stretches(), _beside_replay(w)):
         gather.merge(part)
-    return gather.result(), whole[0]
+    return gather.result()
 
 
 def _beside_replay(w: Workload) -> int:
@@ -1623,7 +1614,7 @@ def run(ds: Dataset, settings: Settings | Sequence[Settings] | None = None, *, o
     def replays() -> Iterator[Resolved]:
         if beside_it:
             yield whatifs[0]
-        logged_run.append(_replay_measured(ds, w, logged, costs, open_loop, opts, model)[0])
+        logged_run.append(_replay_measured(ds, w, logged, costs, open_loop, opts, model))
         yield from whatifs[beside_it:]
 
     lg = Logged(dataclasses.replace(w, model_logged=model, model_from=os.getpid()), logged, costs, figures)
