@@ -216,11 +216,6 @@ def lora_label(value: Any) -> str:
     return "+".join(parts) or "none"
 
 
-def _lora_labels(values: Sequence[Any]) -> list[str]:
-    """:func:`lora_label` of each value (``_Labels`` pyarrow's reading made are passed on)."""
-    return values if isinstance(values, _Labels) else [lora_label(v) for v in values]
-
-
 def read_app_logs(
     paths: Iterable[str | PathLike[str]], *, columns: Mapping[str, str] | None = None, tz: str | None = None
 ) -> AppLog:
@@ -232,11 +227,8 @@ def read_app_logs(
     tally, frames = _Tally(), []
     for p in paths:
         name = fspath(p)
-        stream = open_binary(name)
-        try:
+        with open_binary(name) as stream:
             frames += _parse(name, iter_chunks(stream, name, SPAN_BYTES), columns, tz, tally)
-        finally:
-            stream.close()
     return _finish(frames, tally)
 
 
@@ -674,8 +666,8 @@ def _hidden_by_later_name(there: list[pa.Array]) -> bool:
 
 
 def _arrow_values(key: str, arr: pa.Array) -> Sequence[Any] | None:
-    """A field's values from its column as :func:`_field_values` reads them from the records;
-    None where they could differ."""
+    """A field's values from its column as :func:`_field_values` reads them from the records
+    (LoRA values: their labels); None where they could differ."""
     if key == "lora":
         return _arrow_lora_labels(arr)
     if not any(ok(arr.type) for ok in (_AS_TEXT if key in _TEXT_FIELDS else _AS_NUMBER)):
@@ -700,11 +692,7 @@ def _beyond_exact_integers(arr: pa.Array) -> bool:
     return big is not None and big >= 2.0**53
 
 
-class _Labels(list):  # type: ignore[type-arg]
-    """LoRA labels already made (:func:`_lora_labels` passes them on)."""
-
-
-def _arrow_lora_labels(arr: pa.Array) -> _Labels | None:
+def _arrow_lora_labels(arr: pa.Array) -> list[str] | None:
     """Each row's :func:`lora_label`, made once per distinct value; None where the column's
     Python values could label differently from the records' own (see :func:`_arrow_fields`).
 
@@ -739,7 +727,7 @@ def _arrow_lora_labels(arr: pa.Array) -> _Labels | None:
     table = np.empty(len(codes.dictionary) + 1, dtype=object)
     for row in first.tolist():
         table[idx[row]] = lora_label(arr[row].as_py())
-    return _Labels(table[idx].tolist())
+    return table[idx].tolist()
 
 
 def _exact_text(arr: pa.Array) -> pa.Array:
@@ -843,6 +831,8 @@ def _frame(
         numbers = tally.marks.read(lines, {k: get[k] for k in _NUMBER_FIELDS if k in get}, _COUNTS)
         as_read = {k: get[k] for k in numbers}
         get.update(numbers)
+    if "lora" in get:
+        get["lora"] = [lora_label(v) for v in get["lora"]]
     return _table(name, lines, get, override, zone, tally, as_read)
 
 
@@ -861,8 +851,9 @@ def _table(
     name: str, lines: np.ndarray, get: Mapping[str, Sequence[Any]], override: Mapping[str, str], zone: str, tally: _Tally,
     as_read: Mapping[str, Sequence[Any]] | None = None,
 ) -> pd.DataFrame:
-    """The calls of one chunk from each field's values (``get``, see :func:`_field_values`;
-    ``as_read``: the text of those read from other text, which a problem quotes)."""
+    """The calls of one chunk from each field's values (``get``, see :func:`_field_values`; LoRA
+    values as their :func:`lora_label`; ``as_read``: the text of those read from other text,
+    which a problem quotes)."""
     for key, col in override.items():
         if key not in get and key != "timings":
             tally.notes[f"{name}: column {col!r} for {key} not found"] = None
@@ -910,7 +901,7 @@ def _table(
         if key in get:
             out[key] = _text(get[key])
     if "lora" in get:  # an absent column stays NA: without it a request may well have had LoRA on
-        out["lora"] = _lora_labels(get["lora"])
+        out["lora"] = get["lora"]
     no_text = pd.Series(pd.NA, index=out.index, dtype="string")
     ids = _text(get["call_id"]) if "call_id" in get else no_text
     no_id = np.flatnonzero(ids.isna().to_numpy())
