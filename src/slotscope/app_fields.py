@@ -95,17 +95,12 @@ def resolve_fields(index: Mapping[str, tuple[str, ...]], override: Mapping[str, 
 CSV_DELIMITERS = ",;\t|"  # what spreadsheets and exports separate fields with (a locale with a decimal comma: ;)
 
 
-def csv_delimiter(header: str) -> str:
-    """The delimiter of a CSV file, from its header line: the one of :data:`CSV_DELIMITERS`
-    that splits it into the most fields (a comma when none splits it)."""
-    counts = [len(next(csv.reader([header], delimiter=d))) for d in CSV_DELIMITERS]
-    return CSV_DELIMITERS[counts.index(max(counts))]
-
-
 def csv_header(header: str) -> tuple[list[str], str]:
-    """The field names of a CSV header line and its delimiter (:func:`csv_delimiter`)."""
-    delimiter = csv_delimiter(header)
-    return [h.strip() for h in next(csv.reader([header], delimiter=delimiter))], delimiter
+    """The field names of a CSV header line and its delimiter: the one of :data:`CSV_DELIMITERS`
+    that splits it into the most fields (the first of those, a comma when none splits it)."""
+    splits = {d: next(csv.reader([header], delimiter=d)) for d in CSV_DELIMITERS}
+    delimiter = max(splits, key=lambda d: len(splits[d]))
+    return [h.strip() for h in splits[delimiter]], delimiter
 
 
 def _line_records(lines: Iterable[str]) -> list[dict[str, Any]]:
