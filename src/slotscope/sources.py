@@ -13,13 +13,13 @@ import glob
 import io
 import os
 import re
+import stat
 import sys
 import types
 import zlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import BinaryIO, Iterator, Literal, Mapping, Sequence, cast
 
 from .app_fields import looks_like_app_log
@@ -438,8 +438,8 @@ def iter_chunks(stream: BinaryIO, path: str, size: int = CHUNK_SIZE, pieces: boo
     ``pieces``: each block as a list of buffers that make it up, not joined (for a writer:
     joining would copy every block once more).
     """
-    blocks = cast(Iterator[bytes], (parts if pieces else parts[0] if len(parts) == 1 else b"".join(parts)
-                                    for parts in _block_pieces(stream, path, size)))
+    # (b"".join of one bytes piece is that piece, no copy)
+    blocks = cast(Iterator[bytes], (parts if pieces else b"".join(parts) for parts in _block_pieces(stream, path, size)))
     return _read_ahead(blocks) if _is_compressed(stream) else blocks
 
 
@@ -506,7 +506,7 @@ def file_size(path: str) -> int | None:
     if path == STDIN:
         return None
     try:
-        return Path(path).stat().st_size
+        return os.path.getsize(path)
     except OSError:
         return None
 
@@ -624,8 +624,6 @@ def is_plain(stream: BinaryIO) -> bool:
     if _is_compressed(stream) or stream is sys.stdin.buffer or not hasattr(stream, "fileno"):
         return False
     try:
-        import stat
-
         return stat.S_ISREG(os.fstat(stream.fileno()).st_mode) and stream.seekable()
     except (OSError, ValueError, io.UnsupportedOperation):
         return False
