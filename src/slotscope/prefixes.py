@@ -89,18 +89,13 @@ def detect(sample_lines: Sequence[bytes]) -> Wrapper | None:
                 return JOURNALD_JSON
             if "log" in obj and "time" in obj:
                 return DOCKER_JSON
-    bare = sum(1 for ln in lines if _BARE.match(ln))
-    best: tuple[int, Wrapper | None] = (bare, None)
-    for w, rx in _COMPILED:
-        n = sum(1 for ln in lines if rx.match(ln))
-        if n > best[0]:
-            best = (n, w)
+    framed: list[tuple[int, Wrapper | None]] = [(sum(1 for ln in lines if _BARE.match(ln)), None)]
+    framed += [(sum(1 for ln in lines if rx.match(ln)), w) for w, rx in _COMPILED]
     headers = sum(1 for ln in lines if _LMS_HEADER.match(ln))
     if headers:  # (a line that starts with a space alone is no sign of LM Studio)
-        n = headers + sum(1 for ln in lines if _INDENTED.match(ln))
-        if n > best[0]:
-            best = (n, LMSTUDIO)
-    return best[1] if best[0] * 2 >= len(lines) else None
+        framed.append((headers + sum(1 for ln in lines if _INDENTED.match(ln)), LMSTUDIO))
+    n, best = max(framed, key=lambda nw: nw[0])  # (on a tie, the first: bare lines before any wrapper)
+    return best if n * 2 >= len(lines) else None
 
 
 def decode_json_lines(lines: list[bytes], wrapper: Wrapper) -> tuple[list[bytes], list[float | None]]:
