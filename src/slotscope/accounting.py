@@ -115,11 +115,7 @@ class Accounting:
                 + (f", {self.tasks_cut_at_start:,} cut at the log's start" if self.tasks_cut_at_start else "")
                 + f"; server sessions: {self.sessions}"
             )
-        for ex in self.examples():
-            out.append(f"  unrecognized: {ex}")
-        for note in [*self.notes, *(n for f in self.files for n in f.notes)]:
-            out.append(f"note: {note}")
-        for path, reason in self.skipped:
-            if (path, reason) not in self.unusable:
-                out.append(f"skipped {path}: {reason}")
+        out += [f"  unrecognized: {ex}" for ex in self.examples()]
+        out += [f"note: {note}" for note in [*self.notes, *(n for f in self.files for n in f.notes)]]
+        out += [f"skipped {path}: {reason}" for path, reason in self.skipped if (path, reason) not in self.unusable]
         return out
