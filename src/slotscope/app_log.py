@@ -626,9 +626,7 @@ def _json_table(block: bytes, rows: int) -> pa.Table | None:
         table.validate(full=True)  # the reader keeps invalid UTF-8 in strings; this refuses it
     except (pa.ArrowInvalid, UnicodeDecodeError, ValueError):
         return None
-    if table.num_rows != rows:
-        return None
-    return table.combine_chunks()
+    return table.combine_chunks() if table.num_rows == rows else None
 
 
 def _arrow_paths(table: pa.Table, nested: set[str]) -> tuple[dict[str, tuple[str, ...]], dict[tuple[str, ...], pa.Array]] | None:
