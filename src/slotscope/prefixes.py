@@ -44,10 +44,6 @@ class Wrapper:
     pattern: str  # anchored at ^, group "wall" is the stamp (absent for compose)
     stamp: str  # "iso" | "syslog" | "unix" | "none" | "json" | "header" (a line of its own stamps the lines after it)
 
-    @property
-    def regex(self) -> str:
-        return self.pattern + r"(?P<rest>.*)$"
-
 
 WRAPPERS: tuple[Wrapper, ...] = (
     Wrapper("journald-iso", "^" + _ISO + _HOST_IDENT, "iso"),
@@ -143,7 +139,7 @@ def strip(
     it, and the lines before the block's first header take ``before`` (the stamp in force at
     the end of the previous block, or :data:`UNKNOWN_WALL` where that is not known here).
     """
-    parts = pc.extract_regex(lines, wrapper.regex)
+    parts = pc.extract_regex(lines, wrapper.pattern + r"(?P<rest>.*)$")
     matched = parts.is_valid()
     rest = pc.if_else(matched, parts.field("rest"), lines)
     wall = np.full(len(lines), -1, dtype=np.int64)
