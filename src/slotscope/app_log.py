@@ -331,14 +331,12 @@ def _block_frames(job: tuple[bytes | Span, str, Mapping[str, str], str, bool]) -
         tally.lines_read += n
         return [_table(name, np.arange(1, n + 1, dtype=np.int64), get, override, zone, tally)], tally
     numbered = enumerate(_decoded(_block_lines(data), tally, bom=bom), start=1)
-    return _frames(name, _json_rows(name, numbered, tally), override, zone, tally), tally
+    return list(_frames(name, _json_rows(name, numbered, tally), override, zone, tally)), tally
 
 
-def _frames(name: str, rows: _Rows, override: Mapping[str, str], zone: str, tally: _Tally) -> list[pd.DataFrame]:
-    frames = []
+def _frames(name: str, rows: _Rows, override: Mapping[str, str], zone: str, tally: _Tally) -> Iterator[pd.DataFrame]:
     while chunk := list(islice(rows, CHUNK_ROWS)):
-        frames.append(_frame(name, chunk, override, zone, tally))
-    return frames
+        yield _frame(name, chunk, override, zone, tally)
 
 
 def _rows(name: str, lines: Iterable[bytes], tally: _Tally) -> _Rows:
