@@ -55,11 +55,6 @@ class Part:
     span: tuple[float, float] | None = None
     index: int = 0
 
-    @property
-    def own(self) -> pd.DataFrame:
-        """The tasks this part counts."""
-        return self.tasks if self.counted.all() else self.tasks[self.counted]
-
 
 def task_spans(tasks: pd.DataFrame, sessions: pd.DataFrame | None) -> tuple[np.ndarray, np.ndarray]:
     """Each task's running stretch on its session clock: from its first known time (launch,

@@ -3,8 +3,8 @@
 The server-log parser reads each block of lines independently of the others (only session
 numbering and task assembly need the blocks in order, and those stay in the calling
 process), so blocks are parsed by worker processes while the caller assembles the results
-of earlier blocks. At most ``ahead`` items are in flight: memory stays bounded by a few
-blocks whatever the input size.
+of earlier blocks. At most two items per worker are in flight: memory stays bounded by a
+few blocks whatever the input size.
 
 :func:`beside` runs the later stages of work the same way, in order: the busy periods'
 answers (each worker reads its own part), and what the what-if replay made (one loop that
@@ -103,8 +103,8 @@ class Pool:
                 return None
         return self._executor
 
-    def map(self, fn: Callable[[T], R], items: Iterable[T], ahead: int | None = None) -> Iterator[R]:
-        """``fn(item)`` for each item, in order; at most ``ahead`` (default 2 × jobs) in flight.
+    def map(self, fn: Callable[[T], R], items: Iterable[T]) -> Iterator[R]:
+        """``fn(item)`` for each item, in order; at most 2 × jobs in flight.
 
         ``fn`` must be a module-level function (workers find it by name). An exception raised
         by ``fn`` is raised here, when its item's turn comes; one raised by ``items`` after the
@@ -121,7 +121,6 @@ class Pool:
             for item in it:
                 yield fn(item)
             return
-        limit = ahead or 2 * self.jobs
         pending: deque[Future[R]] = deque()
         failure: Exception | None = None
         try:
@@ -134,7 +133,7 @@ class Pool:
                     failure = e
                     break
                 pending.append(executor.submit(fn, item))
-                if len(pending) >= limit:
+                if len(pending) >= 2 * self.jobs:
                     yield _result(pending.popleft())
             while pending:
                 yield _result(pending.popleft())
