@@ -213,15 +213,8 @@ def dense_codes(cols: list[np.ndarray]) -> np.ndarray:
 
 
 def _ranks(group: np.ndarray) -> np.ndarray:
-    """Each row's place among the rows of its group before it (``groupby(group).cumcount()``)."""
-    order = np.argsort(group, kind="stable")
-    g = group[order]
-    first = np.ones(len(g), dtype=bool)
-    first[1:] = g[1:] != g[:-1]
-    starts = np.flatnonzero(first)
-    rank = np.empty(len(g), dtype=np.int64)
-    rank[order] = np.arange(len(g)) - np.repeat(starts, np.diff(np.append(starts, len(g))))
-    return rank
+    """Each row's place among the rows of its group before it."""
+    return pd.Series(group).groupby(group).cumcount().to_numpy(dtype=np.int64)
 
 
 def _positions(rows: np.ndarray, n: int) -> np.ndarray:
