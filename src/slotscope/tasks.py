@@ -51,6 +51,7 @@ _FIRST_OF_KIND: dict[int, list[tuple[str, str]]] = {
     RELEASE: [("release_us", "ts_us"), ("n_tokens_released", "v1"), ("truncated", "v2"), ("release_line", "line")],
     HEARTBEAT: [("heartbeat_us", "ts_us"), ("heartbeat_n_gen", "v1"), ("heartbeat_tps", "v2")],
 }
+_FIRSTS = [c for columns in _FIRST_OF_KIND.values() for c, _ in columns]
 _MAX = {"cancelled": CANCEL, "error": ERROR}
 _SUM = {"n_heartbeats": HEARTBEAT, "n_progress": PROGRESS}
 _CORE = KEY + ["slot_any"] + list(_MAX) + list(_SUM) + ["first_line"]  # what every event row has
@@ -118,6 +119,11 @@ def _fold(
         for c in names:
             out[c] = ufunc.reduceat(rows[c][order], starts) if n_groups else np.zeros(0, dtype)
     return out
+
+
+def _refold(open_rows: dict[str, np.ndarray] | None, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """:func:`_fold` of partial rows (every column), with the open rows (None: none)."""
+    return _fold(open_rows, rows, [(np.arange(len(rows["task"])), {c: rows[c] for c in _FIRSTS})])
 
 
 def _new_run(*keys: np.ndarray) -> np.ndarray:
@@ -365,11 +371,9 @@ class TaskAssembler:
             return
         # Only the rows of tasks that may be open (by task id: a superset) are folded with the
         # open rows; the others are one per task already. Row order is free here: the output
-        # order is set once, at the end (_end). A few dozen rows folded instead of thousands.
+        # order is set once, at the end (finish_in_batches). A few dozen rows folded instead of thousands.
         maybe = np.isin(rows["task"], open_rows["task"])
-        part = _take(rows, maybe)
-        firsts = {c: part[c] for columns in _FIRST_OF_KIND.values() for c, _ in columns}
-        folded = _fold(open_rows, part, [(np.arange(len(part["task"])), firsts)])
+        folded = _refold(open_rows, _take(rows, maybe))
         still = self._close(folded, info), self._close(_take(rows, ~maybe), info)
         self._open = _concat(list(still), list(folded))
 
@@ -495,9 +499,7 @@ class TaskAssembler:
         repeated = np.sort(by_key[np.bincount(run)[run] > 1]) if len(run) else by_key
         if not len(repeated):
             return None
-        rows = self._done.gather(repeated)
-        firsts = {c: rows[c] for columns in _FIRST_OF_KIND.values() for c, _ in columns}
-        folded = _fold(None, rows, [(np.arange(len(repeated)), firsts)])
+        folded = _refold(None, self._done.gather(repeated))
         kept = np.ones(len(task) + len(folded["task"]), bool)
         kept[repeated] = False
         self._done.append(folded)
@@ -524,8 +526,7 @@ def empty_task_table(source: str, sessions: pd.DataFrame, with_wall: bool) -> pd
     """The task table of a log without tasks: every column, typed as a log with tasks has it
     (what the report's questions read of it is there, with no rows)."""
     ints = {**dict.fromkeys(KEY + list(_SUM) + ["first_line"], np.int64), **dict.fromkeys(_MAX, np.int8)}
-    firsts = [c for cols in _FIRST_OF_KIND.values() for c, _ in cols] + ["slot_any"]
-    raw = {c: np.zeros(0, ints.get(c, np.float64)) for c in [*_CORE, *firsts]}
+    raw = {c: np.zeros(0, ints.get(c, np.float64)) for c in [*_CORE, *_FIRSTS, "slot_any"]}
     return _derive(raw, [], source, sessions.iloc[:0], with_wall)
 
 
