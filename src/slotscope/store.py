@@ -210,10 +210,10 @@ class ColumnWriter:
                 self.discard()
                 raise ValueError(f"{self.what}: columns {sorted(columns)} are not those written, {sorted(written)}")
             written = list(columns)
+        table = StoredTable.__new__(StoredTable)
         if self._held_parts or (self._held and not self.files):
             back = pa.concat_tables(self._held_parts).to_pandas() if self._held_parts else \
                 pa.Table.from_pandas(pd.DataFrame(self._held, copy=False), preserve_index=False).to_pandas()
-            table = StoredTable.__new__(StoredTable)
             table._hold(back, {c: self.dtypes[c] for c in written}, self.what, self.n or 0)
             return table
         self.files = {c: self.files[c] for c in written}
@@ -222,7 +222,8 @@ class ColumnWriter:
                 writer.close()
                 sink.close()
         self._open.clear()
-        return StoredTable._of(self)
+        table._take(self)
+        return table
 
 
 class StoredTable:
@@ -255,12 +256,6 @@ class StoredTable:
         self.n = n
         self._ends = np.array([self.n] if self.n else [], dtype=np.int64)
         self._built = pd.DataFrame({c: self._restored(back[c], c) for c in self.columns}, index=pd.RangeIndex(self.n), copy=False)
-
-    @classmethod
-    def _of(cls, w: ColumnWriter) -> StoredTable:
-        table = cls.__new__(cls)
-        table._take(w)
-        return table
 
     def _take(self, w: ColumnWriter) -> None:
         self._tmp, self.files = w._tmp, w.files
