@@ -114,8 +114,7 @@ class StreamState:
     year: int = field(default_factory=lambda: _dt.date.today().year)
     tz: str = "UTC"
     last_ts: dict[int, int] = field(default_factory=dict)  # port -> last relative µs
-    session: dict[int, int] = field(default_factory=dict)  # port -> current session number
-    session_has_lines: dict[int, bool] = field(default_factory=dict)
+    session: dict[int, int] = field(default_factory=dict)  # port -> current session number (once it has lines)
     last_header: tuple[int, int, int, int] | None = None  # (port, slot, task, ts) of a bare print_timing header
     clock: str | None = None  # LLAMA_CLOCK or WALL_CLOCK: what times the stream (None: no timed line yet)
     wall_origin: int | None = None  # the stream's first wall-clock stamp: 0 s on a WALL_CLOCK stream
@@ -556,14 +555,13 @@ def resolve_sessions(ports: list[PortSessions], state: StreamState) -> dict[int,
     shift = {}
     for ps in ports:
         prev = state.last_ts.get(ps.port, -1)
-        had = state.session_has_lines.get(ps.port, False)
+        had = ps.port in state.session
         back = ps.first_ts >= 0 and prev >= 0 and ps.first_ts < prev - 1_000_000
         # A banner at the very start of a stream opens session 1; it is not a restart.
         first_starts = (back or ps.first_is_banner) and not (ps.first_is_banner and not had)
         base = state.session.get(ps.port, 1) + int(first_starts)
         shift[ps.port] = base
         state.session[ps.port] = base + ps.starts
-        state.session_has_lines[ps.port] = True
         if ps.last_ts >= 0:
             state.last_ts[ps.port] = ps.last_ts
     return shift
@@ -758,7 +756,8 @@ def read_server_logs(
                 yield table.assign(**{c: table[c].cat.set_categories(v) for c, v in cats.items()}) if cats else table
             asm.discard()  # its finished rows, on disk
 
-    none = [] if streams else [empty_task_table(assemblers[0].source if assemblers else "", concat_tables(sessions, SESSION_COLUMNS), with_wall)]
+    session_table = concat_tables(sessions, SESSION_COLUMNS)
+    none = [] if streams else [empty_task_table(assemblers[0].source if assemblers else "", session_table, with_wall)]
     tasks = StoredTable.of_parts(itertools.chain(batches(), none), "tasks")
     samples: tuple[list[SampleSource], list[SampleSource]] = ([], [])
     at = 0
@@ -769,7 +768,7 @@ def read_server_logs(
         at += asm.n_finished
     return ServerLogs(tasks=tasks, gen_samples=Samples(samples[0], GEN_COLUMNS),
                       prefill_samples=Samples(samples[1], PREFILL_COLUMNS),
-                      sessions=concat_tables(sessions, SESSION_COLUMNS), accounting=acc, ollama=found[0] if found else None)
+                      sessions=session_table, accounting=acc, ollama=found[0] if found else None)
 
 
 def _first_tokens_of(stored: StoredTable, first: int, n: int) -> Callable[[], FirstTokens]:
@@ -851,7 +850,7 @@ def read_sample_batches(
                                                progress=progress, chunk_size=chunk_size)
     spread = pool.jobs > 1
     try:
-        with_tasks = dict((id(asm), parts) for asm, parts in streams)
+        with_tasks = {id(asm): parts for asm, parts in streams}
         todo = []
         for asm in assemblers:
             work = [(b, i, False, _first_tokens) for i, b in enumerate(with_tasks.get(id(asm), []))]
