@@ -110,9 +110,9 @@ class _Pairs:
 def _assign(p: pd.DataFrame, method: str, confidence: float, taken_c: np.ndarray, taken_t: np.ndarray) -> list[_Found]:
     """Unique-both-ways pairs are confident; the rest are resolved by time and flagged.
 
-    ``taken_c``/``taken_t``: which calls and tasks (by ``_ci``/``_ti``) are matched already;
-    updated. Returns the new pairs (``_ci``, ``_ti``, ``match_method``, ``confidence``)."""
-    p = p[~taken_c[p["_ci"].to_numpy()] & ~taken_t[p["_ti"].to_numpy()]]
+    ``p``: pairs whose call and task are not matched yet (:meth:`_Pairs.frame`);
+    ``taken_c``/``taken_t``: which calls and tasks (by ``_ci``/``_ti``) are matched, updated.
+    Returns the new pairs (``_ci``, ``_ti``, ``match_method``, ``confidence``)."""
     if p.empty:
         return []
     n_c = p.groupby("_ci", observed=True)["_ti"].transform("size")
