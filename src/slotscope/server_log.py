@@ -668,7 +668,7 @@ def read_stream(
                 first = next(todo, None)
                 if first is not None:
                     chunk = read_span(first) if isinstance(first, Span) else first
-                    _add(asm, state, account, parse_chunk(chunk, 1, state, account))
+                    asm.add(assign_sessions(parse_chunk(chunk, 1, state, account), state), file=account.path)
                     if progress is not None:
                         progress(len(chunk))
             jobs = ((b, _given(state), keep_samples) for b in todo)
@@ -684,8 +684,8 @@ def read_stream(
                     asm.merge(got.block, shift, file=account.path)
                 elif got.events is not None:
                     got.events["line"] = got.events["line"] + offset
-                    _add(asm, state, account, pd.DataFrame(got.events))
-                if got.header_wall != prefixes.UNKNOWN_WALL:  # (after _add: its lines take the stamp before)
+                    asm.add(assign_sessions(pd.DataFrame(got.events), state), file=account.path)
+                if got.header_wall != prefixes.UNKNOWN_WALL:  # (after add: its lines take the stamp before)
                     state.header_wall = got.header_wall
                 if progress is not None:
                     progress(got.nbytes)
@@ -704,11 +704,6 @@ def _given(state: StreamState) -> StreamState:
     for each block: parsing it may change it."""
     return StreamState(source="", wrapper=state.wrapper, wrapper_known=True, year=state.year, tz=state.tz,
                        clock=state.clock, wall_origin=state.wall_origin, header_wall=prefixes.UNKNOWN_WALL)
-
-
-def _add(asm: TaskAssembler, state: StreamState, account: FileAccount, ev: pd.DataFrame) -> None:
-    if len(ev):
-        asm.add(assign_sessions(ev, state), file=account.path)
 
 
 def read_server_logs(
@@ -805,19 +800,23 @@ def read_task_batches(
     work = [(b, i, with_wall, then) for i, b in enumerate(todo)]
 
     def batches() -> Iterator[object]:
-        for out, counts in _in_order(pool, _task_batch, work, pool.jobs > 1 and len(work) > 1,
-                                     [asm.discard for asm in assemblers]):
+        for out, counts in _in_order(pool, _task_batch, work, [asm.discard for asm in assemblers]):
             acc.count_tasks(counts)
             yield out
 
     return batches(), acc
 
 
-def _in_order(pool: Pool, fn: Callable[[T], R], work: list[T], spread: bool, then: list[Callable[[], None]]) -> Iterator[R]:
-    """``fn`` of each item in order (by the pool's workers if ``spread``); when done, or given
-    up, the pool is closed and each of ``then`` runs (removing the spilled rows)."""
+def _spread(pool: Pool, fn: Callable[[T], R], work: list[T]) -> Iterator[R]:
+    """``fn`` of each item in order, by the pool's workers where there are two items or more."""
+    return pool.map(fn, work) if pool.jobs > 1 and len(work) > 1 else map(fn, work)
+
+
+def _in_order(pool: Pool, fn: Callable[[T], R], work: list[T], then: list[Callable[[], None]]) -> Iterator[R]:
+    """:func:`_spread`; when done, or given up, the pool is closed and each of ``then`` runs
+    (removing the spilled rows)."""
     try:
-        yield from (pool.map(fn, work) if spread else map(fn, work))
+        yield from _spread(pool, fn, work)
     finally:
         pool.close()
         for cleanup in then:
@@ -848,13 +847,12 @@ def read_sample_batches(
     pool = Pool(jobs)
     assemblers, streams, _, _, acc = _read_all(paths, inputs, pool, 1 << 15, keep_samples=code, tz=tz, year=year,
                                                progress=progress, chunk_size=chunk_size)
-    spread = pool.jobs > 1
     try:
         with_tasks = {id(asm): parts for asm, parts in streams}
         todo = []
         for asm in assemblers:
             work = [(b, i, False, _first_tokens) for i, b in enumerate(with_tasks.get(id(asm), []))]
-            found = list(pool.map(_task_batch, work) if spread and len(work) > 1 else map(_task_batch, work))
+            found = list(_spread(pool, _task_batch, work))
             for _, counts in found:
                 acc.count_tasks(counts)
             asm.discard()
@@ -866,7 +864,7 @@ def read_sample_batches(
             asm.discard_samples()
         raise
     work_s = [(b, i, then, kind) for i, b in enumerate(todo or [None])]
-    return _in_order(pool, _sample_batch, work_s, spread and len(work_s) > 1, [a.discard_samples for a in assemblers]), acc
+    return _in_order(pool, _sample_batch, work_s, [a.discard_samples for a in assemblers]), acc
 
 
 def _first_tokens(tasks: pd.DataFrame, i: int) -> pd.DataFrame:
