@@ -73,7 +73,7 @@ class Dataset:
     def periods(self, part_tasks: int | None = None) -> Iterator[PartStore]:
         """The task view and the samples cut into busy periods (:mod:`slotscope.periods`),
         read a part at a time (as often as asked) until the block ends."""
-        view = self._view if self._view is not None else _task_view(self)
+        view = _task_view(self)
         samples = [self.server.on_disk(k) or getattr(self.server, k) for k in ("gen_samples", "prefill_samples")]
         parts = PartStore(view, samples[0], samples[1], self.server.sessions, part_tasks or PART_TASKS)
         try:
@@ -215,13 +215,13 @@ def task_view(ds: Dataset, columns: Sequence[str] | None = None) -> pd.DataFrame
     ``columns``: only those of them the view has (in its order); after
     :meth:`Dataset.keep_on_disk` only they are read.
     """
-    return (ds._view if ds._view is not None else _task_view(ds)).read(columns)
+    return _task_view(ds).read(columns)
 
 
 def task_view_rows(ds: Dataset, rows: np.ndarray, columns: Sequence[str]) -> pd.DataFrame:
     """Those of ``columns`` the task view has, at its row positions ``rows`` (index 0..); after
     :meth:`Dataset.keep_on_disk` only those rows' stored batches are read."""
-    return (ds._view if ds._view is not None else _task_view(ds)).take(rows, columns)
+    return _task_view(ds).take(rows, columns)
 
 
 def tasks_of(ds: Dataset, columns: Sequence[str]) -> pd.DataFrame:
@@ -295,15 +295,11 @@ def _task_view_parts(ds: Dataset) -> Iterator[pd.DataFrame]:
         for c in extra:
             t[c] = got[named.get(c, c)].array
         del got
-        _add_app_clock(t, ds.matches.aligned)
+        for c, us in app_clock_us(t, ds.matches.aligned).items():  # the ``*_at`` columns: times on the app's clock
+            t[c[:-3] + "_at"] = pd.to_datetime(pd.Series(us).round().astype("Int64"), unit="us", utc=True).array
         yield t
 
 
-def _add_app_clock(t: pd.DataFrame, aligned: pd.DataFrame) -> None:
-    """The ``*_at`` columns: the tasks' times on the app's clock."""
-    for c, us in app_clock_us(t, aligned).items():
-        t[c[:-3] + "_at"] = pd.to_datetime(pd.Series(us).round().astype("Int64"), unit="us", utc=True).array
-
-
 def _task_view(ds: Dataset) -> store.StoredTable:
-    return store.StoredTable.of_parts(_task_view_parts(ds), "task view")
+    """The task view: the one kept on disk (:meth:`Dataset.keep_on_disk`), else made now."""
+    return ds._view if ds._view is not None else store.StoredTable.of_parts(_task_view_parts(ds), "task view")
