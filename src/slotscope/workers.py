@@ -205,14 +205,11 @@ def beside(fn: Callable[[Any, T], R], shared: Any, items: Iterable[T], workers: 
                     procs.append(proc)
                     there.close()
             j = k % workers
-            if len(pending) == workers:  # (each has one: the oldest is worker j's)
-                result = _received(ends[pending.popleft()])
-                ends[j].send(item)
-                pending.append(j)
-                yield result
-            else:
-                ends[j].send(item)
-                pending.append(j)
+            # (all busy: each has one, the oldest worker j's, taken back before j is sent the next)
+            result = [_received(ends[pending.popleft()])] if len(pending) == workers else []
+            ends[j].send(item)
+            pending.append(j)
+            yield from result
         while pending:
             yield _received(ends[pending.popleft()])
         done = True
