@@ -519,13 +519,11 @@ class Buckets:
         if isinstance(rows, dict):
             table = pa.table({c: pa.array(v) for c, v in rows.items()})
         else:
-            if name not in self._dtypes:
-                self._dtypes[name] = rows.dtypes
+            self._dtypes.setdefault(name, rows.dtypes)
             table = pa.Table.from_pandas(rows, preserve_index=False)
         for c, v in {**(extra or {}), "_part": part}.items():
             table = table.append_column(c, pa.array(v))
-        if name not in self._schema:
-            self._schema[name] = table.schema
+        self._schema.setdefault(name, table.schema)
         self._held.setdefault(name, []).append(table)
         self._held_bytes += table.nbytes
         if self._held_bytes > self.HELD_BYTES:
