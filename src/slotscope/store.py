@@ -128,12 +128,12 @@ class ColumnWriter:
     def add_stored(self, table: StoredTable, name: str) -> bool:
         """Column ``name`` of ``table``, its file linked (or copied), never read: where its
         stored batches are those :meth:`add` writes (True). Else nothing is written (False)."""
-        self._check(name, len(table))
-        if not table.files or len(table) <= SMALL_ROWS:  # (a small table is held: no file to link)
+        n = len(table)
+        self._check(name, n)
+        if not table.files or n <= SMALL_ROWS:  # (a small table is held: no file to link)
             return False
-        ends = table._batch_ends() if len(table) else np.zeros(0, dtype=np.int64)
-        if not np.array_equal(ends, np.append(np.arange(ROWS_PER_BATCH, len(table), ROWS_PER_BATCH), len(table))[:len(ends)]) \
-                or (len(table) and not len(ends)) or (len(ends) and ends[-1] != len(table)):
+        # (add's batches: ROWS_PER_BATCH rows each, the last one the rest)
+        if n and not np.array_equal(table._batch_ends(), np.append(np.arange(ROWS_PER_BATCH, n, ROWS_PER_BATCH), n)):
             return False
         path = os.path.join(self._dir(), str(len(self.files)))
         with self._guard():
@@ -141,7 +141,7 @@ class ColumnWriter:
                 os.link(table.files[name], path)
             except OSError:
                 shutil.copyfile(table.files[name], path)
-        self.n = len(table)
+        self.n = n
         self.files[name] = path
         self.dtypes[name] = table.dtypes[name]
         return True
