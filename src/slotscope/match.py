@@ -327,9 +327,7 @@ def _derive(j: _Joined, on_disk: bool = False) -> pd.DataFrame | StoredTable:
     """The matched calls table. ``on_disk``: each column goes to disk as it is made (a
     :class:`slotscope.store.StoredTable`: the table grows with the calls), unless the
     calls are not in time order (then it is sorted whole first)."""
-    start_at = j["start_at"] if "start_at" in j else None
-    in_order = start_at is None or start_at.is_monotonic_increasing  # app logs are read in time order
-    del start_at
+    in_order = "start_at" not in j or j["start_at"].is_monotonic_increasing  # app logs are read in time order
     writer = ColumnWriter("calls") if on_disk and in_order else None
     out = pd.DataFrame(index=j.index)
 
