@@ -125,11 +125,9 @@ def read_app(inputs: Inputs, *, columns: dict[str, str] | None = None, tz: str =
             # array may hold many records on a line: a line counts once, used before dropped.)
             used = min(a.rows_loaded, a.lines_read)
             dropped = min(a.rows_dropped, a.lines_read - used)
-            acc = FileAccount(path=lf.path, kind="app", lines=a.lines_read, used=used,
-                              ignored=a.lines_read - used - dropped, unrecognized=dropped)
-            acc.examples = [(p.line, p.reason) for p in a.problems][:5]
-            acc.notes = list(a.notes)
-            accounts.append(acc)
+            accounts.append(FileAccount(path=lf.path, kind="app", lines=a.lines_read, used=used,
+                                        ignored=a.lines_read - used - dropped, unrecognized=dropped,
+                                        examples=[(p.line, p.reason) for p in a.problems][:5], notes=list(a.notes)))
     if len(logs) == 1:
         return logs[0], accounts
     calls = pd.concat([lg.calls for lg in logs], ignore_index=True).sort_values("start_us", kind="stable")
