@@ -145,8 +145,7 @@ def _cut(rows: np.ndarray, start: np.ndarray, end: np.ndarray, part_tasks: int
         cuts.append(i)
         at = i
     bounds = [0] + cuts + [n]
-    for k in range(len(bounds) - 1):
-        a, b = bounds[k], bounds[k + 1]
+    for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
         t0 = start[a] if k else np.nan
         t1 = start[b] if b < n else np.nan
         # The piece's own tasks, and as context the earlier ones still running at its start.
