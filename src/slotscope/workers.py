@@ -17,7 +17,6 @@ the work runs in the calling process instead; the results are the same either wa
 
 from __future__ import annotations
 
-import itertools
 import os
 import pickle
 import signal
@@ -111,16 +110,6 @@ class Pool:
         results of the items it gave before (as the one-process ``map`` would).
         """
         it = iter(items)
-        for first in it:
-            break
-        else:  # (no work: no workers started)
-            return
-        it = itertools.chain((first,), it)
-        executor = self._start()
-        if executor is None:
-            for item in it:
-                yield fn(item)
-            return
         pending: deque[Future[R]] = deque()
         failure: Exception | None = None
         try:
@@ -132,6 +121,10 @@ class Pool:
                 except Exception as e:  # the input failed (a damaged .gz): what it gave before comes first
                     failure = e
                     break
+                executor = self._start()  # (at the first item: no work, no workers started)
+                if executor is None:
+                    yield fn(item)
+                    continue
                 pending.append(executor.submit(fn, item))
                 if len(pending) >= 2 * self.jobs:
                     yield _result(pending.popleft())
