@@ -230,7 +230,6 @@ class PartStore:
         self._spools: list[store.Spool] = []
         keys = view.read(TASK_KEYS + ["launch_s", "prefill_start_s", "first_token_s", "release_s"])
         self.partition = pt = partition(keys, sessions, part_tasks)
-        self.n_tasks = len(keys)
         self._whole: Part | None = None
         if pt.n_parts <= 1:  # the log is one part: its tables as they are
             whole = view.read()
