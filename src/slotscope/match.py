@@ -146,10 +146,9 @@ def _pairs(ci: np.ndarray, ti: np.ndarray, method: str, confidence: float) -> _F
 
 def _pairs_table(found: list[_Found]) -> pd.DataFrame:
     """The matched pairs as one table, typed as a table of (call, task, method, confidence) rows is."""
-    columns = ["_ci", "_ti", "match_method", "confidence"]
     sizes = [len(f[0]) for f in found]
     if not sum(sizes):
-        return pd.DataFrame([], columns=columns)
+        return pd.DataFrame([], columns=["_ci", "_ti", "match_method", "confidence"])
     return pd.DataFrame({
         "_ci": np.concatenate([f[0] for f in found]), "_ti": np.concatenate([f[1] for f in found]),
         "match_method": [f[2] for f, n in zip(found, sizes) for _ in range(n)],
