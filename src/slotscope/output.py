@@ -234,10 +234,7 @@ def _guarded(text: pa.Array) -> pa.Array:
     mask = pa.array(need)
     number = pc.match_substring_regex(text.filter(mask), "^(?:" + _PLAIN_NUMBER + ")$").to_numpy(zero_copy_only=False)
     need[need] = ~number
-    if not need.any():
-        return text
-    mask = pa.array(need)
-    return pc.replace_with_mask(text, mask, pc.binary_join_element_wise("'", text.filter(mask), ""))
+    return _replace(text, need, lambda t: pc.binary_join_element_wise("'", t, ""))
 
 
 def _guard_cell(v: object) -> object:
@@ -408,11 +405,7 @@ def _six_decimals_text(x: np.ndarray, a: np.ndarray, k: np.ndarray, short: np.nd
         chars[~short] = _BLANKS
     fixed = pa.StringArray.from_buffers(n, pa.py_buffer(np.arange(0, 16 * n + 1, 16, dtype=np.int32)), pa.py_buffer(chars))
     text = pc.ascii_trim_whitespace(fixed)
-    neg = np.signbit(x) & short
-    if neg.any():
-        m = pa.array(neg)
-        text = pc.replace_with_mask(text, m, pc.binary_join_element_wise("-", text.filter(m), ""))
-    return text
+    return _replace(text, np.signbit(x) & short, lambda t: pc.binary_join_element_wise("-", t, ""))
 
 
 def _any_float_text(x: np.ndarray) -> pa.Array:
@@ -581,16 +574,12 @@ def rich_table(df: pd.DataFrame, title: str | None = None, max_rows: int | None 
     cols = _columns(df if max_rows is None else df.head(max_rows), whole) if columns is None else columns
     for c, (cells, width) in cols.items():
         numeric = pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c])
-        table.add_column(Text(_header(c)), justify="right" if numeric else "left", overflow="fold", width=width)
+        table.add_column(Text(label(str(c))), justify="right" if numeric else "left", overflow="fold", width=width)
     for rec in zip(*(cells for cells, _ in cols.values())):
         table.add_row(*map(Text, rec))
     if max_rows is not None and len(df) > max_rows:
         table.caption = f"{len(df) - max_rows:,} more rows; use --format csv for all"
     return table
-
-
-def _header(c: object) -> str:
-    return label(str(c))
 
 
 def _percent(v: object) -> str:
@@ -613,7 +602,7 @@ def _columns(rows: pd.DataFrame, whole: Sequence[str] = ()) -> dict[object, tupl
         cells = [(_percent if _is_share(c) else _cell)(v) for v in rows[c].tolist()]
         width = max((len(x) for x in cells), default=0)
         width = width if c in whole else min(width, 24)
-        out[c] = (cells, max([width, *(len(w) for w in _header(c).split())]))
+        out[c] = (cells, max([width, *(len(w) for w in label(str(c)).split())]))
     return out
 
 
@@ -647,6 +636,11 @@ def _opened(out: str | None, stdout: IO[str] | None, newline: str | None = "") -
             yield f
 
 
+def _chosen(fmt: str | None, out: str | None, stdout: IO[str] | None) -> Format:
+    """:func:`choose_format` for a table written to ``out``, or to ``stdout`` (None: sys.stdout)."""
+    return choose_format(fmt, out, out in (None, "-") and is_terminal(stdout if stdout is not None else sys.stdout))
+
+
 def write(
     df: pd.DataFrame,
     fmt: str | None = None,
@@ -662,12 +656,9 @@ def write(
     ``table_columns`` narrows what a terminal table shows (every format else has all columns);
     ``raw_csv`` writes CSV text cells as they are (see :class:`CsvWriter`).
     """
-    stream = stdout if stdout is not None else sys.stdout
-    to_stdout = out is None or out == "-"
-    chosen = choose_format(fmt, out, to_stdout and is_terminal(stream))
+    chosen = _chosen(fmt, out, stdout)
     if chosen == "parquet":
-        target = sys.stdout.buffer if to_stdout else out
-        df.to_parquet(target, index=False)  # type: ignore[arg-type]
+        df.to_parquet(sys.stdout.buffer if out in (None, "-") else out, index=False)  # type: ignore[arg-type]
         return chosen
     if chosen == "table":
         shown = df
@@ -679,12 +670,12 @@ def write(
                 title = f"{title} ({key} {shown[key].iloc[0]})" if title else f"{key} {shown[key].iloc[0]}"
                 shown = shown.drop(columns=[key])
         hidden = len(df.columns) - len(shown.columns)
-        with _opened(out, stream, newline=None) as f:
+        with _opened(out, stdout, newline=None) as f:
             print_table(Console(file=f, soft_wrap=False), shown, title=title,
                         caption=f"{hidden} more columns: --format csv shows all" if hidden else None)
         return chosen
     text = for_text(df)
-    with _opened(out, stream) as buf:
+    with _opened(out, stdout) as buf:
         if chosen == "csv":
             CsvWriter(buf, raw=raw_csv).write(text)
         else:
@@ -719,9 +710,7 @@ def write_batches(
 
     Only one batch is in memory at a time, except for a terminal table (shown whole).
     """
-    stream = stdout if stdout is not None else sys.stdout
-    to_stdout = out is None or out == "-"
-    chosen = choose_format(fmt, out, to_stdout and is_terminal(stream))
+    chosen = _chosen(fmt, out, stdout)
     it = iter(batches)
     if chosen == "table":
         return write(pd.concat(list(it), ignore_index=True), chosen, out, title=title, stdout=stdout,
@@ -732,7 +721,7 @@ def write_batches(
     if chosen == "parquet":
         import pyarrow.parquet as pq
 
-        target = sys.stdout.buffer if to_stdout else out
+        target = sys.stdout.buffer if out in (None, "-") else out
         schema = pa.Schema.from_pandas(first, preserve_index=False)
         with pq.ParquetWriter(target, schema) as writer:  # type: ignore[arg-type]
             for df in itertools.chain([first], it):
@@ -774,10 +763,10 @@ def write_pieces(pieces: Iterable[str], fmt: Format, out: str | None = None, *, 
 
 def render_text(df: pd.DataFrame, fmt: Format, *, raw_csv: bool = False) -> str:
     """The table as a string in a text format (for tests and fixtures/golden)."""
-    buf = io.StringIO()
     if fmt == "csv":
-        CsvWriter(buf, raw=raw_csv).write(for_text(df))
-    elif fmt == "json":
+        return text_piece(df, 0, fmt, raw_csv=raw_csv)
+    buf = io.StringIO()
+    if fmt == "json":
         for_text(df).to_json(buf, orient="records", force_ascii=False)
     else:
         print_table(Console(file=buf, width=100, soft_wrap=False), df)
