@@ -20,14 +20,14 @@ from .glossary import REPORT_COLUMNS, TABLES, TERMS, caption, label
 from .match import Matches
 from .output import print_table, write
 
-# One-line explanations printed above each table (the glossary's, which `slotscope explain` prints);
-# `calls` is the section of an app log given alone.
+
 def captions(opts: Options | None = None) -> dict[str, str]:
-    """Each table's caption, with the thresholds of ``opts`` (default: Options' own)."""
+    """Each table's caption, with the thresholds of ``opts`` (default: Options' own): the
+    glossary's line, which `slotscope explain` prints; ``calls``, the section of an app log given alone."""
     values = dict(vars(opts)) if opts is not None else None
     return {**{n: caption(n, values) for n in TABLES}, "calls": TERMS["calls"]}
 
-# The columns a terminal report shows per table (CSV/JSON exports keep every column).
+
 # Columns whose single value is said once under the table instead of on every row.
 FOOTNOTE_COLUMNS = ["note", "basis", "solo_gen_basis", "solo_prefill_basis", "effective_chunk_tokens", "max_running",
                     "n_slots", "solo_gen_tps", "solo_gen_n", "solo_prefill_tps", "solo_prefill_n"]
@@ -222,8 +222,7 @@ def _header(ds: Dataset) -> tuple[str, list[str], bool]:
                      "nothing to report. A log that began before the first request, or a server that was never "
                      "asked, looks like this; unrecognized lines are from another program or format (the summary "
                      "shows some).")
-        return f"slotscope report: {src}", lines, False
-    return f"slotscope report: {src}", lines, True
+    return f"slotscope report: {src}", lines, not (servers and not ds.n_tasks)
 
 def _sentences(name: str, df: pd.DataFrame) -> list[str] | None:
     """A table the report gives as sentences (findings, ruled-out), as them; None for the others."""

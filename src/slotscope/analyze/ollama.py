@@ -28,6 +28,7 @@ import pandas as pd
 from ..dataset import Dataset, tasks_of
 from ..match import MATCH_COLUMNS
 from ..tasks import TASK_COLUMNS as STABLE_TASK_COLUMNS
+from ..timeline import within_ranges
 from ..ollama import CALL_COLUMNS, TIME_RESOLUTION_S, OllamaLogs
 from .questions import Options, register
 
@@ -93,7 +94,7 @@ def join(calls: pd.DataFrame, tasks: pd.DataFrame, load: pd.DataFrame) -> pd.Dat
         hi = np.searchsorted(release[order], end[cm] + END_AFTER_S * 1e6, side="right")
         n = np.maximum(hi - lo, 0)
         ci_parts.append(np.repeat(cm, n))
-        ti_parts.append(order[np.repeat(lo, n) + (np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n))])
+        ti_parts.append(order[np.repeat(lo, n) + within_ranges(n)])
     ci = np.concatenate(ci_parts) if ci_parts else np.zeros(0, np.int64)
     ti = np.concatenate(ti_parts) if ti_parts else np.zeros(0, np.int64)
     fits = busy[ti] <= lat[ci] + TIME_RESOLUTION_S * 1e6 + 0.5e6
