@@ -48,6 +48,13 @@ def failure_note(name: str, e: Exception) -> pd.DataFrame:
     return pd.DataFrame({"note": [f"could not compute {name}: {type(e).__name__}: {e}"]})
 
 
+def concat_rows(frames: list[pd.DataFrame]) -> pd.DataFrame:
+    """The frames' rows one after another (the empty ones, whose columns may have other types,
+    left out)."""
+    rows = [f for f in frames if len(f)]
+    return pd.concat(rows, ignore_index=True) if len(rows) > 1 else (rows or frames)[0].reset_index(drop=True)
+
+
 def has_server_log(ds: Dataset) -> bool:
     """Whether any llama-server log was read (with tasks or not)."""
     return any(f.is_server_log for f in ds.accounting.files)

@@ -36,7 +36,7 @@ import pandas as pd
 from .. import timeline as tl
 from ..dataset import Dataset, task_view
 from ..periods import Part
-from .questions import Options, Question, ask
+from .questions import Options, Question, ask, concat_rows
 
 CLASSES = ["long_prefill", "other_prefill", "generation_only", "alone"]
 STALL_COLUMNS = [
@@ -339,7 +339,7 @@ def _all_of(folded: list[Folded]) -> Folded:
     return Folded([np.concatenate([f.speeds[k] for f in folded]) for k in n], np.sum([f.split for f in folded], axis=0),
                   [np.unique(np.concatenate([f.tasks[k] for f in folded])) for k in n],
                   np.sum([f.tokens for f in folded], axis=0), np.sum([f.seconds for f in folded], axis=0),
-                  _joined_rows([f.worst for f in folded]))
+                  concat_rows([f.worst for f in folded]))
 
 
 def per_part(part: Part, opts: Options, typical: pd.DataFrame | None = None) -> PartAnswer:
@@ -381,13 +381,6 @@ def _joined(across: pd.DataFrame) -> pd.DataFrame:
     return seg.assign(start_s=seg["seg_start_s"], end_s=seg["seg_end_s"], tokens=seg["seg_tokens"])
 
 
-def _joined_rows(frames: list[pd.DataFrame]) -> pd.DataFrame:
-    """The frames' rows one after another (the empty ones, whose columns may have other types,
-    left out)."""
-    rows = [f for f in frames if len(f)]
-    return pd.concat(rows, ignore_index=True) if len(rows) > 1 else (rows or frames)[0].reset_index(drop=True)
-
-
 def merge(answers: list[PartAnswer], opts: Options, ds: Dataset) -> dict[str, pd.DataFrame]:
     """The ``stalls`` and ``stalls-worst`` tables of every part's answer."""
     if not answers:  # (no tasks: the tables of an empty part)
@@ -400,7 +393,7 @@ def merge(answers: list[PartAnswer], opts: Options, ds: Dataset) -> dict[str, pd
         f.worst = _with_shown(f.worst, joined)
         folded.append(f)
     every = _all_of(folded)
-    info = _joined_rows([a.info for a in answers]).drop_duplicates("row")
+    info = concat_rows([a.info for a in answers]).drop_duplicates("row")
     return {"stalls": _stalls_table(every, opts), "stalls-worst": _worst_table(every.worst, info, opts)}
 
 

@@ -27,7 +27,7 @@ import pandas as pd
 from .. import timeline as tl
 from ..dataset import Dataset, task_view
 from ..periods import Part
-from .questions import Options, Question, answer, ask
+from .questions import Options, Question, answer, ask, concat_rows
 
 CAUSES = ["different_lora", "same_lora", "nothing", "deferred"]
 WAIT_COLUMNS = ["cause", "count", "total_s", "max_s", "median_s", "share", "few_samples", "basis"]
@@ -240,19 +240,13 @@ def per_part(part: Part, opts: Options) -> PartWaits:
                      pd.unique(tv["lora"].astype("object").to_numpy()))
 
 
-def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
-    """The frames with rows, joined (an empty one would change the columns' types)."""
-    full = [f for f in frames if len(f)]
-    return pd.concat(full, ignore_index=True) if len(full) > 1 else full[0] if full else frames[0]
-
-
 def merge(answers: list[PartWaits], opts: Options, ds: Dataset) -> dict[str, pd.DataFrame]:
     """The waits table (waits by cause, and the deferred launches) and waits-worst."""
     if not answers:  # (no task)
         none = pd.DataFrame({"cause": pd.Series(dtype=object), "wait_s": pd.Series(dtype=float)})
         return {"waits": _table(none, np.zeros(0), opts), "waits-worst": pd.DataFrame(columns=WORST_COLUMNS)}
     # Each counted wait, its seconds covered summed over the parts it is in, in the view's order.
-    got = _concat([a.waits for a in answers])
+    got = concat_rows([a.waits for a in answers])
     w = got[got["counted"]].sort_values("row", kind="stable").reset_index(drop=True)
     if len(w) < len(got):
         w[COVERED] = got.groupby("row", sort=True)[COVERED].sum().loc[w["row"]].to_numpy()
@@ -272,9 +266,9 @@ def merge(answers: list[PartWaits], opts: Options, ds: Dataset) -> dict[str, pd.
 
 def _worst_table(answers: list[PartWaits], w: pd.DataFrame, lora_type: object, k: int) -> pd.DataFrame:
     """The ``k`` longest counted waits, each with its best holder over the parts it is in."""
-    listed = _concat([a.listed for a in answers])
+    listed = concat_rows([a.listed for a in answers])
     listed = listed[listed["_counted"]].sort_values(["_wait", "_at"], ascending=[False, True], kind="stable").head(k)
-    holders = _concat([a.holders for a in answers])
+    holders = concat_rows([a.holders for a in answers])
     best = _best(holders[holders["_at"].isin(listed["_at"])], "_at", "_h")
     x = listed.merge(w[["row", "cause"]].rename(columns={"row": "_at"}), on="_at", how="left").merge(best, on="_at", how="left")
     return pd.DataFrame({
