@@ -43,7 +43,7 @@ def _fields(obj: dict[str, Any]) -> dict[str, Any]:
     row: dict[str, Any] = {"kind": 0, "slot": slot, "task": task, "port": -1, "ts_us": -1, "cont": False}
     stamp = _number(obj.get("timestamp"))
     if stamp is not None and abs(stamp) < 1e12:  # unix seconds; anything else is damage
-        row["wall_stamp"] = stamp
+        row["wall_stamp_us"] = int(stamp * 1e6)
     if msg == "slot is processing task":
         row["kind"] = LAUNCH
     elif msg.startswith("prompt eval time"):
@@ -75,8 +75,4 @@ def parse_line(s: str) -> dict[str, Any] | None:
             return None
         obj = {k: _value(v) for k, v in _KV.findall(m.group("kv") or "")}
         obj["msg"] = m.group("msg")
-    row = _fields(obj)
-    wall = row.pop("wall_stamp", None)
-    if wall is not None:
-        row["wall_stamp_us"] = int(wall * 1e6)
-    return row
+    return _fields(obj)
