@@ -19,7 +19,7 @@ import pandas as pd
 
 from ..dataset import Dataset
 from ..periods import Part
-from ..timeline import GROUP, floats, key_codes, step_levels
+from ..timeline import GROUP, floats, key_codes, step_levels, within_ranges
 from .questions import Options, Question, ask
 
 LOAD_COLUMNS = ["scope", "running", "seconds", "share", "scope_seconds", "max_running", "n_slots"]
@@ -36,13 +36,6 @@ class Steps:
     start: np.ndarray
     end: np.ndarray
     running: np.ndarray
-
-
-def running_steps(tv: pd.DataFrame, sessions: pd.DataFrame | None) -> tuple[Steps, np.ndarray]:
-    """The steps of ``tv``'s sessions (:func:`slotscope.timeline.step_levels`), and each
-    task's session code (the steps' ``session``)."""
-    code, _, session, start, end, levels = step_levels(tv, sessions)
-    return Steps(session, start, end, levels[0]), code
 
 
 def _clipped(steps: Steps, span: tuple[float, float] | None) -> Steps:
@@ -96,7 +89,7 @@ def _seconds(steps: Steps, offset_us: np.ndarray, tz: str) -> pd.DataFrame:
         d0 = np.searchsorted(starts, a, side="right") - 1
         n = np.maximum(np.searchsorted(starts, np.nextafter(z, -np.inf), side="right") - d0, 1)
         rep = np.repeat(np.arange(len(a)), n)
-        day = d0[rep] + np.arange(len(rep)) - np.repeat(np.cumsum(n) - n, n)
+        day = d0[rep] + within_ranges(n)
         secs = np.minimum(z[rep], starts[day + 1]) / 1e6 - np.maximum(a[rep], starts[day]) / 1e6
         out.append(_summed(day, steps.running[dated][rep], secs, names))
     return pd.concat(out, ignore_index=True)
@@ -125,8 +118,8 @@ def load_of_part(part: Part, opts: Options) -> PartLoad:
     """Seconds per running count within one part (only inside its span where it is a piece
     of a cut period), overall and per day."""
     tv = part.tasks
-    all_steps, code = running_steps(tv, part.sessions)
-    steps = _clipped(all_steps, part.span)
+    code, _, session, start, end, levels = step_levels(tv, part.sessions)  # (code: each task's session)
+    steps = _clipped(Steps(session, start, end, levels[0]), part.span)
     n_codes = int(code.max(initial=-1)) + 1
     offset = _offsets_us(tv, code, n_codes)
     # (steps are in session order, each session's in time order)
