@@ -385,7 +385,7 @@ def _calls(f: dict[str, pd.Series], gin: np.ndarray, end_us: np.ndarray, first: 
     end = pd.Series(end_us[rows])
     ids = [f"gin-{state.calls + i + 1}" for i in range(len(rows))]
     state.calls += len(rows)
-    out = pd.DataFrame({
+    return pd.DataFrame({
         "source": state.source, "call_id": ids,
         "start_at": _at(end - (latency * 1000).round().astype("Int64")),
         "end_at": _at(end), "latency_ms": latency,
@@ -394,7 +394,6 @@ def _calls(f: dict[str, pd.Series], gin: np.ndarray, end_us: np.ndarray, first: 
         "client": f["client"].iloc[rows].reset_index(drop=True),
         "line": (first + rows).astype(np.int64), "file": file,
     })
-    return out
 
 
 def _at(us: pd.Series) -> pd.Series:
