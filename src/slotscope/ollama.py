@@ -28,7 +28,7 @@ import datetime as dt
 import os
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TextIO
+from typing import TextIO
 
 import numpy as np
 import pandas as pd
@@ -40,9 +40,6 @@ from .accounting import Accounting, FileAccount
 from .errors import InputError
 from .sources import STDIN, Inputs, LogFile, iter_chunks, reopen
 from .tasks import TaskAssembler, prefill_start_us, timing_anchor_us
-
-if TYPE_CHECKING:
-    import tempfile
 
 TIME_RESOLUTION_S = 1.0  # what the runner lines' borrowed times, and [GIN]'s stamps, are good to
 
