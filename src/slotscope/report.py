@@ -47,10 +47,10 @@ SERVER_LOG_ADDS = (
 def setup_line(sessions: pd.DataFrame) -> str:
     """What the sessions' start-up lines say: the model file(s), the build, slots x context."""
     parts = []
-    for col, label in (("model", "model"), ("build", "build")):
+    for col in ("model", "build"):
         v = sorted(set(sessions[col].dropna().astype(str))) if col in sessions.columns and len(sessions) else []
         if v:
-            parts.append(f"{label} {', '.join(v)}")
+            parts.append(f"{col} {', '.join(v)}")
     if "n_slots" in sessions.columns and len(sessions):
         pairs = sorted({(int(a), int(b)) for a, b in zip(sessions["n_slots"], sessions["n_ctx_slot"]) if pd.notna(a) and pd.notna(b)})
         if pairs:
