@@ -55,8 +55,6 @@ TABLES: dict[str, str] = {
     "ollama-findings": "What Ollama's lines show.",
 }
 
-# One line per term: the report's columns (by their stable names), the values its tables
-# classify by, the words of its footnotes and of its header.
 # The report's thresholds a caption names, as analyze.Options has them by default (explain
 # prints these; the report, the values it was made with).
 THRESHOLDS: dict[str, float] = {"wait_threshold_s": 1.0, "big_prefill_tokens": 5_000}
@@ -67,6 +65,8 @@ def caption(name: str, values: dict[str, object] | None = None) -> str:
     return TABLES[name].format(**{**THRESHOLDS, **{k: v for k, v in (values or {}).items() if k in THRESHOLDS}})
 
 
+# One line per term: the report's columns (by their stable names), the values its tables
+# classify by, the words of its footnotes and of its header.
 TERMS: dict[str, str] = {
     # columns
     "by": "What a row groups by: purpose, chat turns (a subset of them), cause, or all; left out rows count the calls not measured.",
