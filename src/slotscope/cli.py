@@ -404,10 +404,11 @@ def match_cmd(
 
         calls, alone = matched_calls(ds), unmatched_tasks(ds)
         if unlogged:
-            output.write(where_rows(alone, where), fmt, out, title="runner tasks no call explains", table_columns=TASK_TABLE)
+            output.write(where_rows(alone, where), fmt, out, title="runner tasks no call explains", table_columns=TASK_TABLE,
+                         raw_csv=raw_csv)
         else:
             output.write(where_rows(calls, where), fmt, out, title="[GIN] calls matched to runner tasks",
-                         table_columns=GIN_MATCH_TABLE)
+                         table_columns=GIN_MATCH_TABLE, raw_csv=raw_csv)
         _say(gin_match_lines(calls, len(alone)), quiet)
         _finish(ds.accounting, strict, quiet)
         return
