@@ -215,14 +215,15 @@ def _header(ds: Dataset) -> tuple[str, list[str], bool]:
         lines.append(APP_LOG_ADDS)
     if not servers and ds.matches is not None:
         lines.append(SERVER_LOG_ADDS)
-    if servers and not ds.n_tasks:
+    empty = bool(servers) and not ds.n_tasks
+    if empty:
         n = {k: sum(getattr(f, k) for f in servers) for k in ("lines", "used", "ignored", "unrecognized")}
         lines.append(f"No task in the server log ({n['lines']:,} lines: {n['used']:,} used, {n['ignored']:,} known and "
                      f"ignored, {n['unrecognized']:,} unrecognized): it has no `slot launch_slot_` line, so there is "
                      "nothing to report. A log that began before the first request, or a server that was never "
                      "asked, looks like this; unrecognized lines are from another program or format (the summary "
                      "shows some).")
-    return f"slotscope report: {src}", lines, not (servers and not ds.n_tasks)
+    return f"slotscope report: {src}", lines, not empty
 
 def _sentences(name: str, df: pd.DataFrame) -> list[str] | None:
     """A table the report gives as sentences (findings, ruled-out), as them; None for the others."""
