@@ -43,8 +43,13 @@ def test_a_worker_that_dies_is_one_message() -> None:
         list(beside(_dies, None, [0, 1, 2], 2))
 
 
-def test_no_items_start_no_worker() -> None:
+def test_no_items_start_no_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    import multiprocessing.context
+
+    started = []
+    monkeypatch.setattr(multiprocessing.context.ForkProcess, "start", lambda self: started.append(self))
     assert list(beside(_scaled, {"factor": 1}, [], 2)) == []
+    assert not started
 
 
 def test_the_worker_ends_when_the_items_do() -> None:
